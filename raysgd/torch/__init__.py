@@ -1,0 +1,18 @@
+"""The PyTorch side of raysgd (``ray.util.sgd.torch`` in RaySGD 1.x).
+
+Example:
+    >>> from raysgd.torch import TorchTrainer, TrainingOperator, BaseTorchTrainable
+"""
+from raysgd.torch.creator_operator import CreatorOperator
+from raysgd.torch.torch_trainer import TorchTrainer
+from raysgd.torch.training_operator import TrainingOperator
+
+__all__ = ["TorchTrainer", "TrainingOperator", "CreatorOperator", "BaseTorchTrainable"]
+
+
+def __getattr__(name):
+    if name == "BaseTorchTrainable":  # imports Ray Tune, which stays optional until used
+        from raysgd.torch.tune import BaseTorchTrainable  # noqa: PLC0415
+
+        return BaseTorchTrainable
+    raise AttributeError(f"module 'raysgd.torch' has no attribute {name!r}")

@@ -1,0 +1,114 @@
+"""Checking ``TorchTrainer``'s arguments before any actor starts, and splitting the global batch size.
+
+Layer 5 helper of :mod:`raysgd.torch.torch_trainer`: standard library, torch and layers 0-2.
+Every error names the argument, the expected form and the value given.
+
+Example:
+    >>> split_batch_size({"*batch_size": 21}, 2)
+    ({'*batch_size': 10}, 20)
+"""
+import logging
+
+import torch
+
+from raysgd.torch.constants import VALID_SCHEDULER_STEP
+from raysgd.torch.precision import validate_fp16
+from raysgd.torch.training_operator import TrainingOperator
+from raysgd.utils import BATCH_SIZE
+
+logger = logging.getLogger(__name__)
+
+_CREATOR_HELP = ("Creator functions are deprecated: subclass TrainingOperator, create and register the training "
+                 "state in its setup(), and pass it as training_operator_cls. To keep your creators, use "
+                 "MyOperator = TrainingOperator.from_creators(model_creator, optimizer_creator, data_creator, ...) "
+                 "and TorchTrainer(training_operator_cls=MyOperator).")
+DEPRECATED = {
+    "num_replicas": "num_replicas is deprecated: use num_workers instead.",
+    "batch_size": ("batch_size is deprecated: use config={'batch_size': N} for a batch size per worker, or "
+                   "config={raysgd.utils.BATCH_SIZE: N} for a global batch size divided among the workers."),
+    "apex_args": ("apex_args is deprecated here: pass apex_args to self.register(...) in your TrainingOperator's "
+                  "setup() instead."),
+    "data_loader_args": ("data_loader_args is deprecated: return a torch.utils.data.DataLoader from your data "
+                         "creator or register it in setup(); a DistributedSampler is added for num_workers > 1."),
+    "model_creator": _CREATOR_HELP, "data_creator": _CREATOR_HELP, "optimizer_creator": _CREATOR_HELP,
+    "scheduler_creator": _CREATOR_HELP, "loss_creator": _CREATOR_HELP,
+}
+_warned_serialize = False
+
+
+def check_deprecated(kwargs):
+    """Raise the 1.x ``DeprecationWarning`` for a removed keyword; unknown keywords are a ``TypeError``."""
+    global _warned_serialize
+    for name, value in kwargs.items():
+        if name == "serialize_data_creation":
+            if value is True and not _warned_serialize:
+                logger.warning("serialize_data_creation is deprecated and ignored: serialise data loading in "
+                               "TrainingOperator.setup (filelock.FileLock helps), as from_creators does.")
+                _warned_serialize = True
+        elif name in DEPRECATED:
+            if value is not None and value is not False:
+                raise DeprecationWarning(DEPRECATED[name])
+        else:
+            raise TypeError(f"TorchTrainer got an unexpected keyword argument {name!r}")
+
+
+def _expect(condition, name, expected, value, error=ValueError):
+    if not condition:
+        raise error(f"TorchTrainer({name}=...) expects {expected}; got {value!r}")
+
+
+def check_arguments(*, training_operator_cls, initialization_hook, config, num_workers, num_cpus_per_worker,
+                    use_gpu, backend, wrap_ddp, timeout_s, use_fp16, use_tqdm, add_dist_sampler,
+                    scheduler_step_freq, use_local):
+    """Validate every constructor argument; returns ``(use_gpu, backend)`` with ``"auto"`` resolved."""
+    _expect(isinstance(training_operator_cls, type) and issubclass(training_operator_cls, TrainingOperator),
+            "training_operator_cls", "a subclass of raysgd.TrainingOperator", training_operator_cls, TypeError)
+    _expect(initialization_hook is None or callable(initialization_hook), "initialization_hook",
+            "a callable taking no arguments, or None", initialization_hook, TypeError)
+    _expect(config is None or isinstance(config, dict), "config", "a dict or None", config, TypeError)
+    _expect(isinstance(num_workers, int) and not isinstance(num_workers, bool), "num_workers", "an int >= 1",
+            num_workers, TypeError)
+    _expect(num_workers >= 1, "num_workers", "an int >= 1", num_workers)
+    _expect(isinstance(num_cpus_per_worker, (int, float)) and not isinstance(num_cpus_per_worker, bool)
+            and num_cpus_per_worker > 0, "num_cpus_per_worker", "a number > 0", num_cpus_per_worker)
+    _expect(use_gpu == "auto" or isinstance(use_gpu, bool), "use_gpu", "True, False or 'auto'", use_gpu)
+    use_gpu = torch.cuda.is_available() if use_gpu == "auto" else use_gpu
+    _expect(backend in ("auto", "gloo", "nccl"), "backend", "'auto', 'gloo' or 'nccl'", backend)
+    if backend == "auto":
+        backend = "nccl" if use_gpu else "gloo"
+    _expect(not (backend == "nccl" and not use_gpu), "backend", "'gloo' when use_gpu is False (nccl needs GPUs)",
+            backend)
+    _expect(isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0,
+            "timeout_s", "a number of seconds > 0", timeout_s)
+    try:
+        validate_fp16(use_fp16)
+    except ValueError as err:
+        raise ValueError(f"TorchTrainer(use_fp16=...) expects False, True, 'apex' or 'bf16'; got {use_fp16!r}") from err
+    for name, value in (("wrap_ddp", wrap_ddp), ("use_tqdm", use_tqdm), ("add_dist_sampler", add_dist_sampler),
+                        ("use_local", use_local)):
+        _expect(isinstance(value, bool), name, "True or False", value, TypeError)
+    _expect(not scheduler_step_freq or scheduler_step_freq in VALID_SCHEDULER_STEP, "scheduler_step_freq",
+            f"one of {sorted(VALID_SCHEDULER_STEP)} or None", scheduler_step_freq)
+    if num_workers > 1 and not torch.distributed.is_available():
+        raise ValueError("num_workers > 1 needs torch.distributed, which this torch build lacks")
+    return use_gpu, backend
+
+
+def split_batch_size(config, num_workers):
+    """``(worker_config, effective_global)``: a copy of ``config`` with ``BATCH_SIZE`` divided among workers.
+
+    An uneven total is rounded down to a multiple of ``num_workers`` (logged); each worker gets at least 1.
+    Without ``BATCH_SIZE`` the config is copied unchanged and the effective global size is None.
+    """
+    worker_config = dict(config)
+    if BATCH_SIZE not in config:
+        return worker_config, None
+    total = config[BATCH_SIZE]
+    _expect(isinstance(total, int) and not isinstance(total, bool) and total > 0, "config[BATCH_SIZE]",
+            "an int > 0 (the global batch size)", total)
+    per_worker = max(1, total // num_workers)
+    if per_worker * num_workers != total:
+        logger.warning("BATCH_SIZE %d does not divide among %d workers: each gets %d (a global batch of %d).",
+                       total, num_workers, per_worker, per_worker * num_workers)
+    worker_config[BATCH_SIZE] = per_worker
+    return worker_config, per_worker * num_workers

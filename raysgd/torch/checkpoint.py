@@ -1,0 +1,79 @@
+"""Checkpoint files: atomic writes (temporary file and rename) and safe, clear loads.
+
+Layer 1 helper (torch and the standard library). A checkpoint is the trainer state dict
+``{epoch, global_step, operator, models, optimizers[, schedulers][, amp_*]}``.
+
+Example:
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> save_state({"epoch": 1, "models": [], "optimizers": [], "operator": None}, path) == path
+    True
+    >>> load_state(path)["epoch"]
+    1
+"""
+import io
+import os
+import pickle
+import tempfile
+
+import torch
+
+from raysgd.torch.errors import CheckpointError
+
+_REQUIRED = ("epoch", "models", "optimizers")
+
+
+def state_to_bytes(state):
+    """``torch.save`` bytes of ``state``."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def state_from_bytes(stream, map_location="cpu"):
+    """The state dict in :func:`state_to_bytes` bytes (trusted: they come from this job's own workers)."""
+    return torch.load(io.BytesIO(stream), map_location=map_location, weights_only=False)
+
+
+def save_state(state, path):
+    """Write ``state`` to ``path`` atomically: a crash mid-write leaves any older file at ``path`` intact."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def load_state(path, weights_only=True):
+    """Read a checkpoint written by :func:`save_state`.
+
+    With ``weights_only=True`` (the default) the file can hold only tensors, numbers, strings and
+    containers, so loading it cannot run code. Pass ``weights_only=False`` only for files you trust
+    whose operator state needs arbitrary pickled objects.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path!r} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        if weights_only and "weights_only" in str(err):
+            raise CheckpointError(
+                f"checkpoint {path!r} holds objects that a safe load (weights_only=True) refuses; if you trust "
+                f"the file, load it with weights_only=False. Detail: {str(err).splitlines()[0]}") from err
+        raise CheckpointError(f"checkpoint {path!r} is corrupted or truncated: {err}") from err
+    except (RuntimeError, EOFError, OSError, ValueError, AttributeError, ImportError) as err:
+        raise CheckpointError(f"checkpoint {path!r} is corrupted or truncated: {type(err).__name__}: {err}") from err
+    if not isinstance(state, dict) or any(key not in state for key in _REQUIRED):
+        raise CheckpointError(f"{path!r} is not a raysgd checkpoint: expected a dict with keys {_REQUIRED}")
+    return state

@@ -1,0 +1,46 @@
+"""Internal keys and environment-tunable defaults (timeouts, cooldown).
+
+Layer 0: standard library only. Every ``*_S`` value can be overridden by the environment
+variable of the same name, read when this module is first imported.
+
+Example:
+    >>> from raysgd.torch.constants import VALID_SCHEDULER_STEP
+    >>> sorted(VALID_SCHEDULER_STEP)
+    ['batch', 'epoch', 'manual']
+"""
+import os
+
+#: Key in ``info``: whether fp16 is on.
+USE_FP16 = "__use_fp16__"
+#: Key in ``info``: the ``num_steps`` the caller asked for.
+NUM_STEPS = "__num_steps__"
+#: Kept for 1.x imports; never put into ``info``.
+SCHEDULER_STEP = "scheduler_step"
+SCHEDULER_STEP_BATCH = "batch"
+SCHEDULER_STEP_EPOCH = "epoch"
+SCHEDULER_STEP_MANUAL = "manual"
+VALID_SCHEDULER_STEP = {SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH, SCHEDULER_STEP_MANUAL}
+
+
+def _env_float(name, default):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return float(default)
+    try:
+        return float(value)
+    except ValueError as err:
+        raise ValueError(f"environment variable {name} must be a number of seconds, got {value!r}") from err
+
+
+#: Default process-group timeout for nccl (1.x name).
+NCCL_TIMEOUT_S = _env_float("NCCL_TIMEOUT_S", 1800)
+#: How long to wait for a placement group to be placed.
+SGD_PLACEMENT_GROUP_TIMEOUT_S = _env_float("SGD_PLACEMENT_GROUP_TIMEOUT_S", 100)
+#: Seconds after a resize before the pool may grow back to ``num_workers``.
+RESIZE_COOLDOWN_S = _env_float("SGD_RESIZE_COOLDOWN_S", 10)
+#: Deadline for a graceful shutdown before actors are killed.
+SGD_SHUTDOWN_TIMEOUT_S = _env_float("SGD_SHUTDOWN_TIMEOUT_S", 10)
+#: How many times a resize tries to start workers before it gives up.
+SGD_MAX_RESTART_TRIES = int(_env_float("SGD_MAX_RESTART_TRIES", 10))
+#: Cap of the exponential backoff between restart tries.
+SGD_BACKOFF_CAP_S = _env_float("SGD_BACKOFF_CAP_S", 60)

@@ -1,0 +1,140 @@
+"""Operators built from 1.x creator functions (``TrainingOperator.from_creators``) and the 1.x test helpers.
+
+Layer 2, beside :mod:`raysgd.torch.training_operator`.
+
+Example:
+    >>> from raysgd.torch import TrainingOperator
+    >>> from raysgd.torch.examples import train_example as ex
+    >>> Op = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator, ex.data_creator,
+    ...                                     loss_creator=torch.nn.MSELoss)
+"""
+import os
+import tempfile
+
+import torch
+from filelock import FileLock
+
+from raysgd.torch.training_operator import TrainingOperator
+from raysgd.utils import NUM_SAMPLES
+
+#: Lock serialising data creation among the workers of one node (``serialize_data_creation=True``).
+DATA_LOCK_PATH = os.path.join(tempfile.gettempdir(), ".raydata.lock")
+
+
+class CreatorOperator(TrainingOperator):
+    """A :class:`TrainingOperator` whose ``setup`` calls the creator functions held as class attributes.
+
+    After setup, ``models``/``optimizers``/``schedulers`` hold what ``register`` returned and
+    ``model``/``optimizer``/``scheduler``/``criterion`` the first (or only) one; an attribute whose
+    creator was not given is absent.
+    """
+
+    _model_creator = _optimizer_creator = _data_creator = _loss_creator = _scheduler_creator = None
+    _serialize_data_creation = True
+
+    def _create_loaders(self, config):
+        if self._data_creator is None:
+            return None, None
+        if self._serialize_data_creation:
+            with FileLock(DATA_LOCK_PATH):
+                loaders = self._data_creator(config)
+        else:
+            loaders = self._data_creator(config)
+        if not loaders:
+            raise ValueError(f"data_creator must return a loader or (train_loader[, val_loader]); got {loaders!r}")
+        if isinstance(loaders, (list, tuple)):
+            if len(loaders) > 2:
+                raise ValueError(f"data_creator returned {len(loaders)} loaders; expected 1 or 2 "
+                                 "(train_loader[, validation_loader])")
+            return loaders[0], (loaders[1] if len(loaders) == 2 else None)
+        return loaders, None
+
+    def setup(self, config):
+        train_loader, val_loader = self._create_loaders(config)
+        models = self._model_creator(config)
+        optimizers = self._optimizer_creator(models, config)
+        kwargs = {"models": models, "optimizers": optimizers}
+        if self._loss_creator is not None:
+            loss = self._loss_creator
+            is_loss_class = isinstance(loss, type) and issubclass(loss, torch.nn.modules.loss._Loss)
+            kwargs["criterion"] = loss() if is_loss_class else loss(config)
+        if self._scheduler_creator is not None:
+            kwargs["schedulers"] = self._scheduler_creator(optimizers, config)
+        registered = list(self.register(**kwargs))
+        self.models, self.optimizers = registered[0], registered[1]
+        rest = registered[2:]
+        if "criterion" in kwargs:
+            self.criterion = rest.pop(0)
+        if "schedulers" in kwargs:
+            self.schedulers = rest.pop(0)
+            self.scheduler = _first(self.schedulers)
+        self.model = _first(self.models)
+        self.optimizer = _first(self.optimizers)
+        self.register_data(train_loader=train_loader, validation_loader=val_loader)
+
+
+def _first(value):
+    return value[0] if isinstance(value, (list, tuple)) else value
+
+
+def make_creator_operator(base, model_creator, optimizer_creator, data_creator=None, loss_creator=None,
+                          scheduler_creator=None, serialize_data_creation=True):
+    """The class behind ``TrainingOperator.from_creators``; checks the creators first."""
+    for name, creator in (("model_creator", model_creator), ("optimizer_creator", optimizer_creator)):
+        if not callable(creator):
+            raise ValueError(f"from_creators needs a callable {name}; got {creator!r}")
+    for name, creator in (("data_creator", data_creator), ("loss_creator", loss_creator),
+                          ("scheduler_creator", scheduler_creator)):
+        if creator is not None and not callable(creator):
+            raise ValueError(f"from_creators: {name} must be callable or None; got {creator!r}")
+    parent = base if issubclass(base, CreatorOperator) else type("CreatorOperator", (CreatorOperator, base), {})
+    return type("CustomCreatorOperator", (parent,), {
+        "_model_creator": staticmethod(model_creator),
+        "_optimizer_creator": staticmethod(optimizer_creator),
+        "_data_creator": staticmethod(data_creator) if data_creator else None,
+        "_loss_creator": loss_creator if isinstance(loss_creator, type) else (
+            staticmethod(loss_creator) if loss_creator else None),
+        "_scheduler_creator": staticmethod(scheduler_creator) if scheduler_creator else None,
+        "_serialize_data_creation": serialize_data_creation,
+    })
+
+
+def get_test_operator(operator_cls):
+    """An operator whose ``train_epoch``/``validate`` call ``config["custom_func"](op, iterator, info)``.
+
+    Without ``custom_func`` they return ``{"done": 1}``.
+    """
+
+    class _TestingOperator(operator_cls):
+        def train_epoch(self, iterator, info=None, num_steps=None, epoch_idx=0):
+            func = self.config.get("custom_func")
+            return func(self, iterator, info) if callable(func) else {"done": 1}
+
+        def validate(self, val_iterator, info=None):
+            return self.train_epoch(val_iterator, info)
+
+    return _TestingOperator
+
+
+def get_test_metrics_operator(operator_cls):
+    """An operator whose batches report the next of ``config["scores"]`` (train) or ``config["val_scores"]``.
+
+    The score is reported under ``config["key"]``, weighted by the batch's ``num_samples``.
+    """
+
+    class _TestMetricsOperator(operator_cls):
+        def setup(self, config):
+            super().setup(config)
+            self._train_scores = list(config["scores"])
+            self._val_scores = list(config["val_scores"])
+            self.key = config["key"]
+
+        def train_batch(self, batch, batch_info):
+            metrics = super().train_batch(batch, batch_info)
+            return {self.key: self._train_scores.pop(0), NUM_SAMPLES: metrics[NUM_SAMPLES]}
+
+        def validate_batch(self, batch, batch_info):
+            metrics = super().validate_batch(batch, batch_info)
+            return {self.key: self._val_scores.pop(0), NUM_SAMPLES: metrics[NUM_SAMPLES]}
+
+    return _TestMetricsOperator

@@ -1,0 +1,75 @@
+"""Exceptions that cross process boundaries: a lost worker and a failed collective.
+
+Layer 0: standard library only. Both pickle (Ray ships them from workers to the driver).
+
+Example:
+    >>> err = WorkerFailure("rank 1 died", causes={1: "actor died"}, unresponsive=[])
+    >>> err.ranks
+    [1]
+"""
+
+
+class CollectiveError(RuntimeError):
+    """A collective (allreduce, barrier, rendezvous) failed or timed out on ``rank``.
+
+    Raised inside a worker when torch.distributed reports a timeout or a lost peer; the
+    driver treats it like a worker death (retried), unlike an error raised by user code.
+    """
+
+    def __init__(self, rank, message):
+        super().__init__(rank, message)
+        self.rank = rank
+        self.message = message
+
+    def __str__(self):
+        return f"collective failed on rank {self.rank}: {self.message}"
+
+
+class WorkerFailure(RuntimeError):
+    """One or more workers died, stopped answering, or lost their process group.
+
+    Attributes:
+        causes: ``{rank: description}`` for each rank that failed.
+        unresponsive: ranks that never answered before the attempt was ended.
+    """
+
+    def __init__(self, message, causes=None, unresponsive=None):
+        super().__init__(message, causes, unresponsive)
+        self.message = message
+        self.causes = dict(causes or {})
+        self.unresponsive = list(unresponsive or [])
+
+    @property
+    def ranks(self):
+        """Every rank involved: the failed ones, then the unresponsive ones."""
+        return sorted(self.causes) + [r for r in self.unresponsive if r not in self.causes]
+
+    def __str__(self):
+        parts = [self.message]
+        parts += [f"rank {rank}: {cause}" for rank, cause in sorted(self.causes.items())]
+        if self.unresponsive:
+            parts.append("did not answer: rank " + ", rank ".join(map(str, self.unresponsive)))
+        return "; ".join(parts)
+
+
+_COLLECTIVE_MARKERS = ("Timed out", "Connection closed by peer", "Connection reset by peer", "NCCL", "Broken pipe")
+
+
+def is_collective_failure(err):
+    """True if ``err`` looks like a torch.distributed timeout or lost peer rather than a user bug."""
+    try:
+        import torch.distributed as dist  # noqa: PLC0415 (keeps this module torch-free)
+
+        dist_error = getattr(dist, "DistError", None)
+        if dist_error is not None and isinstance(err, dist_error):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    text = str(err)
+    return isinstance(err, RuntimeError) and (
+        ("gloo" in text.lower() and any(m in text for m in _COLLECTIVE_MARKERS)) or "NCCL" in text
+    )
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, truncated, corrupted, or holds objects that a safe load refuses."""

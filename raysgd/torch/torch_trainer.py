@@ -1,0 +1,321 @@
+"""TorchTrainer: the driver-side API. Runs train/validate through the recovery loop and reduces metrics.
+
+Layer 5: imports layers 0-4. Argument checks live in :mod:`raysgd.torch.arguments`, the worker pool
+in :mod:`raysgd.torch.worker_group`, the retry policy in :mod:`raysgd.torch.recovery`.
+
+Example:
+    >>> import ray
+    >>> from raysgd import TorchTrainer
+    >>> from raysgd.torch.examples.train_example import get_linear_operator  # doctest: +SKIP
+    >>> trainer = TorchTrainer(training_operator_cls=get_linear_operator(), num_workers=2)  # doctest: +SKIP
+    >>> for epoch in range(3):  # doctest: +SKIP
+    ...     print(trainer.train()["train_loss"], trainer.validate()["val_loss"])
+    >>> model = trainer.get_model()  # doctest: +SKIP
+    >>> trainer.shutdown()  # doctest: +SKIP
+"""
+import logging
+import os
+import time
+import types
+
+import ray
+
+from raysgd.torch import arguments, checkpoint, constants, recovery
+from raysgd.torch.errors import WorkerFailure
+from raysgd.torch.reduction import reduce_worker_stats
+from raysgd.torch.worker_group import WorkerGroup
+from raysgd.utils import BATCH_SIZE
+
+logger = logging.getLogger(__name__)
+
+
+class _ShutDownGroup:
+    """Stands in for the worker group after ``shutdown()``: any use says the trainer is gone."""
+
+    def __getattr__(self, name):
+        raise RuntimeError("This TorchTrainer was shut down and its workers are gone: create a new TorchTrainer.")
+
+
+class TorchTrainer:
+    """Trains a :class:`~raysgd.TrainingOperator` on ``num_workers`` data-parallel Ray actors.
+
+    Every argument is keyword-only and checked before any actor starts. See the README for each one;
+    the defaults follow RaySGD 1.12.
+
+    Example:
+        >>> trainer = TorchTrainer(training_operator_cls=MyOperator, num_workers=2,  # doctest: +SKIP
+        ...                        config={"lr": 1e-2, BATCH_SIZE: 64})
+        >>> stats = trainer.train()  # doctest: +SKIP
+    """
+
+    def __init__(self, *, training_operator_cls=None, initialization_hook=None, config=None, num_workers=1,
+                 num_cpus_per_worker=1, use_gpu="auto", backend="auto", wrap_ddp=True, timeout_s=1800,
+                 use_fp16=False, use_tqdm=False, add_dist_sampler=True, scheduler_step_freq=None,
+                 use_local=False, **deprecated):
+        arguments.check_deprecated(deprecated)
+        use_gpu, backend = arguments.check_arguments(
+            training_operator_cls=training_operator_cls, initialization_hook=initialization_hook, config=config,
+            num_workers=num_workers, num_cpus_per_worker=num_cpus_per_worker, use_gpu=use_gpu, backend=backend,
+            wrap_ddp=wrap_ddp, timeout_s=timeout_s, use_fp16=use_fp16, use_tqdm=use_tqdm,
+            add_dist_sampler=add_dist_sampler, scheduler_step_freq=scheduler_step_freq, use_local=use_local)
+        self.training_operator_cls = training_operator_cls
+        self.initialization_hook = initialization_hook
+        self._requested_config = dict(config or {})
+        arguments.split_batch_size(self._requested_config, num_workers)  # checks BATCH_SIZE's value
+        self._config = dict(self._requested_config)
+        self.max_replicas = num_workers
+        self.num_cpus_per_worker = num_cpus_per_worker
+        self.use_gpu = use_gpu
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.use_fp16 = use_fp16
+        self.use_tqdm = use_tqdm
+        self.use_local = use_local
+        self.scheduler_step_freq = scheduler_step_freq
+        self._worker_options = dict(use_gpu=use_gpu, use_fp16=use_fp16, use_tqdm=use_tqdm, wrap_ddp=wrap_ddp,
+                                    add_dist_sampler=add_dist_sampler, scheduler_step_freq=scheduler_step_freq,
+                                    backend=backend)
+        self._num_failures = 0
+        self._last_resize = float("-inf")
+        self._snapshot = None  # rank 0's state bytes, valid while nothing changed the state since
+        self._resize_cooldown_s = constants._env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S)
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS", "local")
+            logger.info("Ray is not initialized: starting it (address=%r)", address)
+            ray.init(address=address)
+        if use_gpu and ray.cluster_resources().get("GPU", 0) < 1:
+            raise ValueError(f"TorchTrainer(use_gpu=True) needs GPUs, but the Ray cluster has none: "
+                             f"{ray.cluster_resources()}")
+        self.worker_group = WorkerGroup(self._worker_options, num_cpus_per_worker=num_cpus_per_worker,
+                                        use_gpu=use_gpu, use_local=use_local, initialization_hook=initialization_hook,
+                                        timeout_s=timeout_s)
+        try:
+            self._start_workers(num_workers)
+        except WorkerFailure as err:
+            self.worker_group.shutdown(force=True)
+            raise RuntimeError("Worker startup failed: a worker died while starting (see the cause).") from err
+        except BaseException:
+            self.worker_group.shutdown(force=True)
+            raise
+
+    # ----------------------------------------------------------------- workers
+    @property
+    def config(self):
+        """The trainer config, read-only, with ``BATCH_SIZE`` as it is divided among the current workers."""
+        return types.MappingProxyType(self._config)
+
+    @property
+    def num_failures(self):
+        """How many worker failures ``train()`` has recovered from (or met) so far."""
+        return self._num_failures
+
+    def _start_workers(self, num_workers, pg_timeout_s=None):
+        """Start ``num_workers`` workers with the batch size divided among them; returns the count."""
+        worker_config, effective = arguments.split_batch_size(self._requested_config, num_workers)
+        self._config = dict(self._requested_config)
+        if effective is not None:
+            self._config[BATCH_SIZE] = effective
+        return self.worker_group.start(num_workers, self.training_operator_cls, worker_config, pg_timeout_s)
+
+    def _resize_worker_group(self, state, max_retries=None, target=None):
+        """Tear the group down and start as many workers as fit (up to ``target``), loading ``state``.
+
+        ``state`` is a trainer state dict or its bytes. Returns the number of workers started.
+        """
+        target = target or self.max_replicas
+        if isinstance(state, dict):
+            state = checkpoint.state_to_bytes(state)
+        self.worker_group.shutdown(force=True)
+
+        def try_start(n):
+            try:
+                for size in range(n, 0, -1):  # the resource view can lag a lost node: try smaller groups
+                    try:
+                        self._start_workers(size, pg_timeout_s=min(constants.SGD_PLACEMENT_GROUP_TIMEOUT_S, 10))
+                        break
+                    except TimeoutError:
+                        if size == 1:
+                            raise
+                self.worker_group.run("load_state_stream", ray.put(state), deadline_s=self.timeout_s)
+            except BaseException:
+                self.worker_group.shutdown(force=True)
+                raise
+            return size
+
+        def retry_cleanup_fit():
+            self.worker_group.shutdown(force=True)
+            return self.worker_group.how_many_fit(target)
+
+        started = recovery.restart_with_backoff(
+            try_start, retry_cleanup_fit, tries=max_retries or constants.SGD_MAX_RESTART_TRIES,
+            cap_s=constants.SGD_BACKOFF_CAP_S, retryable=(WorkerFailure, TimeoutError))
+        self._last_resize = time.monotonic()
+        self._snapshot = state
+        logger.info("Worker group restarted with %d of %d workers", started, self.max_replicas)
+        return started
+
+    def _ensure_workers(self):
+        """Restart a group torn down by a failure (from the last snapshot) before using it."""
+        group = self.worker_group  # raises after shutdown()
+        if group.broken or group.num_workers == 0:
+            if self._snapshot is None:
+                raise RuntimeError("The workers were lost and no state snapshot exists to restart them from.")
+            self._resize_worker_group(self._snapshot)
+
+    def _take_snapshot(self):
+        """Rank 0's state bytes (any live rank's if rank 0 is gone: DDP replicas hold the same state)."""
+        if self._snapshot is None:
+            self._snapshot = self.worker_group.first_answer("state_stream", deadline_s=self.timeout_s)
+        return self._snapshot
+
+    def _maybe_scale_up(self, state):
+        current = self.worker_group.num_workers
+        if current >= self.max_replicas:
+            return
+        extra = self.worker_group.how_many_fit(self.max_replicas - current)
+        if recovery.should_scale_up(current, self.max_replicas, extra, time.monotonic(), self._last_resize,
+                                    self._resize_cooldown_s):
+            logger.info("Scaling up from %d to %d workers", current, current + extra)
+            self._resize_worker_group(state, target=current + extra)
+
+    def _with_recovery(self, method, max_retries, **kwargs):
+        """Run ``method`` on every worker; on a worker failure restart from the snapshot and retry."""
+        if not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries expects an int >= 0; got {max_retries!r}")
+        self._ensure_workers()
+        state = self._take_snapshot() if max_retries > 0 else None
+        if state is not None:
+            self._maybe_scale_up(state)
+        for attempt in range(max_retries + 1):
+            try:
+                return self.worker_group.run(method, **kwargs)
+            except WorkerFailure as failure:
+                self._num_failures += 1
+                if attempt == max_retries:
+                    raise RuntimeError(f"Training run failed: {method} did not succeed after {max_retries} "
+                                       f"retries; the last failure is the cause.") from failure
+                logger.warning("%s failed (%s); restarting workers, retry %d of %d", method, failure,
+                               attempt + 1, max_retries)
+                try:
+                    self._resize_worker_group(state)
+                except recovery.RestartGaveUp as err:
+                    raise RuntimeError(f"Training run failed: the workers could not be restarted ({err}).") \
+                        from failure
+        raise AssertionError("unreachable")
+
+    # ----------------------------------------------------------------- train / validate
+    def train(self, num_steps=None, profile=False, reduce_results=True, max_retries=3, info=None, dataset=None):
+        """Train one epoch (or ``num_steps`` batches per worker) on every worker; returns the metrics.
+
+        A worker that dies or stops answering ends the attempt; the epoch is retried from the state
+        at the start of this call on as many workers as fit, at most ``max_retries`` times.
+
+        Example:
+            >>> stats = trainer.train(profile=True)  # doctest: +SKIP
+            >>> stats["train_loss"], stats["num_samples"], stats["profile"]["mean_fwd_s"]  # doctest: +SKIP
+        """
+        if dataset is not None:
+            raise NotImplementedError("train(dataset=...) (Ray Data input) is not implemented yet")
+        try:
+            stats = self._with_recovery("train_epoch", max_retries, num_steps=num_steps, profile=profile,
+                                        info=dict(info or {}), lockstep=True)
+        finally:
+            if not self.worker_group.broken:
+                self._snapshot = None  # the state moved on (a torn-down group restarts from the snapshot)
+        return reduce_worker_stats(stats) if reduce_results else stats
+
+    def validate(self, num_steps=None, profile=False, reduce_results=True, info=None, max_retries=3):
+        """Validate on every worker's shard of the validation set; returns the metrics.
+
+        Example:
+            >>> trainer.validate()["val_loss"]  # doctest: +SKIP
+        """
+        stats = self._with_recovery("validate", max_retries, num_steps=num_steps, profile=profile,
+                                    info=dict(info or {}), lockstep=True)
+        return reduce_worker_stats(stats) if reduce_results else stats
+
+    # ----------------------------------------------------------------- operators and models
+    def _run(self, method, *args, **kwargs):
+        self._ensure_workers()
+        try:
+            return self.worker_group.run(method, *args, **kwargs)
+        except WorkerFailure as failure:
+            self._num_failures += 1
+            raise RuntimeError(f"{method} failed: a worker was lost (it restarts at the next call).") from failure
+
+    def apply_all_workers(self, fn):
+        """Call ``fn()`` on every worker; returns the results in rank order."""
+        self._snapshot = None
+        return self._run("apply", fn)
+
+    def apply_all_operators(self, fn):
+        """Call ``fn(operator)`` on every worker's operator; returns the results in rank order."""
+        self._snapshot = None
+        return self._run("apply_operator", fn)
+
+    def update_scheduler(self, metric):
+        """Call ``scheduler.step(metric)`` on every worker (for ``scheduler_step_freq="manual"``)."""
+        self._snapshot = None
+        self._run("update_scheduler", metric)
+
+    def get_model(self, to_cpu=False):
+        """The trained model(s) of rank 0, unwrapped (no DDP): one model, or a list for several.
+
+        With ``to_cpu=True`` they are CPU copies; the workers' own models never move.
+        """
+        self._ensure_workers()
+        models = self.worker_group.first_answer("get_models", to_cpu, deadline_s=self.timeout_s)
+        return models[0] if len(models) == 1 else models
+
+    def get_local_operator(self):
+        """The rank-0 operator living in this process (needs ``use_local=True``)."""
+        self._ensure_workers()
+        local = self.worker_group.local_worker
+        if local is None:
+            raise NotImplementedError("get_local_operator() needs TorchTrainer(use_local=True).")
+        return local.operator
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self):
+        """Rank 0's state: ``{epoch, global_step, operator, models, optimizers[, schedulers][, amp_*]}`` on CPU."""
+        self._ensure_workers()
+        return checkpoint.state_from_bytes(self._take_snapshot())
+
+    def load_state_dict(self, state_dict, blocking=False):
+        """Load ``state_dict`` on every worker (each onto its own device).
+
+        The call returns before the workers finish unless ``blocking``; later calls run after it.
+        """
+        self._ensure_workers()
+        stream = checkpoint.state_to_bytes(state_dict)
+        ref = ray.put(stream)
+        if blocking:
+            self._run("load_state_stream", ref)
+        else:
+            self.worker_group.submit("load_state_stream", ref)
+        self._snapshot = stream
+
+    def save(self, checkpoint_path):
+        """Write the trainer state to ``checkpoint_path`` atomically; returns the path."""
+        return checkpoint.save_state(self.state_dict(), checkpoint_path)
+
+    def load(self, checkpoint_path, weights_only=True):
+        """Load a file written by :meth:`save` (``weights_only=False`` only for trusted files; see README)."""
+        self.load_state_dict(checkpoint.load_state(checkpoint_path, weights_only=weights_only))
+
+    def restore(self, *args):
+        raise DeprecationWarning("TorchTrainer.restore() is deprecated: use TorchTrainer.load(checkpoint).")
+
+    def shutdown(self, force=False):
+        """Stop the workers and release their resources; the trainer cannot be used afterwards."""
+        group = self.__dict__.get("worker_group")
+        if isinstance(group, WorkerGroup):
+            group.shutdown(force=force)
+        self.worker_group = _ShutDownGroup()
+
+    @classmethod
+    def as_trainable(cls, *args, override_tune_step=None, **kwargs):
+        """A Ray Tune ``Trainable`` class training with ``TorchTrainer(**kwargs)`` (see :mod:`raysgd.torch.tune`)."""
+        from raysgd.torch.tune import make_trainable  # noqa: PLC0415 (Tune stays optional)
+
+        return make_trainable(cls, *args, override_tune_step=override_tune_step, **kwargs)

@@ -1,0 +1,387 @@
+"""TrainingOperator: what users subclass to register models and data, and the default epoch and batch loops.
+
+Layer 2: imports torch and layers 0-1. One operator lives in every worker; ``setup(config)``
+calls :meth:`TrainingOperator.register` and :meth:`TrainingOperator.register_data`.
+
+Example:
+    >>> import torch
+    >>> from torch.utils.data import DataLoader
+    >>> from raysgd.torch.examples.train_example import LinearDataset
+    >>> class MyOperator(TrainingOperator):
+    ...     def setup(self, config):
+    ...         model = torch.nn.Linear(1, 1)
+    ...         optimizer = torch.optim.SGD(model.parameters(), lr=config.get("lr", 1e-2))
+    ...         self.model, self.optimizer, self.criterion = self.register(
+    ...             models=model, optimizers=optimizer, criterion=torch.nn.MSELoss())
+    ...         self.register_data(train_loader=DataLoader(LinearDataset(2, 5), batch_size=32),
+    ...                            validation_loader=DataLoader(LinearDataset(2, 5, size=100), batch_size=32))
+"""
+import logging
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from raysgd.torch import data as _data
+from raysgd.torch.constants import SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH
+from raysgd.torch.precision import LegacyAmp, Precision
+from raysgd.utils import NUM_SAMPLES, AverageMeterCollection, TimerCollection
+
+logger = logging.getLogger(__name__)
+
+
+def _as_list(value, kind, item_type):
+    """``(items, restore)``: the items as a list, and a function giving back the caller's container shape."""
+    if isinstance(value, item_type):
+        items, restore = [value], (lambda xs: xs[0])
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+        restore = tuple if isinstance(value, tuple) else list
+    else:
+        raise TypeError(f"register({kind}=...) expects a {item_type.__name__} or a list/tuple of them; "
+                        f"got {type(value).__name__}")
+    for item in items:
+        if not isinstance(item, item_type):
+            raise TypeError(f"register({kind}=...) expects {item_type.__name__} items; got {type(item).__name__}")
+    return items, restore
+
+
+def _check_dict(name, value):
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"register({name}=...) expects a dict of keyword arguments; got {value!r}")
+    return value or {}
+
+
+class TrainingOperator:
+    """Defines the training components of one worker and how an epoch and a batch are run.
+
+    Subclass it and implement :meth:`setup`; override :meth:`train_batch`, :meth:`train_epoch`,
+    :meth:`validate_batch` or :meth:`validate` for custom loops. The constructor is internal: the
+    trainer builds one operator per worker.
+
+    Example:
+        >>> class Op(TrainingOperator):
+        ...     def setup(self, config):
+        ...         ...  # self.register(...) and self.register_data(...)
+    """
+
+    def __init__(self, config, world_rank=0, local_rank=0, is_distributed=False, use_gpu=False, device=None,
+                 use_fp16=False, use_tqdm=False, wrap_ddp=False, add_dist_sampler=False,
+                 scheduler_step_freq=None, world_size=1):
+        self._config = config
+        self._world_rank = world_rank
+        self._local_rank = local_rank
+        self._world_size = world_size if is_distributed else 1
+        self._is_distributed = is_distributed
+        self._use_gpu = bool(use_gpu) and torch.cuda.is_available()
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._use_tqdm = use_tqdm
+        self._wrap_ddp = wrap_ddp and is_distributed
+        self._add_dist_sampler = add_dist_sampler and is_distributed
+        self._scheduler_step_freq = scheduler_step_freq
+        self._precision = Precision(use_fp16, self._device)
+        self._registered = False
+        self._schedulers = None
+        self._train_loader = self._validation_loader = None
+        self.timers = TimerCollection()
+        self.global_step = 0
+        self.setup(config)
+
+    # ----------------------------------------------------------------- user hooks
+    def setup(self, config):
+        """Create models, optimizers, criterion, schedulers and loaders, and register them. Override this."""
+        raise NotImplementedError("Subclass TrainingOperator and implement setup(self, config), calling "
+                                  "self.register(...) and self.register_data(...) in it.")
+
+    def register(self, *, models, optimizers, criterion=None, schedulers=None, ddp_args=None, apex_args=None):
+        """Register the training components; returns them moved, patched and (when distributed) DDP-wrapped.
+
+        Returns ``(models, optimizers[, criterion][, schedulers])``, each in the shape given:
+        a single object stays single, a tuple stays a tuple, a list stays a list.
+
+        Example:
+            >>> # inside setup():
+            >>> # self.model, self.optimizer, self.criterion = self.register(
+            >>> #     models=model, optimizers=optimizer, criterion=torch.nn.MSELoss())
+        """
+        ddp_args = _check_dict("ddp_args", ddp_args)
+        apex_args = _check_dict("apex_args", apex_args)
+        model_list, model_shape = _as_list(models, "models", torch.nn.Module)
+        optim_list, optim_shape = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
+        if schedulers is not None and not self._scheduler_step_freq:
+            raise ValueError("register(schedulers=...) needs TorchTrainer(scheduler_step_freq=...) set to "
+                             "'batch', 'epoch' or 'manual'; got scheduler_step_freq=None")
+        model_list = [model.to(self._device) for model in model_list]
+        if criterion is not None and hasattr(criterion, "to"):
+            criterion = criterion.to(self._device)
+        model_list, optim_list = self._precision.initialize(model_list, optim_list, apex_args)
+        self._original_models = model_list
+        self._optimizers = optim_list
+        self._criterion = criterion
+        if self._wrap_ddp:
+            self._models = [DistributedDataParallel(m, device_ids=self.device_ids, **ddp_args) for m in model_list]
+        else:
+            self._models = list(model_list)
+        self._registered = True
+        returns = [model_shape(self._models), optim_shape(optim_list)]
+        if criterion is not None:
+            returns.append(criterion)
+        if schedulers is not None:
+            sched_list = list(schedulers) if isinstance(schedulers, (list, tuple)) else [schedulers]
+            self._schedulers = sched_list
+            returns.append(schedulers if not isinstance(schedulers, (list, tuple)) else type(schedulers)(sched_list))
+        return tuple(returns)
+
+    def register_data(self, *, train_loader=None, validation_loader=None):
+        """Register the loaders (any iterables); DataLoaders are sharded across workers when distributed."""
+        if self._add_dist_sampler:
+            train_loader = _data.shard_loader(train_loader, self._world_rank, self._world_size, training=True)
+            validation_loader = _data.shard_loader(validation_loader, self._world_rank, self._world_size,
+                                                   training=False)
+        self._train_loader = train_loader
+        self._validation_loader = validation_loader
+
+    def train_epoch(self, iterator, info=None, num_steps=None, epoch_idx=0):
+        """Run :meth:`train_batch` over ``iterator`` and return the batch-averaged metrics.
+
+        Steps the registered schedulers per batch or per epoch as ``scheduler_step_freq`` says.
+        """
+        info = dict(info or {})
+        model = self._component("model", "_models")
+        model.train()
+        meters = AverageMeterCollection()
+        for batch_idx, batch in enumerate(iterator):
+            batch_info = {"batch_idx": batch_idx, "global_step": self.global_step, **info}
+            metrics = dict(self.train_batch(batch, batch_info))
+            if self._scheduler_step_freq == SCHEDULER_STEP_BATCH:
+                self._step_schedulers()
+            meters.update(metrics, n=metrics.pop(NUM_SAMPLES, 1))
+            self.global_step += 1
+            self._report_progress(batch_idx, metrics, info)
+        if self._scheduler_step_freq == SCHEDULER_STEP_EPOCH:
+            self._step_schedulers()
+        return meters.summary()
+
+    def train_batch(self, batch, batch_info):
+        """One optimization step on ``batch`` (``*features, target``); returns ``train_loss`` and ``num_samples``."""
+        model = self._component("model", "_models")
+        optimizer = self._component("optimizer", "_optimizers")
+        criterion = self._component("criterion", "_criterion")
+        *features, target = _data.to_device(batch, self._device if self._use_gpu else None)
+        with self.timers.record("fwd"), self.autocast():
+            output = model(*features)
+            loss = criterion(output, target)
+        with self.timers.record("grad"):
+            optimizer.zero_grad()
+            self.backward(loss, optimizer)
+        with self.timers.record("apply"):
+            self.step(optimizer)
+        return {"train_loss": loss.item(), NUM_SAMPLES: target.size(0)}
+
+    def validate(self, val_iterator, info=None):
+        """Run :meth:`validate_batch` over ``val_iterator`` without gradients; returns averaged metrics."""
+        info = dict(info or {})
+        model = self._component("model", "_models")
+        model.eval()
+        meters = AverageMeterCollection()
+        with torch.no_grad():
+            for batch_idx, batch in enumerate(val_iterator):
+                metrics = dict(self.validate_batch(batch, {"batch_idx": batch_idx, **info}))
+                meters.update(metrics, n=metrics.pop(NUM_SAMPLES, 1))
+        return meters.summary()
+
+    def validate_batch(self, batch, batch_info):
+        """Loss and argmax accuracy on one batch; returns ``val_loss``, ``val_accuracy``, ``num_samples``."""
+        model = self._component("model", "_models")
+        criterion = self._component("criterion", "_criterion")
+        *features, target = _data.to_device(batch, self._device if self._use_gpu else None)
+        with self.timers.record("eval_fwd"), self.autocast():
+            output = model(*features)
+            loss = criterion(output, target)
+        num_samples = target.size(0)
+        correct = 0
+        if output.dim() > 1 and output.size(0) == num_samples:
+            correct = (output.argmax(dim=1) == target.view(-1).to(output.device)).sum().item()
+        return {"val_loss": loss.item(), "val_accuracy": correct / max(num_samples, 1), NUM_SAMPLES: num_samples}
+
+    def state_dict(self):
+        """Extra state of your own to checkpoint (stored under ``"operator"``). Override it; default None."""
+        return None
+
+    def load_state_dict(self, state_dict):
+        """Restore what :meth:`state_dict` returned. Override it; the default does nothing."""
+
+    # ----------------------------------------------------------------- mixed-precision helpers
+    def autocast(self):
+        """Context manager for the forward pass under ``use_fp16`` (a no-op in fp32).
+
+        Example:
+            >>> # with self.autocast():
+            >>> #     loss = criterion(model(x), y)
+        """
+        return self._precision.autocast()
+
+    def backward(self, loss, optimizer=None):
+        """``loss.backward()``, scaled under fp16 (GradScaler, or apex which needs ``optimizer``)."""
+        self._precision.backward(loss, optimizer)
+
+    def step(self, *optimizers):
+        """Step the optimizers through the scaler (skipping steps with inf/NaN gradients under fp16)."""
+        self._precision.step(*optimizers)
+
+    def unscale_gradients(self, optimizer):
+        """Unscale ``optimizer``'s gradients in place, e.g. before ``clip_grad_norm_``."""
+        self._precision.unscale_(optimizer)
+
+    def backward_and_step(self, loss, optimizer, clip_grad_norm=None):
+        """``zero_grad``, scaled backward, optional gradient clipping and the step, in one call.
+
+        Example:
+            >>> # in a GAN's train_batch: self.backward_and_step(d_loss, optimizer_d)
+        """
+        optimizer.zero_grad()
+        self.backward(loss, optimizer)
+        if clip_grad_norm is not None:
+            self.unscale_gradients(optimizer)
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        self.step(optimizer)
+
+    # ----------------------------------------------------------------- internals
+    def _component(self, attr, registered):
+        """``self.<attr>`` if the user set it, else the single registered component of that kind."""
+        value = getattr(self, attr, None)
+        if value is not None:
+            return value
+        items = getattr(self, registered, None)
+        if registered == "_criterion" and items is not None:
+            return items
+        if isinstance(items, list) and len(items) == 1:
+            return items[0]
+        raise RuntimeError(f"The default loop needs self.{attr}: set it in setup() (e.g. from register's return "
+                           f"value), or override train_batch/validate_batch for several or no {attr}s.")
+
+    def _step_schedulers(self):
+        for scheduler in self._schedulers or ():
+            scheduler.step()
+
+    def _report_progress(self, batch_idx, metrics, info):
+        """Hook for the driver's progress bar; set by the worker when ``use_tqdm`` is on."""
+        reporter = getattr(self, "_progress_reporter", None)
+        if reporter is not None:
+            reporter(batch_idx, metrics, info)
+
+    def _get_original_models(self):
+        self._require_registered()
+        return self._original_models
+
+    def _get_optimizers(self):
+        self._require_registered()
+        return self._optimizers
+
+    def _get_schedulers(self):
+        self._require_registered()
+        return self._schedulers
+
+    def _get_criterion(self):
+        self._require_registered()
+        return self._criterion
+
+    def _get_train_loader(self):
+        if self._train_loader is None:
+            raise RuntimeError("No training loader: call self.register_data(train_loader=...) in setup(), "
+                               "or pass train(dataset=...).")
+        return self._train_loader
+
+    def _get_validation_loader(self):
+        if self._validation_loader is None:
+            raise RuntimeError("validate() needs a validation loader: call "
+                               "self.register_data(validation_loader=...) in your operator's setup().")
+        return self._validation_loader
+
+    def _require_registered(self):
+        if not self._registered:
+            raise RuntimeError("Nothing registered: call self.register(models=..., optimizers=...) in setup().")
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def config(self):
+        """This worker's copy of the trainer config (``BATCH_SIZE`` already divided)."""
+        return self._config
+
+    @property
+    def world_rank(self):
+        return self._world_rank
+
+    @property
+    def local_rank(self):
+        return self._local_rank
+
+    @property
+    def device(self):
+        """The worker's ``torch.device`` (``cpu``, or ``cuda:<index>`` with ``use_gpu``)."""
+        return self._device
+
+    @property
+    def device_ids(self):
+        return [self._device.index or 0] if self._use_gpu else None
+
+    @property
+    def use_gpu(self):
+        return self._use_gpu
+
+    @property
+    def use_fp16(self):
+        """The requested ``use_fp16`` value (truthy when mixed precision was asked for)."""
+        return self._precision.requested
+
+    @property
+    def use_fp16_native(self):
+        return bool(self._precision.requested) and self._precision.requested != "apex"
+
+    @property
+    def use_fp16_apex(self):
+        return self._precision.requested == "apex"
+
+    @property
+    def precision(self):
+        """The :class:`~raysgd.torch.precision.Precision` object behind the fp16 helpers."""
+        return self._precision
+
+    @property
+    def _amp(self):
+        return LegacyAmp(self._precision) if self._precision.requested else None
+
+    @property
+    def _amp_scaler(self):
+        return self._precision.scaler
+
+    @property
+    def use_tqdm(self):
+        return self._use_tqdm
+
+    @property
+    def scheduler_step_freq(self):
+        return self._scheduler_step_freq
+
+    @classmethod
+    def from_creators(cls, model_creator, optimizer_creator, data_creator=None, loss_creator=None,
+                      scheduler_creator=None, serialize_data_creation=True):
+        """Build an operator class from 1.x creator functions (see :mod:`raysgd.torch.creator_operator`)."""
+        from raysgd.torch.creator_operator import make_creator_operator  # noqa: PLC0415 (cycle)
+
+        return make_creator_operator(cls, model_creator, optimizer_creator, data_creator, loss_creator,
+                                     scheduler_creator, serialize_data_creation)
+
+
+def get_test_operator(operator_cls):
+    """Test helper (1.x): an operator whose train/validate run ``config["custom_func"]`` or return ``{"done": 1}``."""
+    from raysgd.torch.creator_operator import get_test_operator as impl  # noqa: PLC0415
+
+    return impl(operator_cls)
+
+
+def get_test_metrics_operator(operator_cls):
+    """Test helper (1.x): an operator reporting ``config["scores"]`` / ``config["val_scores"]`` under ``config["key"]``."""
+    from raysgd.torch.creator_operator import get_test_metrics_operator as impl  # noqa: PLC0415
+
+    return impl(operator_cls)

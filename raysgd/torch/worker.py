@@ -1,0 +1,291 @@
+"""One worker: joins the process group, builds the operator, keeps the persistent iterators, runs an epoch.
+
+Layer 3: imports torch.distributed and layers 0-2, never Ray's actor API. The same class runs as a
+Ray actor or, with ``use_local=True``, as a plain object inside the driver process.
+
+Example:
+    >>> from raysgd.torch.training_operator import TrainingOperator
+    >>> class Counting(TrainingOperator):
+    ...     def setup(self, config):
+    ...         self.register_data(train_loader=range(3))
+    ...     def train_epoch(self, iterator, info=None):
+    ...         return {"seen": len(list(iterator))}
+    >>> worker = TorchWorker(Counting, {}, is_local=True)
+    >>> worker.setup_operator()
+    >>> worker.train_epoch(num_steps=2), worker.train_epoch(num_steps=2)
+    ({'epoch': 1, 'seen': 2}, {'epoch': 2, 'seen': 2})
+"""
+import copy
+import datetime
+import functools
+import importlib
+import itertools
+import logging
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from raysgd.torch import checkpoint
+from raysgd.torch import data as _data
+from raysgd.torch.constants import NUM_STEPS, USE_FP16
+from raysgd.torch.errors import CollectiveError, is_collective_failure
+from raysgd.utils import TimerCollection
+
+logger = logging.getLogger(__name__)
+
+
+def _guard_collectives(method):
+    """Turn a torch.distributed timeout or lost peer into :class:`CollectiveError` naming this rank."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except CollectiveError:
+            raise
+        except Exception as err:
+            if self.world_size > 1 and is_collective_failure(err):
+                raise CollectiveError(self.world_rank, f"{type(err).__name__}: {err}") from err
+            raise
+
+    return wrapper
+
+
+class _PersistentIterator:
+    """The train or validation iterator kept across calls, so ``num_steps`` can stop and resume mid-epoch.
+
+    A new underlying iterator (a new epoch) is created lazily on the first pull after the previous
+    one ran out; ``on_new_epoch`` is called just before.
+    """
+
+    def __init__(self, get_loader, on_new_epoch):
+        self._get_loader = get_loader
+        self._on_new_epoch = on_new_epoch
+        self._iterator = None
+
+    def reset(self):
+        self._iterator = None
+
+    def _current(self):
+        if self._iterator is None:
+            loader = self._get_loader()
+            self._on_new_epoch(loader)
+            self._iterator = iter(loader)
+        return self._iterator
+
+    def take(self, num_steps=None):
+        """Yield the rest of the current epoch (``None``) or exactly ``num_steps`` batches, wrapping epochs."""
+        if num_steps is None:
+            yield from self._current()
+            self._iterator = None
+            return
+        taken = 0
+        while taken < num_steps:
+            fresh = self._iterator is None
+            iterator = self._current()
+            yielded = 0
+            for batch in iterator:
+                yielded += 1
+                taken += 1
+                yield batch
+                if taken >= num_steps:
+                    return
+            self._iterator = None
+            if fresh and yielded == 0:
+                return  # an empty loader: stop instead of looping forever
+
+
+class TorchWorker:
+    """One data-parallel replica (see the module docstring). Its methods are what the worker group calls."""
+
+    def __init__(self, operator_cls, config, *, use_gpu=False, use_fp16=False, use_tqdm=False, wrap_ddp=True,
+                 add_dist_sampler=True, scheduler_step_freq=None, backend="gloo", num_cpus=1, world_size=1,
+                 is_local=False):
+        self.operator_cls = operator_cls
+        self.config = config
+        self.use_gpu = use_gpu
+        self.backend = backend
+        self.world_size = world_size
+        self.world_rank = 0
+        self.epochs = 0
+        self.operator = None
+        self.timers = TimerCollection()
+        self.timers.disable()
+        self._is_local = is_local
+        self._options = dict(use_fp16=use_fp16, use_tqdm=use_tqdm, wrap_ddp=wrap_ddp,
+                             add_dist_sampler=add_dist_sampler, scheduler_step_freq=scheduler_step_freq)
+        self._train_iter = _PersistentIterator(self._train_loader, self._on_new_train_epoch)
+        self._val_iter = _PersistentIterator(self._validation_loader, lambda loader: None)
+        if not is_local and num_cpus:
+            torch.set_num_threads(max(1, int(num_cpus)))
+        if world_size > 1:
+            importlib.import_module("torch._dynamo")  # the first DDP wrap imports it: pay at start-up
+
+    # ----------------------------------------------------------------- start-up
+    def run_hook(self, hook):
+        """Run the trainer's ``initialization_hook`` in this process."""
+        if hook is not None:
+            hook()
+
+    def node_ip(self):
+        import ray  # noqa: PLC0415 (only for the address; the worker itself needs no Ray)
+
+        return ray.util.get_node_ip_address()
+
+    def setup_address(self):
+        """``tcp://<this node's ip>:<free port>`` for the process group's rendezvous."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return f"tcp://{self.node_ip()}:{port}"
+
+    @_guard_collectives
+    def setup_process_group(self, url, world_rank, world_size, timeout_s):
+        """Join the ``backend`` process group as ``world_rank`` of ``world_size``."""
+        self.world_rank, self.world_size = world_rank, world_size
+        if self.backend == "nccl":
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")  # a dead peer raises instead of hanging
+            os.environ.setdefault("NCCL_BLOCKING_WAIT", "1")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group(self.backend, init_method=url, rank=world_rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+
+    def _device(self, local_rank):
+        if self.use_gpu and torch.cuda.is_available():
+            index = 0 if not self._is_local else torch.cuda.current_device()
+            torch.cuda.set_device(index)
+            return torch.device("cuda", index)
+        return torch.device("cpu")
+
+    @_guard_collectives
+    def setup_operator(self, local_rank=0):
+        """Build the user's operator (its ``setup`` registers models and data)."""
+        self.operator = self.operator_cls(
+            self.config, world_rank=self.world_rank, local_rank=local_rank, is_distributed=self.world_size > 1,
+            use_gpu=self.use_gpu, device=self._device(local_rank), world_size=self.world_size, **self._options)
+        self.operator.timers = self.timers
+
+    # ----------------------------------------------------------------- epochs
+    def _train_loader(self):
+        return self.operator._get_train_loader()
+
+    def _validation_loader(self):
+        return self.operator._get_validation_loader()
+
+    def _on_new_train_epoch(self, loader):
+        _data.set_sampler_epoch(loader, self.epochs)
+        self.epochs += 1
+
+    def _begin(self, profile):
+        if profile:
+            self.timers.enable()
+            self.timers.reset()
+        else:
+            self.timers.disable()
+
+    @_guard_collectives
+    def train_epoch(self, num_steps=None, profile=False, info=None, iterator=None):
+        """Train ``num_steps`` batches (default: the rest of the epoch); returns ``{"epoch", **metrics}``.
+
+        ``iterator`` (e.g. a Ray Data shard) replaces the registered loader for this call and
+        counts as one epoch.
+        """
+        self._begin(profile)
+        info = {**(info or {}), NUM_STEPS: num_steps, USE_FP16: self.operator.use_fp16, "epoch_idx": self.epochs}
+        with self.timers.record("train_epoch"):
+            if iterator is not None:
+                self.epochs += 1
+                batches = iterator if num_steps is None else itertools.islice(iterator, num_steps)
+            else:
+                batches = self._train_iter.take(num_steps)
+            stats = self.operator.train_epoch(batches, info)
+        result = {"epoch": self.epochs, **stats}
+        if profile:
+            result["profile"] = self.timers.stats()
+        return result
+
+    @_guard_collectives
+    def validate(self, num_steps=None, profile=False, info=None):
+        """Validate on ``num_steps`` batches (default: the rest of the validation set); returns metrics."""
+        self._begin(profile)
+        self.operator._get_validation_loader()  # a clear error before anything else
+        with self.timers.record("validation"):
+            stats = self.operator.validate(self._val_iter.take(num_steps), dict(info or {}))
+        if profile:
+            stats = {**stats, "profile": self.timers.stats()}
+        return stats
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self):
+        """``{epoch, global_step, operator, models, optimizers[, schedulers][, amp_*]}``; models unwrapped."""
+        op = self.operator
+        state = {
+            "epoch": self.epochs,
+            "global_step": op.global_step,
+            "operator": op.state_dict(),
+            "models": [model.state_dict() for model in op._get_original_models()],
+            "optimizers": [opt.state_dict() for opt in op._get_optimizers()],
+        }
+        if op._schedulers:
+            state["schedulers"] = [sched.state_dict() for sched in op._schedulers]
+        state.update(op.precision.state_dict())
+        return state
+
+    def load_state_dict(self, state):
+        """Load a :meth:`state_dict` (a new epoch starts at the next train call)."""
+        op = self.operator
+        for model, model_state in zip(op._get_original_models(), state["models"]):
+            model.load_state_dict(model_state)
+        for opt, opt_state in zip(op._get_optimizers(), state["optimizers"]):
+            opt.load_state_dict(opt_state)
+        for sched, sched_state in zip(op._schedulers or (), state.get("schedulers", ())):
+            sched.load_state_dict(sched_state)
+        op.precision.load_state_dict(state)
+        self.epochs = state["epoch"]
+        op.global_step = state.get("global_step", op.global_step)
+        self._train_iter.reset()
+        self._val_iter.reset()
+        op.load_state_dict(state["operator"])
+
+    def state_stream(self):
+        """:meth:`state_dict` as ``torch.save`` bytes."""
+        return checkpoint.state_to_bytes(self.state_dict())
+
+    def load_state_stream(self, stream):
+        """Load :meth:`state_stream` bytes onto this worker's own device."""
+        location = self.operator.device if self.operator.use_gpu else "cpu"
+        self.load_state_dict(checkpoint.state_from_bytes(stream, map_location=location))
+
+    # ----------------------------------------------------------------- access
+    def get_models(self, to_cpu=False):
+        """The unwrapped models; with ``to_cpu`` CPU copies (the worker's own models never move)."""
+        models = self.operator._get_original_models()
+        return [copy.deepcopy(model).cpu() for model in models] if to_cpu else models
+
+    def apply(self, fn):
+        return fn()
+
+    def apply_operator(self, fn):
+        return fn(self.operator)
+
+    def update_scheduler(self, metric):
+        schedulers = self.operator._get_schedulers()
+        if not schedulers:
+            raise TypeError("update_scheduler needs registered schedulers: pass register(schedulers=...) in setup()")
+        for scheduler in schedulers:
+            scheduler.step(metric)
+
+    def shutdown(self):
+        """Drop the iterators and leave the process group."""
+        self._train_iter.reset()
+        self._val_iter.reset()
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as err:  # a broken group can fail to close; the process is going anyway
+                logger.debug("destroy_process_group failed: %s", err)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

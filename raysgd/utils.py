@@ -1,0 +1,235 @@
+"""Metric meters, timers and the public constants shared by every layer.
+
+Layer 0: imports only the standard library and numpy.
+
+Example:
+    >>> from raysgd.utils import AverageMeterCollection, NUM_SAMPLES
+    >>> meters = AverageMeterCollection()
+    >>> meters.update({"loss": 0.5}, n=32)
+    >>> meters.update({"loss": 0.1}, n=32)
+    >>> meters.summary()["loss"], meters.summary()["last_loss"]
+    (0.3, 0.1)
+"""
+import collections
+import contextlib
+import time
+
+import numpy as np
+
+#: Number of batches a worker ran in one call (a metric key).
+BATCH_COUNT = "batch_count"
+#: Number of samples a worker saw in one call (a metric key, and the weight of its other metrics).
+NUM_SAMPLES = "num_samples"
+#: Config key for the *global* batch size; each worker's config holds ``global // num_workers``.
+BATCH_SIZE = "*batch_size"
+
+
+class AverageMeter:
+    """Running average of one metric.
+
+    Example:
+        >>> m = AverageMeter()
+        >>> m.update(2.0, n=3); m.update(4.0, n=1)
+        >>> m.avg, m.val, m.count
+        (2.5, 4.0, 4)
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        """Forget every value."""
+        self.val = 0
+        self.avg = 0
+        self.sum = 0
+        self.count = 0
+
+    def update(self, val, n=1):
+        """Add ``val`` with weight ``n``."""
+        self.val = val
+        self.sum += val * n
+        self.count += n
+        self.avg = self.sum / self.count if self.count else float("nan")
+
+
+class AverageMeterCollection:
+    """One :class:`AverageMeter` per metric key, plus batch and sample counts.
+
+    ``summary()`` returns ``batch_count``, ``num_samples`` and, for each key ``k``,
+    the sample-weighted mean ``k`` and the last value ``last_k``.
+
+    Example:
+        >>> c = AverageMeterCollection()
+        >>> c.update({"acc": 1.0}, n=2); c.update({"acc": 0.0}, n=2)
+        >>> c.summary()
+        {'batch_count': 2, 'num_samples': 4, 'acc': 0.5, 'last_acc': 0.0}
+    """
+
+    def __init__(self):
+        self._batch_count = 0
+        self.n = 0
+        self._meters = collections.defaultdict(AverageMeter)
+
+    def update(self, metrics, n=1):
+        """Record one batch's ``metrics`` dict, weighted by ``n`` samples."""
+        self._batch_count += 1
+        self.n += n
+        for key, value in metrics.items():
+            self._meters[key].update(value, n=n)
+
+    def summary(self):
+        """The averaged metrics as a dict (see the class docstring)."""
+        stats = {BATCH_COUNT: self._batch_count, NUM_SAMPLES: self.n}
+        for key, meter in self._meters.items():
+            stats[str(key)] = meter.avg
+            stats["last_" + str(key)] = meter.val
+        return stats
+
+
+class TimerStat:
+    """A context-manager timer keeping the last ``window_size`` durations.
+
+    Example:
+        >>> t = TimerStat()
+        >>> with t:
+        ...     pass
+        >>> t.count
+        1
+    """
+
+    def __init__(self, window_size=10):
+        self._window_size = window_size
+        self._samples = collections.deque(maxlen=window_size)
+        self._units_processed = collections.deque(maxlen=window_size)
+        self._start_time = None
+        self._total_time = 0.0
+        self.count = 0
+
+    def __enter__(self):
+        if self._start_time is not None:
+            raise RuntimeError("TimerStat is not re-entrant: it is already timing.")
+        self._start_time = time.perf_counter()
+        return self
+
+    def __exit__(self, exc_type, exc_value, tb):
+        self.push(time.perf_counter() - self._start_time)
+        self._start_time = None
+
+    def push(self, duration):
+        """Record one duration in seconds."""
+        self._samples.append(duration)
+        self._total_time += duration
+        self.count += 1
+
+    def push_units_processed(self, n):
+        """Record how many units the last timed block processed (for throughput)."""
+        self._units_processed.append(n)
+
+    def reset(self):
+        """Forget every sample."""
+        self._samples.clear()
+        self._units_processed.clear()
+        self._total_time = 0.0
+        self.count = 0
+
+    def _stat(self, fn):
+        return float(fn(self._samples)) if self._samples else 0.0
+
+    @property
+    def mean(self):
+        return self._stat(np.mean)
+
+    @property
+    def median(self):
+        return self._stat(np.median)
+
+    @property
+    def sum(self):
+        return self._stat(np.sum)
+
+    @property
+    def max(self):
+        return self._stat(np.max)
+
+    @property
+    def first(self):
+        return self._samples[0] if self._samples else None
+
+    @property
+    def last(self):
+        return self._samples[-1] if self._samples else None
+
+    @property
+    def size(self):
+        return len(self._samples)
+
+    @property
+    def mean_units_processed(self):
+        return float(np.mean(self._units_processed)) if self._units_processed else 0.0
+
+    @property
+    def mean_throughput(self):
+        time_total = float(np.sum(self._samples))
+        return float(np.sum(self._units_processed)) / time_total if time_total else 0.0
+
+
+class TimerCollection:
+    """Named :class:`TimerStat` timers that cost nothing while disabled.
+
+    Example:
+        >>> timers = TimerCollection()
+        >>> with timers.record("fwd"):
+        ...     pass
+        >>> sorted(timers.stats())
+        ['mean_fwd_s']
+    """
+
+    def __init__(self):
+        self._timers = collections.defaultdict(TimerStat)
+        self._enabled = True
+
+    def disable(self):
+        self._enabled = False
+
+    def enable(self):
+        self._enabled = True
+
+    def reset(self):
+        for timer in self._timers.values():
+            timer.reset()
+
+    def record(self, key):
+        """A context manager timing the block under ``key`` (a no-op while disabled)."""
+        if self._enabled:
+            return self._timers[key]
+        return contextlib.nullcontext()
+
+    def stats(self, mean=True, last=False):
+        """``{"mean_<key>_s": ..., "last_<key>_s": ...}`` for every timer that ran."""
+        out = {}
+        for key, timer in self._timers.items():
+            if timer.count > 0:
+                if mean:
+                    out[f"mean_{key}_s"] = timer.mean
+                if last:
+                    out[f"last_{key}_s"] = timer.last
+        return out
+
+
+def override(interface_class):
+    """Decorator checking that a method really overrides one of ``interface_class``.
+
+    Example:
+        >>> class Base:
+        ...     def setup(self, config): ...
+        >>> class Mine(Base):
+        ...     @override(Base)
+        ...     def setup(self, config): ...
+    """
+
+    def check(method):
+        if method.__name__ not in dir(interface_class):
+            raise NameError(f"{method.__name__} does not override any method of {interface_class.__name__}")
+        return method
+
+    return check

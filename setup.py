@@ -1,0 +1,28 @@
+"""raysgd: the RaySGD 1.x PyTorch API rebuilt on Ray 2.x and PyTorch 2.x."""
+import os
+
+from setuptools import find_packages, setup
+
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(here, "README.md"), encoding="utf-8") as handle:
+    long_description = handle.read()
+
+setup(
+    name="raysgd",
+    version="0.1.0",
+    description="The RaySGD PyTorch API (TorchTrainer, TrainingOperator) on Ray 2.x and PyTorch 2.x",
+    long_description=long_description,
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["raysgd", "raysgd.*"]),
+    python_requires=">=3.9",
+    install_requires=["ray>=2.9", "torch>=2.3", "numpy", "filelock", "tabulate"],
+    extras_require={
+        "tune": ["ray[tune]>=2.9"],
+        "tqdm": ["tqdm"],
+        "logging": ["tensorboardX", "matplotlib"],
+        "data": ["ray[data]>=2.9"],
+        "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "tqdm", "ray[tune]>=2.9", "tensorboardX",
+                 "matplotlib", "pandas", "pyarrow"],
+    },
+    license="Apache-2.0",
+)
