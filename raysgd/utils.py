@@ -12,6 +12,7 @@ Example:
 """
 import collections
 import contextlib
+import numbers
 import time
 
 import numpy as np
@@ -69,13 +70,22 @@ class AverageMeterCollection:
         self._batch_count = 0
         self.n = 0
         self._meters = collections.defaultdict(AverageMeter)
+        self._latest = {}
 
     def update(self, metrics, n=1):
-        """Record one batch's ``metrics`` dict, weighted by ``n`` samples."""
+        """Record one batch's ``metrics`` dict, weighted by ``n`` samples.
+
+        One-element tensors and numpy scalars count as numbers; any other non-number (a string, say)
+        is not averaged: the summary reports its last value.
+        """
         self._batch_count += 1
         self.n += n
         for key, value in metrics.items():
-            self._meters[key].update(value, n=n)
+            value = _scalar(value)
+            if isinstance(value, numbers.Number) and not isinstance(value, bool):
+                self._meters[key].update(value, n=n)
+            else:
+                self._latest[key] = value
 
     def summary(self):
         """The averaged metrics as a dict (see the class docstring)."""
@@ -83,7 +93,18 @@ class AverageMeterCollection:
         for key, meter in self._meters.items():
             stats[str(key)] = meter.avg
             stats["last_" + str(key)] = meter.val
+        for key, value in self._latest.items():
+            stats[str(key)] = value
         return stats
+
+
+def _scalar(value):
+    """A one-element tensor or numpy value as a Python number; anything else unchanged."""
+    if hasattr(value, "item"):
+        size = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
+        if size == 1:
+            return value.item()
+    return value
 
 
 class TimerStat:

@@ -201,7 +201,22 @@ class TorchTrainer:
                 except recovery.RestartGaveUp as err:
                     raise RuntimeError(f"Training run failed: the workers could not be restarted ({err}).") \
                         from failure
+            except Exception:
+                if method == "train_epoch":
+                    self._undo_partial_call(state)
+                raise
         raise AssertionError("unreachable")
+
+    def _undo_partial_call(self, state):
+        """After user code raised mid-call, put the workers back to the call's starting state (if known)."""
+        if state is None:
+            self._snapshot = None  # unknown partial progress: the next snapshot is taken afresh
+        elif not self.worker_group.broken:  # a torn-down group restarts from the snapshot at the next call
+            try:
+                self.worker_group.run("load_state_stream", ray.put(state), deadline_s=self.timeout_s)
+            except Exception as err:  # noqa: BLE001 (the user's error is the one to raise)
+                logger.warning("Could not restore the state after a failed call: %s", err)
+                self._snapshot = None
 
     # ----------------------------------------------------------------- train / validate
     def train(self, num_steps=None, profile=False, reduce_results=True, max_retries=3, info=None, dataset=None):
@@ -216,12 +231,9 @@ class TorchTrainer:
         """
         if dataset is not None:
             raise NotImplementedError("train(dataset=...) (Ray Data input) is not implemented yet")
-        try:
-            stats = self._with_recovery("train_epoch", max_retries, num_steps=num_steps, profile=profile,
-                                        info=dict(info or {}), lockstep=True)
-        finally:
-            if not self.worker_group.broken:
-                self._snapshot = None  # the state moved on (a torn-down group restarts from the snapshot)
+        stats = self._with_recovery("train_epoch", max_retries, num_steps=num_steps, profile=profile,
+                                    info=dict(info or {}), lockstep=True)
+        self._snapshot = None  # the state moved on
         return reduce_worker_stats(stats) if reduce_results else stats
 
     def validate(self, num_steps=None, profile=False, reduce_results=True, info=None, max_retries=3):

@@ -124,6 +124,10 @@ class WorkerGroup:
                 raise ValueError(f"The enclosing placement group has {len(trial_pg.bundle_specs)} bundles; "
                                  f"{n} workers need {offset + n}. Use TorchTrainer.as_trainable's resource request.")
             return trial_pg, offset, False
+        total = ray.cluster_resources()
+        if total.get("CPU", 0) < n * self._cpus or total.get("GPU", 0) < n * self._gpus:
+            logger.warning("%d workers with %s each exceed the whole cluster (%s): waiting up to %.0f s for it to "
+                           "grow", n, self._bundle(1), total, pg_timeout_s)
         pg = placement_group([self._bundle(rank) for rank in range(n)], strategy=self._strategy)
         try:
             ray.get(pg.ready(), timeout=pg_timeout_s)
@@ -270,6 +274,8 @@ class WorkerGroup:
         if error is None:
             results[rank] = value
             return None
+        if isinstance(error, RayActorError) and error.actor_init_failed:  # deterministic: not retried
+            return RuntimeError(f"rank {rank} could not be created: {error}"), time.monotonic()
         cause = error.cause if isinstance(error, RayTaskError) else error
         if isinstance(cause, CollectiveError) or (isinstance(error, RayError) and not isinstance(error, RayTaskError)):
             failures[rank] = cause if isinstance(cause, CollectiveError) else error

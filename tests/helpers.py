@@ -1,0 +1,51 @@
+"""Operators shared by the Ray-level tests (importable by workers: tests/ is on their path via pickling by value)."""
+import os
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from raysgd.torch import TrainingOperator
+from raysgd.torch.examples.train_example import LinearDataset
+from raysgd.utils import BATCH_SIZE
+
+
+class LinearOperator(TrainingOperator):
+    """Linear regression on LinearDataset(2, 5); config: lr, batch_size or BATCH_SIZE, data_size, val_size."""
+
+    def setup(self, config):
+        torch.manual_seed(config.get("seed", 0))
+        model = nn.Linear(1, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=config.get("lr", 1e-2),
+                                    momentum=config.get("momentum", 0.0))
+        self.model, self.optimizer, self.criterion = self.register(models=model, optimizers=optimizer,
+                                                                   criterion=nn.MSELoss())
+        batch = config.get(BATCH_SIZE, config.get("batch_size", 16))
+        self.register_data(
+            train_loader=DataLoader(LinearDataset(2, 5, size=config.get("data_size", 200)), batch_size=batch,
+                                    shuffle=config.get("shuffle", False)),
+            validation_loader=DataLoader(LinearDataset(2, 5, size=config.get("val_size", 100)), batch_size=batch))
+
+
+class ClassifierOperator(TrainingOperator):
+    """A small MLP classifier on fixed random data (val_accuracy is meaningful)."""
+
+    def setup(self, config):
+        generator = torch.Generator().manual_seed(1)
+        x = torch.randn(config.get("n", 240), 4, generator=generator)
+        y = (x[:, 0] + x[:, 1] > 0).long()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+        self.model, self.optimizer, self.criterion = self.register(
+            models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss())
+        self.register_data(train_loader=DataLoader(TensorDataset(x, y), batch_size=config.get("batch_size", 16)),
+                           validation_loader=DataLoader(TensorDataset(x, y), batch_size=7))
+
+
+def parameters_of(operator):
+    """Flat copy of every parameter of the operator's registered models."""
+    return torch.cat([p.detach().reshape(-1).clone() for m in operator._get_original_models() for p in m.parameters()])
+
+
+def pid_and_threads():
+    return os.getpid(), torch.get_num_threads()

@@ -1,0 +1,90 @@
+"""The pure recovery policy, with a fake clock and no Ray."""
+import pytest
+
+from raysgd.torch import recovery
+
+
+def test_backoff_is_capped_exponential():
+    assert list(recovery.backoff_delays(6, base_s=1, cap_s=8)) == [1, 2, 4, 8, 8, 8]
+    assert list(recovery.backoff_delays(0)) == []
+
+
+@pytest.mark.parametrize("nodes, cpus, gpus, limit, expected", [
+    ([{"CPU": 4.0}], 1, 0, 8, 4),
+    ([{"CPU": 4.0}], 2, 0, 8, 2),
+    ([{"CPU": 3.0}, {"CPU": 1.0}], 2, 0, 8, 1),      # counts per node: 1.5 + 0.5 is not 2
+    ([{"CPU": 8.0, "GPU": 1.0}], 1, 1, 8, 1),         # GPUs bound it
+    ([{"CPU": 8.0}], 1, 1, 8, 0),                      # no GPU at all
+    ([{"CPU": 16.0}], 1, 0, 3, 3),                     # never above the limit
+    ([{}], 1, 0, 3, 0),
+])
+def test_workers_that_fit(nodes, cpus, gpus, limit, expected):
+    assert recovery.workers_that_fit(nodes, cpus, gpus, limit) == expected
+
+
+def test_scale_up_waits_for_cooldown_and_room():
+    assert not recovery.should_scale_up(1, 2, extra_fit=1, now=105, last_resize=100, cooldown_s=10)
+    assert recovery.should_scale_up(1, 2, extra_fit=1, now=110, last_resize=100, cooldown_s=10)
+    assert not recovery.should_scale_up(1, 2, extra_fit=0, now=200, last_resize=100, cooldown_s=10)
+    assert not recovery.should_scale_up(2, 2, extra_fit=3, now=200, last_resize=100, cooldown_s=10)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+        self.sleeps = []
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_restart_waits_with_backoff_until_workers_fit():
+    clock = FakeClock()
+    fits = iter([0, 0, 0, 2])
+    started = recovery.restart_with_backoff(lambda n: n, lambda: next(fits), tries=10, base_s=1, cap_s=60,
+                                            sleep=clock.sleep)
+    assert started == 2
+    assert clock.sleeps == [1, 2, 4]
+
+
+def test_restart_retries_start_failures_then_succeeds():
+    clock = FakeClock()
+    attempts = []
+
+    def try_start(n):
+        attempts.append(n)
+        if len(attempts) == 1:
+            raise ConnectionError("died while starting")
+        return n
+
+    assert recovery.restart_with_backoff(try_start, lambda: 3, tries=5, sleep=clock.sleep,
+                                         retryable=(ConnectionError,)) == 3
+    assert attempts == [3, 3] and clock.sleeps == [1]
+
+
+def test_restart_gives_up_with_last_failure_as_cause():
+    clock = FakeClock()
+
+    def try_start(n):
+        raise ConnectionError(f"attempt at {clock.now}")
+
+    with pytest.raises(recovery.RestartGaveUp) as info:
+        recovery.restart_with_backoff(try_start, lambda: 1, tries=4, base_s=1, cap_s=2, sleep=clock.sleep,
+                                      retryable=(ConnectionError,))
+    assert isinstance(info.value.__cause__, ConnectionError)
+    assert str(info.value.__cause__) == "attempt at 5.0"  # 1 + 2 + 2 seconds waited before the 4th try
+    assert clock.sleeps == [1, 2, 2]
+
+
+def test_restart_gives_up_when_nothing_ever_fits():
+    clock = FakeClock()
+    with pytest.raises(recovery.RestartGaveUp, match="no worker fit"):
+        recovery.restart_with_backoff(lambda n: n, lambda: 0, tries=3, sleep=clock.sleep)
+    assert clock.now == 3  # bounded: 1 + 2 seconds
+
+
+def test_non_retryable_errors_propagate_at_once():
+    with pytest.raises(ValueError):
+        recovery.restart_with_backoff(lambda n: (_ for _ in ()).throw(ValueError("user bug")), lambda: 1, tries=5,
+                                      sleep=lambda s: None, retryable=(ConnectionError,))

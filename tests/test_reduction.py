@@ -1,0 +1,36 @@
+"""Cross-worker reduction of metrics (Decisions 6)."""
+import math
+
+import pytest
+
+from raysgd.torch.reduction import reduce_worker_stats
+
+
+def test_sample_weighted_mean_and_summed_samples():
+    stats = [{"epoch": 1, "num_samples": 300, "batch_count": 75, "loss": 1.0, "last_loss": 0.5},
+             {"epoch": 1, "num_samples": 100, "batch_count": 25, "loss": 3.0, "last_loss": 1.5}]
+    out = reduce_worker_stats(stats)
+    assert out["num_samples"] == 400
+    assert out["loss"] == pytest.approx(1.5)          # (300 * 1 + 100 * 3) / 400
+    assert out["last_loss"] == pytest.approx(1.0)     # plain mean over workers
+    assert out["batch_count"] == pytest.approx(50)    # plain mean over workers
+    assert out["epoch"] == 1 and isinstance(out["epoch"], int)
+    assert list(out)[0] == "num_samples"
+
+
+def test_equal_shards_equal_plain_mean():
+    out = reduce_worker_stats([{"num_samples": 10, "x": 2.0}, {"num_samples": 10, "x": 4.0}])
+    assert out["x"] == pytest.approx(3.0)
+
+
+def test_nan_and_missing_values_are_left_out():
+    out = reduce_worker_stats([{"num_samples": 1, "x": float("nan"), "y": 1.0}, {"num_samples": 1, "x": 2.0}])
+    assert out["x"] == pytest.approx(2.0) and out["y"] == pytest.approx(1.0)
+    assert math.isnan(reduce_worker_stats([{"x": float("nan")}, {"x": float("nan")}])["x"])
+
+
+def test_non_numbers_come_from_rank_0_and_no_samples_key_without_samples():
+    out = reduce_worker_stats([{"profile": {"a": 1}, "done": 1, "flag": True}, {"profile": {"a": 2}, "done": 1,
+                                                                                "flag": False}])
+    assert out == {"profile": {"a": 1}, "done": 1, "flag": True}
+    assert reduce_worker_stats([]) == {}

@@ -1,0 +1,91 @@
+"""raysgd.utils: meters, timers, override, constants (no Ray)."""
+import math
+import time
+
+import pytest
+
+from raysgd.utils import (BATCH_COUNT, BATCH_SIZE, NUM_SAMPLES, AverageMeter, AverageMeterCollection, TimerCollection,
+                          TimerStat, override)
+
+
+def test_constants_match_1x():
+    assert (BATCH_COUNT, NUM_SAMPLES, BATCH_SIZE) == ("batch_count", "num_samples", "*batch_size")
+
+
+def test_average_meter_weighted():
+    meter = AverageMeter()
+    meter.update(1.0, n=3)
+    meter.update(5.0, n=1)
+    assert meter.avg == pytest.approx(2.0)
+    assert meter.val == 5.0 and meter.count == 4 and meter.sum == pytest.approx(8.0)
+    meter.reset()
+    assert meter.count == 0
+
+
+def test_meter_collection_summary_matches_1x_example():
+    meters = AverageMeterCollection()
+    meters.update({"loss": 0.5}, n=32)
+    meters.update({"loss": 0.1}, n=32)
+    assert meters.summary() == {"batch_count": 2, "num_samples": 64, "loss": pytest.approx(0.3), "last_loss": 0.1}
+
+
+def test_meter_collection_nan_poisons_mean_not_last():
+    meters = AverageMeterCollection()
+    meters.update({"x": float("nan")})
+    meters.update({"x": 1.0})
+    summary = meters.summary()
+    assert math.isnan(summary["x"]) and summary["last_x"] == 1.0
+
+
+def test_timer_stat_records_and_is_not_reentrant():
+    timer = TimerStat(window_size=2)
+    for _ in range(3):
+        with timer:
+            time.sleep(0.001)
+    assert timer.count == 3 and timer.size == 2
+    assert timer.mean >= 0.001
+    with pytest.raises(RuntimeError):
+        with timer:
+            with timer:
+                pass
+
+
+def test_timer_collection_disabled_records_nothing():
+    timers = TimerCollection()
+    timers.disable()
+    with timers.record("fwd"):
+        pass
+    assert timers.stats() == {}
+    timers.enable()
+    with timers.record("fwd"):
+        pass
+    assert set(timers.stats(mean=True, last=True)) == {"mean_fwd_s", "last_fwd_s"}
+    timers.reset()
+    assert timers.stats() == {}
+
+
+def test_override_checks_the_interface():
+    class Base:
+        def setup(self):
+            pass
+
+    @override(Base)
+    def setup(self):
+        pass
+
+    with pytest.raises(NameError, match="stup"):
+        @override(Base)
+        def stup(self):
+            pass
+
+
+def test_meter_collection_accepts_tensors_and_keeps_last_non_numbers():
+    import numpy as np
+    import torch
+
+    meters = AverageMeterCollection()
+    meters.update({"loss": torch.tensor(1.0), "acc": np.float32(0.5), "phase": "warmup"})
+    meters.update({"loss": torch.tensor([3.0]), "acc": np.float32(1.0), "phase": "main"})
+    summary = meters.summary()
+    assert summary["loss"] == pytest.approx(2.0) and isinstance(summary["loss"], float)
+    assert summary["acc"] == pytest.approx(0.75) and summary["phase"] == "main"
