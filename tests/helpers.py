@@ -1,5 +1,6 @@
 """Operators shared by the Ray-level tests (importable by workers: tests/ is on their path via pickling by value)."""
 import os
+import time
 
 import torch
 import torch.nn as nn
@@ -49,3 +50,40 @@ def parameters_of(operator):
 
 def pid_and_threads():
     return os.getpid(), torch.get_num_threads()
+
+
+class FaultyOperator(LinearOperator):
+    """LinearOperator that injects one fault when rank ``fault["rank"]`` reaches batch ``fault["batch"]``.
+
+    ``fault["kind"]``: ``"exit"`` (``os._exit``), ``"sleep"`` (stuck but alive), ``"signal"`` (writes its pid to
+    ``fault["marker"]`` and carries on, for the driver to kill it). The marker file makes it happen once, unless
+    ``fault["always"]``. ``config["batch_sleep"]`` slows every batch so a fault lands mid-epoch.
+    """
+
+    def train_batch(self, batch, batch_info):
+        fault = self.config.get("fault")
+        if fault and self.world_rank == fault["rank"] and batch_info["batch_idx"] == fault["batch"]:
+            if fault.get("always") or not os.path.exists(fault["marker"]):
+                with open(fault["marker"], "w") as handle:
+                    handle.write(str(os.getpid()))
+                if fault["kind"] == "exit":
+                    os._exit(1)
+                elif fault["kind"] == "sleep":
+                    time.sleep(fault.get("seconds", 600))
+        time.sleep(self.config.get("batch_sleep", 0))
+        return super().train_batch(batch, batch_info)
+
+
+def exit_once_hook(marker):
+    """An initialization hook that ends its process the first time it runs (start-up failure)."""
+
+    def hook():
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)
+
+    return hook
+
+
+def seeding_hook():
+    torch.manual_seed(1234)

@@ -87,8 +87,7 @@ class TorchTrainer:
             raise ValueError(f"TorchTrainer(use_gpu=True) needs GPUs, but the Ray cluster has none: "
                              f"{ray.cluster_resources()}")
         self.worker_group = WorkerGroup(self._worker_options, num_cpus_per_worker=num_cpus_per_worker,
-                                        use_gpu=use_gpu, use_local=use_local, initialization_hook=initialization_hook,
-                                        timeout_s=timeout_s)
+                                        use_gpu=use_gpu, use_local=use_local, timeout_s=timeout_s)
         try:
             self._start_workers(num_workers)
         except WorkerFailure as err:
@@ -115,7 +114,8 @@ class TorchTrainer:
         self._config = dict(self._requested_config)
         if effective is not None:
             self._config[BATCH_SIZE] = effective
-        return self.worker_group.start(num_workers, self.training_operator_cls, worker_config, pg_timeout_s)
+        return self.worker_group.start(num_workers, self.training_operator_cls, worker_config, pg_timeout_s,
+                                       initialization_hook=self.initialization_hook)
 
     def _resize_worker_group(self, state, max_retries=None, target=None):
         """Tear the group down and start as many workers as fit (up to ``target``), loading ``state``.
@@ -144,7 +144,7 @@ class TorchTrainer:
 
         def retry_cleanup_fit():
             self.worker_group.shutdown(force=True)
-            return self.worker_group.how_many_fit(target)
+            return self.worker_group.how_many_fit(target, settle_s=2.0)
 
         started = recovery.restart_with_backoff(
             try_start, retry_cleanup_fit, tries=max_retries or constants.SGD_MAX_RESTART_TRIES,
@@ -173,6 +173,8 @@ class TorchTrainer:
         if current >= self.max_replicas:
             return
         extra = self.worker_group.how_many_fit(self.max_replicas - current)
+        logger.debug("scale-up check: %d of %d workers, %d more fit, %.1f s since the last resize", current,
+                     self.max_replicas, extra, time.monotonic() - self._last_resize)
         if recovery.should_scale_up(current, self.max_replicas, extra, time.monotonic(), self._last_resize,
                                     self._resize_cooldown_s):
             logger.info("Scaling up from %d to %d workers", current, current + extra)

@@ -6,8 +6,7 @@ group is killed, since survivors may be stuck in a collective); an exception rai
 re-raised with its original type.
 
 Example:
-    >>> # group = WorkerGroup(worker_options, num_cpus_per_worker=1, use_gpu=False, use_local=False,
-    >>> #                     initialization_hook=None, timeout_s=60)
+    >>> # group = WorkerGroup(worker_options, num_cpus_per_worker=1, use_gpu=False, use_local=False, timeout_s=60)
     >>> # group.start(2, operator_cls, config); group.run("train_epoch"); group.shutdown()
 """
 import logging
@@ -72,18 +71,16 @@ class WorkerGroup:
         worker_options: keyword arguments for every :class:`TorchWorker` (backend, fp16, ...).
         num_cpus_per_worker, use_gpu: resources of each worker.
         use_local: run rank 0 in this process.
-        initialization_hook: run on every worker before the process group is set up.
         timeout_s: process-group timeout; also how long the rest may lag once one worker finished.
         placement_strategy: of the placement group this group creates (not used inside a Tune trial).
     """
 
-    def __init__(self, worker_options, *, num_cpus_per_worker=1, use_gpu=False, use_local=False,
-                 initialization_hook=None, timeout_s=1800, placement_strategy="SPREAD"):
+    def __init__(self, worker_options, *, num_cpus_per_worker=1, use_gpu=False, use_local=False, timeout_s=1800,
+                 placement_strategy="SPREAD"):
         self._worker_options = worker_options
         self._cpus = num_cpus_per_worker
         self._gpus = 1 if use_gpu else 0
         self._use_local = use_local
-        self._hook = initialization_hook
         self._timeout_s = timeout_s
         self._strategy = placement_strategy
         self._handles = []
@@ -137,22 +134,35 @@ class WorkerGroup:
                                f"{pg_timeout_s:.0f} s; free resources: {ray.available_resources()}") from err
         return pg, 0, True
 
-    def how_many_fit(self, limit):
-        """How many workers fit now (counting CPUs and GPUs per worker on each node), at most ``limit``."""
+    def how_many_fit(self, limit, settle_s=0.0):
+        """How many workers fit now (counting CPUs and GPUs per worker on each node), at most ``limit``.
+
+        Ray's resource view lags a release by a moment: with ``settle_s`` it is polled for up to that
+        long until ``limit`` workers fit, and the best count seen is returned.
+        """
         trial_pg = get_current_placement_group()
         if trial_pg is not None:
             return min(limit, len(trial_pg.bundle_specs) - (0 if self._use_local else 1))
-        try:
-            from ray._private.state import state  # noqa: PLC0415 (per-node view; no public equivalent)
+        deadline = time.monotonic() + settle_s
+        best = 0
+        while True:
+            try:
+                from ray._private.state import state  # noqa: PLC0415 (per-node view; no public equivalent)
 
-            nodes = list(state.available_resources_per_node().values())
-        except Exception:  # noqa: BLE001 (fall back to the cluster-wide sum)
-            nodes = [ray.available_resources()]
-        return recovery.workers_that_fit(nodes, self._cpus, self._gpus, limit)
+                nodes = list(state.available_resources_per_node().values())
+            except Exception:  # noqa: BLE001 (fall back to the cluster-wide sum)
+                nodes = [ray.available_resources()]
+            best = max(best, recovery.workers_that_fit(nodes, self._cpus, self._gpus, limit))
+            if best >= limit or time.monotonic() >= deadline:
+                return best
+            time.sleep(0.1)
 
     # ----------------------------------------------------------------- start-up
-    def start(self, n, operator_cls, config, pg_timeout_s=None):
-        """Start ``n`` workers running ``operator_cls(config)``; raises WorkerFailure if one dies meanwhile."""
+    def start(self, n, operator_cls, config, pg_timeout_s=None, initialization_hook=None):
+        """Start ``n`` workers running ``operator_cls(config)``; raises WorkerFailure if one dies meanwhile.
+
+        ``initialization_hook`` runs on every worker before the process group is set up.
+        """
         if self._handles:
             raise RuntimeError("WorkerGroup.start called on a running group; shut it down first")
         pg_timeout_s = constants.SGD_PLACEMENT_GROUP_TIMEOUT_S if pg_timeout_s is None else pg_timeout_s
@@ -169,7 +179,7 @@ class WorkerGroup:
                                                  scheduling_strategy=strategy).remote(operator_cls, config, **options)
             self._handles.append(_Handle(rank, actor=actor))
         deadline = self._timeout_s + 60
-        self.run("run_hook", self._hook, deadline_s=deadline)
+        self.run("run_hook", initialization_hook, deadline_s=deadline)
         local_ranks = [0] * n
         if n > 1:
             url = self._collect({0: self._handles[0].call("setup_address")}, deadline_s=deadline)[0]

@@ -1,0 +1,68 @@
+"""A 2-node cluster (1 CPU each) loses a node mid-epoch; training goes on, then grows back."""
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from conftest import worker_env
+from helpers import FaultyOperator
+from raysgd import TorchTrainer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4}})
+    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, runtime_env=worker_env())
+    yield cluster, nodes
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_lost_node_shrinks_then_the_pool_grows_back(cluster, tmp_path, monkeypatch):
+    cluster, nodes = cluster
+    monkeypatch.setenv("SGD_RESIZE_COOLDOWN_S", "3")
+    config = {"data_size": 400, "batch_size": 10, "batch_sleep": 0.05,
+              "fault": {"rank": 1, "batch": 5, "kind": "signal", "marker": str(tmp_path / "at-batch-5")}}
+    trainer = TorchTrainer(training_operator_cls=FaultyOperator, num_workers=2, config=config, timeout_s=15)
+    try:
+        node_ids = trainer.apply_all_workers(lambda: ray.get_runtime_context().get_node_id())
+        assert len(set(node_ids)) == 2  # SPREAD: one worker per node
+        doomed = next(node for node in nodes if node.node_id == node_ids[1])
+        marker = tmp_path / "at-batch-5"
+
+        start = time.monotonic()
+        import threading
+
+        def remove_when_reached():
+            while not marker.exists():
+                time.sleep(0.01)
+            cluster.remove_node(doomed, allow_graceful=False)
+
+        thread = threading.Thread(target=remove_when_reached, daemon=True)
+        thread.start()
+        stats = trainer.train()
+        elapsed = time.monotonic() - start
+        thread.join(timeout=5)
+        assert stats["num_samples"] == 400  # the whole epoch, retried on the surviving node
+        assert trainer.worker_group.num_workers == 1 and trainer.num_failures == 1
+        assert elapsed < 90, elapsed
+
+        assert trainer.train()["num_samples"] == 400  # still 1 worker: nowhere to grow
+        assert trainer.worker_group.num_workers == 1
+
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        time.sleep(3.5)  # past the cooldown
+        stats = trainer.train()
+        assert trainer.worker_group.num_workers == 2 and stats["num_samples"] == 400
+        assert len(set(trainer.apply_all_workers(lambda: ray.get_runtime_context().get_node_id()))) == 2
+    finally:
+        trainer.shutdown()
