@@ -38,7 +38,8 @@ class ClassifierOperator(TrainingOperator):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
         self.model, self.optimizer, self.criterion = self.register(
-            models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss())
+            models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
+            **config.get("register_args", {}))
         self.register_data(train_loader=DataLoader(TensorDataset(x, y), batch_size=config.get("batch_size", 16)),
                            validation_loader=DataLoader(TensorDataset(x, y), batch_size=7))
 

@@ -146,8 +146,7 @@ class TrainingOperator:
         Steps the registered schedulers per batch or per epoch as ``scheduler_step_freq`` says.
         """
         info = dict(info or {})
-        model = self._component("model", "_models")
-        model.train()
+        self._set_mode(training=True)
         meters = AverageMeterCollection()
         for batch_idx, batch in enumerate(iterator):
             batch_info = {"batch_idx": batch_idx, "global_step": self.global_step, **info}
@@ -180,8 +179,7 @@ class TrainingOperator:
     def validate(self, val_iterator, info=None):
         """Run :meth:`validate_batch` over ``val_iterator`` without gradients; returns averaged metrics."""
         info = dict(info or {})
-        model = self._component("model", "_models")
-        model.eval()
+        self._set_mode(training=False)
         meters = AverageMeterCollection()
         with torch.no_grad():
             for batch_idx, batch in enumerate(val_iterator):
@@ -259,6 +257,15 @@ class TrainingOperator:
             return items[0]
         raise RuntimeError(f"The default loop needs self.{attr}: set it in setup() (e.g. from register's return "
                            f"value), or override train_batch/validate_batch for several or no {attr}s.")
+
+    def _set_mode(self, training):
+        """``train()`` or ``eval()`` on ``self.model`` (if set) and every registered model."""
+        models = list(getattr(self, "_models", None) or [])
+        own = getattr(self, "model", None)
+        if isinstance(own, torch.nn.Module):
+            models.append(own)
+        for model in models:
+            model.train(training)
 
     def _step_schedulers(self):
         for scheduler in self._schedulers or ():
