@@ -1,0 +1,83 @@
+"""The package's imports point down the layers of DESIGN.md, and every module stays small and documented."""
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "raysgd"
+
+# module -> layer (DESIGN.md); a module may import raysgd modules of a lower or equal layer only.
+LAYERS = {
+    "raysgd.utils": 0, "raysgd.torch.constants": 0, "raysgd.torch.errors": 0, "raysgd.torch.reduction": 0,
+    "raysgd.torch.precision": 1, "raysgd.torch.data": 1, "raysgd.torch.checkpoint": 1,
+    "raysgd.torch.training_operator": 2, "raysgd.torch.creator_operator": 2,
+    "raysgd.torch.worker": 3, "raysgd.torch.recovery": 3,
+    "raysgd.torch.worker_group": 4,
+    "raysgd.torch.arguments": 5, "raysgd.torch.torch_trainer": 5,
+    "raysgd.torch.tune": 6,
+}
+# What each layer may import from outside the package (beyond the standard library).
+THIRD_PARTY = {0: {"numpy", "torch"}, 1: {"torch", "numpy", "apex"}, 2: {"torch", "numpy", "filelock"},
+               3: {"torch", "numpy", "ray"}, 4: {"ray", "torch", "numpy"}, 5: {"ray", "torch", "numpy"},
+               6: {"ray", "torch", "numpy"}}
+# Lazy imports kept for 1.x's API: TorchTrainer.as_trainable builds the Tune class on first use.
+UPWARD_EXCEPTIONS = {("raysgd.torch.torch_trainer", "raysgd.torch.tune")}
+PURE = {"raysgd.torch.recovery": set(), "raysgd.torch.errors": {"torch"}, "raysgd.torch.constants": set()}
+
+
+def module_name(path):
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+
+
+def library_modules():
+    return [p for p in sorted(ROOT.rglob("*.py")) if "examples" not in p.parts]
+
+
+@pytest.mark.parametrize("path", library_modules(), ids=lambda p: module_name(p))
+def test_imports_point_down_the_layers(path):
+    name = module_name(path)
+    if name not in LAYERS:
+        pytest.skip(f"{name} is not layered (package glue or compat)")
+    layer = LAYERS[name]
+    for imported in imports(path):
+        target = next((m for m in sorted(LAYERS, key=len, reverse=True)
+                       if imported == m or imported.startswith(m + ".")), None)
+        if target is not None:
+            if (name, target) in UPWARD_EXCEPTIONS:
+                continue
+            assert LAYERS[target] <= layer, f"{name} (layer {layer}) imports {target} (layer {LAYERS[target]})"
+        elif not imported.startswith("raysgd"):
+            top = imported.split(".")[0]
+            allowed = PURE.get(name, THIRD_PARTY[layer])
+            import sys
+
+            if top not in sys.stdlib_module_names:
+                assert top in allowed, f"{name} (layer {layer}) imports {top}"
+
+
+@pytest.mark.parametrize("path", library_modules(), ids=lambda p: module_name(p))
+def test_modules_are_small_and_say_their_job(path):
+    source = path.read_text()
+    assert len(source.splitlines()) <= 400, f"{path.name} has {len(source.splitlines())} lines"
+    docstring = ast.get_docstring(ast.parse(source))
+    assert docstring and len(docstring.splitlines()[0]) > 10, f"{path.name} needs a docstring opening with its job"
+    calls = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "print"]
+    assert not calls, f"{path.name}: library code logs, it does not print"
+
+
+def test_only_the_worker_group_touches_actor_handles():
+    for path in library_modules():
+        if module_name(path) in ("raysgd.torch.worker_group",):
+            continue
+        assert ".remote(" not in path.read_text(), f"{path.name} calls actors directly"
