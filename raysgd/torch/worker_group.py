@@ -252,10 +252,9 @@ class WorkerGroup:
             if user_error is not None and now - user_error[1] > _USER_ERROR_GRACE_S:
                 break
             if deadline_s is not None and now - start > deadline_s:
-                failures.update({r: f"no answer within {deadline_s:.0f} s" for r in pending.values()})
-                break
+                return self._fail(failures, sorted(pending.values()), None, f"no answer within {deadline_s:.0f} s")
             if lockstep and first_success is not None and now - first_success > self._timeout_s + 5:
-                return self._fail({}, list(pending.values()), None, "workers did not finish after rank "
+                return self._fail({}, sorted(pending.values()), None, "workers did not finish after rank "
                                   f"{min(results)} did (timeout_s={self._timeout_s})")
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=_TICK_S)
             for ref in ready:
@@ -271,7 +270,7 @@ class WorkerGroup:
                 on_tick()
         if failures:
             collective_only = all(isinstance(c, CollectiveError) for c in failures.values())
-            return self._fail(failures, list(pending.values()) if collective_only else [],
+            return self._fail(failures, sorted(pending.values()) if collective_only else [],
                               next(iter(failures.values())), "worker failure")
         if user_error is not None:
             if pending:  # the others are stuck waiting for the failed rank: the group is unusable
