@@ -172,6 +172,7 @@ def install():
         >>> from ray.util.sgd.utils import BATCH_SIZE
         >>> BATCH_SIZE
         '*batch_size'
+        >>> raysgd.compat.uninstall()
     """
     if not is_installed():
         sys.meta_path.insert(0, _finder)

@@ -66,12 +66,15 @@ def test_every_legacy_path_is_the_raysgd_module(installed, suffix):
 def test_public_names_and_pickling(installed):
     from ray.util.sgd import PyTorchTrainer, TorchTrainer
     from ray.util.sgd.torch import CreatorOperator, TrainingOperator
-    from ray.util.sgd.torch.constants import NUM_STEPS, SCHEDULER_STEP, USE_FP16  # noqa: F401
+    from ray.util.sgd.torch.constants import NUM_STEPS, SCHEDULER_STEP, USE_FP16
     from ray.util.sgd.torch.examples.train_example import LinearDataset
     from ray.util.sgd.torch.resnet import ResNet18
-    from ray.util.sgd.torch.training_operator import get_test_metrics_operator, get_test_operator  # noqa: F401
-    from ray.util.sgd.utils import BATCH_SIZE, NUM_SAMPLES, AverageMeterCollection, override  # noqa: F401
+    from ray.util.sgd.torch.training_operator import get_test_metrics_operator, get_test_operator
+    from ray.util.sgd.utils import BATCH_SIZE, NUM_SAMPLES, AverageMeterCollection, override
 
+    assert (NUM_STEPS, SCHEDULER_STEP, USE_FP16, NUM_SAMPLES) == ("__num_steps__", "scheduler_step", "__use_fp16__",
+                                                                  "num_samples")
+    assert all(callable(f) for f in (get_test_operator, get_test_metrics_operator, AverageMeterCollection, override))
     assert TorchTrainer is raysgd.TorchTrainer and TrainingOperator is raysgd.TrainingOperator
     assert issubclass(CreatorOperator, TrainingOperator)
     assert BATCH_SIZE == "*batch_size" and len(LinearDataset(2, 5, size=10)) == 10

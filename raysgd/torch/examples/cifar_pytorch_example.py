@@ -36,7 +36,14 @@ MODELS = {"resnet18": resnet.ResNet18, "resnet34": resnet.ResNet34, "resnet50": 
 
 
 class CifarDataset(Dataset):
-    """uint8 images (N, 3, 32, 32) and labels, normalised per channel, augmented when ``train``."""
+    """uint8 images (N, 3, 32, 32) and labels, normalised per channel, augmented when ``train``.
+
+    Example:
+        >>> ds = CifarDataset(np.zeros((2, 3, 32, 32), dtype=np.uint8), [3, 5], train=True)
+        >>> image, label = ds[1]
+        >>> tuple(image.shape), int(label)
+        ((3, 32, 32), 5)
+    """
 
     def __init__(self, images, labels, train=False):
         if images.ndim != 4 or images.shape[1:] != (3, 32, 32) or images.dtype != np.uint8:
@@ -127,6 +134,10 @@ class CifarTrainingOperator(TrainingOperator):
     Config keys: ``lr`` (0.1), ``model`` ("resnet18"), ``num_epochs`` (for the schedule),
     ``data_dir`` (None: synthetic), ``synthetic_sizes`` ((50000, 10000)), ``test_mode`` (64 images),
     ``BATCH_SIZE``.
+
+    Example:
+        >>> trainer = TorchTrainer(training_operator_cls=CifarTrainingOperator, num_workers=2,  # doctest: +SKIP
+        ...                        scheduler_step_freq="epoch", config={"test_mode": True, BATCH_SIZE: 64})
     """
 
     def setup(self, config):

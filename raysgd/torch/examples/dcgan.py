@@ -31,7 +31,13 @@ logger = logging.getLogger(__name__)
 
 
 def digits_images(limit=None, seed=0):
-    """``(images, labels)``: the 1797 digits as float tensors of shape (N, 1, 8, 8) scaled to [-1, 1]."""
+    """``(images, labels)``: the 1797 digits as float tensors of shape (N, 1, 8, 8) scaled to [-1, 1].
+
+    Example:
+        >>> images, labels = digits_images(limit=4)
+        >>> tuple(images.shape), float(images.min()) >= -1.0
+        ((4, 1, 8, 8), True)
+    """
     from sklearn.datasets import load_digits  # noqa: PLC0415 (scikit-learn: only this example needs it)
 
     images, labels = load_digits(return_X_y=True)
@@ -41,7 +47,12 @@ def digits_images(limit=None, seed=0):
 
 
 class Generator(nn.Module):
-    """Latent vector -> 2x2 -> 4x4 -> 8x8 image in [-1, 1] (transposed convolutions)."""
+    """Latent vector -> 2x2 -> 4x4 -> 8x8 image in [-1, 1] (transposed convolutions).
+
+    Example:
+        >>> Generator(latent_dim=16)(torch.randn(2, 16)).shape
+        torch.Size([2, 1, 8, 8])
+    """
 
     def __init__(self, latent_dim=16, width=64):
         super().__init__()
@@ -56,7 +67,12 @@ class Generator(nn.Module):
 
 
 class Discriminator(nn.Module):
-    """8x8 image -> 4x4 -> 2x2 -> one logit (real or fake). No batch norm: real and fake are scored apart."""
+    """8x8 image -> 4x4 -> 2x2 -> one logit (real or fake). No batch norm: real and fake are scored apart.
+
+    Example:
+        >>> Discriminator()(torch.zeros(3, 1, 8, 8)).shape
+        torch.Size([3, 1])
+    """
 
     def __init__(self, width=64):
         super().__init__()
@@ -81,7 +97,7 @@ def train_classifier(path, epochs=60, seed=0):
     Example:
         >>> train_classifier("/tmp/digits_classifier.pt")  # doctest: +SKIP
     """
-    with FileLock(path + ".lock"):
+    with FileLock(path + ".lock", timeout=600):  # another process may be training it: wait, but not forever
         if os.path.exists(path):
             return path
         torch.manual_seed(seed)
@@ -102,7 +118,12 @@ def train_classifier(path, epochs=60, seed=0):
 
 
 def inception_score(classifier, images, eps=1e-12):
-    """``exp(E_x KL(p(y|x) || p(y)))`` under ``classifier``: 1 for one blurry class, up to 10 for varied crisp digits."""
+    """``exp(E_x KL(p(y|x) || p(y)))`` under ``classifier``: 1 for one blurry class, up to 10 for varied crisp digits.
+
+    Example:
+        >>> round(inception_score(torch.nn.Identity(), torch.eye(10) * 50), 3)
+        10.0
+    """
     with torch.no_grad():
         probs = torch.softmax(classifier(images.float()), dim=1)
         marginal = probs.mean(dim=0, keepdim=True)
@@ -111,7 +132,15 @@ def inception_score(classifier, images, eps=1e-12):
 
 
 class GANOperator(TrainingOperator):
-    """Registers a discriminator and a generator with one Adam optimizer each; ``train_batch`` alternates them."""
+    """Registers a discriminator and a generator with one Adam optimizer each; ``train_batch`` alternates them.
+
+    Config keys: ``classification_model_path`` (from :func:`train_classifier`), ``BATCH_SIZE``, ``lr``
+    (2e-3), ``latent_dim`` (16), ``limit`` (use the first N images).
+
+    Example:
+        >>> trainer = TorchTrainer(training_operator_cls=GANOperator, num_workers=2,  # doctest: +SKIP
+        ...                        config={BATCH_SIZE: 64, "classification_model_path": train_classifier(path)})
+    """
 
     def setup(self, config):
         torch.manual_seed(config.get("seed", 0))
@@ -159,7 +188,11 @@ class GANOperator(TrainingOperator):
                 "inception": inception_score(self.classifier, fake.detach()), NUM_SAMPLES: n}
 
     def sample(self, n=16, seed=0):
-        """``n`` generated images (CPU tensor, values in [-1, 1]) from a fixed noise ``seed``."""
+        """``n`` generated images (CPU tensor, values in [-1, 1]) from a fixed noise ``seed``.
+
+    Example:
+        >>> images = trainer.apply_all_operators(lambda op: op.sample(16))[0]  # doctest: +SKIP
+    """
         generator = self._get_original_models()[1]  # unwrapped: no DDP collectives for a local sample
         noise = torch.randn(n, self.latent_dim, generator=torch.Generator().manual_seed(seed)).to(self.device)
         generator.eval()
