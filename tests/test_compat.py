@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 import raysgd
+from conftest import assert_released
 from raysgd import compat, legacy
 from raysgd.torch.constants import LEGACY_IMPORTS_ENV
 
@@ -34,16 +35,6 @@ def installed():
     compat.install()
     yield
     compat.uninstall()
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    if ray.is_initialized():
-        pytest.skip("needs to start its own Ray cluster, but Ray is already initialized in this process")
-    os.environ.pop(LEGACY_IMPORTS_ENV, None)  # the cluster must not inherit the flag: the workers get it otherwise
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 def test_ray_2_ships_a_ray_util_sgd_that_only_raises():
@@ -144,8 +135,11 @@ def test_legacy_script_with_two_workers(tmp_path):
     assert all(w["operator_module"] == "raysgd.torch.training_operator" for w in workers)
 
 
-def test_mapping_reaches_workers_of_a_running_cluster(ray_cluster, installed):
+def test_mapping_reaches_workers_of_a_running_cluster(ray_2cpus):
     """install() after ray.init(): the worker group forwards the flag, so a worker's own ray.util.sgd imports work."""
+    # Precondition: this cluster's processes did not inherit the flag (else the test proves nothing).
+    assert ray.get(ray.remote(lambda: os.environ.get(LEGACY_IMPORTS_ENV)).remote(), timeout=60) is None
+    compat.install()
 
     class ImportsOnWorker(raysgd.TrainingOperator):
         def setup(self, config):
@@ -166,3 +160,5 @@ def test_mapping_reaches_workers_of_a_running_cluster(ray_cluster, installed):
         assert trainer.train()["num_samples"] == 64
     finally:
         trainer.shutdown()
+        compat.uninstall()
+    assert_released()
