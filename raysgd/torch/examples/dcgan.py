@@ -151,9 +151,6 @@ class GANOperator(TrainingOperator):
         optimizer_g = torch.optim.Adam(generator.parameters(), lr=config.get("lr", 2e-3), betas=betas)
         self.models, self.optimizers, self.criterion = self.register(
             models=(discriminator, generator), optimizers=(optimizer_d, optimizer_g), criterion=nn.BCEWithLogitsLoss())
-        # The default train_epoch calls self.model.train() once per epoch; as in 1.x, point it at the discriminator
-        # (train_batch below uses both models).
-        self.model, self.optimizer = self.models[0], self.optimizers[0]
         images, _ = digits_images(limit=config.get("limit"))
         self.register_data(train_loader=DataLoader(TensorDataset(images), batch_size=config[BATCH_SIZE],
                                                    shuffle=True, drop_last=True))
