@@ -5,13 +5,20 @@ Example:
     >>> from raysgd.utils import BATCH_SIZE
 """
 import logging
+import os
 
 from raysgd.torch import TorchTrainer, TrainingOperator
+from raysgd.torch.constants import LEGACY_IMPORTS_ENV
 
 __version__ = "0.1.0"
 __all__ = ["TorchTrainer", "TrainingOperator", "PyTorchTrainer", "__version__"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+if os.environ.get(LEGACY_IMPORTS_ENV) == "1":  # set by raysgd.compat.install() in the driver: a Ray worker
+    from raysgd import compat as _compat  # imports the legacy script's modules, which need the mapping too
+
+    _compat.install_if_requested()
 
 
 def PyTorchTrainer(**kwargs):  # noqa: N802 (the 1.x name)

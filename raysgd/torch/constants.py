@@ -20,6 +20,9 @@ SCHEDULER_STEP_BATCH = "batch"
 SCHEDULER_STEP_EPOCH = "epoch"
 SCHEDULER_STEP_MANUAL = "manual"
 VALID_SCHEDULER_STEP = {SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH, SCHEDULER_STEP_MANUAL}
+#: Environment variable set by ``raysgd.compat.install()``: a process with it set maps ``ray.util.sgd``
+#: to raysgd on ``import raysgd``; the worker group forwards it to its actors.
+LEGACY_IMPORTS_ENV = "RAYSGD_LEGACY_IMPORTS"
 
 
 def _env_float(name, default):

@@ -10,6 +10,7 @@ Example:
     >>> # group.start(2, operator_cls, config); group.run("train_epoch"); group.shutdown()
 """
 import logging
+import os
 import time
 
 import ray
@@ -33,6 +34,13 @@ def _remote_worker_cls():
     if _RemoteWorker is None:
         _RemoteWorker = ray.remote(TorchWorker)
     return _RemoteWorker
+
+
+def _legacy_runtime_env():
+    """Actor options carrying ``raysgd.compat``'s flag, so actors map ``ray.util.sgd`` imports too."""
+    if os.environ.get(constants.LEGACY_IMPORTS_ENV) != "1":
+        return {}
+    return {"runtime_env": {"env_vars": {constants.LEGACY_IMPORTS_ENV: "1"}}}
 
 
 class _Done:
@@ -175,8 +183,8 @@ class WorkerGroup:
                 self._handles.append(_Handle(0, local=local))
                 continue
             strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=offset + rank)
-            actor = _remote_worker_cls().options(num_cpus=self._cpus, num_gpus=self._gpus,
-                                                 scheduling_strategy=strategy).remote(operator_cls, config, **options)
+            actor = _remote_worker_cls().options(num_cpus=self._cpus, num_gpus=self._gpus, scheduling_strategy=strategy,
+                                                 **_legacy_runtime_env()).remote(operator_cls, config, **options)
             self._handles.append(_Handle(rank, actor=actor))
         deadline = self._timeout_s + 60
         self.run("run_hook", initialization_hook, deadline_s=deadline)

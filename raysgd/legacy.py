@@ -1,0 +1,71 @@
+"""Runs an unmodified RaySGD 1.x script with ``ray.util.sgd`` mapped to raysgd.
+
+Outside the layers: imports :mod:`raysgd.compat` and the standard library.
+``python -m raysgd.legacy script.py [args]`` installs the mapping (:func:`raysgd.compat.install`),
+then runs ``script.py`` as ``__main__`` with ``sys.argv == ["script.py", *args]`` and the script's
+directory first on ``sys.path``, as ``python script.py [args]`` would. ``-m module`` runs a module
+instead (a 1.x module name such as ``ray.util.sgd.torch.examples.train_example`` works).
+
+Example:
+    $ python -m raysgd.legacy my_raysgd1_script.py --num-workers 2
+    $ python -m raysgd.legacy -m ray.util.sgd.torch.examples.train_example --num-workers 2
+"""
+import argparse
+import os
+import runpy
+import sys
+
+from raysgd import compat
+
+_USAGE = "python -m raysgd.legacy (script.py | -m module) [args ...]"
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m raysgd.legacy", usage=_USAGE,
+        description="Run a RaySGD 1.x program unchanged: imports from ray.util.sgd resolve to raysgd.")
+    parser.add_argument("-m", dest="module", metavar="module", help="run a module as __main__ (like python -m)")
+    parser.add_argument("script", nargs="?", help="the script to run as __main__")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script as sys.argv[1:]")
+    if argv and argv[0] == "-m" and len(argv) >= 2:  # everything after the module name belongs to it
+        return argparse.Namespace(module=argv[1], script=None, args=list(argv[2:]))
+    options = parser.parse_args(argv)
+    if options.module is not None:
+        parser.error(f"-m must come first: {_USAGE}")
+    if options.script is None:
+        parser.error(f"expected a script path or -m module; got no arguments. Usage: {_USAGE}")
+    if not os.path.isfile(options.script):
+        parser.error(f"expected a path to a Python script; got {options.script!r}, which is not a file")
+    return options
+
+
+def main(argv=None):
+    """Run a script (or ``-m`` module) as ``__main__`` with the legacy mapping installed.
+
+    ``argv`` defaults to ``sys.argv[1:]``. Exceptions from the script propagate, including
+    ``SystemExit`` with its exit code.
+
+    Example:
+        >>> main(["path/to/legacy_script.py", "--smoke-test"])  # doctest: +SKIP
+    """
+    options = _parse(sys.argv[1:] if argv is None else list(argv))
+    compat.install()
+    if options.module is not None:
+        module = compat.translate(options.module) or options.module
+        sys.argv = [options.module, *options.args]
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # as python -m does
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
+    script = os.path.abspath(options.script)
+    sys.argv = [options.script, *options.args]
+    script_dir = os.path.dirname(script)
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        sys.path[0] = script_dir  # python -m put the cwd there; python script.py puts the script's directory
+    else:
+        sys.path.insert(0, script_dir)
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""The 1.x example modules in-process (no Ray): CIFAR-10 file loading, synthetic data, the DCGAN operator."""
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from raysgd.torch.examples import cifar_pytorch_example as cifar
+from raysgd.torch.worker import TorchWorker
+from raysgd.utils import BATCH_SIZE
+
+
+def _write_fake_cifar(folder, per_batch=6):
+    """Files in the layout and pickle format of the CIFAR-10 python version (tiny, with known pixels)."""
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        data = rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8)
+        labels = [int(x) for x in rng.integers(0, 10, size=per_batch)]
+        with open(folder / name, "wb") as handle:
+            pickle.dump({b"data": data, b"labels": labels, b"batch_label": name.encode()}, handle)
+    return folder
+
+
+def test_real_cifar_files_load_from_the_folder_or_its_parent(tmp_path):
+    folder = _write_fake_cifar(tmp_path / "cifar-10-batches-py")
+    for data_dir in (folder, tmp_path):
+        train, val = cifar.load_cifar10(str(data_dir))
+        assert (len(train), len(val)) == (30, 6)
+    with open(folder / "test_batch", "rb") as handle:
+        raw = pickle.load(handle)
+    image, label = val[2]
+    expected = torch.tensor(raw[b"data"][2].reshape(3, 32, 32) / 255.0, dtype=torch.float32)
+    mean, std = torch.tensor(cifar.CIFAR_MEAN).view(3, 1, 1), torch.tensor(cifar.CIFAR_STD).view(3, 1, 1)
+    assert torch.allclose(image, (expected - mean) / std, atol=1e-5) and label.item() == raw[b"labels"][2]
+    assert train[0][0].shape == (3, 32, 32)  # augmented: padded random crop keeps the size
+
+
+def test_missing_cifar_files_say_where_they_were_looked_for(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data_batch_1 .* found none"):
+        cifar.load_cifar10(str(tmp_path))
+
+
+def test_synthetic_cifar_is_deterministic_and_class_structured():
+    a_images, a_labels = cifar.synthetic_cifar(200, seed=3)
+    b_images, _ = cifar.synthetic_cifar(200, seed=3)
+    assert np.array_equal(a_images, b_images)
+    means = np.stack([a_images[a_labels == c].mean(axis=0) for c in range(10)])
+    spread_between = means.std(axis=0).mean()
+    spread_within = a_images[a_labels == 0].std(axis=0).mean()
+    assert spread_between > 0.5 * spread_within  # classes differ, so there is something to learn
+
+
+def test_dcgan_operator_trains_both_models_under_bf16(tmp_path):
+    from raysgd.torch.examples import dcgan
+
+    path = dcgan.train_classifier(str(tmp_path / "classifier.pt"), epochs=30)
+    worker = TorchWorker(dcgan.GANOperator, {BATCH_SIZE: 16, "limit": 64, "classification_model_path": path},
+                         use_fp16="bf16", is_local=True)
+    worker.setup_operator()
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in worker.operator._get_original_models()]
+    stats = worker.train_epoch(num_steps=3)
+    assert stats["batch_count"] == 3 and stats["num_samples"] == 48
+    assert {"loss_d", "loss_g", "inception"} <= set(stats) and 1.0 <= stats["inception"] <= 10.0
+    for old, model in zip(before, worker.operator._get_original_models()):  # discriminator and generator
+        assert any(not torch.equal(old[k], v) for k, v in model.state_dict().items())
+    assert worker.operator.sample(4).shape == (4, 1, 8, 8)
+
+
+def test_inception_score_bounds():
+    from raysgd.torch.examples.dcgan import inception_score
+
+    confident = torch.nn.Linear(10, 10)
+    with torch.no_grad():
+        confident.weight.copy_(torch.eye(10) * 50)
+        confident.bias.zero_()
+    assert inception_score(confident, torch.eye(10)) == pytest.approx(10.0, rel=1e-3)  # 10 crisp classes
+    assert inception_score(confident, torch.eye(10)[[3] * 10]) == pytest.approx(1.0, abs=1e-3)  # one class
