@@ -207,7 +207,13 @@ class BaseTorchTrainable(Trainable):
 
 
 def checkpoint_state(path, weights_only=True):
-    """The trainer state in a trial checkpoint file (a safe load by default, as ``TorchTrainer.load``)."""
+    """The trainer state in a trial checkpoint file (a safe load by default, as ``TorchTrainer.load``).
+
+    Example:
+        >>> state = checkpoint_state(os.path.join(result.checkpoint.path, CHECKPOINT_FILE))  # doctest: +SKIP
+        >>> state["epoch"]  # doctest: +SKIP
+        2
+    """
     return checkpoint.load_state(path, weights_only=weights_only)
 
 
