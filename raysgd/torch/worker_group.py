@@ -308,7 +308,7 @@ class WorkerGroup:
         descriptions = {rank: _describe(err) for rank, err in failures.items()}
         failure = WorkerFailure(message, descriptions, unresponsive)
         logger.warning("Ending the attempt: %s", failure)
-        raise failure from cause
+        raise failure from (cause if isinstance(cause, BaseException) else None)  # a timeout's cause is text
 
     # ----------------------------------------------------------------- teardown
     def _kill_all(self):

@@ -1,0 +1,96 @@
+"""The 1.x Tune example: ``tune_example``, ``tune_example_manual`` and ``get_custom_training_operator``.
+
+A grid search over the learning rate of the linear regression in
+:mod:`raysgd.torch.examples.train_example`, each trial a ``TorchTrainer`` under Ray Tune
+(``tune.run``, as in RaySGD 1.x; ``examples/tune_example.py`` shows the same with ``tune.Tuner``).
+
+Run it: ``python -m raysgd.torch.examples.tune_example --smoke-test [--manual]``.
+
+Example:
+    >>> from raysgd.torch.examples.tune_example import get_custom_training_operator, tune_example
+    >>> best = tune_example(get_custom_training_operator(), num_workers=1, num_samples=1)  # doctest: +SKIP
+    >>> sorted(best)  # doctest: +SKIP
+    ['lr']
+"""
+import argparse
+import logging
+
+import torch
+import torch.nn as nn
+
+from raysgd.torch import TorchTrainer, TrainingOperator
+from raysgd.torch.examples.train_example import data_creator, model_creator, optimizer_creator
+from raysgd.utils import BATCH_SIZE
+
+logger = logging.getLogger(__name__)
+
+
+def scheduler_creator(optimizer, config):
+    """``ReduceLROnPlateau`` on the validation loss (stepped by hand: ``scheduler_step_freq="manual"``)."""
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="min", patience=config.get("patience", 0))
+
+
+def get_custom_training_operator(lr_reduce_on_plateau=False):
+    """The linear-regression operator (``from_creators``), with ``ReduceLROnPlateau`` when asked."""
+    return TrainingOperator.from_creators(
+        model_creator=model_creator, optimizer_creator=optimizer_creator, data_creator=data_creator,
+        loss_creator=nn.MSELoss, scheduler_creator=scheduler_creator if lr_reduce_on_plateau else None)
+
+
+def manual_step(trainer, info):
+    """A custom Tune step (``override_tune_step``): train, validate, then step the scheduler on ``val_loss``."""
+    train_stats = trainer.train()
+    validation_stats = trainer.validate()
+    trainer.update_scheduler(validation_stats["val_loss"])
+    lr = trainer.apply_all_operators(lambda operator: operator.optimizer.param_groups[0]["lr"])[0]
+    return {**train_stats, **validation_stats, "lr": lr, "step": info["iteration"]}
+
+
+def tune_example(operator_cls, num_workers=1, use_gpu=False, num_samples=3, storage_path=None):
+    """Grid search over ``lr`` (2 iterations a trial); returns the best config by ``val_loss``."""
+    from ray import tune  # noqa: PLC0415 (Tune is optional for raysgd)
+
+    TorchTrainable = TorchTrainer.as_trainable(  # noqa: N806 (a class)
+        training_operator_cls=operator_cls, num_workers=num_workers, use_gpu=use_gpu, config={BATCH_SIZE: 128})
+    analysis = tune.run(TorchTrainable, num_samples=num_samples, config={"lr": tune.grid_search([1e-4, 1e-3])},
+                        stop={"training_iteration": 2}, storage_path=storage_path, verbose=1)
+    return analysis.get_best_config(metric="val_loss", mode="min")
+
+
+def tune_example_manual(operator_cls, num_workers=1, use_gpu=False, num_samples=3, storage_path=None):
+    """As :func:`tune_example`, stepping ``ReduceLROnPlateau`` by hand in a custom step."""
+    from ray import tune  # noqa: PLC0415
+
+    TorchTrainable = TorchTrainer.as_trainable(  # noqa: N806
+        training_operator_cls=operator_cls, num_workers=num_workers, use_gpu=use_gpu, config={BATCH_SIZE: 128},
+        scheduler_step_freq="manual", override_tune_step=manual_step)
+    analysis = tune.run(TorchTrainable, num_samples=num_samples, config={"lr": tune.grid_search([1e-4, 1e-3])},
+                        stop={"training_iteration": 2}, storage_path=storage_path, verbose=1)
+    return analysis.get_best_config(metric="val_loss", mode="min")
+
+
+def main(argv=None):
+    """Command line: ``--smoke-test`` runs one sample per grid point; ``--manual`` the scheduler variant."""
+    parser = argparse.ArgumentParser(description="RaySGD + Tune: grid search over the learning rate")
+    parser.add_argument("--address", default=None, help="Ray cluster address (default: start one)")
+    parser.add_argument("--num-workers", "-n", type=int, default=1)
+    parser.add_argument("--use-gpu", action="store_true", default=False)
+    parser.add_argument("--manual", action="store_true", help="ReduceLROnPlateau stepped in a custom step")
+    parser.add_argument("--smoke-test", action="store_true", help="one sample per grid point")
+    parser.add_argument("--storage-path", default=None, help="where Tune writes results (default ~/ray_results)")
+    args = parser.parse_args(argv)
+    import ray  # noqa: PLC0415
+
+    if not ray.is_initialized():
+        ray.init(address=args.address or "local", num_cpus=4 if args.smoke_test and not args.address else None)
+    operator_cls = get_custom_training_operator(lr_reduce_on_plateau=args.manual)
+    run = tune_example_manual if args.manual else tune_example
+    best = run(operator_cls, num_workers=args.num_workers, use_gpu=args.use_gpu,
+               num_samples=1 if args.smoke_test else 3, storage_path=args.storage_path)
+    logger.info("Best config: %s", best)
+    return best
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    main()

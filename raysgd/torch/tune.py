@@ -1,0 +1,276 @@
+"""Ray Tune glue: ``BaseTorchTrainable`` and the ``Trainable`` class that ``TorchTrainer.as_trainable`` builds.
+
+Layer 6: the only module that imports ``ray.tune``. It is itself imported lazily (by
+``TorchTrainer.as_trainable`` and ``raysgd.torch.BaseTorchTrainable``), so ``import raysgd`` works
+without ``ray[tune]``.
+
+How a trial runs: Tune reserves one placement group per trial from
+:meth:`default_resource_request` (bundle 0 for the trainable itself, then one bundle per worker;
+with ``use_local`` rank 0 *is* the trainable, in bundle 0). The trainable actor runs inside that
+group, and the trainer's worker group finds it (``get_current_placement_group``) and schedules rank
+``r`` into bundle ``r + 1`` (``r`` with ``use_local``): a trial never creates a second, nested group.
+
+Failures: ``step`` trains with ``max_retries=BaseTorchTrainable.max_retries`` (default 1). A worker
+that dies is restarted inside the trial, in the trial's own bundles (freed when the dead group is
+killed, so a restart never waits for or takes resources of other trials), from the state at the
+start of the step. A failure beyond that fails the trial, and Tune restores it from its last
+checkpoint when ``FailureConfig(max_failures=...)`` allows.
+
+Example:
+    >>> from ray import tune  # doctest: +SKIP
+    >>> from raysgd.torch import TorchTrainer
+    >>> Trainable = TorchTrainer.as_trainable(training_operator_cls=MyOperator, num_workers=2)  # doctest: +SKIP
+    >>> tuner = tune.Tuner(Trainable, param_space={"lr": tune.grid_search([1e-3, 1e-2])},  # doctest: +SKIP
+    ...                    run_config=tune.RunConfig(stop={"training_iteration": 2}))
+    >>> tuner.fit().get_best_result(metric="val_loss", mode="min").config  # doctest: +SKIP
+"""
+import inspect
+import logging
+import os
+
+from raysgd.torch import checkpoint
+
+try:
+    from ray.tune import PlacementGroupFactory, Trainable
+
+    TUNE_INSTALLED = True
+    _TUNE_IMPORT_ERROR = None
+except ImportError as _err:  # Tune is optional: only as_trainable needs it
+    Trainable, PlacementGroupFactory = object, None
+    TUNE_INSTALLED = False
+    _TUNE_IMPORT_ERROR = _err
+
+logger = logging.getLogger(__name__)
+
+#: The file a trial's checkpoint directory holds (the 1.x name).
+CHECKPOINT_FILE = "trainer.checkpoint"
+#: Keys that shape the resource request; read from the Tune config first, then from ``as_trainable``'s kwargs.
+RESOURCE_KEYS = ("num_workers", "num_cpus_per_worker", "use_gpu", "use_local")
+_DEFAULTS = {"num_workers": 1, "num_cpus_per_worker": 1, "use_gpu": "auto", "use_local": False}
+
+
+def merge_dicts(first, second):
+    """A deep merge of two metric dicts: ``second`` wins, nested dicts are merged key by key.
+
+    Example:
+        >>> merge_dicts({"a": 1, "p": {"x": 1}}, {"a": 2, "p": {"y": 2}})
+        {'a': 2, 'p': {'x': 1, 'y': 2}}
+    """
+    merged = dict(first)
+    for key, value in second.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_dicts(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _gpus_available():
+    """Whether ``use_gpu="auto"`` means GPUs: the Ray cluster has some (else this process sees CUDA)."""
+    import ray  # noqa: PLC0415
+
+    if ray.is_initialized():
+        return ray.cluster_resources().get("GPU", 0) >= 1
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.is_available()
+
+
+def resolve_resources(tune_config, trainer_kwargs):
+    """``{num_workers, num_cpus_per_worker, use_gpu, use_local}`` for one trial, checked, ``"auto"`` resolved.
+
+    Each value comes from the Tune config, else ``trainer_kwargs``, else TorchTrainer's default.
+
+    Example:
+        >>> resolve_resources({"num_workers": 3}, {"num_workers": 2, "use_gpu": False})
+        {'num_workers': 3, 'num_cpus_per_worker': 1, 'use_gpu': False, 'use_local': False}
+    """
+    tune_config = tune_config or {}
+    values = {key: tune_config.get(key, trainer_kwargs.get(key, _DEFAULTS[key])) for key in RESOURCE_KEYS}
+    workers, cpus, use_gpu, use_local = (values[k] for k in RESOURCE_KEYS)
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"as_trainable: num_workers expects an int >= 1; got {workers!r}")
+    if not isinstance(cpus, (int, float)) or isinstance(cpus, bool) or cpus <= 0:
+        raise ValueError(f"as_trainable: num_cpus_per_worker expects a number > 0; got {cpus!r}")
+    if use_gpu != "auto" and not isinstance(use_gpu, bool):
+        raise ValueError(f"as_trainable: use_gpu expects True, False or 'auto'; got {use_gpu!r}")
+    if not isinstance(use_local, bool):
+        raise ValueError(f"as_trainable: use_local expects True or False; got {use_local!r}")
+    values["use_gpu"] = _gpus_available() if use_gpu == "auto" else use_gpu
+    return values
+
+
+def resource_bundles(resources):
+    """The placement-group bundles of one trial: ``[{"CPU": 1}]`` (the trainable) + one per worker.
+
+    With ``use_local`` the trainable process is rank 0, so the first worker bundle is its bundle.
+
+    Example:
+        >>> resource_bundles({"num_workers": 2, "num_cpus_per_worker": 2, "use_gpu": False, "use_local": False})
+        [{'CPU': 1}, {'CPU': 2}, {'CPU': 2}]
+    """
+    worker = {"CPU": resources["num_cpus_per_worker"]}
+    if resources["use_gpu"]:
+        worker["GPU"] = 1
+    head = [] if resources["use_local"] else [{"CPU": 1}]
+    return head + [dict(worker) for _ in range(resources["num_workers"])]
+
+
+def trainer_kwargs_for(tune_config, trainer_kwargs):
+    """The ``TorchTrainer`` kwargs of one trial; ``trainer_kwargs`` itself is never changed.
+
+    The Tune config is merged into a copy of ``config`` (Tune wins). The resource keys found in the
+    Tune config also replace the trainer's arguments, so the trainer starts exactly the workers the
+    resource request reserved; ``use_gpu="auto"`` is resolved the way the request resolved it.
+
+    Example:
+        >>> kwargs = {"num_workers": 1, "config": {"lr": 0.1, "batch_size": 8}}
+        >>> new = trainer_kwargs_for({"lr": 0.5, "num_workers": 2}, kwargs)
+        >>> new["config"], new["num_workers"], kwargs["config"]["lr"]
+        ({'lr': 0.5, 'batch_size': 8, 'num_workers': 2}, 2, 0.1)
+    """
+    tune_config = dict(tune_config or {})
+    kwargs = dict(trainer_kwargs)
+    kwargs["config"] = {**(trainer_kwargs.get("config") or {}), **tune_config}
+    resources = resolve_resources(tune_config, trainer_kwargs)
+    for key in RESOURCE_KEYS:
+        if key in tune_config or key in trainer_kwargs or key == "use_gpu":
+            kwargs[key] = resources[key]
+    return kwargs
+
+
+class BaseTorchTrainable(Trainable):
+    """A Tune ``Trainable`` that trains a ``TorchTrainer``: one ``step`` is one ``train()`` plus one ``validate()``.
+
+    Usually built by ``TorchTrainer.as_trainable(...)``. Subclass it directly by implementing
+    :meth:`_create_trainer` (and :meth:`default_resource_request` to match the workers it starts).
+
+    Attributes:
+        max_retries: how often ``step`` restarts lost workers inside the trial before the trial fails
+            and Tune's ``FailureConfig(max_failures=...)`` takes over (default 1; 0 as in RaySGD 1.12).
+
+    Example:
+        >>> class MyTrainable(BaseTorchTrainable):  # doctest: +SKIP
+        ...     def _create_trainer(self, config):
+        ...         return TorchTrainer(training_operator_cls=MyOperator, config=config)
+    """
+
+    max_retries = 1
+
+    def setup(self, config):
+        """Build the trainer from the Tune ``config``."""
+        self._trainer = None
+        self._trainer = self._create_trainer(config)
+
+    def step(self):
+        """``trainer.train()`` then ``trainer.validate()`` (both with ``profile=True``); returns their merged metrics."""
+        if getattr(self, "_train", None) is not None and callable(self._train):
+            raise DeprecationWarning("Trainable._train is deprecated: override step() (or pass override_tune_step "
+                                     "to as_trainable) instead.")
+        train_stats = self.trainer.train(max_retries=self.max_retries, profile=True)
+        validation_stats = self.trainer.validate(max_retries=self.max_retries, profile=True)
+        return merge_dicts(train_stats, validation_stats)
+
+    def save_checkpoint(self, checkpoint_dir):
+        """Write the trainer state to ``<checkpoint_dir>/trainer.checkpoint``; returns None (Ray 2.x's contract)."""
+        self.trainer.save(os.path.join(checkpoint_dir, CHECKPOINT_FILE))
+        return None
+
+    def load_checkpoint(self, checkpoint):
+        """Restore the trainer from what :meth:`save_checkpoint` wrote: the directory (or the file, as in 1.x)."""
+        if isinstance(checkpoint, dict):  # a state dict returned by an overridden save_checkpoint
+            state = checkpoint
+        else:
+            path = os.fspath(checkpoint)
+            if os.path.isdir(path):
+                path = os.path.join(path, CHECKPOINT_FILE)
+            state = checkpoint_state(path)
+        self.trainer.load_state_dict(state, blocking=True)
+
+    def cleanup(self):
+        """Shut the trainer (and its workers) down."""
+        trainer = getattr(self, "_trainer", None)
+        if trainer is not None:
+            trainer.shutdown()
+            self._trainer = None
+
+    def _create_trainer(self, config):
+        """Return the ``TorchTrainer`` of this trial (``config`` is the Tune config)."""
+        raise NotImplementedError("BaseTorchTrainable subclasses must implement _create_trainer(config)")
+
+    @property
+    def trainer(self):
+        """The trial's ``TorchTrainer``."""
+        if getattr(self, "_trainer", None) is None:
+            raise RuntimeError("This trainable has no trainer: setup() failed or cleanup() already ran.")
+        return self._trainer
+
+
+def checkpoint_state(path, weights_only=True):
+    """The trainer state in a trial checkpoint file (a safe load by default, as ``TorchTrainer.load``).
+
+    Example:
+        >>> state = checkpoint_state(os.path.join(result.checkpoint.path, CHECKPOINT_FILE))  # doctest: +SKIP
+        >>> state["epoch"]  # doctest: +SKIP
+        2
+    """
+    return checkpoint.load_state(path, weights_only=weights_only)
+
+
+def _check_step_function(override_tune_step):
+    if override_tune_step is None:
+        return
+    if not callable(override_tune_step):
+        raise TypeError(f"as_trainable(override_tune_step=...) expects a callable (trainer, info); "
+                        f"got {override_tune_step!r}")
+    try:
+        params = inspect.signature(override_tune_step).parameters
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"as_trainable(override_tune_step=...): cannot read the signature of "
+                         f"{override_tune_step!r}") from err
+    if len(params) != 2:
+        raise ValueError(f"as_trainable(override_tune_step=...) expects a function of exactly 2 parameters "
+                         f"(trainer, info); got {len(params)}: {list(params)}")
+
+
+def make_trainable(trainer_cls, *args, override_tune_step=None, **kwargs):
+    """The class behind ``TorchTrainer.as_trainable``: a :class:`BaseTorchTrainable` building ``trainer_cls(**kwargs)``.
+
+    ``override_tune_step(trainer, {"iteration": n})``, when given, replaces :meth:`BaseTorchTrainable.step`;
+    ``n`` is the number of steps completed before this one.
+
+    Example:
+        >>> Trainable = make_trainable(TorchTrainer, training_operator_cls=MyOperator)  # doctest: +SKIP
+        >>> Trainable.default_resource_request({"num_workers": 2}).bundles  # doctest: +SKIP
+        [{'CPU': 1.0}, {'CPU': 1.0}, {'CPU': 1.0}]
+    """
+    if not TUNE_INSTALLED:
+        raise RuntimeError("TorchTrainer.as_trainable needs Ray Tune: pip install 'ray[tune]'") \
+            from _TUNE_IMPORT_ERROR
+    _check_step_function(override_tune_step)
+    resolve_resources({}, kwargs)  # a bad resource argument fails here, not in every trial
+    captured_args, captured_kwargs = tuple(args), dict(kwargs)
+
+    class TorchTrainable(BaseTorchTrainable):
+        _trainer_cls = trainer_cls
+        _trainer_args = captured_args
+        _trainer_kwargs = captured_kwargs
+        _override_tune_step = staticmethod(override_tune_step) if override_tune_step else None
+
+        @classmethod
+        def default_resource_request(cls, config):
+            """One placement group (strategy PACK): the trainable's bundle, then one bundle per worker."""
+            bundles = resource_bundles(resolve_resources(config, cls._trainer_kwargs))
+            return PlacementGroupFactory(bundles, strategy="PACK")
+
+        def _create_trainer(self, config):
+            kwargs = trainer_kwargs_for(config, self._trainer_kwargs)
+            logger.debug("Trial %s: TorchTrainer(%s)", self.trial_id, kwargs)
+            return self._trainer_cls(*self._trainer_args, **kwargs)
+
+        def step(self):
+            if self._override_tune_step is None:
+                return super().step()
+            return self._override_tune_step(self.trainer, {"iteration": self.training_iteration})
+
+    return TorchTrainable
