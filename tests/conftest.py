@@ -79,3 +79,21 @@ def assert_released(timeout_s=10):
     assert not actors, f"actors left behind: {actors}"
     assert not pgs, f"placement groups left behind: {pgs}"
     assert free, f"CPUs not released: {ray.available_resources()} of {ray.cluster_resources()}"
+
+
+@pytest.fixture
+def trainer_factory():
+    """``make(**kwargs)`` builds a TorchTrainer (defaults: ``timeout_s=60``); all are shut down afterwards."""
+    from raysgd import TorchTrainer
+
+    made = []
+
+    def make(**kwargs):
+        kwargs.setdefault("timeout_s", 60)
+        trainer = TorchTrainer(**kwargs)
+        made.append(trainer)
+        return trainer
+
+    yield make
+    for trainer in made:
+        trainer.shutdown()

@@ -11,7 +11,6 @@ import torch
 
 from conftest import assert_released
 from helpers import FaultyOperator, exit_once_hook, seeding_hook
-from raysgd import TorchTrainer
 from raysgd.torch.errors import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("ray_4cpus")
@@ -41,20 +40,9 @@ def when_marker(path, action, timeout_s=60):
 
 
 @pytest.fixture
-def trainers():
-    made = []
-
-    def make(**kwargs):
-        kwargs.setdefault("training_operator_cls", FaultyOperator)
-        kwargs.setdefault("num_workers", 2)
-        kwargs.setdefault("timeout_s", 20)
-        trainer = TorchTrainer(**kwargs)
-        made.append(trainer)
-        return trainer
-
-    yield make
-    for trainer in made:
-        trainer.shutdown()
+def trainers(trainer_factory):
+    defaults = {"training_operator_cls": FaultyOperator, "num_workers": 2, "timeout_s": 20}
+    return lambda **kwargs: trainer_factory(**{**defaults, **kwargs})
 
 
 @pytest.mark.parametrize("how", ["os_exit", "ray_kill", "sigkill"])

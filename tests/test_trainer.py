@@ -7,7 +7,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from helpers import ClassifierOperator, LinearOperator, parameters_of, pid_and_threads
-from raysgd import TorchTrainer, TrainingOperator
+from raysgd import TrainingOperator
 from raysgd.torch.training_operator import get_test_operator
 from raysgd.utils import BATCH_SIZE
 
@@ -18,19 +18,8 @@ LAYOUTS = [pytest.param(1, False, id="1-remote"), pytest.param(1, True, id="1-lo
 
 
 @pytest.fixture
-def make_trainer():
-    trainers = []
-
-    def make(**kwargs):
-        kwargs.setdefault("training_operator_cls", LinearOperator)
-        kwargs.setdefault("timeout_s", 60)
-        trainer = TorchTrainer(**kwargs)
-        trainers.append(trainer)
-        return trainer
-
-    yield make
-    for trainer in trainers:
-        trainer.shutdown()
+def make_trainer(trainer_factory):
+    return lambda **kwargs: trainer_factory(**{"training_operator_cls": LinearOperator, **kwargs})
 
 
 @pytest.mark.parametrize("num_workers, use_local", LAYOUTS)

@@ -1,28 +1,16 @@
 """Operators for tests/test_tune.py (workers import them by name: tests/ is on their PYTHONPATH)."""
 import os
 
-import torch
-import torch.nn as nn
-from torch.utils.data import DataLoader
-
-from raysgd.torch import TrainingOperator
-from raysgd.torch.examples.train_example import LinearDataset
-from raysgd.utils import BATCH_SIZE
+import helpers
 
 
-class LinearOperator(TrainingOperator):
-    """Linear regression on LinearDataset(2, 5); config: lr, BATCH_SIZE or batch_size, data_size, val_size."""
+class LinearOperator(helpers.LinearOperator):
+    """The shared linear-regression operator with smaller default data (Tune runs many trainers)."""
 
     def setup(self, config):
-        torch.manual_seed(0)
-        model = nn.Linear(1, 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=config.get("lr", 1e-2))
-        self.model, self.optimizer, self.criterion = self.register(models=model, optimizers=optimizer,
-                                                                   criterion=nn.MSELoss())
-        batch = config.get(BATCH_SIZE, config.get("batch_size", 16))
-        self.register_data(
-            train_loader=DataLoader(LinearDataset(2, 5, size=config.get("data_size", 64)), batch_size=batch),
-            validation_loader=DataLoader(LinearDataset(2, 5, size=config.get("val_size", 32)), batch_size=batch))
+        config.setdefault("data_size", 64)
+        config.setdefault("val_size", 32)
+        super().setup(config)
 
 
 class CrashingOperator(LinearOperator):
