@@ -15,6 +15,7 @@ Example:
     >>> worker.train_epoch(num_steps=2), worker.train_epoch(num_steps=2)
     ({'epoch': 1, 'seen': 2}, {'epoch': 2, 'seen': 2})
 """
+import contextlib
 import copy
 import datetime
 import functools
@@ -187,11 +188,12 @@ class TorchWorker:
             self.timers.disable()
 
     @_guard_collectives
-    def train_epoch(self, num_steps=None, profile=False, info=None, iterator=None):
+    def train_epoch(self, num_steps=None, profile=False, info=None, iterator=None, progress=None):
         """Train ``num_steps`` batches (default: the rest of the epoch); returns ``{"epoch", **metrics}``.
 
         ``iterator`` (e.g. a Ray Data shard) replaces the registered loader for this call and
-        counts as one epoch.
+        counts as one epoch. ``progress`` (rank 0 with ``use_tqdm``) is a
+        :class:`~raysgd.torch.progress.ProgressReporter` fed by the operator's per-batch hook.
         """
         self._begin(profile)
         info = {**(info or {}), NUM_STEPS: num_steps, USE_FP16: self.operator.use_fp16, "epoch_idx": self.epochs}
@@ -201,7 +203,10 @@ class TorchWorker:
                 batches = iterator if num_steps is None else itertools.islice(iterator, num_steps)
             else:
                 batches = self._train_iter.take(num_steps)
-            stats = self.operator.train_epoch(batches, info)
+            reporting = contextlib.nullcontext() if progress is None else progress.attach(
+                self.operator, num_steps, iterator if iterator is not None else self.operator._train_loader)
+            with reporting:
+                stats = self.operator.train_epoch(batches, info)
         result = {"epoch": self.epochs, **stats}
         if profile:
             result["profile"] = self.timers.stats()

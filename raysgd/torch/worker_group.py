@@ -96,6 +96,7 @@ class WorkerGroup:
         self._own_pg = False
         self._submitted = None
         self.broken = False
+        self.generation = 0  # counts start(): per-rank inputs built for one generation die with it
 
     @property
     def num_workers(self):
@@ -175,6 +176,7 @@ class WorkerGroup:
             raise RuntimeError("WorkerGroup.start called on a running group; shut it down first")
         pg_timeout_s = constants.SGD_PLACEMENT_GROUP_TIMEOUT_S if pg_timeout_s is None else pg_timeout_s
         self.broken = False
+        self.generation += 1
         self._pg, offset, self._own_pg = self._placement(n, pg_timeout_s)
         options = dict(self._worker_options, num_cpus=self._cpus, world_size=n)
         for rank in range(n):
@@ -200,14 +202,18 @@ class WorkerGroup:
         return n
 
     # ----------------------------------------------------------------- calls
-    def run(self, method, *args, deadline_s=None, on_tick=None, lockstep=False, **kwargs):
+    def run(self, method, *args, deadline_s=None, on_tick=None, lockstep=False, rank_kwargs=None, **kwargs):
         """Call ``method`` on every worker and return the results in rank order.
 
         Remote calls are sent first, then the local worker's runs in this thread. With ``lockstep``
         (train and validate), the others must finish within ``timeout_s`` of the first.
+        ``rank_kwargs(num_workers)``, if given, returns one dict of extra keyword arguments per rank
+        (e.g. each rank's data shard); it is called for every run, so a retry gets fresh ones.
         """
         self._drain_submitted()
-        calls = {h.rank: h.call(method, *args, **kwargs) for h in self._ordered()}
+        handles = self._ordered()
+        extra = rank_kwargs(len(handles)) if rank_kwargs is not None else None
+        calls = {h.rank: h.call(method, *args, **kwargs, **(extra[h.rank] if extra else {})) for h in handles}
         return self._collect(calls, deadline_s=deadline_s, on_tick=on_tick, lockstep=lockstep)
 
     def submit(self, method, *args, **kwargs):
