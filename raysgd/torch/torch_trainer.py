@@ -20,7 +20,7 @@ import types
 
 import ray
 
-from raysgd.torch import arguments, checkpoint, constants, recovery
+from raysgd.torch import arguments, checkpoint, constants, progress, recovery
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
@@ -40,7 +40,8 @@ class TorchTrainer:
     """Trains a :class:`~raysgd.TrainingOperator` on ``num_workers`` data-parallel Ray actors.
 
     Every argument is keyword-only and checked before any actor starts. See the README for each one;
-    the defaults follow RaySGD 1.12.
+    the defaults follow RaySGD 1.12. ``use_tqdm=True`` shows one progress bar on the driver's stderr,
+    fed by rank 0.
 
     Example:
         >>> trainer = TorchTrainer(training_operator_cls=MyOperator, num_workers=2,  # doctest: +SKIP
@@ -79,6 +80,7 @@ class TorchTrainer:
         self._last_resize = float("-inf")
         self._snapshot = None  # rank 0's state bytes, valid while nothing changed the state since
         self._resize_cooldown_s = constants._env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S)
+        self._progress = progress.ProgressBar() if use_tqdm else None  # ValueError without tqdm, as 1.12
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS", "local")
             logger.info("Ray is not initialized: starting it (address=%r)", address)
@@ -233,10 +235,31 @@ class TorchTrainer:
         """
         if dataset is not None:
             raise NotImplementedError("train(dataset=...) (Ray Data input) is not implemented yet")
-        stats = self._with_recovery("train_epoch", max_retries, num_steps=num_steps, profile=profile,
-                                    info=dict(info or {}), lockstep=True)
+        reporter = self._progress.start(local=self.use_local) if self._progress is not None else None
+        completed = False
+        try:
+            stats = self._with_recovery("train_epoch", max_retries, num_steps=num_steps, profile=profile,
+                                        info=dict(info or {}), lockstep=True,
+                                        rank_kwargs=self._rank_inputs(reporter),
+                                        on_tick=self._progress.tick if reporter is not None else None)
+            completed = True
+        finally:
+            if reporter is not None:
+                self._progress.finish(completed)
         self._snapshot = None  # the state moved on
         return reduce_worker_stats(stats) if reduce_results else stats
+
+    def _rank_inputs(self, reporter):
+        """Per-rank ``train_epoch`` arguments: the progress reporter for rank 0."""
+        if reporter is None:
+            return None
+
+        def rank_kwargs(num_workers):
+            extra = [{} for _ in range(num_workers)]
+            extra[0]["progress"] = reporter
+            return extra
+
+        return rank_kwargs
 
     def validate(self, num_steps=None, profile=False, reduce_results=True, info=None, max_retries=3):
         """Validate on every worker's shard of the validation set; returns the metrics.
@@ -326,6 +349,10 @@ class TorchTrainer:
         if isinstance(group, WorkerGroup):
             group.shutdown(force=force)
         self.worker_group = _ShutDownGroup()
+        for name in ("_progress",):  # the bar and its relay actor
+            extra = self.__dict__.get(name)
+            if extra is not None:
+                extra.close()
 
     @classmethod
     def as_trainable(cls, *args, override_tune_step=None, **kwargs):

@@ -1,0 +1,289 @@
+"""The driver's progress bar (``use_tqdm=True``): rank 0 reports, rate-limited, and one tqdm bar on stderr shows it.
+
+Helper of layer 5 (:mod:`raysgd.torch.torch_trainer`): imports ray, and tqdm once a bar is shown.
+The worker never imports this module. Rank 0 alone receives a :class:`ProgressReporter` as an
+argument of ``train_epoch``; the operator's per-batch hook (``_report_progress``) calls it. The
+reporter keeps the epoch's running losses and forwards a small state dict at most every
+``SGD_PROGRESS_INTERVAL_S`` seconds (default 0.5), plus a last one when the epoch ends: to a relay
+actor when rank 0 is a Ray actor, or straight to the bar when rank 0 lives in the driver
+(``use_local=True``). While it waits for the workers, the driver polls the relay without blocking
+(the worker group's ``on_tick``). With ``use_tqdm=False`` none of this exists.
+
+Example:
+    >>> shown = []
+    >>> reporter = ProgressReporter(lambda state, final: shown.append(state), call_id=1, interval_s=60)
+    >>> reporter.begin(total=3)
+    >>> for i in range(3):
+    ...     reporter(i, {"train_loss": float(i)}, {"epoch_idx": 2, "num_epochs": 10})
+    >>> reporter.end()
+    >>> [(s["n"], s["total"], s["desc"], s["losses"]) for s in shown]
+    [(1, 3, '3/10e', {'loss': 0.0}), (3, 3, '3/10e', {'loss': 1.0})]
+"""
+import contextlib
+import logging
+import numbers
+import sys
+import time
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raysgd.torch.constants import _env_float
+
+logger = logging.getLogger(__name__)
+
+#: Least seconds between two updates rank 0 sends (the last one of an epoch is always sent).
+PROGRESS_INTERVAL_S = _env_float("SGD_PROGRESS_INTERVAL_S", 0.5)
+#: Deadline for rank 0's last update of an epoch, and for the driver's last read of it.
+FINAL_UPDATE_TIMEOUT_S = _env_float("SGD_PROGRESS_FINAL_TIMEOUT_S", 5)
+
+
+def require_tqdm():
+    """Raise ``ValueError`` (as RaySGD 1.12 did) when tqdm is not installed.
+
+    Example:
+        >>> require_tqdm()  # tqdm is installed here
+    """
+    try:
+        import tqdm  # noqa: F401, PLC0415 (optional dependency)
+    except ImportError as err:
+        raise ValueError("TorchTrainer(use_tqdm=True) needs the tqdm package: pip install tqdm "
+                         "(or pip install 'raysgd[tqdm]')") from err
+
+
+def describe(info):
+    """The bar's description: ``"3/10e"`` with ``info["num_epochs"]``, else ``"3e"`` (epoch_idx is 0-based).
+
+    Example:
+        >>> describe({"epoch_idx": 2, "num_epochs": 10}), describe({"epoch_idx": 0})
+        ('3/10e', '1e')
+    """
+    epoch = int(info.get("epoch_idx", 0)) + 1
+    num_epochs = info.get("num_epochs")
+    return f"{epoch}/{num_epochs}e" if num_epochs else f"{epoch}e"
+
+
+def _length(source):
+    try:
+        return len(source)
+    except TypeError:  # an iterable without a length (a generator, a Ray Data shard)
+        return None
+
+
+class ProgressReporter:
+    """Rank 0's side: running losses of the epoch, forwarded to ``sink(state, final)`` at a limited rate.
+
+    ``state`` is ``{"call", "n", "total", "desc", "losses", "elapsed"}``: the batches done, the
+    expected total (``num_steps``, else the loader's length, else None), the description, the
+    running mean of every numeric metric whose name contains ``loss`` (``train_loss`` is shown as
+    ``loss``), and the seconds since the epoch began on rank 0 (so the bar's rate is rank 0's).
+
+    Example:
+        >>> sent = []
+        >>> reporter = ProgressReporter(lambda state, final: sent.append(final), call_id=7, interval_s=60)
+        >>> reporter.begin(total=None)
+        >>> for i in range(100):
+        ...     reporter(i, {"train_loss": 1.0}, {})
+        >>> reporter.end()
+        >>> sent  # the first batch, then only the epoch's end: not one update per batch
+        [False, True]
+    """
+
+    def __init__(self, sink, call_id, interval_s=None):
+        self._sink = sink
+        self.call_id = call_id
+        self.interval_s = PROGRESS_INTERVAL_S if interval_s is None else float(interval_s)
+        self.begin()
+
+    def begin(self, total=None):
+        """Start an epoch of ``total`` batches (None when unknown)."""
+        self._total = total
+        self._n = 0
+        self._desc = ""
+        self._sums, self._counts = {}, {}
+        self._last_sent = float("-inf")
+        self._began = time.monotonic()
+
+    @contextlib.contextmanager
+    def attach(self, operator, num_steps=None, source=None):
+        """Feed this reporter from ``operator``'s per-batch hook during the block (the worker's epoch).
+
+        The total is ``num_steps`` when given, else ``len(source)`` when it has a length.
+        """
+        self.begin(num_steps if num_steps is not None else _length(source))
+        operator._progress_reporter = self
+        try:
+            yield self
+        finally:
+            operator._progress_reporter = None
+            self.end()
+
+    def __call__(self, batch_idx, metrics, info):
+        """Record one finished batch; forward the state if ``interval_s`` passed since the last one."""
+        self._n = batch_idx + 1
+        self._desc = describe(info or {})
+        for key, value in metrics.items():
+            if "loss" in str(key) and isinstance(value, numbers.Real) and not isinstance(value, bool):
+                self._sums[key] = self._sums.get(key, 0.0) + float(value)
+                self._counts[key] = self._counts.get(key, 0) + 1
+        now = time.monotonic()
+        if now - self._last_sent >= self.interval_s:
+            self._last_sent = now
+            self._sink(self.state(), False)
+
+    def end(self):
+        """Forward the epoch's final state (always, whatever the rate limit)."""
+        self._sink(self.state(), True)
+
+    def state(self):
+        """The current state dict (see the class docstring)."""
+        losses = {("loss" if key == "train_loss" else str(key)): self._sums[key] / self._counts[key]
+                  for key in self._sums}
+        return {"call": self.call_id, "n": self._n, "total": self._total, "desc": self._desc, "losses": losses,
+                "elapsed": time.monotonic() - self._began}
+
+
+class _Relay:
+    """Keeps the latest state rank 0 pushed (a 0-CPU actor next to the driver) and counts the pushes."""
+
+    def __init__(self):
+        self._state = None
+        self._pushes = 0
+        self._call = None
+
+    def push(self, state):
+        if state.get("call") != self._call:
+            self._call, self._pushes = state.get("call"), 0
+        self._pushes += 1
+        self._state = dict(state, pushes=self._pushes)
+
+    def poll(self):
+        return self._state
+
+
+class _RelaySink:
+    """How a remote rank 0 sends states: fire-and-forget, the epoch's last one awaited under a deadline.
+
+    Progress is never worth failing the training for: a lost update is logged at debug level.
+    """
+
+    def __init__(self, relay):
+        self._relay = relay
+
+    def __call__(self, state, final):
+        try:
+            ref = self._relay.push.remote(state)
+            if final:
+                ray.get(ref, timeout=FINAL_UPDATE_TIMEOUT_S)
+        except (RayError, GetTimeoutError) as err:
+            logger.debug("progress update lost: %s", err)
+
+
+class ProgressBar:
+    """The driver's side: one tqdm bar on ``file`` (default stderr) per ``train()`` call, fed by rank 0.
+
+    Raises ``ValueError`` when tqdm is missing. Used by :class:`~raysgd.TorchTrainer` as
+    ``start()``, then ``tick()`` while waiting, then ``finish()``; ``close()`` at shutdown.
+
+    Example:
+        >>> import io
+        >>> bar = ProgressBar(file=io.StringIO())
+        >>> reporter = bar.start(local=True)  # rank 0 in this process: no relay actor
+        >>> reporter.begin(total=2)
+        >>> reporter(0, {"train_loss": 0.5}, {"epoch_idx": 0, "num_epochs": 4}); reporter.end()
+        >>> bar.finish()
+        >>> bar.last_state["desc"], bar.last_state["pushes"]
+        ('1/4e', 2)
+    """
+
+    def __init__(self, file=None, interval_s=None):
+        require_tqdm()
+        self._file = file
+        self._interval_s = interval_s
+        self._relay = None
+        self._local = True
+        self._call = 0
+        self._bar = None
+        self._pending = None
+        self._local_pushes = 0
+        #: The last state shown (``pushes`` counts the updates rank 0 sent during the call).
+        self.last_state = None
+
+    def start(self, local):
+        """Begin one ``train()`` call; returns the :class:`ProgressReporter` to hand to rank 0."""
+        self._close_bar()
+        self._call += 1
+        self._local = local
+        self._pending = None
+        self._local_pushes = 0
+        self.last_state = None
+        sink = self._receive if local else _RelaySink(self._relay_handle())
+        return ProgressReporter(sink, self._call, self._interval_s)
+
+    def tick(self):
+        """Show the relay's latest state if a poll finished; never waits (the worker group's ``on_tick``)."""
+        if self._local or self._relay is None:
+            return
+        try:
+            if self._pending is None:
+                self._pending = self._relay.poll.remote()
+            ready, _ = ray.wait([self._pending], timeout=0)
+            if ready:
+                self._pending = None
+                self._show(ray.get(ready[0]))
+        except RayError as err:
+            self._pending = None
+            logger.debug("progress poll failed: %s", err)
+
+    def finish(self, completed=True):
+        """End the call: show rank 0's final state (a bounded wait) when it ``completed``; close the bar."""
+        if completed and not self._local and self._relay is not None:
+            try:
+                self._show(ray.get(self._relay.poll.remote(), timeout=FINAL_UPDATE_TIMEOUT_S))
+            except (RayError, GetTimeoutError) as err:
+                logger.debug("final progress poll failed: %s", err)
+        self._close_bar()
+
+    def close(self):
+        """Close the bar and stop the relay actor."""
+        self._close_bar()
+        relay, self._relay = self._relay, None
+        if relay is not None:
+            try:
+                ray.kill(relay, no_restart=True)
+            except Exception as err:  # noqa: BLE001 (already gone with the cluster)
+                logger.debug("progress relay kill failed: %s", err)
+
+    # ----------------------------------------------------------------- internals
+    def _relay_handle(self):
+        if self._relay is None:
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+            self._relay = ray.remote(num_cpus=0)(_Relay).options(scheduling_strategy=here).remote()
+        return self._relay
+
+    def _receive(self, state, final):
+        self._local_pushes += 1
+        self._show(dict(state, pushes=self._local_pushes))
+
+    def _show(self, state):
+        if not state or state.get("call") != self._call:
+            return  # nothing yet, or a late update from an earlier call
+        from tqdm import tqdm  # noqa: PLC0415 (optional dependency, checked in __init__)
+
+        self.last_state = state
+        if self._bar is None:
+            self._bar = tqdm(total=state["total"], desc=state["desc"], unit="batch", leave=True,
+                             file=self._file if self._file is not None else sys.stderr, dynamic_ncols=True)
+        bar = self._bar
+        bar.start_t = time.time() - state["elapsed"]  # tqdm's clock is time.time: the rate is rank 0's
+        bar.total = state["total"]
+        bar.n = state["n"]
+        bar.set_description_str(state["desc"], refresh=False)
+        bar.set_postfix({key: f"{value:.4g}" for key, value in state["losses"].items()}, refresh=False)
+        bar.refresh()
+
+    def _close_bar(self):
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            bar.close()
