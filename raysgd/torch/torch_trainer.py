@@ -20,7 +20,7 @@ import types
 
 import ray
 
-from raysgd.torch import arguments, checkpoint, constants, progress, recovery
+from raysgd.torch import arguments, checkpoint, constants, progress, recovery, results
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
@@ -41,7 +41,8 @@ class TorchTrainer:
 
     Every argument is keyword-only and checked before any actor starts. See the README for each one;
     the defaults follow RaySGD 1.12. ``use_tqdm=True`` shows one progress bar on the driver's stderr,
-    fed by rank 0.
+    fed by rank 0; ``logdir`` (a path or a :class:`~raysgd.torch.results.ResultLogger`) appends every
+    ``train()``/``validate()`` result to CSV files and TensorBoard there.
 
     Example:
         >>> trainer = TorchTrainer(training_operator_cls=MyOperator, num_workers=2,  # doctest: +SKIP
@@ -52,7 +53,7 @@ class TorchTrainer:
     def __init__(self, *, training_operator_cls=None, initialization_hook=None, config=None, num_workers=1,
                  num_cpus_per_worker=1, use_gpu="auto", backend="auto", wrap_ddp=True, timeout_s=1800,
                  use_fp16=False, use_tqdm=False, add_dist_sampler=True, scheduler_step_freq=None,
-                 use_local=False, **deprecated):
+                 use_local=False, logdir=None, **deprecated):
         arguments.check_deprecated(deprecated)
         use_gpu, backend = arguments.check_arguments(
             training_operator_cls=training_operator_cls, initialization_hook=initialization_hook, config=config,
@@ -81,6 +82,7 @@ class TorchTrainer:
         self._snapshot = None  # rank 0's state bytes, valid while nothing changed the state since
         self._resize_cooldown_s = constants._env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S)
         self._progress = progress.ProgressBar() if use_tqdm else None  # ValueError without tqdm, as 1.12
+        self._results = results.open_result_log(logdir)
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS", "local")
             logger.info("Ray is not initialized: starting it (address=%r)", address)
@@ -247,7 +249,7 @@ class TorchTrainer:
             if reporter is not None:
                 self._progress.finish(completed)
         self._snapshot = None  # the state moved on
-        return reduce_worker_stats(stats) if reduce_results else stats
+        return self._log_result("train", stats, reduce_results)
 
     def _rank_inputs(self, reporter):
         """Per-rank ``train_epoch`` arguments: the progress reporter for rank 0."""
@@ -261,6 +263,13 @@ class TorchTrainer:
 
         return rank_kwargs
 
+    def _log_result(self, phase, stats, reduce_results):
+        """Reduce the per-worker stats, append them to the result log (``logdir``), return what was asked."""
+        reduced = reduce_worker_stats(stats)
+        if self._results is not None:
+            self._results.log(phase, reduced)
+        return reduced if reduce_results else stats
+
     def validate(self, num_steps=None, profile=False, reduce_results=True, info=None, max_retries=3):
         """Validate on every worker's shard of the validation set; returns the metrics.
 
@@ -269,7 +278,7 @@ class TorchTrainer:
         """
         stats = self._with_recovery("validate", max_retries, num_steps=num_steps, profile=profile,
                                     info=dict(info or {}), lockstep=True)
-        return reduce_worker_stats(stats) if reduce_results else stats
+        return self._log_result("validate", stats, reduce_results)
 
     # ----------------------------------------------------------------- operators and models
     def _run(self, method, *args, **kwargs):
@@ -349,7 +358,7 @@ class TorchTrainer:
         if isinstance(group, WorkerGroup):
             group.shutdown(force=force)
         self.worker_group = _ShutDownGroup()
-        for name in ("_progress",):  # the bar and its relay actor
+        for name in ("_progress", "_results"):  # the bar and its relay actor, the log files
             extra = self.__dict__.get(name)
             if extra is not None:
                 extra.close()

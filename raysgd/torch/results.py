@@ -1,0 +1,185 @@
+"""Result logs without Tune: every ``train()``/``validate()`` result appended to CSV and, optionally, TensorBoard.
+
+Helper of layer 5 (:mod:`raysgd.torch.torch_trainer`): standard library; tensorboardX when installed.
+``TorchTrainer(..., logdir="runs/exp1")`` opens a :class:`ResultLogger` there; it can also be used on
+its own. Files in ``logdir``:
+
+- ``train.csv`` and ``validate.csv``: one row per call, columns ``step`` (the number of ``train()``
+  results logged so far, so a validation row lines up with the epoch before it), ``time`` (Unix
+  seconds), then every metric as returned (nested dicts such as ``profile`` flattened to
+  ``profile/mean_fwd_s``). A metric that appears later adds a column (the file is rewritten once).
+  An existing file is appended to.
+- TensorBoard event files (``tensorboardX``, ``pip install 'raysgd[logging]'``): every numeric
+  metric as the scalar ``train/<name>`` or ``validate/<name>`` at ``step``.
+
+Example:
+    >>> import os, tempfile
+    >>> log = ResultLogger(tempfile.mkdtemp(), tensorboard=False)
+    >>> log.log("train", {"num_samples": 64, "train_loss": 0.5})
+    >>> log.log("validate", {"num_samples": 32, "val_loss": 0.25})
+    >>> read_results(log.logdir, "validate")[0]["val_loss"], read_results(log.logdir, "validate")[0]["step"]
+    (0.25, 1)
+    >>> log.close()
+"""
+import csv
+import logging
+import numbers
+import os
+import time
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("train", "validate")
+_FIXED = ["step", "time"]
+
+
+def _flatten(result, prefix=""):
+    flat = {}
+    for key, value in result.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "/"))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _is_scalar(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _parse(text):
+    """A CSV cell back to int, float, or the text itself ('' is None)."""
+    if text == "":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
+
+
+def read_results(logdir, phase="train"):
+    """The rows of ``<logdir>/<phase>.csv`` as dicts of numbers (``[]`` when there is no file).
+
+    Example:
+        >>> read_results("/nonexistent", "train")
+        []
+    """
+    path = os.path.join(os.fspath(logdir), f"{phase}.csv")
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="", encoding="utf-8") as handle:
+        return [{key: _parse(value) for key, value in row.items()} for row in csv.DictReader(handle)]
+
+
+class ResultLogger:
+    """Appends results to ``<logdir>/<phase>.csv`` and to TensorBoard (see the module docstring).
+
+    Args:
+        logdir: a directory (created when missing).
+        tensorboard: ``"auto"`` (when tensorboardX imports), True (required), or False.
+
+    Example:
+        >>> import tempfile
+        >>> log = ResultLogger(tempfile.mkdtemp(), tensorboard=False)
+        >>> log.log("train", {"train_loss": 0.5}); log.log("train", {"train_loss": 0.25})
+        >>> [row["train_loss"] for row in read_results(log.logdir)]
+        [0.5, 0.25]
+    """
+
+    def __init__(self, logdir, *, tensorboard="auto"):
+        if not isinstance(logdir, (str, os.PathLike)):
+            raise TypeError(f"ResultLogger(logdir=...) expects a directory path; got {logdir!r}")
+        if tensorboard not in ("auto", True, False):
+            raise ValueError(f"ResultLogger(tensorboard=...) expects 'auto', True or False; got {tensorboard!r}")
+        self.logdir = os.path.abspath(os.fspath(logdir))
+        os.makedirs(self.logdir, exist_ok=True)
+        self._columns = {}
+        self._train_steps = len(read_results(self.logdir, "train"))
+        self._writer = self._open_tensorboard(tensorboard)
+
+    def _open_tensorboard(self, wanted):
+        if wanted is False:
+            return None
+        try:
+            from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional dependency)
+        except ImportError as err:
+            if wanted is True:
+                raise ValueError("ResultLogger(tensorboard=True) needs tensorboardX: pip install tensorboardX "
+                                 "(or pip install 'raysgd[logging]')") from err
+            logger.info("tensorboardX is not installed: results go to CSV only (%s)", self.logdir)
+            return None
+        return SummaryWriter(logdir=self.logdir)
+
+    @property
+    def tensorboard(self):
+        """Whether results also go to TensorBoard."""
+        return self._writer is not None
+
+    def log(self, phase, result):
+        """Append one result dict of ``phase`` (``"train"`` or ``"validate"``)."""
+        if phase not in PHASES:
+            raise ValueError(f"ResultLogger.log(phase=...) expects one of {PHASES}; got {phase!r}")
+        if not isinstance(result, dict):
+            raise TypeError(f"ResultLogger.log(result=...) expects a dict of metrics; got {type(result).__name__}")
+        if phase == "train":
+            self._train_steps += 1
+        now = time.time()
+        row = {"step": self._train_steps, "time": now, **_flatten(result)}
+        self._append_csv(phase, row)
+        if self._writer is not None:
+            for key, value in row.items():
+                if key not in _FIXED and _is_scalar(value):
+                    self._writer.add_scalar(f"{phase}/{key}", value, global_step=self._train_steps, walltime=now)
+            self._writer.flush()
+
+    def _append_csv(self, phase, row):
+        path = os.path.join(self.logdir, f"{phase}.csv")
+        columns = self._columns.get(phase)
+        if columns is None:  # first row of this run: continue the file's header, if any
+            columns = []
+            if os.path.exists(path):
+                with open(path, newline="", encoding="utf-8") as handle:
+                    columns = next(csv.reader(handle), [])
+            self._columns[phase] = columns
+        new = [key for key in row if key not in columns]
+        if new or not columns:
+            self._rewrite(path, columns + new)
+            columns = self._columns[phase] = columns + new
+        with open(path, "a", newline="", encoding="utf-8") as handle:
+            csv.DictWriter(handle, fieldnames=columns).writerow(row)
+
+    def _rewrite(self, path, columns):
+        """Write the file again under a wider header (atomically: temp file, then rename)."""
+        rows = []
+        if os.path.exists(path):
+            with open(path, newline="", encoding="utf-8") as handle:
+                rows = list(csv.DictReader(handle))
+        temp = f"{path}.tmp"
+        with open(temp, "w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(temp, path)
+
+    def close(self):
+        """Flush and close the TensorBoard writer (the CSV files are closed after every row)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+
+
+def open_result_log(logdir):
+    """``TorchTrainer(logdir=...)``: None, a :class:`ResultLogger`, or a path to open one in.
+
+    Example:
+        >>> open_result_log(None) is None
+        True
+    """
+    if logdir is None or isinstance(logdir, ResultLogger):
+        return logdir
+    if not isinstance(logdir, (str, os.PathLike)):
+        raise TypeError(f"TorchTrainer(logdir=...) expects a directory path, a ResultLogger or None; got {logdir!r}")
+    return ResultLogger(logdir)
