@@ -20,7 +20,7 @@ import types
 
 import ray
 
-from raysgd.torch import arguments, checkpoint, constants, progress, recovery, results
+from raysgd.torch import arguments, checkpoint, constants, progress, ray_data, recovery, results
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
@@ -83,6 +83,7 @@ class TorchTrainer:
         self._resize_cooldown_s = constants._env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S)
         self._progress = progress.ProgressBar() if use_tqdm else None  # ValueError without tqdm, as 1.12
         self._results = results.open_result_log(logdir)
+        self._shards = ray_data.ShardCache()
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS", "local")
             logger.info("Ray is not initialized: starting it (address=%r)", address)
@@ -230,35 +231,44 @@ class TorchTrainer:
 
         A worker that dies or stops answering ends the attempt; the epoch is retried from the state
         at the start of this call on as many workers as fit, at most ``max_retries`` times.
+        ``dataset`` (a ``ray.data.Dataset`` or :class:`~raysgd.torch.ray_data.DatasetInput`) replaces
+        the registered train loader for this call: each worker reads its own streaming-split shard.
 
         Example:
             >>> stats = trainer.train(profile=True)  # doctest: +SKIP
             >>> stats["train_loss"], stats["num_samples"], stats["profile"]["mean_fwd_s"]  # doctest: +SKIP
         """
-        if dataset is not None:
-            raise NotImplementedError("train(dataset=...) (Ray Data input) is not implemented yet")
+        data = ray_data.as_input(dataset, self.training_operator_cls) if dataset is not None else None
         reporter = self._progress.start(local=self.use_local) if self._progress is not None else None
         completed = False
         try:
             stats = self._with_recovery("train_epoch", max_retries, num_steps=num_steps, profile=profile,
                                         info=dict(info or {}), lockstep=True,
-                                        rank_kwargs=self._rank_inputs(reporter),
+                                        rank_kwargs=self._rank_inputs(data, reporter),
                                         on_tick=self._progress.tick if reporter is not None else None)
             completed = True
         finally:
             if reporter is not None:
                 self._progress.finish(completed)
+            if data is not None and not completed:
+                self._shards.drop()  # the split may be stuck mid-epoch: split again next time
         self._snapshot = None  # the state moved on
         return self._log_result("train", stats, reduce_results)
 
-    def _rank_inputs(self, reporter):
-        """Per-rank ``train_epoch`` arguments: the progress reporter for rank 0."""
-        if reporter is None:
+    def _rank_inputs(self, data, reporter):
+        """Per-rank ``train_epoch`` arguments: each rank's Ray Data shard; the progress reporter for rank 0."""
+        if data is None and reporter is None:
             return None
 
         def rank_kwargs(num_workers):
             extra = [{} for _ in range(num_workers)]
-            extra[0]["progress"] = reporter
+            if data is not None:
+                shards = self._shards.shards(data, num_workers, self.worker_group.generation,
+                                             self._requested_config, self.timeout_s)
+                for rank, shard in enumerate(shards):
+                    extra[rank]["iterator"] = shard
+            if reporter is not None:
+                extra[0]["progress"] = reporter
             return extra
 
         return rank_kwargs
@@ -358,7 +368,7 @@ class TorchTrainer:
         if isinstance(group, WorkerGroup):
             group.shutdown(force=force)
         self.worker_group = _ShutDownGroup()
-        for name in ("_progress", "_results"):  # the bar and its relay actor, the log files
+        for name in ("_progress", "_results", "_shards"):  # bar and relay actor, log files, Ray Data split
             extra = self.__dict__.get(name)
             if extra is not None:
                 extra.close()

@@ -1,0 +1,275 @@
+"""Ray Data input for ``train(dataset=...)``: one streaming-split shard per worker, read as torch batches.
+
+Helper of layer 5 (:mod:`raysgd.torch.torch_trainer`): imports ray, and ``ray.data`` only when a
+dataset is given. It replaces RaySGD 1.12's MLDataset input, which Ray removed.
+
+``trainer.train(dataset=ds)`` splits ``ds`` with ``ds.streaming_split(num_workers, equal=True)``:
+worker ``i`` iterates split ``i`` for that call, so each row is seen once per call by exactly one
+worker (``equal=True`` keeps the batch counts equal, as DDP needs; it drops at most
+``num_workers - 1`` rows when the count does not divide). ``num_steps`` stops each worker after
+that many batches; the next call starts a new pass over ``ds``. The split is kept and reused while
+the dataset and the workers stay the same; when a failure restarts the workers (possibly fewer),
+the retried epoch splits ``ds`` again among the workers there are.
+
+What a batch looks like (``DatasetInput`` options):
+
+- ``label_column=None``: a dict ``{column: tensor}``; override ``train_batch`` to read it.
+- ``label_column="y"``: a tuple ``(*features, label)`` for the default ``train_batch``: the
+  ``feature_columns`` (default: every other column, in schema order), each a tensor; a scalar
+  column becomes shape ``(batch, 1)``. The label keeps its shape (``(batch,)`` for a scalar
+  column, as ``CrossEntropyLoss`` wants) unless ``label_shape`` is given (``(1,)`` for ``MSELoss``).
+- float64 columns arrive as float32 unless ``dtypes`` says otherwise (passed to
+  ``iter_torch_batches``).
+
+Example:
+    >>> import ray  # doctest: +SKIP
+    >>> ds = ray.data.from_items([{"x": float(i), "y": 2.0 * i} for i in range(1000)])  # doctest: +SKIP
+    >>> trainer.train(dataset=DatasetInput(ds, label_column="y", label_shape=(1,)))  # doctest: +SKIP
+"""
+import gc
+import logging
+import numbers
+import queue
+import threading
+import time
+
+import ray
+
+from raysgd.torch.training_operator import TrainingOperator
+from raysgd.utils import BATCH_SIZE
+
+logger = logging.getLogger(__name__)
+
+#: Batch size per worker when neither ``DatasetInput(batch_size=...)`` nor the config gives one.
+DEFAULT_BATCH_SIZE = 32
+#: Seconds without a batch after which the worker logs a warning (Ray Data may lack free CPUs).
+SLOW_BATCH_WARNING_S = 30.0
+
+
+def _is_count(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
+
+
+class DatasetInput:
+    """A Ray Data ``Dataset`` with how to read it: batch size, columns, dtypes (see the module docstring).
+
+    Args:
+        dataset: a ``ray.data.Dataset`` (``from_numpy``, ``from_items``, ``read_parquet``, ...).
+        label_column: the target column; None yields dict batches.
+        feature_columns: the input columns, in order (default: all but the label).
+        label_shape: view the label as ``(batch, *label_shape)``.
+        batch_size: per worker; default ``config[BATCH_SIZE] // num_workers``, else
+            ``config["batch_size"]``, else 32.
+        dtypes: a torch dtype or ``{column: dtype}`` for ``iter_torch_batches``.
+        drop_last, local_shuffle_buffer_size, prefetch_batches: passed to ``iter_torch_batches``.
+        batch_timeout_s: a worker waiting longer than this for one batch raises ``TimeoutError``
+            (default: the trainer's ``timeout_s``).
+
+    Example:
+        >>> import ray  # doctest: +SKIP
+        >>> ds = ray.data.from_numpy(features).zip(ray.data.from_numpy(labels))  # doctest: +SKIP
+        >>> trainer.train(dataset=DatasetInput(ds, label_column="data_1", batch_size=64))  # doctest: +SKIP
+    """
+
+    def __init__(self, dataset, *, label_column=None, feature_columns=None, label_shape=None, batch_size=None,
+                 dtypes=None, drop_last=False, local_shuffle_buffer_size=None, prefetch_batches=1,
+                 batch_timeout_s=None):
+        from ray.data import Dataset  # noqa: PLC0415 (Ray Data stays optional until used)
+
+        if not isinstance(dataset, Dataset):
+            raise TypeError(f"DatasetInput(dataset=...) expects a ray.data.Dataset; got {type(dataset).__name__}")
+        if label_column is not None and not isinstance(label_column, str):
+            raise TypeError(f"DatasetInput(label_column=...) expects a column name (str) or None; "
+                            f"got {label_column!r}")
+        if feature_columns is not None:
+            if isinstance(feature_columns, str) or not all(isinstance(c, str) for c in feature_columns):
+                raise TypeError(f"DatasetInput(feature_columns=...) expects a list of column names; "
+                                f"got {feature_columns!r}")
+            if label_column is None:
+                raise ValueError("DatasetInput(feature_columns=...) needs label_column: without it batches are "
+                                 "dicts of every column")
+            feature_columns = list(feature_columns)
+        if label_shape is not None and not (isinstance(label_shape, tuple) and all(_is_count(d) for d in label_shape)):
+            raise TypeError(f"DatasetInput(label_shape=...) expects a tuple of ints > 0 such as (1,); "
+                            f"got {label_shape!r}")
+        if batch_size is not None and not _is_count(batch_size):
+            raise ValueError(f"DatasetInput(batch_size=...) expects an int > 0 or None; got {batch_size!r}")
+        if batch_timeout_s is not None and not (isinstance(batch_timeout_s, (int, float)) and batch_timeout_s > 0):
+            raise ValueError(f"DatasetInput(batch_timeout_s=...) expects seconds > 0 or None; got {batch_timeout_s!r}")
+        self.dataset = dataset
+        self.label_column = label_column
+        self.feature_columns = feature_columns
+        self.label_shape = label_shape
+        self.batch_size = batch_size
+        self.batch_timeout_s = batch_timeout_s
+        self.iter_options = dict(dtypes=dtypes, drop_last=drop_last, prefetch_batches=prefetch_batches,
+                                 local_shuffle_buffer_size=local_shuffle_buffer_size)
+
+
+def as_input(dataset, operator_cls):
+    """``train(dataset=...)``'s value as a :class:`DatasetInput`, checked against the operator's loop."""
+    try:
+        from ray.data import Dataset  # noqa: PLC0415
+    except ImportError as err:
+        raise ImportError("train(dataset=...) needs Ray Data: pip install 'ray[data]'") from err
+    if isinstance(dataset, Dataset):
+        dataset = DatasetInput(dataset)
+    elif not isinstance(dataset, DatasetInput):
+        raise TypeError(f"train(dataset=...) expects a ray.data.Dataset or a raysgd.torch.ray_data.DatasetInput; "
+                        f"got {type(dataset).__name__}")
+    default_loop = (operator_cls.train_batch is TrainingOperator.train_batch
+                    and operator_cls.train_epoch is TrainingOperator.train_epoch)
+    if dataset.label_column is None and default_loop:
+        raise ValueError("train(dataset=...) without a label column yields dict batches {column: tensor}, which the "
+                         "default train_batch (*features, target = batch) cannot read: pass "
+                         "DatasetInput(ds, label_column='<target column>'), or override train_batch.")
+    return dataset
+
+
+def batch_size_per_worker(config, num_workers):
+    """``config[BATCH_SIZE] // num_workers`` (at least 1), else ``config["batch_size"]``, else 32.
+
+    Example:
+        >>> batch_size_per_worker({"*batch_size": 128}, 2), batch_size_per_worker({}, 2)
+        (64, 32)
+    """
+    if BATCH_SIZE in config:
+        return max(1, int(config[BATCH_SIZE]) // num_workers)
+    return int(config.get("batch_size", DEFAULT_BATCH_SIZE))
+
+
+class ShardCache:
+    """The trainer's current streaming split, reused while the dataset and the worker generation stay.
+
+    Example:
+        >>> cache = ShardCache()
+        >>> # shards = cache.shards(DatasetInput(ds, label_column="y"), 2, group.generation, config, 60)
+    """
+
+    def __init__(self):
+        self._dataset = None
+        self._key = None
+        self._splits = None
+
+    def shards(self, data, num_workers, generation, config, default_timeout_s):
+        """One :class:`Shard` per rank for ``data`` on ``num_workers`` workers of that ``generation``."""
+        key = (num_workers, generation)
+        if self._dataset is not data.dataset or self._key != key:
+            self.drop()
+            self._splits = data.dataset.streaming_split(num_workers, equal=True)
+            self._dataset, self._key = data.dataset, key
+        batch_size = data.batch_size or batch_size_per_worker(config, num_workers)
+        timeout_s = data.batch_timeout_s or default_timeout_s
+        return [Shard(split, batch_size, data, timeout_s) for split in self._splits]
+
+    def drop(self):
+        """Forget the split (after a failed call or a restart)."""
+        self._dataset = self._key = self._splits = None
+
+    def close(self):
+        """Forget the split at shutdown, and release its coordinator actor now (its handles sit in cycles)."""
+        held = self._splits is not None
+        self.drop()
+        if held:
+            gc.collect()
+
+
+class Shard:
+    """One worker's part of the dataset for one call: an iterable of torch batches (see the module docstring).
+
+    Each batch must arrive within ``timeout_s`` or iteration raises ``TimeoutError``.
+    """
+
+    def __init__(self, split, batch_size, data, timeout_s):
+        self._split = split
+        self.batch_size = batch_size
+        self._label = data.label_column
+        self._features = data.feature_columns
+        self._label_shape = data.label_shape
+        self._options = dict(data.iter_options)
+        self._timeout_s = timeout_s
+
+    def __iter__(self):
+        batches = self._split.iter_torch_batches(batch_size=self.batch_size, device="cpu", **self._options)
+        for batch in _with_deadline(batches, self._timeout_s):
+            yield self._convert(batch)
+
+    def _convert(self, batch):
+        import torch  # noqa: PLC0415 (the worker has it loaded already)
+
+        if self._options["dtypes"] is None:
+            batch = {key: value.float() if value.dtype == torch.float64 else value for key, value in batch.items()}
+        if self._label is None:
+            return batch
+        features = self._features or [column for column in batch if column != self._label]
+        missing = [column for column in [*features, self._label] if column not in batch]
+        if missing:
+            raise ValueError(f"DatasetInput names column(s) {missing} that the dataset lacks; its columns are "
+                             f"{list(batch)}")
+        inputs = [batch[c].view(-1, 1) if batch[c].dim() == 1 else batch[c] for c in features]
+        label = batch[self._label]
+        if self._label_shape is not None:
+            label = label.view(-1, *self._label_shape)
+        return (*inputs, label)
+
+
+def _free_cpus():
+    try:
+        return ray.available_resources().get("CPU", 0)
+    except Exception:  # noqa: BLE001 (only for a message: Ray may be down)
+        return "unknown"
+
+
+def _with_deadline(iterable, timeout_s):
+    """Yield from ``iterable`` (run in a helper thread), raising ``TimeoutError`` when an item takes too long.
+
+    Stopping early (``num_steps``) stops the helper thread at its next hand-over.
+    """
+    handover = queue.Queue(maxsize=2)
+    stop = threading.Event()
+    done = object()
+
+    def put(item):
+        while not stop.is_set():
+            try:
+                handover.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce():
+        try:
+            for item in iterable:
+                if not put((item, None)):
+                    return
+            put((done, None))
+        except BaseException as err:  # noqa: BLE001 (handed to the consumer, which re-raises it)
+            put((None, err))
+
+    threading.Thread(target=produce, name="raysgd-ray-data", daemon=True).start()
+    try:
+        while True:
+            waited, warned = 0.0, False
+            while True:
+                step = min(timeout_s - waited, SLOW_BATCH_WARNING_S)
+                if step <= 0:
+                    raise TimeoutError(f"no batch from this worker's Ray Data shard within {timeout_s:g} s. Ray "
+                                       f"Data runs reads and transforms as Ray tasks: leave CPUs free for them "
+                                       f"beyond the workers' (free CPUs now: {_free_cpus()}).")
+                try:
+                    item, error = handover.get(timeout=step)
+                    break
+                except queue.Empty:
+                    waited += step
+                    if not warned and waited >= SLOW_BATCH_WARNING_S:
+                        warned = True
+                        logger.warning("Waited %.0f s for a batch from the Ray Data shard; Ray Data needs free CPUs "
+                                       "for reads and transforms (free CPUs now: %s)", waited, _free_cpus())
+            if error is not None:
+                raise error
+            if item is done:
+                return
+            yield item
+    finally:
+        stop.set()
