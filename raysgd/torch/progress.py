@@ -267,8 +267,8 @@ class ProgressBar:
         self._show(dict(state, pushes=self._local_pushes))
 
     def _show(self, state):
-        if not state or state.get("call") != self._call:
-            return  # nothing yet, or a late update from an earlier call
+        if not state or state.get("call") != self._call or state == self.last_state:
+            return  # nothing yet, a late update from an earlier call, or nothing new
         from tqdm import tqdm  # noqa: PLC0415 (optional dependency, checked in __init__)
 
         self.last_state = state

@@ -31,7 +31,6 @@ import logging
 import numbers
 import queue
 import threading
-import time
 
 import ray
 
