@@ -98,7 +98,7 @@ def test_one_bar_on_driver_stderr_fed_by_rank0(ray_2cpus, capfd, use_local):
         time.sleep(0.5)  # let Ray forward anything the workers printed
     finally:
         trainer.shutdown()
-    assert_released()  # the relay actor is gone with the trainer
+    assert_released()  # the mailbox actor is gone with the trainer
     out, err = capfd.readouterr()
     assert [w["has_reporter"] for w in per_worker[-1]] == [1.0, 0.0]  # rank 0 only
     batches = per_worker[-1][0]["batch_count"]

@@ -4,10 +4,11 @@ Helper of layer 5 (:mod:`raysgd.torch.torch_trainer`): imports ray, and tqdm onc
 The worker never imports this module. Rank 0 alone receives a :class:`ProgressReporter` as an
 argument of ``train_epoch``; the operator's per-batch hook (``_report_progress``) calls it. The
 reporter keeps the epoch's running losses and forwards a small state dict at most every
-``SGD_PROGRESS_INTERVAL_S`` seconds (default 0.5), plus a last one when the epoch ends: to a relay
-actor when rank 0 is a Ray actor, or straight to the bar when rank 0 lives in the driver
-(``use_local=True``). While it waits for the workers, the driver polls the relay without blocking
-(the worker group's ``on_tick``). With ``use_tqdm=False`` none of this exists.
+``SGD_PROGRESS_INTERVAL_S`` seconds (default 0.5), plus a last one when the epoch ends: to a
+:class:`~raysgd.torch.worker_group.Mailbox` (a 0-CPU actor next to the driver) when rank 0 is a Ray
+actor, or straight to the bar when rank 0 lives in the driver (``use_local=True``). While it waits
+for the workers, the driver reads the mailbox without blocking (the worker group's ``on_tick``).
+With ``use_tqdm=False`` none of this exists.
 
 Example:
     >>> shown = []
@@ -27,9 +28,9 @@ import time
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raysgd.torch.constants import _env_float
+from raysgd.torch.worker_group import Mailbox
 
 logger = logging.getLogger(__name__)
 
@@ -144,36 +145,18 @@ class ProgressReporter:
                 "elapsed": time.monotonic() - self._began}
 
 
-class _Relay:
-    """Keeps the latest state rank 0 pushed (a 0-CPU actor next to the driver) and counts the pushes."""
-
-    def __init__(self):
-        self._state = None
-        self._pushes = 0
-        self._call = None
-
-    def push(self, state):
-        if state.get("call") != self._call:
-            self._call, self._pushes = state.get("call"), 0
-        self._pushes += 1
-        self._state = dict(state, pushes=self._pushes)
-
-    def poll(self):
-        return self._state
-
-
-class _RelaySink:
+class _MailboxSink:
     """How a remote rank 0 sends states: fire-and-forget, the epoch's last one awaited under a deadline.
 
     Progress is never worth failing the training for: a lost update is logged at debug level.
     """
 
-    def __init__(self, relay):
-        self._relay = relay
+    def __init__(self, mailbox):
+        self._mailbox = mailbox
 
     def __call__(self, state, final):
         try:
-            ref = self._relay.push.remote(state)
+            ref = self._mailbox.post(state, state["call"])
             if final:
                 ray.get(ref, timeout=FINAL_UPDATE_TIMEOUT_S)
         except (RayError, GetTimeoutError) as err:
@@ -189,7 +172,7 @@ class ProgressBar:
     Example:
         >>> import io
         >>> bar = ProgressBar(file=io.StringIO())
-        >>> reporter = bar.start(local=True)  # rank 0 in this process: no relay actor
+        >>> reporter = bar.start(local=True)  # rank 0 in this process: no mailbox actor
         >>> reporter.begin(total=2)
         >>> reporter(0, {"train_loss": 0.5}, {"epoch_idx": 0, "num_epochs": 4}); reporter.end()
         >>> bar.finish()
@@ -201,7 +184,7 @@ class ProgressBar:
         require_tqdm()
         self._file = file
         self._interval_s = interval_s
-        self._relay = None
+        self._mailbox = None
         self._local = True
         self._call = 0
         self._bar = None
@@ -218,49 +201,50 @@ class ProgressBar:
         self._pending = None
         self._local_pushes = 0
         self.last_state = None
-        sink = self._receive if local else _RelaySink(self._relay_handle())
+        if not local and self._mailbox is None:
+            self._mailbox = Mailbox()
+        sink = self._receive if local else _MailboxSink(self._mailbox)
         return ProgressReporter(sink, self._call, self._interval_s)
 
     def tick(self):
-        """Show the relay's latest state if a poll finished; never waits (the worker group's ``on_tick``)."""
-        if self._local or self._relay is None:
+        """Show the mailbox's latest state once a read has arrived; never waits (the worker group's ``on_tick``)."""
+        if self._local or self._mailbox is None:
             return
         try:
             if self._pending is None:
-                self._pending = self._relay.poll.remote()
+                self._pending = self._mailbox.read()
             ready, _ = ray.wait([self._pending], timeout=0)
             if ready:
                 self._pending = None
-                self._show(ray.get(ready[0]))
+                self._show_posted(ray.get(ready[0]))
         except RayError as err:
             self._pending = None
-            logger.debug("progress poll failed: %s", err)
+            logger.debug("progress read failed: %s", err)
 
     def finish(self, completed=True):
         """End the call: show rank 0's final state (a bounded wait) when it ``completed``; close the bar."""
-        if completed and not self._local and self._relay is not None:
+        if completed and not self._local and self._mailbox is not None:
             try:
-                self._show(ray.get(self._relay.poll.remote(), timeout=FINAL_UPDATE_TIMEOUT_S))
+                self._show_posted(ray.get(self._mailbox.read(), timeout=FINAL_UPDATE_TIMEOUT_S))
             except (RayError, GetTimeoutError) as err:
-                logger.debug("final progress poll failed: %s", err)
+                logger.debug("final progress read failed: %s", err)
         self._close_bar()
 
     def close(self):
-        """Close the bar and stop the relay actor."""
+        """Close the bar and stop the mailbox actor."""
         self._close_bar()
-        relay, self._relay = self._relay, None
-        if relay is not None:
+        mailbox, self._mailbox = self._mailbox, None
+        if mailbox is not None:
             try:
-                ray.kill(relay, no_restart=True)
+                mailbox.close()
             except Exception as err:  # noqa: BLE001 (already gone with the cluster)
-                logger.debug("progress relay kill failed: %s", err)
+                logger.debug("progress mailbox close failed: %s", err)
 
     # ----------------------------------------------------------------- internals
-    def _relay_handle(self):
-        if self._relay is None:
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-            self._relay = ray.remote(num_cpus=0)(_Relay).options(scheduling_strategy=here).remote()
-        return self._relay
+    def _show_posted(self, posted):
+        state, _, posts = posted
+        if state is not None:
+            self._show(dict(state, pushes=posts))
 
     def _receive(self, state, final):
         self._local_pushes += 1

@@ -368,7 +368,7 @@ class TorchTrainer:
         if isinstance(group, WorkerGroup):
             group.shutdown(force=force)
         self.worker_group = _ShutDownGroup()
-        for name in ("_progress", "_results", "_shards"):  # bar and relay actor, log files, Ray Data split
+        for name in ("_progress", "_results", "_shards"):  # bar and mailbox actor, log files, Ray Data split
             extra = self.__dict__.get(name)
             if extra is not None:
                 extra.close()
