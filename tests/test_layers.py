@@ -14,13 +14,15 @@ LAYERS = {
     "raysgd.torch.worker": 3, "raysgd.torch.recovery": 3,
     "raysgd.torch.worker_group": 4,
     "raysgd.torch.arguments": 5, "raysgd.torch.torch_trainer": 5,
+    "raysgd.torch.progress": 5, "raysgd.torch.results": 5, "raysgd.torch.ray_data": 5,  # the trainer's helpers
     "raysgd.torch.tune": 6,
     "raysgd.torch.resnet": 1, "raysgd.plot": 0,
     "raysgd.compat": 7, "raysgd.legacy": 7,  # package glue: the 1.x import mapping and its runner
 }
 # What each layer may import from outside the package (beyond the standard library).
 THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex"}, 2: {"torch", "numpy", "filelock"},
-               3: {"torch", "numpy", "ray"}, 4: {"ray", "torch", "numpy"}, 5: {"ray", "torch", "numpy"},
+               3: {"torch", "numpy", "ray"}, 4: {"ray", "torch", "numpy"},
+               5: {"ray", "torch", "numpy", "tqdm", "tensorboardX"},  # the last two optional, imported when used
                6: {"ray", "torch", "numpy"}, 7: set()}
 # Lazy imports kept for 1.x's API: TorchTrainer.as_trainable builds the Tune class on first use.
 UPWARD_EXCEPTIONS = {("raysgd.torch.torch_trainer", "raysgd.torch.tune")}
