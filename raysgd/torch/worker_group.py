@@ -16,7 +16,7 @@ import time
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raysgd.torch import constants, recovery
 from raysgd.torch.errors import CollectiveError, WorkerFailure
@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 _TICK_S = 0.5
 _USER_ERROR_GRACE_S = 2.0
+_CAUSE_GRACE_S = 1.0
 _RemoteWorker = None
 
 
@@ -282,10 +283,21 @@ class WorkerGroup:
                     first_success = time.monotonic()
             if on_tick is not None:
                 on_tick()
+        if failures and pending and all(isinstance(c, CollectiveError) for c in failures.values()):
+            # A survivor's collective often fails just before the dead peer is reported: wait a moment
+            # for the real cause, so that the error names the rank that died rather than its victim.
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=_CAUSE_GRACE_S)
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    self._sort(rank, ray.get(ref), None, results, failures)
+                except RayError as err:
+                    self._sort(rank, None, err, results, failures)
         if failures:
             collective_only = all(isinstance(c, CollectiveError) for c in failures.values())
-            return self._fail(failures, sorted(pending.values()) if collective_only else [],
-                              next(iter(failures.values())), "worker failure")
+            root = [c for c in failures.values() if not isinstance(c, CollectiveError)] or list(failures.values())
+            return self._fail(failures, sorted(pending.values()) if collective_only else [], root[0],
+                              "worker failure")
         if user_error is not None:
             if pending:  # the others are stuck waiting for the failed rank: the group is unusable
                 self._kill_all()
@@ -358,40 +370,3 @@ def _describe(err):
     if isinstance(err, RayActorError):
         return "worker process died (" + str(err).splitlines()[0][:200] + ")"
     return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
-
-
-
-
-class _MailboxActor:
-    def __init__(self):
-        self._latest = (None, None, 0)  # value, tag, how many posts under that tag
-
-    def post(self, value, tag):
-        self._latest = (value, tag, self._latest[2] + 1 if tag == self._latest[1] else 1)
-
-    def read(self):
-        return self._latest
-
-
-class Mailbox:
-    """A side channel from a worker to the driver (rank 0's progress): a 0-CPU actor next to the driver.
-
-    It keeps the latest value posted and how many posts came under its tag. Pickled to a worker, the
-    object is the sending end. Both calls return an ObjectRef and never wait.
-
-    Example:
-        >>> # box = Mailbox(); box.post({"n": 3}, tag=1); ray.get(box.read()) -> ({'n': 3}, 1, 1)
-    """
-
-    def __init__(self):
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        self._actor = ray.remote(num_cpus=0)(_MailboxActor).options(scheduling_strategy=here).remote()
-
-    def post(self, value, tag):
-        return self._actor.post.remote(value, tag)
-
-    def read(self):
-        return self._actor.read.remote()
-
-    def close(self):
-        ray.kill(self._actor, no_restart=True)
