@@ -18,6 +18,7 @@ LAYERS = {
     "raysgd.torch.tune": 6,
     "raysgd.torch.resnet": 1, "raysgd.plot": 0,
     "raysgd.compat": 7, "raysgd.legacy": 7,  # package glue: the 1.x import mapping and its runner
+    "raysgd": 7, "raysgd.torch": 7,  # the packages' public names
 }
 # What each layer may import from outside the package (beyond the standard library).
 THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex"}, 2: {"torch", "numpy", "filelock"},
@@ -40,8 +41,9 @@ def imports(path):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module
-            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+            for alias in node.names:  # "from raysgd.torch import data" imports raysgd.torch.data
+                full = f"{node.module}.{alias.name}"
+                yield full if full in LAYERS else node.module
 
 
 def library_modules():

@@ -177,3 +177,21 @@ def test_nccl_fp16_trainer_round_trips_the_scaler(cluster):
         assert trainer.state_dict()["amp_native"]["scale"] == state["amp_native"]["scale"]
     finally:
         trainer.shutdown()
+
+
+def test_apex_state_round_trip_reads_the_legacy_key(monkeypatch, tmp_path):
+    from conftest import TESTS_DIR
+
+    monkeypatch.syspath_prepend(f"{TESTS_DIR}/fake_apex")
+    monkeypatch.setenv("FAKE_APEX_LOG", str(tmp_path / "log"))
+    precision = Precision("apex", CPU)
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    (model,), (opt,) = precision.initialize([model], [opt], {"opt_level": "O2"})
+    precision.backward(model(torch.ones(1, 2)).sum(), opt)
+    precision.step(opt)
+    state = precision.state_dict()
+    assert set(state) == {"amp_apex"}
+    precision.load_state_dict({"amp": state["amp_apex"]})  # 1.x checkpoints used the key "amp"
+    log = (tmp_path / "log").read_text()
+    assert "initialize opt_level=O2" in log and "scale_loss" in log and "load_state_dict" in log
