@@ -360,6 +360,7 @@ class TorchTrainer:
         self.load_state_dict(checkpoint.load_state(checkpoint_path, weights_only=weights_only))
 
     def restore(self, *args):
+        """Removed in 1.x: always raises ``DeprecationWarning`` pointing at :meth:`load`."""
         raise DeprecationWarning("TorchTrainer.restore() is deprecated: use TorchTrainer.load(checkpoint).")
 
     def shutdown(self, force=False):
