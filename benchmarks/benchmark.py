@@ -49,6 +49,11 @@ def parse_args(argv=None):
                         help="intra-op threads per process on every side (default: CPUs // max N)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--child-timeout", type=float, default=None, help="seconds per benchmark process")
+    parser.add_argument("--ray-train-poll-s", type=float, default=None,
+                        help="Ray Train's controller polling interval, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (default: "
+                        "Ray's own, 2 s; 0.2 with --smoke-test)")
+    parser.add_argument("--ray-worker-niceness", type=int, default=None,
+                        help="niceness of Ray's worker processes (default: Ray's own, 15; the other sides run at 0)")
     args = parser.parse_args(argv)
     args.models = [m for m in (args.models or ("mlp" if args.smoke_test else "mlp,resnet")).split(",") if m]
     args.workers = sorted({int(n) for n in args.workers.split(",") if n})
@@ -65,6 +70,10 @@ def parse_args(argv=None):
     if args.threads < 1:
         parser.error(f"--threads expects an int >= 1; got {args.threads}")
     args.child_timeout = args.child_timeout or (300 if args.smoke_test else 900)
+    if args.smoke_test and args.ray_train_poll_s is None:
+        args.ray_train_poll_s = 0.2  # a smoke test need not wait for Ray Train's 2 s polls
+    if args.ray_train_poll_s is not None and args.ray_train_poll_s <= 0:
+        parser.error(f"--ray-train-poll-s expects seconds > 0; got {args.ray_train_poll_s}")
     return args
 
 
@@ -76,8 +85,10 @@ class Runner:
         self.env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                         PYTHONPATH=os.pathsep.join(p for p in (BENCH_DIR, os.environ.get("PYTHONPATH")) if p),
                         RAY_DEDUP_LOGS="0")
-        if args.smoke_test:  # Ray Train's controller polls every 2 s by default: a smoke test need not wait
-            self.env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = "0.2"
+        if args.ray_worker_niceness is not None:
+            self.env["RAY_worker_niceness"] = str(args.ray_worker_niceness)
+        if args.ray_train_poll_s is not None:
+            self.env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(args.ray_train_poll_s)
 
     def _paths(self, side):
         stem = os.path.join(self.work_dir, f"{next(self.count):02d}-{side}")
@@ -222,7 +233,9 @@ def metadata(args):
                 machine=f"{platform.node()} ({platform.machine()}, {args.cpus} CPUs)",
                 processor=platform.processor(), python=platform.python_version(), torch=torch.__version__,
                 ray=ray.__version__, threads=args.threads, workers=args.workers, models=args.models,
-                smoke=args.smoke_test, load_average=list(os.getloadavg()), command=" ".join(sys.argv))
+                smoke=args.smoke_test, load_average=list(os.getloadavg()), command=" ".join(sys.argv),
+                ray_worker_niceness=15 if args.ray_worker_niceness is None else args.ray_worker_niceness,
+                ray_train_poll_s=2.0 if args.ray_train_poll_s is None else args.ray_train_poll_s)
 
 
 def main(argv=None):

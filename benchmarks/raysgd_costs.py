@@ -70,10 +70,11 @@ def driver_overhead(spec, repeats):
     Measured on the ``tiny`` model (so the snapshot is small) with the default ``max_retries=3``, which
     takes the state snapshot, and with ``max_retries=0``, which does not. The batch count is set with
     ``num_steps`` on a data set of 1,000 batches per worker (100 in a smoke test): the driver does the
-    same for an epoch and for ``num_steps``.
+    same for an epoch and for ``num_steps``. Returns the rows and the ``tiny`` model's snapshot row
+    (measured on the first trainer, saving a start-up).
     """
     counts = (10, 100) if spec["smoke"] else (10, 1000)
-    rows = []
+    rows, tiny_snapshot = [], None
     for workers in spec["workers"]:
         trainer = _trainer(spec, workers, model="tiny", batch_size=4, num_samples=workers * 4 * counts[-1])
         try:
@@ -94,37 +95,44 @@ def driver_overhead(spec, repeats):
                     rows.append(dict(workers=workers, batches=batches, max_retries=retries,
                                      overhead_ms=1000 * _median(overheads), train_ms=1000 * _median(walls),
                                      repeats=repeats))
+            if tiny_snapshot is None:
+                tiny_snapshot = snapshot_row(trainer, "tiny", repeats)
         finally:
             trainer.shutdown()
-    return rows
+    return rows, tiny_snapshot
 
 
 # ----------------------------------------------------------------------------------------- snapshots
+def snapshot_row(trainer, name, repeats):
+    """Rank 0's state bytes to the driver (what ``train()`` does first), timed directly and inside train()."""
+    stream_s, size = [], 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        stream = trainer.worker_group.first_answer("state_stream", deadline_s=DEADLINE_S)
+        stream_s.append(time.perf_counter() - start)
+        size = len(stream)
+        del stream
+    in_train = {}
+    for retries in (3, 0):  # train() with and without its snapshot, one small step each
+        walls = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            trainer.train(num_steps=1, max_retries=retries)
+            walls.append(time.perf_counter() - start)
+        in_train[retries] = _median(walls)
+    return dict(model=name, state_mb=size / 2**20, snapshot_ms=1000 * _median(stream_s),
+                in_train_ms=1000 * (in_train[3] - in_train[0]), repeats=repeats)
+
+
 def snapshot_cost(spec, repeats):
-    """Seconds for rank 0's state bytes to reach the driver, per model size, and the same inside train()."""
+    """:func:`snapshot_row` for the MLP (7 MB; not in a smoke test) and a 100 MB model (10 MB in a smoke test)."""
     wide = 1600 if spec["smoke"] else 5000  # 10 MB or 100 MB of float32 weights
+    models = (("wide", wide),) if spec["smoke"] else (("mlp", None), ("wide", wide))
     rows = []
-    models = (("tiny", None), ("wide", wide)) if spec["smoke"] else (("tiny", None), ("mlp", None), ("wide", wide))
     for name, width in models:
         trainer = _trainer(spec, 1, model=name, width=width, momentum=0.0, batch_size=2, num_samples=4)
         try:
-            stream_s, size = [], 0
-            for _ in range(repeats):
-                start = time.perf_counter()
-                stream = trainer.worker_group.first_answer("state_stream", deadline_s=DEADLINE_S)
-                stream_s.append(time.perf_counter() - start)
-                size = len(stream)
-                del stream
-            in_train = {}
-            for retries in (3, 0):  # train() with and without its snapshot, one small step each
-                walls = []
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    trainer.train(num_steps=1, max_retries=retries)
-                    walls.append(time.perf_counter() - start)
-                in_train[retries] = _median(walls)
-            rows.append(dict(model=name, state_mb=size / 2**20, snapshot_ms=1000 * _median(stream_s),
-                             in_train_ms=1000 * (in_train[3] - in_train[0]), repeats=repeats))
+            rows.append(snapshot_row(trainer, name, repeats))
         finally:
             trainer.shutdown()
     return rows
@@ -212,14 +220,16 @@ def measure_costs(spec):
     repeats = 2 if spec["smoke"] else 5
     wanted = set(spec["costs"])
     out, elapsed = {}, {}
-    sections = (("driver_overhead", "overhead", lambda: driver_overhead(spec, repeats)),
-                ("snapshot", "overhead", lambda: snapshot_cost(spec, repeats)),
-                ("recovery", "recovery", lambda: recovery_time(spec, 1 if spec["smoke"] else 3)))
-    for key, section, measure in sections:
-        if section in wanted:
-            start = time.monotonic()
-            out[key] = measure()
-            elapsed[key] = time.monotonic() - start
+    if "overhead" in wanted:
+        start = time.monotonic()
+        out["driver_overhead"], tiny = driver_overhead(spec, repeats)
+        elapsed["driver_overhead"], start = time.monotonic() - start, time.monotonic()
+        out["snapshot"] = [tiny, *snapshot_cost(spec, repeats)]
+        elapsed["snapshot"] = time.monotonic() - start
+    if "recovery" in wanted:
+        start = time.monotonic()
+        out["recovery"] = recovery_time(spec, 1 if spec["smoke"] else 3)
+        elapsed["recovery"] = time.monotonic() - start
     out["elapsed_s"] = elapsed
     return out
 

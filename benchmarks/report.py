@@ -145,7 +145,9 @@ def tables(result, fmt="simple"):
         parts.append(("Targets", tabulate(rows, ["target", "measured", "goal", "met"], tablefmt=fmt)))
     smoke = " (SMOKE TEST: toy sizes, sides run at the same time: the numbers mean nothing)" if meta["smoke"] else ""
     header = (f"{meta['date']} on {meta['machine']}, load average {meta['load_average'][0]:.1f} at the start; "
-              f"torch {meta['torch']}, ray {meta['ray']}; {meta['threads']} thread(s) per process on every side{smoke}")
+              f"torch {meta['torch']}, ray {meta['ray']}; {meta['threads']} thread(s) per process on every side; "
+              f"Ray workers at nice {meta.get('ray_worker_niceness', 15)}, the other sides at 0; Ray Train polls "
+              f"every {meta.get('ray_train_poll_s', 2.0):g} s{smoke}")
     heading = "#### " if fmt == "github" else ""
     return header + "\n\n" + "\n\n".join(f"{heading}{title}\n\n{body}" if heading else f"{title}\n{body}"
                                            for title, body in parts)
