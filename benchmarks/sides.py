@@ -159,6 +159,7 @@ def start_ray(spec):
 
 def run_raytrain(spec):
     """``ray.train.torch.TorchTrainer`` with N workers of ``threads`` CPUs each, for every model and N."""
+    import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer as RayTorchTrainer
 
@@ -187,6 +188,7 @@ def run_raytrain(spec):
             (t0, job), (_, tp) = runs["job"], runs["throughput"]
             results.append(record("raytrain", name, workers, sizes, job["stamps"], tp["stamps"], t0, t_model,
                                   tp["threads"], cluster_start_s=cluster_s))
+    ray.shutdown()
     return results
 
 
