@@ -1,0 +1,91 @@
+"""The benchmarks never rot: ``benchmark.py --smoke-test`` runs every side and section; the arithmetic is right.
+
+Speeds are never asserted (the machine is shared); the rows, their shape and the ratio logic are.
+"""
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_DIR = os.path.join(ROOT, "benchmarks")
+sys.path.insert(0, BENCH_DIR)
+
+import report  # noqa: E402 (benchmarks/ is not a package)
+import workloads  # noqa: E402
+
+
+@pytest.mark.slow
+def test_smoke_test_runs_every_side_and_section(tmp_path):
+    out, markdown = tmp_path / "smoke.json", tmp_path / "smoke.md"
+    command = [sys.executable, os.path.join(BENCH_DIR, "benchmark.py"), "--smoke-test", "--out", str(out),
+               "--markdown", str(markdown)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=560, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["meta"]["smoke"] and result["errors"] == []
+    threads = result["meta"]["threads"]
+    assert {(r["side"], r["workers"]) for r in result["runs"]} == {
+        ("plain", 1), ("torchrun", 1), ("torchrun", 2), ("raytrain", 1), ("raytrain", 2), ("raysgd", 1),
+        ("raysgd", 2)}
+    for run in result["runs"]:
+        assert run["model"] == "mlp" and run["threads"] == threads, run  # pinned equally on every side
+        assert run["samples_per_s"] > 0 and 0 < run["startup_s"] <= run["e2e_s"], run
+    ratios = {(r["measure"], r["versus"], r["workers"]) for r in result["ratios"]}
+    assert ratios >= {("samples_per_s", "torchrun", 2), ("samples_per_s", "plain", 1),
+                      ("samples_per_s", "raytrain", 2), ("e2e_s", "raytrain", 1), ("e2e_s", "raytrain", 2),
+                      ("startup_s", "torchrun", 2)}
+    costs = result["costs"]
+    assert {(r["workers"], r["batches"], r["max_retries"]) for r in costs["driver_overhead"]} == set(
+        itertools.product((1, 2), (10, 100), (3, 0)))
+    snapshot = {r["model"]: r for r in costs["snapshot"]}
+    assert set(snapshot) == {"tiny", "wide"} and 9 < snapshot["wide"]["state_mb"] < 11
+    recovery = costs["recovery"]
+    assert 0 < recovery["detect_s"] < recovery["recovery_s"] and len(recovery["attempts"]) == 1
+    assert result["gpu"]["status"] in ("cpu-check", "smoke") and len(result["gpu"]["rows"]) == 4
+    assert {t["target"].split(":")[0] for t in result["targets"]} >= {"mlp", "recovery"}
+    assert "Targets" in proc.stdout and "| raysgd" in markdown.read_text()
+
+
+def test_models_have_the_sizes_the_readme_states():
+    count = lambda model: sum(p.numel() for p in model.parameters())  # noqa: E731
+    assert count(workloads.make_model("mlp")) == 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
+    assert 70_000 < count(workloads.make_model("resnet")) < 90_000
+    assert 25_000_000 < count(workloads.make_model("resnet50")) < 26_000_000
+    assert count(workloads.make_model("wide")) * 4 / 1e6 == pytest.approx(100, rel=0.01)
+    x, y = workloads.make_dataset("resnet", 4).tensors
+    assert workloads.make_model("resnet")(x).shape == (4, 10) and y.shape == (4,)
+    with pytest.raises(ValueError, match="model expects one of"):
+        workloads.make_model("vgg")
+
+
+def test_steady_rate_uses_only_the_timed_window():
+    stamps = [0.0, 10.0, 11.0, 12.0, 100.0]  # slow warm-up step, then 2 timed steps of 1 s, then a straggler
+    assert workloads.steady_rate(stamps, warmup=2, steps=2, global_batch=8) == 8.0
+    with pytest.raises(ValueError, match="at least warmup"):
+        workloads.steady_rate(stamps, warmup=4, steps=2, global_batch=8)
+
+
+def _run(side, workers, rate, e2e):
+    steps = 4
+    return dict(side=side, model="mlp", workers=workers, threads=1, batch_size=10, warmup=1, steps=steps, t0=0.0,
+                t_first_batch=1.0, t_model=e2e, tp_stamps=[0.0] + [i * 10 * workers / rate for i in range(1, 5)])
+
+
+def test_ratios_and_targets():
+    raw = (_run("plain", 1, 100, 5), _run("raysgd", 1, 98, 5), _run("torchrun", 2, 200, 6), _run("raysgd", 2, 199, 7),
+           _run("raytrain", 2, 150, 10))
+    runs = [report.derive_run(r) for r in raw]
+    ratios = report.ratios(runs)
+    by_key = {(r["measure"], r["versus"], r["workers"]): r["ratio"] for r in ratios}
+    assert by_key[("samples_per_s", "plain", 1)] == pytest.approx(0.98)
+    assert by_key[("samples_per_s", "torchrun", 2)] == pytest.approx(0.995)
+    assert by_key[("e2e_s", "raytrain", 2)] == pytest.approx(0.7)
+    targets = {t["target"]: t["met"] for t in report.targets(ratios, {"recovery": {"recovery_s": 5.5}})}
+    assert targets == {"mlp: raysgd 2 / torchrun 2, steady state": True,
+                       "mlp: raysgd 1 / plain loop, steady state": False,
+                       "mlp: 3-epoch job, raysgd 2 / Ray Train 2": True,
+                       "recovery: worker death to next batch trained (s)": False}
