@@ -52,9 +52,27 @@ def check_deprecated(kwargs):
             raise TypeError(f"TorchTrainer got an unexpected keyword argument {name!r}")
 
 
-def _expect(condition, name, expected, value, error=ValueError):
+def _expect(condition, name, expected, value, error=ValueError, caller="TorchTrainer"):
     if not condition:
-        raise error(f"TorchTrainer({name}=...) expects {expected}; got {value!r}")
+        raise error(f"{caller}: {name} expects {expected}; got {value!r}")
+
+
+def check_resources(num_workers, num_cpus_per_worker, use_gpu, use_local, caller="TorchTrainer"):
+    """Check the arguments that size the workers (shared with the Tune resource request).
+
+    Example:
+        >>> check_resources(0, 1, False, False, caller="as_trainable")
+        Traceback (most recent call last):
+        ValueError: as_trainable: num_workers expects an int >= 1; got 0
+    """
+    _expect(isinstance(num_workers, int) and not isinstance(num_workers, bool), "num_workers", "an int >= 1",
+            num_workers, TypeError, caller)
+    _expect(num_workers >= 1, "num_workers", "an int >= 1", num_workers, caller=caller)
+    _expect(isinstance(num_cpus_per_worker, (int, float)) and not isinstance(num_cpus_per_worker, bool)
+            and num_cpus_per_worker > 0, "num_cpus_per_worker", "a number > 0", num_cpus_per_worker, caller=caller)
+    _expect(use_gpu == "auto" or isinstance(use_gpu, bool), "use_gpu", "True, False or 'auto'", use_gpu,
+            caller=caller)
+    _expect(isinstance(use_local, bool), "use_local", "True or False", use_local, TypeError, caller)
 
 
 def check_arguments(*, training_operator_cls, initialization_hook, config, num_workers, num_cpus_per_worker,
@@ -66,12 +84,7 @@ def check_arguments(*, training_operator_cls, initialization_hook, config, num_w
     _expect(initialization_hook is None or callable(initialization_hook), "initialization_hook",
             "a callable taking no arguments, or None", initialization_hook, TypeError)
     _expect(config is None or isinstance(config, dict), "config", "a dict or None", config, TypeError)
-    _expect(isinstance(num_workers, int) and not isinstance(num_workers, bool), "num_workers", "an int >= 1",
-            num_workers, TypeError)
-    _expect(num_workers >= 1, "num_workers", "an int >= 1", num_workers)
-    _expect(isinstance(num_cpus_per_worker, (int, float)) and not isinstance(num_cpus_per_worker, bool)
-            and num_cpus_per_worker > 0, "num_cpus_per_worker", "a number > 0", num_cpus_per_worker)
-    _expect(use_gpu == "auto" or isinstance(use_gpu, bool), "use_gpu", "True, False or 'auto'", use_gpu)
+    check_resources(num_workers, num_cpus_per_worker, use_gpu, use_local)
     use_gpu = torch.cuda.is_available() if use_gpu == "auto" else use_gpu
     _expect(backend in ("auto", "gloo", "nccl"), "backend", "'auto', 'gloo' or 'nccl'", backend)
     if backend == "auto":
@@ -83,9 +96,8 @@ def check_arguments(*, training_operator_cls, initialization_hook, config, num_w
     try:
         validate_fp16(use_fp16)
     except ValueError as err:
-        raise ValueError(f"TorchTrainer(use_fp16=...) expects False, True, 'apex' or 'bf16'; got {use_fp16!r}") from err
-    for name, value in (("wrap_ddp", wrap_ddp), ("use_tqdm", use_tqdm), ("add_dist_sampler", add_dist_sampler),
-                        ("use_local", use_local)):
+        raise ValueError(f"TorchTrainer: use_fp16 expects False, True, 'apex' or 'bf16'; got {use_fp16!r}") from err
+    for name, value in (("wrap_ddp", wrap_ddp), ("use_tqdm", use_tqdm), ("add_dist_sampler", add_dist_sampler)):
         _expect(isinstance(value, bool), name, "True or False", value, TypeError)
     _expect(not scheduler_step_freq or scheduler_step_freq in VALID_SCHEDULER_STEP, "scheduler_step_freq",
             f"one of {sorted(VALID_SCHEDULER_STEP)} or None", scheduler_step_freq)

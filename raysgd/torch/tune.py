@@ -28,7 +28,7 @@ import inspect
 import logging
 import os
 
-from raysgd.torch import checkpoint
+from raysgd.torch import arguments, checkpoint
 
 try:
     from ray.tune import PlacementGroupFactory, Trainable
@@ -87,15 +87,8 @@ def resolve_resources(tune_config, trainer_kwargs):
     """
     tune_config = tune_config or {}
     values = {key: tune_config.get(key, trainer_kwargs.get(key, _DEFAULTS[key])) for key in RESOURCE_KEYS}
-    workers, cpus, use_gpu, use_local = (values[k] for k in RESOURCE_KEYS)
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise ValueError(f"as_trainable: num_workers expects an int >= 1; got {workers!r}")
-    if not isinstance(cpus, (int, float)) or isinstance(cpus, bool) or cpus <= 0:
-        raise ValueError(f"as_trainable: num_cpus_per_worker expects a number > 0; got {cpus!r}")
-    if use_gpu != "auto" and not isinstance(use_gpu, bool):
-        raise ValueError(f"as_trainable: use_gpu expects True, False or 'auto'; got {use_gpu!r}")
-    if not isinstance(use_local, bool):
-        raise ValueError(f"as_trainable: use_local expects True or False; got {use_local!r}")
+    arguments.check_resources(*(values[k] for k in RESOURCE_KEYS), caller="as_trainable")
+    use_gpu = values["use_gpu"]
     values["use_gpu"] = _gpus_available() if use_gpu == "auto" else use_gpu
     return values
 
