@@ -1,7 +1,6 @@
 """LightningModules for tests/test_lightning.py (importable by workers: tests/ is on their path)."""
 import os
 
-import lightning.pytorch as lp
 import pytorch_lightning as pl
 import torch
 import torch.nn as nn
@@ -92,36 +91,6 @@ class Classifier(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint):
         self.loaded = checkpoint["marker"]
-
-
-class PlateauClassifier(lp.LightningModule):
-    """The same network under the ``lightning.pytorch`` import name, with ReduceLROnPlateau on a logged value."""
-
-    def __init__(self, config):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Linear(4, 2)
-        self.lr = config.get("lr", 0.1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("const", 1.0)
-        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
-
-    def configure_optimizers(self):
-        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
-        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
-        return {"optimizer": optimizer, "lr_scheduler": plateau, "monitor": "const"}
-
-    def train_dataloader(self):
-        return DataLoader(blobs(64), batch_size=16)
-
-    def val_dataloader(self):
-        return DataLoader(blobs(64, seed=1), batch_size=16)
 
 
 class PointsData(pl.LightningDataModule):

@@ -12,7 +12,8 @@ pytest.importorskip("lightning.pytorch", reason="the lightning.pytorch import na
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from lightning_modules import Classifier, NotAModule, PlateauClassifier, PointsData, TinyGAN  # noqa: E402
+from lightning_modules import Classifier, NotAModule, PointsData, TinyGAN  # noqa: E402
+from lightning_pytorch_modules import PlateauClassifier  # noqa: E402
 from raysgd import TrainingOperator  # noqa: E402
 from raysgd.torch import lightning  # noqa: E402
 from raysgd.torch.lightning_operator import LightningOperator  # noqa: E402
@@ -111,7 +112,7 @@ def cluster(ray_2cpus):
 
 def test_dict_form_steplr_and_self_log_on_two_workers(cluster, trainer_factory):
     trainer = trainer_factory(training_operator_cls=TrainingOperator.from_ptl(Classifier), num_workers=2,
-                              config={"lr": 0.2})
+                              use_local=True, config={"lr": 0.2})  # rank 0 here, rank 1 an actor: one start-up
     before = trainer.validate()
     stats = [trainer.train() for _ in range(2)]
     after = trainer.validate()
@@ -136,7 +137,7 @@ def test_dict_form_steplr_and_self_log_on_two_workers(cluster, trainer_factory):
 def test_manual_optimization_gan_without_config_and_a_datamodule(cluster, trainer_factory, tmp_path):
     log = tmp_path / "prepare.log"
     operator_cls = TrainingOperator.from_ptl(TinyGAN, datamodule=PointsData)
-    trainer = trainer_factory(training_operator_cls=operator_cls, num_workers=2,
+    trainer = trainer_factory(training_operator_cls=operator_cls, num_workers=2, use_local=True,
                               config={"prepare_log": str(log)})
     start = trainer.apply_all_operators(flat_params)[0]
     stats = trainer.train()

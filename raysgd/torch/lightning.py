@@ -22,6 +22,7 @@ import dataclasses
 import importlib
 import inspect
 import logging
+import sys
 
 import torch
 
@@ -38,19 +39,22 @@ _PRECISION_TO_FP16 = {"32": False, "32-true": False, "16": True, "16-mixed": Tru
 
 
 def lightning_packages():
-    """The importable Lightning packages (``pytorch_lightning`` and/or ``lightning.pytorch``).
+    """The Lightning packages in use: those already imported, else the first of :data:`LIGHTNING_NAMES` found.
 
-    Raises ``ImportError`` saying what to install when there is none.
+    Importing Lightning takes seconds, so a second import name is never loaded needlessly (a module
+    class can only derive from a package that is already imported). Raises ``ImportError`` saying what
+    to install when there is none.
     """
-    found, first_error = [], None
+    loaded = [sys.modules[name] for name in LIGHTNING_NAMES if sys.modules.get(name) is not None]
+    if loaded:
+        return loaded
+    first_error = None
     for name in LIGHTNING_NAMES:
         try:
-            found.append(importlib.import_module(name))
+            return [importlib.import_module(name)]
         except ImportError as err:
             first_error = first_error or err
-    if not found:
-        raise ImportError(INSTALL_HINT) from first_error
-    return found
+    raise ImportError(INSTALL_HINT) from first_error
 
 
 def lightning_base(cls, kind="LightningModule"):
