@@ -57,7 +57,8 @@ def test_without_lightning_import_raysgd_works_and_from_ptl_says_what_to_install
             print("IMPORT-ERROR:", err)
         assert "pytorch_lightning" not in sys.modules
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert 'IMPORT-ERROR: TrainingOperator.from_ptl needs PyTorch Lightning 2.x: pip install "raysgd[lightning]"' \
