@@ -154,3 +154,31 @@ class TinyGAN(pl.LightningModule):
 
 class NotAModule(nn.Module):
     """A plain torch module: from_ptl refuses it."""
+
+
+class StepScheduled(pl.LightningModule):
+    """Per-step scheduling (every 2nd batch), an overridden optimizer_step and an early epoch end."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.net = nn.Linear(4, 2)
+        self.closure_losses = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        return -1 if batch_idx == self.config.get("stop_at", -2) else None
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        self.closure_losses.append(float(optimizer.step(closure=optimizer_closure).detach()))
+
+    def configure_optimizers(self):
+        optimizers = [torch.optim.SGD(self.parameters(), lr=1.0) for _ in range(self.config.get("optimizers", 1))]
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizers[0], step_size=1, gamma=0.5)
+        return optimizers, [{"scheduler": scheduler, "interval": "step", "frequency": 2}]
+
+    def train_dataloader(self):
+        return DataLoader(blobs(64), batch_size=8)

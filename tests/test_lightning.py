@@ -12,11 +12,12 @@ pytest.importorskip("lightning.pytorch", reason="the lightning.pytorch import na
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from lightning_modules import Classifier, NotAModule, PointsData, TinyGAN  # noqa: E402
+from lightning_modules import Classifier, NotAModule, PointsData, StepScheduled, TinyGAN  # noqa: E402
 from lightning_pytorch_modules import PlateauClassifier  # noqa: E402
 from raysgd import TrainingOperator  # noqa: E402
 from raysgd.torch import lightning  # noqa: E402
 from raysgd.torch.lightning_operator import LightningOperator  # noqa: E402
+from raysgd.torch.worker import TorchWorker  # noqa: E402
 
 
 def flat_params(op):
@@ -103,6 +104,27 @@ def test_the_1x_module_path_resolves_again():
     finally:
         compat.uninstall()
     assert legacy is LightningOperator
+
+
+def in_process(module_cls, config=None):
+    """A one-worker TorchWorker in this process (no Ray), its operator set up."""
+    worker = TorchWorker(TrainingOperator.from_ptl(module_cls), dict(config or {}), is_local=True)
+    worker.setup_operator()
+    return worker
+
+
+def test_step_interval_frequency_optimizer_step_override_and_early_epoch_end():
+    worker = in_process(StepScheduled)
+    op = worker.operator
+    stats = worker.train_epoch()
+    assert stats["num_samples"] == 64 and len(op.get_model().closure_losses) == 8  # the closure ran every batch
+    assert op.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.5 ** 4)  # 8 batches, every 2nd: 4 steps
+    with pytest.raises(RuntimeError, match="validate.. needs validation data for StepScheduled: define val_dataloader"):
+        worker.validate()
+    stopped = in_process(StepScheduled, {"stop_at": 3}).train_epoch()
+    assert stopped["num_samples"] == 24  # on_train_batch_start returned -1 at batch 3
+    with pytest.raises(ValueError, match="2 optimizers: several optimizers need manual optimization"):
+        in_process(StepScheduled, {"optimizers": 2})
 
 
 # ----------------------------------------------------------------- on Ray workers

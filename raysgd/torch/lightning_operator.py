@@ -105,6 +105,19 @@ class LightningOperator(TrainingOperator):
                 return getattr(obj, name)()
         return None
 
+    def _get_train_loader(self):
+        if self._train_loader is None:
+            raise RuntimeError(f"No training data for {type(self._module).__name__}: define train_dataloader() in "
+                               "the LightningModule or a datamodule, or pass from_ptl(..., train_dataloader=...)")
+        return self._train_loader
+
+    def _get_validation_loader(self):
+        if self._validation_loader is None:
+            raise RuntimeError(f"validate() needs validation data for {type(self._module).__name__}: define "
+                               "val_dataloader() in the LightningModule or a datamodule, or pass "
+                               "from_ptl(..., val_dataloader=...)")
+        return self._validation_loader
+
     @contextlib.contextmanager
     def _attached(self):
         """Point the module's ``trainer``/``fabric`` at the stand-in while its code runs; detach after.
