@@ -142,7 +142,8 @@ def prepare_ddp_for_backward(ddp, loss):
     """Arm DDP's gradient hooks for a backward run inside the forward (manual optimization).
 
     DDP arms its reducer after ``forward`` returns; ``manual_backward`` runs while ``training_step`` (the
-    forward) is still running, so without this the gradients would not be averaged at all.
+    forward) is still running, so without this the backward would not be averaged as a round of its own.
+    Uses DDP's reducer directly, as Lightning's own DDP strategy does for manual optimization.
     """
     if not (torch.is_grad_enabled() and ddp.require_backward_grad_sync):
         return
@@ -158,6 +159,7 @@ def lightning_default_owner(obj):
 
 
 def describe(value):
+    """``value`` for an error message: ``class module.Name`` for a class, else a shortened repr."""
     return f"class {value.__module__}.{value.__qualname__}" if isinstance(value, type) else repr(value)[:200]
 
 
