@@ -21,8 +21,10 @@ setup(
         "tqdm": ["tqdm"],
         "logging": ["tensorboardX", "matplotlib"],
         "data": ["ray[data]>=2.9"],
+        "lightning": ["pytorch-lightning>=2"],
         "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "tqdm", "ray[tune]>=2.9", "tensorboardX",
-                 "matplotlib", "pandas", "pyarrow"],
+                 "matplotlib", "pandas", "pyarrow",
+                 "pytorch-lightning>=2", "lightning>=2"],  # both of Lightning's import names are tested
     },
     license="Apache-2.0",
 )

@@ -16,6 +16,7 @@ LAYERS = {
     "raysgd.torch.arguments": 5, "raysgd.torch.torch_trainer": 5,
     "raysgd.torch.progress": 5, "raysgd.torch.results": 5, "raysgd.torch.ray_data": 5,  # the trainer's helpers
     "raysgd.torch.tune": 6,
+    "raysgd.torch.lightning": 6, "raysgd.torch.lightning_operator": 6,  # Lightning: an integration at the edge
     "raysgd.torch.resnet": 1, "raysgd.plot": 0,
     "raysgd.compat": 7, "raysgd.legacy": 7,  # package glue: the 1.x import mapping and its runner
     "raysgd": 7, "raysgd.torch": 7,  # the packages' public names
@@ -24,9 +25,10 @@ LAYERS = {
 THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex"}, 2: {"torch", "numpy", "filelock"},
                3: {"torch", "numpy", "ray"}, 4: {"ray", "torch", "numpy"},
                5: {"ray", "torch", "numpy", "tqdm", "tensorboardX"},  # the last two optional, imported when used
-               6: {"ray", "torch", "numpy"}, 7: set()}
+               6: {"ray", "torch", "numpy", "pytorch_lightning", "lightning"}, 7: set()}
 # Lazy imports kept for 1.x's API: TorchTrainer.as_trainable builds the Tune class on first use.
-UPWARD_EXCEPTIONS = {("raysgd.torch.torch_trainer", "raysgd.torch.tune")}
+UPWARD_EXCEPTIONS = {("raysgd.torch.torch_trainer", "raysgd.torch.tune"),
+                     ("raysgd.torch.training_operator", "raysgd.torch.lightning_operator")}  # from_ptl, lazily
 PURE = {"raysgd.torch.recovery": set(), "raysgd.torch.errors": {"torch"}, "raysgd.torch.constants": set()}
 
 

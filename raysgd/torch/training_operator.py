@@ -379,6 +379,12 @@ class TrainingOperator:
         return make_creator_operator(cls, model_creator, optimizer_creator, data_creator, loss_creator,
                                      scheduler_creator, serialize_data_creation)
 
+    @classmethod
+    def from_ptl(cls, lightning_module_cls, train_dataloader=None, val_dataloader=None, **options):
+        """An operator class training a LightningModule (see :mod:`raysgd.torch.lightning_operator`)."""
+        from raysgd.torch.lightning_operator import from_ptl  # noqa: PLC0415 (Lightning is optional)
+        return from_ptl(lightning_module_cls, train_dataloader, val_dataloader, **options)
+
 
 def get_test_operator(operator_cls):
     """Test helper (1.x): an operator whose train/validate run ``config["custom_func"]`` or return ``{"done": 1}``."""
