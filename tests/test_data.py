@@ -2,6 +2,7 @@
 import collections
 import multiprocessing
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
@@ -66,6 +67,7 @@ def test_the_seed_comes_from_the_config_key_or_the_generator():
     assert DATA_SEED == "data_seed"
     with pytest.raises(TypeError, match="data_seed"):
         data.resolve_seed(DataLoader(DATASET), "3")
+    assert data.resolve_seed(DataLoader(DATASET), np.int64(3)) == 3  # e.g. from a Tune search space
 
 
 def test_epochs_reshuffle_and_the_cursor_resumes():

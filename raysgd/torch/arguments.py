@@ -8,6 +8,7 @@ Example:
     ({'*batch_size': 10}, 20)
 """
 import logging
+import numbers
 
 import torch
 
@@ -85,7 +86,7 @@ def check_arguments(*, training_operator_cls, initialization_hook, config, num_w
             "a callable taking no arguments, or None", initialization_hook, TypeError)
     _expect(config is None or isinstance(config, dict), "config", "a dict or None", config, TypeError)
     seed = (config or {}).get(DATA_SEED)
-    _expect(seed is None or (isinstance(seed, int) and not isinstance(seed, bool)), "config[DATA_SEED]",
+    _expect(seed is None or (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)), "config[DATA_SEED]",
             "an int (the seed of the data order) or None", seed, TypeError)
     check_resources(num_workers, num_cpus_per_worker, use_gpu, use_local)
     use_gpu = torch.cuda.is_available() if use_gpu == "auto" else use_gpu

@@ -20,6 +20,7 @@ Example:
 """
 import collections.abc
 import logging
+import numbers
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
@@ -42,10 +43,10 @@ def resolve_seed(loader, seed=None):
         5
     """
     if seed is not None:
-        if not isinstance(seed, int) or isinstance(seed, bool):
+        if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
             raise TypeError(f"the data seed (config key 'data_seed') must be an int; got {type(seed).__name__} "
                             f"{seed!r}")
-        return seed
+        return int(seed)
     for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
         generator = getattr(owner, "generator", None)
         if isinstance(generator, torch.Generator):
