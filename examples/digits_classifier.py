@@ -1,7 +1,7 @@
 """Classify handwritten digits (scikit-learn's 8x8 ``load_digits``, real data, no download) on Ray workers.
 
 A small convolutional network, data-parallel over ``--num-workers`` Ray actors: each worker reads
-its shard of the training set (a ``DistributedSampler`` is added for you), gradients are averaged
+its shard of the training set (the loader is sharded by its own sampler for you), gradients are averaged
 by DistributedDataParallel, and validation metrics are reduced over the workers' exact shards.
 The default run (2 workers, 30 epochs) reaches about 98% validation accuracy in well under a
 minute of training on 2 CPU cores.

@@ -6,7 +6,7 @@ import torch.nn as nn
 from conftest import assert_released
 from helpers import LinearOperator
 from raysgd import PyTorchTrainer, TorchTrainer, TrainingOperator
-from raysgd.utils import BATCH_SIZE
+from raysgd.utils import BATCH_SIZE, DATA_SEED
 
 pytestmark = pytest.mark.usefixtures("ray_2cpus")
 
@@ -27,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("ray_2cpus")
     (dict(initialization_hook="setup.sh"), TypeError, ["initialization_hook", "callable", "setup.sh"]),
     (dict(use_local="no"), TypeError, ["use_local", "'no'"]),
     (dict(config={BATCH_SIZE: "64"}), ValueError, ["BATCH_SIZE", "'64'"]),
+    (dict(config={DATA_SEED: "7"}), TypeError, ["DATA_SEED", "int", "'7'"]),
     (dict(num_worker=2), TypeError, ["num_worker"]),
 ])
 def test_constructor_rejects_bad_arguments_before_starting_anything(kwargs, error, words):

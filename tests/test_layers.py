@@ -18,6 +18,8 @@ LAYERS = {
     "raysgd.torch.tune": 6,
     "raysgd.torch.lightning": 6, "raysgd.torch.lightning_operator": 6,  # Lightning: an integration at the edge
     "raysgd.torch.resnet": 1, "raysgd.plot": 0,
+    "raysgd.torch.cursor": 1,  # the data cursor: which stream positions each rank reads
+    "raysgd.torch.evaluation": 1,  # validation without collectives per batch
     "raysgd.compat": 7, "raysgd.legacy": 7,  # package glue: the 1.x import mapping and its runner
     "raysgd": 7, "raysgd.torch": 7,  # the packages' public names
 }

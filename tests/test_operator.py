@@ -287,9 +287,14 @@ def test_from_creators_checks_the_loader_count():
         make_worker(Op)
 
 
-def test_metrics_operator_helper_weights_by_samples():
-    config = {"scores": [1.0, 3.0] + [0.0] * 6, "val_scores": [2.0] * 3, "key": "score"}
+def test_metrics_operator_helper_reports_what_1_12_did():
+    # 1.12: each batch's score divided by that batch's num_samples, the default loop's metrics kept.
+    config = {"scores": [1.0, 3.0] + [0.0] * 6, "val_scores": [2.0, 4.0, 12.0], "key": "score"}
     worker = make_worker(get_test_metrics_operator(LinearOperator), config)
     stats = worker.train_epoch(num_steps=2)
-    assert stats["score"] == pytest.approx(2.0) and stats["last_score"] == 3.0 and stats[NUM_SAMPLES] == 16
-    assert worker.validate()["score"] == pytest.approx(2.0)
+    assert stats["score"] == pytest.approx((1.0 / 8 + 3.0 / 8) / 2) and stats["last_score"] == 3.0 / 8
+    assert stats[NUM_SAMPLES] == 16 and "train_loss" in stats and "last_train_loss" in stats
+    val = worker.validate()  # 3 batches of 8 samples
+    assert val["last_score"] == pytest.approx(12.0 / 8) and val[NUM_SAMPLES] == 24
+    assert val["score"] == pytest.approx((2.0 + 4.0 + 12.0) / 8 / 3)
+    assert {"val_loss", "val_accuracy"} <= set(val)

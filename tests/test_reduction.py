@@ -34,3 +34,20 @@ def test_non_numbers_come_from_rank_0_and_no_samples_key_without_samples():
                                                                                 "flag": False}])
     assert out == {"profile": {"a": 1}, "done": 1, "flag": True}
     assert reduce_worker_stats([]) == {}
+
+
+def test_a_nan_metric_is_logged_once_per_call_naming_the_ranks(caplog):
+    stats = [{"num_samples": 8, "loss": 1.0, "last_loss": 1.0},
+             {"num_samples": 8, "loss": float("nan"), "last_loss": float("nan")},
+             {"num_samples": 8, "loss": 2.0, "last_loss": 2.0},
+             {"num_samples": 8}]  # no batches on this rank: missing, not NaN
+    with caplog.at_level("WARNING", logger="raysgd.torch.reduction"):
+        out = reduce_worker_stats(stats)
+    assert out["loss"] == pytest.approx(1.5) and out["num_samples"] == 32  # 1.12's nanmean is kept
+    warnings = [r for r in caplog.records if r.name == "raysgd.torch.reduction"]
+    assert len(warnings) == 1
+    assert "loss on rank(s) [1]" in warnings[0].getMessage() and "[3]" not in warnings[0].getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="raysgd.torch.reduction"):
+        reduce_worker_stats([{"num_samples": 8, "loss": 1.0}, {"num_samples": 8, "loss": 3.0}])
+    assert not caplog.records

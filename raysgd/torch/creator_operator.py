@@ -119,7 +119,8 @@ def get_test_operator(operator_cls):
 def get_test_metrics_operator(operator_cls):
     """An operator whose batches report the next of ``config["scores"]`` (train) or ``config["val_scores"]``.
 
-    The score is reported under ``config["key"]``, weighted by the batch's ``num_samples``.
+    As in 1.12, each batch reports its score divided by that batch's ``num_samples`` under
+    ``config["key"]``, next to the default loop's own metrics (``train_loss``, ``val_loss``, ...).
     """
 
     class _TestMetricsOperator(operator_cls):
@@ -130,11 +131,13 @@ def get_test_metrics_operator(operator_cls):
             self.key = config["key"]
 
         def train_batch(self, batch, batch_info):
-            metrics = super().train_batch(batch, batch_info)
-            return {self.key: self._train_scores.pop(0), NUM_SAMPLES: metrics[NUM_SAMPLES]}
+            metrics = dict(super().train_batch(batch, batch_info))
+            metrics[self.key] = self._train_scores.pop(0) / metrics[NUM_SAMPLES]
+            return metrics
 
         def validate_batch(self, batch, batch_info):
-            metrics = super().validate_batch(batch, batch_info)
-            return {self.key: self._val_scores.pop(0), NUM_SAMPLES: metrics[NUM_SAMPLES]}
+            metrics = dict(super().validate_batch(batch, batch_info))
+            metrics[self.key] = self._val_scores.pop(0) / metrics[NUM_SAMPLES]
+            return metrics
 
     return _TestMetricsOperator

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from raysgd.torch import checkpoint
 from raysgd.torch import data as _data
+from raysgd.torch import evaluation
 from raysgd.torch.constants import NUM_STEPS, USE_FP16
 from raysgd.torch.errors import CollectiveError, is_collective_failure
 from raysgd.utils import TimerCollection
@@ -61,13 +62,25 @@ class _PersistentIterator:
     one ran out; ``on_new_epoch`` is called just before.
     """
 
-    def __init__(self, get_loader, on_new_epoch):
+    def __init__(self, get_loader, on_new_epoch, on_abandon=None):
         self._get_loader = get_loader
         self._on_new_epoch = on_new_epoch
+        self._on_abandon = on_abandon
         self._iterator = None
 
     def reset(self):
         self._iterator = None
+
+    @contextlib.contextmanager
+    def fresh_after_error(self):
+        """On any error inside, drop the half-read iterator (``on_abandon`` runs): the next pull starts afresh."""
+        try:
+            yield
+        except BaseException:
+            if self._iterator is not None and self._on_abandon is not None:
+                self._on_abandon()
+            self._iterator = None
+            raise
 
     def _current(self):
         if self._iterator is None:
@@ -117,7 +130,8 @@ class TorchWorker:
         self._is_local = is_local
         self._options = dict(use_fp16=use_fp16, use_tqdm=use_tqdm, wrap_ddp=wrap_ddp,
                              add_dist_sampler=add_dist_sampler, scheduler_step_freq=scheduler_step_freq)
-        self._train_iter = _PersistentIterator(self._train_loader, self._on_new_train_epoch)
+        self._train_iter = _PersistentIterator(self._train_loader, self._on_new_train_epoch,
+                                               on_abandon=self._rewind_train_epoch)
         self._val_iter = _PersistentIterator(self._validation_loader, lambda loader: None)
         if not is_local and num_cpus:
             torch.set_num_threads(max(1, int(num_cpus)))
@@ -180,6 +194,9 @@ class TorchWorker:
         _data.set_sampler_epoch(loader, self.epochs)
         self.epochs += 1
 
+    def _rewind_train_epoch(self):
+        self.epochs -= 1  # an error abandoned this epoch mid-way: the next call starts it again
+
     def _begin(self, profile):
         if profile:
             self.timers.enable()
@@ -205,7 +222,8 @@ class TorchWorker:
                 batches = self._train_iter.take(num_steps)
             reporting = contextlib.nullcontext() if progress is None else progress.attach(
                 self.operator, num_steps, iterator if iterator is not None else self.operator._train_loader)
-            with reporting:
+            fresh = self._train_iter.fresh_after_error() if iterator is None else contextlib.nullcontext()
+            with reporting, fresh:
                 stats = self.operator.train_epoch(batches, info)
         result = {"epoch": self.epochs, **stats}
         if profile:
@@ -217,7 +235,8 @@ class TorchWorker:
         """Validate on ``num_steps`` batches (default: the rest of the validation set); returns metrics."""
         self._begin(profile)
         self.operator._get_validation_loader()  # a clear error before anything else
-        with self.timers.record("validation"):
+        with self.timers.record("validation"), self._val_iter.fresh_after_error(), \
+                evaluation.quiet_forward(evaluation.ddp_modules(self.operator)):  # no collective per batch
             stats = self.operator.validate(self._val_iter.take(num_steps), dict(info or {}))
         if profile:
             stats = {**stats, "profile": self.timers.stats()}
