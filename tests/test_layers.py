@@ -12,7 +12,7 @@ LAYERS = {
     "raysgd.torch.precision": 1, "raysgd.torch.data": 1, "raysgd.torch.checkpoint": 1,
     "raysgd.torch.training_operator": 2, "raysgd.torch.creator_operator": 2,
     "raysgd.torch.worker": 3, "raysgd.torch.recovery": 3,
-    "raysgd.torch.worker_group": 4, "raysgd.torch.mailbox": 4,
+    "raysgd.torch.worker_group": 4, "raysgd.torch.mailbox": 4, "raysgd.torch.placement": 4,
     "raysgd.torch.arguments": 5, "raysgd.torch.torch_trainer": 5,
     "raysgd.torch.progress": 5, "raysgd.torch.results": 5, "raysgd.torch.ray_data": 5,  # the trainer's helpers
     "raysgd.torch.tune": 6,
