@@ -15,7 +15,7 @@ LAYERS = {
     "raysgd.torch.worker_group": 4, "raysgd.torch.mailbox": 4, "raysgd.torch.placement": 4,
     "raysgd.torch.arguments": 5, "raysgd.torch.torch_trainer": 5,
     "raysgd.torch.progress": 5, "raysgd.torch.results": 5, "raysgd.torch.ray_data": 5,  # the trainer's helpers
-    "raysgd.torch.tune": 6,
+    "raysgd.torch.tune": 6, "raysgd.data.dataset": 6, "raysgd.data": 7,  # 1.x's sharded Dataset on Ray Data
     "raysgd.torch.resnet": 1, "raysgd.plot": 0,
     "raysgd.torch.model_copy": 1,
     "raysgd.compat": 7, "raysgd.legacy": 7,  # package glue: the 1.x import mapping and its runner
