@@ -7,18 +7,10 @@ import torch
 
 pytest.importorskip("ray.data", reason="needs ray[data]")
 
-from conftest import start_ray  # noqa: E402
 from raysgd import TorchTrainer, TrainingOperator  # noqa: E402
 from raysgd.data import Dataset  # noqa: E402
 from raysgd.data.dataset import ConcatBatch  # noqa: E402
 from raysgd.utils import NUM_SAMPLES  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def ray_4cpus():
-    ray = start_ray(4)
-    yield ray
-    ray.shutdown()
 
 
 class SeenOperator(TrainingOperator):
