@@ -6,7 +6,7 @@ so it wins over Ray 2.x's own ``ray.util.sgd`` (which only raises ``DeprecationW
 
 * ``ray.util.sgd.X.Y`` imports ``raysgd.X.Y`` and is the *same module object*, so classes keep
   their ``raysgd.*`` names and Ray pickles them by those names;
-* a path that was removed (``ray.util.sgd.data``, ``ray.util.sgd.torch.torch_runner`` ...)
+* a path that was removed (``ray.util.sgd.torch.torch_dataset``, ``ray.util.sgd.torch.torch_runner`` ...)
   raises ``ModuleNotFoundError`` saying what replaced it;
 * it sets ``RAYSGD_LEGACY_IMPORTS=1`` in the environment, which Ray workers inherit (and which the
   worker group forwards to its actors), and ``import raysgd`` installs the mapping wherever that
@@ -45,8 +45,6 @@ _DATA_HINT = ("Pass a Ray Data Dataset to TorchTrainer.train(dataset=...) instea
 
 #: 1.x module paths with no raysgd counterpart: what was there, and what to use now. Prefix match.
 GONE = {
-    "ray.util.sgd.data": "RaySGD's sharded Dataset was built on MLDataset (ray.util.iter), which Ray removed. "
-                         + _DATA_HINT,
     "ray.util.sgd.torch.torch_dataset": "TorchMLDataset bridged MLDataset, which Ray removed. " + _DATA_HINT,
     "ray.util.sgd.torch.torch_runner": (
         "TorchRunner was an internal class: one worker is now raysgd.torch.worker.TorchWorker, the same class "

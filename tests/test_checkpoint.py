@@ -68,3 +68,30 @@ def test_crash_mid_save_keeps_the_old_checkpoint(tmp_path, monkeypatch):
         checkpoint.save_state(dict(state(), epoch=4), path)
     assert open(path, "rb").read() == before
     assert os.listdir(tmp_path) == ["ckpt"]
+
+
+@pytest.mark.parametrize("umask, expected", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_file_permissions_follow_the_umask(tmp_path, umask, expected):
+    old = os.umask(umask)
+    try:
+        path = checkpoint.save_state(state(), tmp_path / "ckpt")
+    finally:
+        os.umask(old)
+    assert oct(os.stat(path).st_mode & 0o777) == oct(expected)
+
+
+def test_folder_is_fsynced_after_the_rename(tmp_path, monkeypatch):
+    import stat
+
+    real_fsync = os.fsync
+    synced = []  # (is a directory, the checkpoint's name already in the folder)
+
+    def spy(fd):
+        synced.append((stat.S_ISDIR(os.fstat(fd).st_mode), os.path.exists(tmp_path / "ckpt")))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    checkpoint.save_state(state(), tmp_path / "ckpt")
+    assert synced[0] == (False, False)  # the file's data, before the rename
+    assert synced[-1] == (True, True)  # then the folder, once the new name is in it
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]

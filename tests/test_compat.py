@@ -76,12 +76,24 @@ def test_public_names_and_pickling(installed):
     assert b"raysgd.torch.training_operator" in payload and b"ray.util.sgd" not in payload
 
 
-@pytest.mark.parametrize("name", sorted(compat.GONE) + ["ray.util.sgd.data.examples.mlp_identity"])
+@pytest.mark.parametrize("name", sorted(compat.GONE) + ["ray.util.sgd.torch.torch_dataset.TorchMLDataset"])
 def test_removed_paths_say_what_replaces_them(installed, name):
     with pytest.raises(ModuleNotFoundError, match="is gone in raysgd") as info:
         importlib.import_module(name)
     assert name.startswith(info.value.name)  # a submodule of a removed package fails at the package
     assert any(word in str(info.value) for word in ("use", "Use", "instead", "now"))
+
+
+def test_sharded_dataset_paths_map_to_raysgd_data(installed):
+    from ray.util.sgd.data import Dataset
+    from ray.util.sgd.data.dataset import Dataset as FromModule
+    from ray.util.sgd.data.examples.mlp_identity import dataset_creator, model_creator, optimizer_creator, to_mat
+
+    import raysgd.data
+
+    assert Dataset is raysgd.data.Dataset is FromModule
+    assert isinstance(dataset_creator(num_points=64), Dataset) and to_mat(0.5).shape == (1, 1)
+    assert callable(model_creator) and callable(optimizer_creator)
 
 
 def test_unknown_paths_list_what_exists(installed):

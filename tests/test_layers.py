@@ -12,14 +12,15 @@ LAYERS = {
     "raysgd.torch.precision": 1, "raysgd.torch.data": 1, "raysgd.torch.checkpoint": 1,
     "raysgd.torch.training_operator": 2, "raysgd.torch.creator_operator": 2,
     "raysgd.torch.worker": 3, "raysgd.torch.recovery": 3,
-    "raysgd.torch.worker_group": 4, "raysgd.torch.mailbox": 4,
+    "raysgd.torch.worker_group": 4, "raysgd.torch.mailbox": 4, "raysgd.torch.placement": 4,
     "raysgd.torch.arguments": 5, "raysgd.torch.torch_trainer": 5,
     "raysgd.torch.progress": 5, "raysgd.torch.results": 5, "raysgd.torch.ray_data": 5,  # the trainer's helpers
-    "raysgd.torch.tune": 6,
+    "raysgd.torch.tune": 6, "raysgd.data.dataset": 6, "raysgd.data": 7,  # 1.x's sharded Dataset on Ray Data
     "raysgd.torch.lightning": 6, "raysgd.torch.lightning_operator": 6,  # Lightning: an integration at the edge
     "raysgd.torch.resnet": 1, "raysgd.plot": 0,
     "raysgd.torch.cursor": 1,  # the data cursor: which stream positions each rank reads
     "raysgd.torch.evaluation": 1,  # validation without collectives per batch
+    "raysgd.torch.model_copy": 1,
     "raysgd.compat": 7, "raysgd.legacy": 7,  # package glue: the 1.x import mapping and its runner
     "raysgd": 7, "raysgd.torch": 7,  # the packages' public names
 }

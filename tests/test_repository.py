@@ -35,7 +35,8 @@ DOCTESTED = ["raysgd.utils", "raysgd.torch.recovery", "raysgd.torch.reduction", 
              "raysgd.torch.checkpoint", "raysgd.torch.data", "raysgd.torch.errors", "raysgd.torch.precision",
              "raysgd.torch.worker", "raysgd.torch.constants", "raysgd.torch.examples.train_example",
              "raysgd.torch.progress", "raysgd.torch.results", "raysgd.torch.ray_data",
-             "raysgd.torch.cursor", "raysgd.torch.evaluation"]
+             "raysgd.torch.cursor", "raysgd.torch.evaluation",
+             "raysgd.torch.model_copy", "raysgd.data.dataset", "raysgd.data.examples.mlp_identity"]
 
 
 @pytest.mark.parametrize("name", DOCTESTED)

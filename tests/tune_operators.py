@@ -28,3 +28,20 @@ class CrashingOperator(LinearOperator):
                     handle.write(str(os.getpid()))
                 os._exit(1)
         return super().train_epoch(iterator, info)
+
+
+class StallOnGoOperator(LinearOperator):
+    """Once ``config["go"]`` exists, rank 0 writes ``config["stalled"]`` and sleeps (its node is about to be removed).
+
+    The ``stalled`` file makes it happen once: the trial restored afterwards trains normally.
+    """
+
+    def train_batch(self, batch, batch_info):
+        go, stalled = self.config.get("go"), self.config.get("stalled")
+        if go and self.world_rank == 0 and os.path.exists(go) and not os.path.exists(stalled):
+            with open(stalled, "w", encoding="utf-8") as handle:
+                handle.write(str(os.getpid()))
+            import time  # noqa: PLC0415
+
+            time.sleep(120)  # killed with its node long before this ends
+        return super().train_batch(batch, batch_info)

@@ -1,7 +1,9 @@
 """Checkpoint files: atomic writes (temporary file and rename) and safe, clear loads.
 
 Layer 1 helper (torch and the standard library). A checkpoint is the trainer state dict
-``{epoch, global_step, operator, models, optimizers[, schedulers][, amp_*]}``.
+``{epoch, global_step, operator, models, optimizers[, schedulers][, amp_*]}``. A file gets the
+permissions the umask allows (``0666 & ~umask``, like ``open(path, "wb")``), and the folder is
+fsynced after the rename, so the new name survives a power loss.
 
 Example:
     >>> import os, tempfile
@@ -14,7 +16,7 @@ Example:
 import io
 import os
 import pickle
-import tempfile
+import uuid
 
 import torch
 
@@ -40,7 +42,9 @@ def save_state(state, path):
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    tmp = os.path.join(directory, f"{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
+    # os.open with 0o666 lets the umask decide (tempfile.mkstemp would force 0600, unreadable to the group).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as handle:
             torch.save(state, handle)
@@ -51,7 +55,28 @@ def save_state(state, path):
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    fsync_directory(directory)
     return path
+
+
+def fsync_directory(directory):
+    """Flush ``directory``'s entries (a rename into it) to disk; a no-op where folders cannot be opened.
+
+    Example:
+        >>> import tempfile
+        >>> fsync_directory(tempfile.gettempdir())
+    """
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+    try:
+        fd = os.open(directory, flags)
+    except OSError:  # Windows cannot open a folder: its renames are durable without this
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems (e.g. certain network mounts) refuse fsync on a folder
+        pass
+    finally:
+        os.close(fd)
 
 
 def load_state(path, weights_only=True):

@@ -1,4 +1,4 @@
-"""Exceptions that cross process boundaries: a lost worker and a failed collective.
+"""Exceptions that cross process boundaries: a lost worker, a failed collective, an unplaceable trial group.
 
 Layer 0: standard library only. Both pickle (Ray ships them from workers to the driver).
 
@@ -69,6 +69,27 @@ def is_collective_failure(err):
     return isinstance(err, RuntimeError) and (
         ("gloo" in text.lower() and any(m in text for m in _COLLECTIVE_MARKERS)) or "NCCL" in text
     )
+
+
+class PlacementUnavailable(RuntimeError):
+    """The workers' bundles of the enclosing (Tune trial's) placement group cannot be placed: a node is gone.
+
+    Not retried by the trainer: a trial raising it fails at once, and Tune's ``FailureConfig`` restores
+    it in a new placement group. ``unplaced_s`` is how long the bundles had been waiting.
+
+    Example:
+        >>> str(PlacementUnavailable("bundles 1, 2 unplaced", 20.0))
+        "bundles 1, 2 unplaced (unplaced for 20 s); not retried: the trial's placement group lost its node"
+    """
+
+    def __init__(self, message, unplaced_s):
+        super().__init__(message, unplaced_s)
+        self.message = message
+        self.unplaced_s = unplaced_s
+
+    def __str__(self):
+        return (f"{self.message} (unplaced for {self.unplaced_s:.0f} s); not retried: the trial's placement group "
+                f"lost its node")
 
 
 class CheckpointError(ValueError):

@@ -122,10 +122,20 @@ class Precision:
         if self.scaler.is_enabled():
             self.scaler.unscale_(optimizer)
 
-    def step(self, *optimizers):
-        """Step every optimizer (skipped by the scaler on inf/NaN gradients), then update the scale once."""
+    def step(self, *optimizers, update=True):
+        """Step every optimizer (skipped by the scaler on inf/NaN gradients), then update the scale once.
+
+        ``GradScaler.update()`` must run once per iteration, after the last optimizer stepped. With
+        several optimizers stepped at different points of one iteration (a GAN), pass
+        ``update=False`` to every step but the last, or call :meth:`update_scale` at the end.
+        """
         for optimizer in optimizers:
             self.scaler.step(optimizer)
+        if update:
+            self.scaler.update()
+
+    def update_scale(self):
+        """Update the loss scale once for this iteration (after ``step(..., update=False)`` calls)."""
         self.scaler.update()
 
     def state_dict(self):

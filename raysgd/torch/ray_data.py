@@ -63,6 +63,10 @@ class DatasetInput:
         drop_last, local_shuffle_buffer_size, prefetch_batches: passed to ``iter_torch_batches``.
         batch_timeout_s: a worker waiting longer than this for one batch raises ``TimeoutError``
             (default: the trainer's ``timeout_s``).
+        repeat: read the shard again and again (a new pass each time it ends), for ``num_steps``
+            beyond one pass; stops after a pass that yielded no batch.
+        convert: ``convert(batch)`` on the worker turns each dict batch into what ``train_batch``
+            gets, instead of the column handling above (``raysgd.data.Dataset`` uses it).
 
     Example:
         >>> import ray  # doctest: +SKIP
@@ -72,7 +76,7 @@ class DatasetInput:
 
     def __init__(self, dataset, *, label_column=None, feature_columns=None, label_shape=None, batch_size=None,
                  dtypes=None, drop_last=False, local_shuffle_buffer_size=None, prefetch_batches=1,
-                 batch_timeout_s=None):
+                 batch_timeout_s=None, repeat=False, convert=None):
         from ray.data import Dataset  # noqa: PLC0415 (Ray Data stays optional until used)
 
         if not isinstance(dataset, Dataset):
@@ -101,16 +105,26 @@ class DatasetInput:
         self.label_shape = label_shape
         self.batch_size = batch_size
         self.batch_timeout_s = batch_timeout_s
+        self.repeat = bool(repeat)
+        if convert is not None and not callable(convert):
+            raise TypeError(f"DatasetInput(convert=...) expects a callable or None; got {convert!r}")
+        self.convert = convert
         self.iter_options = dict(dtypes=dtypes, drop_last=drop_last, prefetch_batches=prefetch_batches,
                                  local_shuffle_buffer_size=local_shuffle_buffer_size)
 
 
-def as_input(dataset, operator_cls):
-    """``train(dataset=...)``'s value as a :class:`DatasetInput`, checked against the operator's loop."""
+def as_input(dataset, operator_cls, num_steps=None):
+    """``train(dataset=...)``'s value as a :class:`DatasetInput`, checked against the operator's loop.
+
+    An object with ``as_dataset_input(repeat)`` (1.x's ``raysgd.data.Dataset``) is asked for its
+    input, repeating its shards when ``num_steps`` is given.
+    """
     try:
         from ray.data import Dataset  # noqa: PLC0415
     except ImportError as err:
         raise ImportError("train(dataset=...) needs Ray Data: pip install 'ray[data]'") from err
+    if callable(getattr(dataset, "as_dataset_input", None)):
+        dataset = dataset.as_dataset_input(repeat=num_steps is not None)
     if isinstance(dataset, Dataset):
         dataset = DatasetInput(dataset)
     elif not isinstance(dataset, DatasetInput):
@@ -187,17 +201,25 @@ class Shard:
         self._label_shape = data.label_shape
         self._options = dict(data.iter_options)
         self._timeout_s = timeout_s
+        self._repeat, self._convert_fn = data.repeat, data.convert
 
     def __iter__(self):
-        batches = self._split.iter_torch_batches(batch_size=self.batch_size, device="cpu", **self._options)
-        for batch in _with_deadline(batches, self._timeout_s):
-            yield self._convert(batch)
+        while True:
+            batches = self._split.iter_torch_batches(batch_size=self.batch_size, device="cpu", **self._options)
+            empty = True
+            for batch in _with_deadline(batches, self._timeout_s):
+                empty = False
+                yield self._convert(batch)
+            if not self._repeat or empty:
+                return
 
     def _convert(self, batch):
         import torch  # noqa: PLC0415 (the worker has it loaded already)
 
         if self._options["dtypes"] is None:
             batch = {key: value.float() if value.dtype == torch.float64 else value for key, value in batch.items()}
+        if self._convert_fn is not None:
+            return self._convert_fn(batch)
         if self._label is None:
             return batch
         features = self._features or [column for column in batch if column != self._label]

@@ -1,5 +1,7 @@
 """Pure recovery policy: backoff schedule, how many workers fit, when to scale up, when to give up.
 
+Giving up includes a placement group whose bundles stay unplaced (:class:`PlacementWatch`).
+
 Layer 3: standard library only (no Ray, no torch), so it is unit-tested with fake clocks.
 
 Example:
@@ -42,6 +44,39 @@ def workers_that_fit(nodes, cpus_per_worker, gpus_per_worker, limit):
 def should_scale_up(current, target, extra_fit, now, last_resize, cooldown_s):
     """Grow the pool when it is below ``target``, more workers fit, and ``cooldown_s`` passed since the last resize."""
     return current < target and extra_fit > 0 and (now - last_resize) >= cooldown_s
+
+
+class PlacementWatch:
+    """How long a placement group has been unplaced, and whether to give up on it (after ``limit_s``).
+
+    Feed it one observation at a time; a placed observation resets the clock.
+
+    Example:
+        >>> now = [0.0]
+        >>> watch = PlacementWatch(limit_s=20, clock=lambda: now[0])
+        >>> watch.observe(placed=False), watch.unplaced_s
+        (False, 0.0)
+        >>> now[0] = 25.0
+        >>> watch.observe(placed=False), watch.unplaced_s
+        (True, 25.0)
+    """
+
+    def __init__(self, limit_s, clock=time.monotonic):
+        self.limit_s = limit_s
+        self._clock = clock
+        self._since = None
+        self.unplaced_s = 0.0
+
+    def observe(self, placed):
+        """Record whether the group is placed now; returns True once it has been unplaced for ``limit_s``."""
+        now = self._clock()
+        if placed:
+            self._since, self.unplaced_s = None, 0.0
+            return False
+        if self._since is None:
+            self._since = now
+        self.unplaced_s = now - self._since
+        return self.unplaced_s >= self.limit_s
 
 
 class RestartGaveUp(RuntimeError):

@@ -238,7 +238,7 @@ class TorchTrainer:
             >>> stats = trainer.train(profile=True)  # doctest: +SKIP
             >>> stats["train_loss"], stats["num_samples"], stats["profile"]["mean_fwd_s"]  # doctest: +SKIP
         """
-        data = ray_data.as_input(dataset, self.training_operator_cls) if dataset is not None else None
+        data = ray_data.as_input(dataset, self.training_operator_cls, num_steps) if dataset is not None else None
         reporter = self._progress.start(local=self.use_local) if self._progress is not None else None
         completed = False
         try:

@@ -224,19 +224,23 @@ class TrainingOperator:
         """``loss.backward()``, scaled under fp16 (GradScaler, or apex which needs ``optimizer``)."""
         self._precision.backward(loss, optimizer)
 
-    def step(self, *optimizers):
-        """Step the optimizers through the scaler (skipping steps with inf/NaN gradients under fp16)."""
-        self._precision.step(*optimizers)
+    def step(self, *optimizers, update=True):
+        """Step the optimizers through the scaler (skipping inf/NaN steps), then update the scale, which must happen
+        once per iteration: with optimizers stepped apart (a GAN) pass ``update=False`` to all but the last."""
+        self._precision.step(*optimizers, update=update)
+
+    def update_scale(self):
+        """Update the fp16 loss scale once for this iteration (after ``step(..., update=False)``)."""
+        self._precision.update_scale()
 
     def unscale_gradients(self, optimizer):
         """Unscale ``optimizer``'s gradients in place, e.g. before ``clip_grad_norm_``."""
         self._precision.unscale_(optimizer)
 
-    def backward_and_step(self, loss, optimizer, clip_grad_norm=None):
-        """``zero_grad``, scaled backward, optional gradient clipping and the step, in one call.
-
-        Example:
-            >>> # in a GAN's train_batch: self.backward_and_step(d_loss, optimizer_d)
+    def backward_and_step(self, loss, optimizer, clip_grad_norm=None, update_scale=True):
+        """``zero_grad``, scaled backward, optional clipping and the step; ``update_scale=False`` leaves the scale
+        update to a later step of the iteration. Example (a GAN's train_batch):
+            >>> # self.backward_and_step(d_loss, opt_d, update_scale=False); self.backward_and_step(g_loss, opt_g)
         """
         optimizer.zero_grad()
         self.backward(loss, optimizer)
@@ -244,7 +248,7 @@ class TrainingOperator:
             self.unscale_gradients(optimizer)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-        self.step(optimizer)
+        self.step(optimizer, update=update_scale)
 
     # ----------------------------------------------------------------- internals
     def _component(self, attr, registered):

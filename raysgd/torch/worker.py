@@ -16,7 +16,7 @@ Example:
     ({'epoch': 1, 'seen': 2}, {'epoch': 2, 'seen': 2})
 """
 import contextlib
-import copy
+import copy  # noqa: F401 (kept for merges: other code here may use it)
 import datetime
 import functools
 import importlib
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from raysgd.torch import checkpoint
 from raysgd.torch import data as _data
 from raysgd.torch import evaluation
+from raysgd.torch import model_copy
 from raysgd.torch.constants import NUM_STEPS, USE_FP16
 from raysgd.torch.errors import CollectiveError, is_collective_failure
 from raysgd.utils import TimerCollection
@@ -287,7 +288,7 @@ class TorchWorker:
     def get_models(self, to_cpu=False):
         """The unwrapped models; with ``to_cpu`` CPU copies (the worker's own models never move)."""
         models = self.operator._get_original_models()
-        return [copy.deepcopy(model).cpu() for model in models] if to_cpu else models
+        return [model_copy.cpu_copy(model) for model in models] if to_cpu else models
 
     def apply(self, fn):
         return fn()

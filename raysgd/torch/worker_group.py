@@ -18,7 +18,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raysgd.torch import constants, recovery
+from raysgd.torch import constants, placement, recovery
 from raysgd.torch.errors import CollectiveError, WorkerFailure
 from raysgd.torch.worker import TorchWorker
 
@@ -96,6 +96,7 @@ class WorkerGroup:
         self._pg = None
         self._own_pg = False
         self._submitted = None
+        self._watch = None  # a placement.TrialPlacementWatch on the Tune trial's group
         self.broken = False
         self.generation = 0  # counts start(): per-rank inputs built for one generation die with it
 
@@ -130,6 +131,8 @@ class WorkerGroup:
             if len(trial_pg.bundle_specs) < offset + n:
                 raise ValueError(f"The enclosing placement group has {len(trial_pg.bundle_specs)} bundles; "
                                  f"{n} workers need {offset + n}. Use TorchTrainer.as_trainable's resource request.")
+            self._watch = placement.TrialPlacementWatch(trial_pg)  # a lost node's bundles: fail, Tune restores
+            self._watch.wait()
             return trial_pg, offset, False
         total = ray.cluster_resources()
         if total.get("CPU", 0) < n * self._cpus or total.get("GPU", 0) < n * self._gpus:
@@ -178,6 +181,7 @@ class WorkerGroup:
         pg_timeout_s = constants.SGD_PLACEMENT_GROUP_TIMEOUT_S if pg_timeout_s is None else pg_timeout_s
         self.broken = False
         self.generation += 1
+        self._watch = None
         self._pg, offset, self._own_pg = self._placement(n, pg_timeout_s)
         options = dict(self._worker_options, num_cpus=self._cpus, world_size=n)
         for rank in range(n):
@@ -190,7 +194,8 @@ class WorkerGroup:
                                                  **_legacy_runtime_env()).remote(operator_cls, config, **options)
             self._handles.append(_Handle(rank, actor=actor))
         deadline = self._timeout_s + 60
-        self.run("run_hook", initialization_hook, deadline_s=deadline)
+        self.run("run_hook", initialization_hook, deadline_s=deadline,
+                 on_tick=self._watch.check if self._watch is not None else None)
         local_ranks = [0] * n
         if n > 1:
             url = self._collect({0: self._handles[0].call("setup_address")}, deadline_s=deadline)[0]

@@ -4,7 +4,9 @@ RaySGD 1.12 trained on MNIST and scored the generator with a downloaded LeNet; h
 scikit-learn's ``load_digits`` (no download) and the scoring classifier is trained on it first
 (:func:`train_classifier`, a few seconds). ``train_batch`` uses the operator's mixed-precision
 helpers, ``self.autocast()`` and ``self.backward_and_step(loss, optimizer)``, so ``use_fp16``
-works unchanged (``"bf16"`` on CPU, ``True`` on CUDA). The discriminator returns logits and the
+works unchanged (``"bf16"`` on CPU, ``True`` on CUDA). The discriminator's step passes
+``update_scale=False``, so the GradScaler's scale is updated once per iteration, after the
+generator's step (1.12 updated it twice). The discriminator returns logits and the
 loss is ``BCEWithLogitsLoss`` (1.12 used ``BCELoss`` after a sigmoid, which autocast refuses).
 
 Run it: ``python -m raysgd.torch.examples.dcgan --num-workers 2`` (or ``--smoke-test``).
@@ -174,12 +176,13 @@ class GANOperator(TrainingOperator):
             fake = generator(noise)
             logits = discriminator(torch.cat([real, fake.detach()]))
             loss_d = self.criterion(logits.float(), torch.cat([ones, zeros]))
-        self.backward_and_step(loss_d, optimizer_d)
+        # Under fp16 the GradScaler's scale is updated once per iteration, after the last step: not here.
+        self.backward_and_step(loss_d, optimizer_d, update_scale=False)
 
         # Generator: make the (just updated) discriminator score the generated images as 1.
         with self.autocast():
             loss_g = self.criterion(discriminator(fake).float(), ones)
-        self.backward_and_step(loss_g, optimizer_g)
+        self.backward_and_step(loss_g, optimizer_g)  # steps the generator, then updates the scale once
 
         return {"loss_g": loss_g.item(), "loss_d": loss_d.item(),
                 "inception": inception_score(self.classifier, fake.detach()), NUM_SAMPLES: n}
