@@ -21,8 +21,9 @@ setup(
         "tqdm": ["tqdm"],
         "logging": ["tensorboardX", "matplotlib"],
         "data": ["ray[data]>=2.9"],
+        "storage": ["pyarrow>=9"],
         "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "tqdm", "ray[tune]>=2.9", "tensorboardX",
-                 "matplotlib", "pandas", "pyarrow"],
+                 "matplotlib", "pandas", "pyarrow", "moto[server]"],
     },
     license="Apache-2.0",
 )

@@ -17,6 +17,7 @@ LAYERS = {
     "raysgd.torch.progress": 5, "raysgd.torch.results": 5, "raysgd.torch.ray_data": 5,  # the trainer's helpers
     "raysgd.torch.tune": 6,
     "raysgd.torch.resnet": 1, "raysgd.plot": 0,
+    "raysgd.torch.async_writer": 0, "raysgd.torch.storage": 1, "raysgd.torch.durable": 5,  # durable runs
     "raysgd.compat": 7, "raysgd.legacy": 7,  # package glue: the 1.x import mapping and its runner
     "raysgd": 7, "raysgd.torch": 7,  # the packages' public names
 }
@@ -27,7 +28,8 @@ THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex"
                6: {"ray", "torch", "numpy"}, 7: set()}
 # Lazy imports kept for 1.x's API: TorchTrainer.as_trainable builds the Tune class on first use.
 UPWARD_EXCEPTIONS = {("raysgd.torch.torch_trainer", "raysgd.torch.tune")}
-PURE = {"raysgd.torch.recovery": set(), "raysgd.torch.errors": {"torch"}, "raysgd.torch.constants": set()}
+PURE = {"raysgd.torch.recovery": set(), "raysgd.torch.errors": {"torch"}, "raysgd.torch.constants": set(),
+        "raysgd.torch.async_writer": set(), "raysgd.torch.storage": {"torch", "pyarrow"}, "raysgd.torch.durable": set()}
 
 
 def module_name(path):

@@ -20,7 +20,7 @@ import types
 
 import ray
 
-from raysgd.torch import arguments, checkpoint, constants, progress, ray_data, recovery, results
+from raysgd.torch import arguments, checkpoint, constants, durable, progress, ray_data, recovery, results
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
@@ -42,7 +42,8 @@ class TorchTrainer:
     Every argument is keyword-only and checked before any actor starts. See the README for each one;
     the defaults follow RaySGD 1.12. ``use_tqdm=True`` shows one progress bar on the driver's stderr,
     fed by rank 0; ``logdir`` (a path or a :class:`~raysgd.torch.results.ResultLogger`) appends every
-    ``train()``/``validate()`` result to CSV files and TensorBoard there.
+    ``train()``/``validate()`` result to CSV files and TensorBoard there. ``storage_path`` (a folder or an
+    ``s3://``-style URI) makes the run durable: see :mod:`raysgd.torch.durable` and the README.
 
     Example:
         >>> trainer = TorchTrainer(training_operator_cls=MyOperator, num_workers=2,  # doctest: +SKIP
@@ -53,7 +54,7 @@ class TorchTrainer:
     def __init__(self, *, training_operator_cls=None, initialization_hook=None, config=None, num_workers=1,
                  num_cpus_per_worker=1, use_gpu="auto", backend="auto", wrap_ddp=True, timeout_s=1800,
                  use_fp16=False, use_tqdm=False, add_dist_sampler=True, scheduler_step_freq=None,
-                 use_local=False, logdir=None, **deprecated):
+                 use_local=False, logdir=None, storage_path=None, num_to_keep=2, resume=True, **deprecated):
         arguments.check_deprecated(deprecated)
         use_gpu, backend = arguments.check_arguments(
             training_operator_cls=training_operator_cls, initialization_hook=initialization_hook, config=config,
@@ -81,6 +82,7 @@ class TorchTrainer:
         self._last_resize = float("-inf")
         self._snapshot = None  # rank 0's state bytes, valid while nothing changed the state since
         self._resize_cooldown_s = constants._env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S)
+        self._durable = durable.open_run(storage_path, num_to_keep, resume)  # checks before anything starts
         self._progress = progress.ProgressBar() if use_tqdm else None  # ValueError without tqdm, as 1.12
         self._results = results.open_result_log(logdir)
         self._shards = ray_data.ShardCache()
@@ -95,6 +97,8 @@ class TorchTrainer:
                                         use_gpu=use_gpu, use_local=use_local, timeout_s=timeout_s)
         try:
             self._start_workers(num_workers)
+            if self._durable is not None:  # resume from the newest complete checkpoint in storage_path
+                self._durable.resume(self.load_state_dict, self._results, timeout_s)
         except WorkerFailure as err:
             self.worker_group.shutdown(force=True)
             raise RuntimeError("Worker startup failed: a worker died while starting (see the cause).") from err
@@ -253,7 +257,9 @@ class TorchTrainer:
             if data is not None and not completed:
                 self._shards.drop()  # the split may be stuck mid-epoch: split again next time
         self._snapshot = None  # the state moved on
-        return self._log_result("train", stats, reduce_results)
+        result = self._log_result("train", stats, reduce_results)
+        self._persist("train", stats[0].get("epoch"))
+        return result
 
     def _rank_inputs(self, data, reporter):
         """Per-rank ``train_epoch`` arguments: each rank's Ray Data shard; the progress reporter for rank 0."""
@@ -332,18 +338,23 @@ class TorchTrainer:
         return local.operator
 
     # ----------------------------------------------------------------- state
+    def _persist(self, reason, epoch):
+        """With ``storage_path``: hand the state bytes to the background writer (see :mod:`raysgd.torch.durable`)."""
+        if self._durable is not None:
+            self._durable.submit(self._take_snapshot(), self._results, reason=reason, epoch=epoch)
+
     def state_dict(self):
         """Rank 0's state: ``{epoch, global_step, operator, models, optimizers[, schedulers][, amp_*]}`` on CPU."""
         self._ensure_workers()
         return checkpoint.state_from_bytes(self._take_snapshot())
 
     def load_state_dict(self, state_dict, blocking=False):
-        """Load ``state_dict`` on every worker (each onto its own device).
+        """Load ``state_dict`` (or its ``torch.save`` bytes) on every worker (each onto its own device).
 
         The call returns before the workers finish unless ``blocking``; later calls run after it.
         """
         self._ensure_workers()
-        stream = checkpoint.state_to_bytes(state_dict)
+        stream = state_dict if isinstance(state_dict, bytes) else checkpoint.state_to_bytes(state_dict)
         ref = ray.put(stream)
         if blocking:
             self._run("load_state_stream", ref)
@@ -352,8 +363,10 @@ class TorchTrainer:
         self._snapshot = stream
 
     def save(self, checkpoint_path):
-        """Write the trainer state to ``checkpoint_path`` atomically; returns the path."""
-        return checkpoint.save_state(self.state_dict(), checkpoint_path)
+        """Write the trainer state to ``checkpoint_path`` atomically (and to ``storage_path``); returns the path."""
+        state = self.state_dict()
+        self._persist("save", state["epoch"])
+        return checkpoint.save_state(state, checkpoint_path)
 
     def load(self, checkpoint_path, weights_only=True):
         """Load a file written by :meth:`save` (``weights_only=False`` only for trusted files; see README)."""
@@ -369,7 +382,7 @@ class TorchTrainer:
         if isinstance(group, WorkerGroup):
             group.shutdown(force=force)
         self.worker_group = _ShutDownGroup()
-        for name in ("_progress", "_results", "_shards"):  # bar and mailbox actor, log files, Ray Data split
+        for name in ("_progress", "_results", "_shards", "_durable"):  # bar, log files, Ray Data split, uploads
             extra = self.__dict__.get(name)
             if extra is not None:
                 extra.close()
