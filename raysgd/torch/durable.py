@@ -55,7 +55,7 @@ class DurableRun:
 
     def __init__(self, checkpoint_storage, resume=True):
         self.storage = checkpoint_storage
-        self.resume = resume
+        self.resume_enabled = resume
         self._writer = async_writer.AsyncWriter()
         self._reader = None
         self._restored = None
@@ -63,7 +63,7 @@ class DurableRun:
 
     def start_restore(self):
         """Begin reading the newest complete checkpoint on a thread (nothing when ``resume=False``)."""
-        if not self.resume or self._reader is not None:
+        if not self.resume_enabled or self._reader is not None:
             return
         self._reader = threading.Thread(target=self._read, name="raysgd-checkpoint-reader", daemon=True)
         self._reader.start()
