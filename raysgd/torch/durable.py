@@ -27,11 +27,27 @@ from raysgd.torch import async_writer
 logger = logging.getLogger(__name__)
 
 
+class NoStorage:
+    """What ``open_run`` returns without a ``storage_path``: every method does nothing, so callers need no ``if``."""
+
+    def resume(self, load_stream, result_log=None, timeout_s=None):
+        return None
+
+    def submit(self, stream, result_log=None, **meta):
+        pass
+
+    def flush(self, timeout_s=None):
+        pass
+
+    def close(self, timeout_s=None):
+        pass
+
+
 def open_run(storage_path, num_to_keep=2, resume=True):
-    """``TorchTrainer(storage_path=...)``: None without a storage path, else a checked :class:`DurableRun`.
+    """``TorchTrainer(storage_path=...)``: a checked :class:`DurableRun`, or :class:`NoStorage` without a path.
 
     Example:
-        >>> open_run(None) is None
+        >>> open_run(None).resume(None) is None
         True
         >>> open_run("/tmp/x", num_to_keep=0)
         Traceback (most recent call last):
@@ -40,7 +56,7 @@ def open_run(storage_path, num_to_keep=2, resume=True):
     if resume not in (True, False):
         raise TypeError(f"TorchTrainer: resume expects True or False; got {resume!r}")
     if storage_path is None:
-        return None
+        return NoStorage()
     try:
         from raysgd.torch import storage  # noqa: PLC0415 (pyarrow is needed only with a storage_path)
     except ImportError as err:
@@ -106,10 +122,12 @@ class DurableRun:
         return restored
 
     def submit(self, stream, result_log=None, **meta):
-        """Write ``stream`` (trainer state bytes) with ``meta`` in its marker, asynchronously.
+        """Write ``stream`` (trainer state bytes, or a function returning them) with ``meta`` in its marker.
 
-        ``result_log`` (a :class:`~raysgd.torch.results.ResultLogger`) adds its row count, for :meth:`resume`.
+        Asynchronous: see :class:`~raysgd.torch.async_writer.AsyncWriter`. ``result_log`` (a
+        :class:`~raysgd.torch.results.ResultLogger`) adds its row count, for :meth:`resume`.
         """
+        stream = stream() if callable(stream) else stream
         if result_log is not None:
             meta["result_rows"] = result_log.train_rows
         self._writer.submit(self.storage.write, stream, meta,

@@ -42,8 +42,7 @@ class TorchTrainer:
     Every argument is keyword-only and checked before any actor starts. See the README for each one;
     the defaults follow RaySGD 1.12. ``use_tqdm=True`` shows one progress bar on the driver's stderr,
     fed by rank 0; ``logdir`` (a path or a :class:`~raysgd.torch.results.ResultLogger`) appends every
-    ``train()``/``validate()`` result to CSV files and TensorBoard there. ``storage_path`` (a folder or an
-    ``s3://``-style URI) makes the run durable: see :mod:`raysgd.torch.durable` and the README.
+    ``train()``/``validate()`` result to CSV files and TensorBoard there. ``storage_path``: see Durable runs.
 
     Example:
         >>> trainer = TorchTrainer(training_operator_cls=MyOperator, num_workers=2,  # doctest: +SKIP
@@ -97,8 +96,7 @@ class TorchTrainer:
                                         use_gpu=use_gpu, use_local=use_local, timeout_s=timeout_s)
         try:
             self._start_workers(num_workers)
-            if self._durable is not None:  # resume from the newest complete checkpoint in storage_path
-                self._durable.resume(self.load_state_dict, self._results, timeout_s)
+            self._durable.resume(self.load_state_dict, self._results, timeout_s)  # storage_path's newest checkpoint
         except WorkerFailure as err:
             self.worker_group.shutdown(force=True)
             raise RuntimeError("Worker startup failed: a worker died while starting (see the cause).") from err
@@ -258,7 +256,7 @@ class TorchTrainer:
                 self._shards.drop()  # the split may be stuck mid-epoch: split again next time
         self._snapshot = None  # the state moved on
         result = self._log_result("train", stats, reduce_results)
-        self._persist("train", stats[0].get("epoch"))
+        self._durable.submit(self._take_snapshot, self._results, reason="train", epoch=stats[0].get("epoch"))
         return result
 
     def _rank_inputs(self, data, reporter):
@@ -338,11 +336,6 @@ class TorchTrainer:
         return local.operator
 
     # ----------------------------------------------------------------- state
-    def _persist(self, reason, epoch):
-        """With ``storage_path``: hand the state bytes to the background writer (see :mod:`raysgd.torch.durable`)."""
-        if self._durable is not None:
-            self._durable.submit(self._take_snapshot(), self._results, reason=reason, epoch=epoch)
-
     def state_dict(self):
         """Rank 0's state: ``{epoch, global_step, operator, models, optimizers[, schedulers][, amp_*]}`` on CPU."""
         self._ensure_workers()
@@ -365,7 +358,7 @@ class TorchTrainer:
     def save(self, checkpoint_path):
         """Write the trainer state to ``checkpoint_path`` atomically (and to ``storage_path``); returns the path."""
         state = self.state_dict()
-        self._persist("save", state["epoch"])
+        self._durable.submit(self._take_snapshot, self._results, reason="save", epoch=state["epoch"])
         return checkpoint.save_state(state, checkpoint_path)
 
     def load(self, checkpoint_path, weights_only=True):
