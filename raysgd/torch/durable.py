@@ -36,6 +36,12 @@ class NoStorage:
     def submit(self, stream, result_log=None, **meta):
         pass
 
+    def on_result(self, phase, result, stream, result_log=None):
+        pass
+
+    def on_save(self, state, stream, result_log=None):
+        return state
+
     def flush(self, timeout_s=None):
         pass
 
@@ -132,6 +138,16 @@ class DurableRun:
             meta["result_rows"] = result_log.train_rows
         self._writer.submit(self.storage.write, stream, meta,
                             description=f"checkpoint of epoch {meta.get('epoch')} to {self.storage.storage_path}")
+
+    def on_result(self, phase, result, stream, result_log=None):
+        """After a ``train()`` result was logged: checkpoint the state (``stream``: bytes or a function returning them)."""
+        if phase == "train":
+            self.submit(stream, result_log, reason="train", epoch=result.get("epoch"))
+
+    def on_save(self, state, stream, result_log=None):
+        """At ``save()``: checkpoint ``state`` (whose bytes ``stream`` gives) to storage too; returns ``state``."""
+        self.submit(stream, result_log, reason="save", epoch=state["epoch"])
+        return state
 
     def flush(self, timeout_s=None):
         """Wait until every submitted checkpoint is durable (raises a failed write's error)."""

@@ -255,9 +255,7 @@ class TorchTrainer:
             if data is not None and not completed:
                 self._shards.drop()  # the split may be stuck mid-epoch: split again next time
         self._snapshot = None  # the state moved on
-        result = self._log_result("train", stats, reduce_results)
-        self._durable.submit(self._take_snapshot, self._results, reason="train", epoch=stats[0].get("epoch"))
-        return result
+        return self._log_result("train", stats, reduce_results)
 
     def _rank_inputs(self, data, reporter):
         """Per-rank ``train_epoch`` arguments: each rank's Ray Data shard; the progress reporter for rank 0."""
@@ -278,10 +276,11 @@ class TorchTrainer:
         return rank_kwargs
 
     def _log_result(self, phase, stats, reduce_results):
-        """Reduce the per-worker stats, append them to the result log (``logdir``), return what was asked."""
+        """Reduce the per-worker stats, log them (``logdir``), checkpoint (``storage_path``), return what was asked."""
         reduced = reduce_worker_stats(stats)
         if self._results is not None:
             self._results.log(phase, reduced)
+        self._durable.on_result(phase, reduced, self._take_snapshot, self._results)
         return reduced if reduce_results else stats
 
     def validate(self, num_steps=None, profile=False, reduce_results=True, info=None, max_retries=3):
@@ -357,8 +356,7 @@ class TorchTrainer:
 
     def save(self, checkpoint_path):
         """Write the trainer state to ``checkpoint_path`` atomically (and to ``storage_path``); returns the path."""
-        state = self.state_dict()
-        self._durable.submit(self._take_snapshot, self._results, reason="save", epoch=state["epoch"])
+        state = self._durable.on_save(self.state_dict(), self._take_snapshot, self._results)
         return checkpoint.save_state(state, checkpoint_path)
 
     def load(self, checkpoint_path, weights_only=True):
