@@ -60,7 +60,7 @@ class WideOperator(TrainingOperator):
 def sizes(smoke):
     # width 5000: a 5000 x 5000 layer, 25 M float32 parameters, a ~100 MB state (SGD without momentum)
     return {"width": 512, "samples": 256, "epochs": 3, "repeats": 2} if smoke else \
-        {"width": 5000, "samples": 1024, "epochs": 6, "repeats": 3}
+        {"width": 5000, "samples": 512, "epochs": 4, "repeats": 3}
 
 
 def state_of_size(width):

@@ -100,13 +100,13 @@ def test_writer_errors_are_raised_at_the_next_call():
     def fail():
         raise OSError("disk full")
 
-    writer.submit(fail, description="checkpoint 1")
     with pytest.raises(CheckpointError, match="checkpoint 1.*disk full") as info:
-        writer.flush(timeout_s=30)
+        writer.submit(fail, description="checkpoint 1")  # raises here if the job already failed ...
+        writer.flush(timeout_s=30)  # ... else here
     assert isinstance(info.value.__cause__, OSError)
     writer.flush(timeout_s=30)  # raised once
-    writer.submit(fail)
     with pytest.raises(CheckpointError):
+        writer.submit(fail)
         writer.close(timeout_s=30)
 
 
@@ -116,9 +116,10 @@ def test_result_log_rewind_keeps_one_row_per_epoch(tmp_path):
         log.log("train", {"epoch": epoch, "train_loss": 1.0})
         log.log("validate", {"val_loss": 1.0})
     log.close()
-    resumed = ResultLogger(str(tmp_path), tensorboard=False)
+    resumed = ResultLogger(str(tmp_path))  # TensorBoard too when tensorboardX is installed: reopened with purge_step
     resumed.rewind(2)  # the checkpoint was taken after epoch 2: epoch 3 is redone
     resumed.log("train", {"epoch": 3, "train_loss": 0.5})
+    resumed.close()
     assert [row["epoch"] for row in read_results(tmp_path, "train")] == [1, 2, 3]
     assert read_results(tmp_path, "train")[-1]["train_loss"] == 0.5
     assert [row["step"] for row in read_results(tmp_path, "validate")] == [1, 2]

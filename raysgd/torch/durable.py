@@ -30,16 +30,16 @@ logger = logging.getLogger(__name__)
 class NoStorage:
     """What ``open_run`` returns without a ``storage_path``: every method does nothing, so callers need no ``if``."""
 
-    def resume(self, load_stream, result_log=None, timeout_s=None):
+    def resume(self, load_stream, timeout_s=None):
         return None
 
-    def submit(self, stream, result_log=None, **meta):
+    def submit(self, stream, **meta):
         pass
 
-    def on_result(self, phase, result, stream, result_log=None):
+    def on_result(self, phase, result, stream):
         pass
 
-    def on_save(self, state, stream, result_log=None):
+    def on_save(self, state, stream):
         return state
 
     def flush(self, timeout_s=None):
@@ -49,8 +49,10 @@ class NoStorage:
         pass
 
 
-def open_run(storage_path, num_to_keep=2, resume=True):
+def open_run(storage_path, num_to_keep=2, resume=True, result_log=None):
     """``TorchTrainer(storage_path=...)``: a checked :class:`DurableRun`, or :class:`NoStorage` without a path.
+
+    ``result_log`` (the trainer's :class:`~raysgd.torch.results.ResultLogger`, if any) is rewound on resume.
 
     Example:
         >>> open_run(None).resume(None) is None
@@ -67,7 +69,7 @@ def open_run(storage_path, num_to_keep=2, resume=True):
         from raysgd.torch import storage  # noqa: PLC0415 (pyarrow is needed only with a storage_path)
     except ImportError as err:
         raise ImportError("TorchTrainer(storage_path=...) needs pyarrow: pip install 'raysgd[storage]'") from err
-    run = DurableRun(storage.CheckpointStorage(storage_path, num_to_keep), resume=resume)
+    run = DurableRun(storage.CheckpointStorage(storage_path, num_to_keep), resume=resume, result_log=result_log)
     run.start_restore()  # reads the newest checkpoint while Ray and the workers start
     return run
 
@@ -75,9 +77,10 @@ def open_run(storage_path, num_to_keep=2, resume=True):
 class DurableRun:
     """Automatic checkpoints of one trainer (see the module docstring)."""
 
-    def __init__(self, checkpoint_storage, resume=True):
+    def __init__(self, checkpoint_storage, resume=True, result_log=None):
         self.storage = checkpoint_storage
         self.resume_enabled = resume
+        self.result_log = result_log
         self._writer = async_writer.AsyncWriter()
         self._reader = None
         self._restored = None
@@ -114,8 +117,8 @@ class DurableRun:
                         restored.marker.get("epoch"), restored.marker.get("reason", "?"))
         return restored
 
-    def resume(self, load_stream, result_log=None, timeout_s=None):
-        """Load the checkpoint to resume from with ``load_stream(stream, blocking=True)``; rewind ``result_log``.
+    def resume(self, load_stream, timeout_s=None):
+        """Load the checkpoint to resume from with ``load_stream(stream, blocking=True)``; rewind the result log.
 
         Returns the :class:`~raysgd.torch.storage.Restored` checkpoint, or None (nothing to resume from).
         """
@@ -123,30 +126,30 @@ class DurableRun:
         if restored is not None:
             load_stream(restored.stream, blocking=True)
             rows = restored.marker.get("result_rows")
-            if result_log is not None and rows is not None:
-                result_log.rewind(rows)  # rows logged after the checkpoint are redone: no duplicates
+            if self.result_log is not None and rows is not None:
+                self.result_log.rewind(rows)  # rows logged after the checkpoint are redone: no duplicates
         return restored
 
-    def submit(self, stream, result_log=None, **meta):
+    def submit(self, stream, **meta):
         """Write ``stream`` (trainer state bytes, or a function returning them) with ``meta`` in its marker.
 
-        Asynchronous: see :class:`~raysgd.torch.async_writer.AsyncWriter`. ``result_log`` (a
-        :class:`~raysgd.torch.results.ResultLogger`) adds its row count, for :meth:`resume`.
+        Asynchronous: see :class:`~raysgd.torch.async_writer.AsyncWriter`. The marker also records how many
+        train rows the result log holds, for :meth:`resume`.
         """
         stream = stream() if callable(stream) else stream
-        if result_log is not None:
-            meta["result_rows"] = result_log.train_rows
+        if self.result_log is not None:
+            meta["result_rows"] = self.result_log.train_rows
         self._writer.submit(self.storage.write, stream, meta,
                             description=f"checkpoint of epoch {meta.get('epoch')} to {self.storage.storage_path}")
 
-    def on_result(self, phase, result, stream, result_log=None):
+    def on_result(self, phase, result, stream):
         """After a ``train()`` result was logged: checkpoint the state (``stream``: bytes or a function returning them)."""
         if phase == "train":
-            self.submit(stream, result_log, reason="train", epoch=result.get("epoch"))
+            self.submit(stream, reason="train", epoch=result.get("epoch"))
 
-    def on_save(self, state, stream, result_log=None):
+    def on_save(self, state, stream):
         """At ``save()``: checkpoint ``state`` (whose bytes ``stream`` gives) to storage too; returns ``state``."""
-        self.submit(stream, result_log, reason="save", epoch=state["epoch"])
+        self.submit(stream, reason="save", epoch=state["epoch"])
         return state
 
     def flush(self, timeout_s=None):

@@ -119,7 +119,7 @@ def write_checkpoint_dir(filesystem, directory, stream, meta=None):
 def read_marker(filesystem, directory):
     """The marker of ``directory``; :class:`DamagedCheckpoint` when it is missing or unreadable."""
     try:
-        with filesystem.open_input_stream(_join(directory, MARKER_FILE)) as handle:
+        with filesystem.open_input_file(_join(directory, MARKER_FILE)) as handle:
             marker = json.loads(handle.read().decode())
     except FileNotFoundError as err:
         raise DamagedCheckpoint(f"checkpoint {directory!r} is incomplete (no {MARKER_FILE})") from err
@@ -134,7 +134,8 @@ def read_checkpoint_dir(filesystem, directory):
     """``(stream, marker)`` of a complete checkpoint directory, checked against its marker and loaded safely."""
     marker = read_marker(filesystem, directory)
     try:
-        with filesystem.open_input_stream(_join(directory, marker.get("file", STATE_FILE))) as handle:
+        # a random-access file reads in one request; an unbuffered input stream is 20x slower on S3
+        with filesystem.open_input_file(_join(directory, marker.get("file", STATE_FILE))) as handle:
             stream = handle.read()
     except FileNotFoundError as err:
         raise DamagedCheckpoint(f"checkpoint {directory!r} lost its state file") from err

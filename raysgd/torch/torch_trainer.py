@@ -81,9 +81,9 @@ class TorchTrainer:
         self._last_resize = float("-inf")
         self._snapshot = None  # rank 0's state bytes, valid while nothing changed the state since
         self._resize_cooldown_s = constants._env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S)
-        self._durable = durable.open_run(storage_path, num_to_keep, resume)  # checks before anything starts
         self._progress = progress.ProgressBar() if use_tqdm else None  # ValueError without tqdm, as 1.12
         self._results = results.open_result_log(logdir)
+        self._durable = durable.open_run(storage_path, num_to_keep, resume, self._results)  # checked before Ray
         self._shards = ray_data.ShardCache()
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS", "local")
@@ -96,7 +96,7 @@ class TorchTrainer:
                                         use_gpu=use_gpu, use_local=use_local, timeout_s=timeout_s)
         try:
             self._start_workers(num_workers)
-            self._durable.resume(self.load_state_dict, self._results, timeout_s)  # storage_path's newest checkpoint
+            self._durable.resume(self.load_state_dict, timeout_s)  # from storage_path's newest checkpoint
         except WorkerFailure as err:
             self.worker_group.shutdown(force=True)
             raise RuntimeError("Worker startup failed: a worker died while starting (see the cause).") from err
@@ -280,7 +280,7 @@ class TorchTrainer:
         reduced = reduce_worker_stats(stats)
         if self._results is not None:
             self._results.log(phase, reduced)
-        self._durable.on_result(phase, reduced, self._take_snapshot, self._results)
+        self._durable.on_result(phase, reduced, self._take_snapshot)
         return reduced if reduce_results else stats
 
     def validate(self, num_steps=None, profile=False, reduce_results=True, info=None, max_retries=3):
@@ -356,8 +356,7 @@ class TorchTrainer:
 
     def save(self, checkpoint_path):
         """Write the trainer state to ``checkpoint_path`` atomically (and to ``storage_path``); returns the path."""
-        state = self._durable.on_save(self.state_dict(), self._take_snapshot, self._results)
-        return checkpoint.save_state(state, checkpoint_path)
+        return checkpoint.save_state(self._durable.on_save(self.state_dict(), self._take_snapshot), checkpoint_path)
 
     def load(self, checkpoint_path, weights_only=True):
         """Load a file written by :meth:`save` (``weights_only=False`` only for trusted files; see README)."""
