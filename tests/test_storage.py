@@ -138,3 +138,12 @@ def test_s3_round_trip_through_moto_server():
         assert len(store.list()) == 2  # keep-N on S3 too
         restored = durable.open_run(uri).restore(timeout_s=60)
         assert restored.marker["epoch"] == 3 and restored.path.startswith("raysgd-test/runs/exp1/checkpoint_")
+
+
+def test_as_trainable_refuses_a_shared_storage_path():
+    pytest.importorskip("ray.tune")
+    from raysgd import TorchTrainer
+    from helpers import LinearOperator
+
+    with pytest.raises(ValueError, match="as_trainable: storage_path expects None under Tune"):
+        TorchTrainer.as_trainable(training_operator_cls=LinearOperator, storage_path="/tmp/x")

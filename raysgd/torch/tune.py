@@ -256,6 +256,10 @@ def make_trainable(trainer_cls, *args, override_tune_step=None, **kwargs):
         raise RuntimeError("TorchTrainer.as_trainable needs Ray Tune: pip install 'ray[tune]'") \
             from _TUNE_IMPORT_ERROR
     _check_step_function(override_tune_step)
+    if kwargs.get("storage_path") is not None:
+        raise ValueError("as_trainable: storage_path expects None under Tune (every trial would write to the same "
+                         f"place); Tune keeps trial checkpoints itself (RunConfig(storage_path=...)); got "
+                         f"{kwargs['storage_path']!r}")
     resolve_resources({}, kwargs)  # a bad resource argument fails here, not in every trial
     captured_args, captured_kwargs = tuple(args), dict(kwargs)
 
