@@ -22,8 +22,9 @@ setup(
         "logging": ["tensorboardX", "matplotlib"],
         "data": ["ray[data]>=2.9"],
         "lightning": ["pytorch-lightning>=2"],
+        "storage": ["pyarrow>=9"],
         "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "tqdm", "ray[tune]>=2.9", "tensorboardX",
-                 "matplotlib", "pandas", "pyarrow",
+                 "matplotlib", "pandas", "pyarrow", "moto[server]",
                  "pytorch-lightning>=2", "lightning>=2"],  # both of Lightning's import names are tested
     },
     license="Apache-2.0",

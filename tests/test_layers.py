@@ -21,6 +21,7 @@ LAYERS = {
     "raysgd.torch.cursor": 1,  # the data cursor: which stream positions each rank reads
     "raysgd.torch.evaluation": 1,  # validation without collectives per batch
     "raysgd.torch.model_copy": 1,
+    "raysgd.torch.async_writer": 0, "raysgd.torch.storage": 1, "raysgd.torch.durable": 5,  # durable runs
     "raysgd.compat": 7, "raysgd.legacy": 7,  # package glue: the 1.x import mapping and its runner
     "raysgd": 7, "raysgd.torch": 7,  # the packages' public names
 }
@@ -32,7 +33,8 @@ THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex"
 # Lazy imports kept for 1.x's API: TorchTrainer.as_trainable builds the Tune class on first use.
 UPWARD_EXCEPTIONS = {("raysgd.torch.torch_trainer", "raysgd.torch.tune"),
                      ("raysgd.torch.training_operator", "raysgd.torch.lightning_operator")}  # from_ptl, lazily
-PURE = {"raysgd.torch.recovery": set(), "raysgd.torch.errors": {"torch"}, "raysgd.torch.constants": set()}
+PURE = {"raysgd.torch.recovery": set(), "raysgd.torch.errors": {"torch"}, "raysgd.torch.constants": set(),
+        "raysgd.torch.async_writer": set(), "raysgd.torch.storage": {"torch", "pyarrow"}, "raysgd.torch.durable": set()}
 
 
 def module_name(path):

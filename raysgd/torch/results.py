@@ -100,7 +100,7 @@ class ResultLogger:
         self._train_steps = len(read_results(self.logdir, "train"))
         self._writer = self._open_tensorboard(tensorboard)
 
-    def _open_tensorboard(self, wanted):
+    def _open_tensorboard(self, wanted, purge_step=None):
         if wanted is False:
             return None
         try:
@@ -111,7 +111,7 @@ class ResultLogger:
                                  "(or pip install 'raysgd[logging]')") from err
             logger.info("tensorboardX is not installed: results go to CSV only (%s)", self.logdir)
             return None
-        return SummaryWriter(logdir=self.logdir)
+        return SummaryWriter(logdir=self.logdir, purge_step=purge_step)
 
     @property
     def tensorboard(self):
@@ -163,6 +163,45 @@ class ResultLogger:
             writer.writeheader()
             writer.writerows(rows)
         os.replace(temp, path)
+
+    @property
+    def train_rows(self):
+        """How many ``train`` results are logged (the ``step`` of the last one)."""
+        return self._train_steps
+
+    def rewind(self, train_rows):
+        """Forget what was logged after the first ``train_rows`` train results (a resumed run redoes it).
+
+        ``train.csv`` keeps its first ``train_rows`` rows, ``validate.csv`` its rows with ``step <= train_rows``;
+        TensorBoard hides the later events (``purge_step``).
+
+        Example:
+            >>> import tempfile
+            >>> log = ResultLogger(tempfile.mkdtemp(), tensorboard=False)
+            >>> for loss in (3, 2, 1):
+            ...     log.log("train", {"train_loss": loss})
+            >>> log.rewind(1); log.log("train", {"train_loss": 0})
+            >>> [(row["step"], row["train_loss"]) for row in read_results(log.logdir)]
+            [(1, 3), (2, 0)]
+        """
+        for phase in PHASES:
+            path = os.path.join(self.logdir, f"{phase}.csv")
+            rows = read_results(self.logdir, phase)
+            kept = rows[:train_rows] if phase == "train" else [r for r in rows if (r.get("step") or 0) <= train_rows]
+            if len(kept) < len(rows):
+                logger.info("Result log %s: dropping %d rows logged after the checkpoint", path, len(rows) - len(kept))
+                with open(path, newline="", encoding="utf-8") as handle:
+                    columns = next(csv.reader(handle), [])
+                temp = f"{path}.tmp"
+                with open(temp, "w", newline="", encoding="utf-8") as handle:
+                    writer = csv.DictWriter(handle, fieldnames=columns)
+                    writer.writeheader()
+                    writer.writerows([{k: ("" if v is None else v) for k, v in row.items()} for row in kept])
+                os.replace(temp, path)
+        self._train_steps = train_rows
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = self._open_tensorboard(True, purge_step=train_rows + 1)
 
     def close(self):
         """Flush and close the TensorBoard writer (the CSV files are closed after every row)."""

@@ -20,7 +20,7 @@ import types
 
 import ray
 
-from raysgd.torch import arguments, checkpoint, constants, progress, ray_data, recovery, results
+from raysgd.torch import arguments, checkpoint, constants, durable, progress, ray_data, recovery, results
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
@@ -42,7 +42,7 @@ class TorchTrainer:
     Every argument is keyword-only and checked before any actor starts. See the README for each one;
     the defaults follow RaySGD 1.12. ``use_tqdm=True`` shows one progress bar on the driver's stderr,
     fed by rank 0; ``logdir`` (a path or a :class:`~raysgd.torch.results.ResultLogger`) appends every
-    ``train()``/``validate()`` result to CSV files and TensorBoard there.
+    ``train()``/``validate()`` result to CSV files and TensorBoard there. ``storage_path``: see Durable runs.
 
     Example:
         >>> trainer = TorchTrainer(training_operator_cls=MyOperator, num_workers=2,  # doctest: +SKIP
@@ -53,7 +53,7 @@ class TorchTrainer:
     def __init__(self, *, training_operator_cls=None, initialization_hook=None, config=None, num_workers=1,
                  num_cpus_per_worker=1, use_gpu="auto", backend="auto", wrap_ddp=True, timeout_s=1800,
                  use_fp16=False, use_tqdm=False, add_dist_sampler=True, scheduler_step_freq=None,
-                 use_local=False, logdir=None, **deprecated):
+                 use_local=False, logdir=None, storage_path=None, num_to_keep=2, resume=True, **deprecated):
         arguments.check_deprecated(deprecated)
         use_gpu, backend = arguments.check_arguments(
             training_operator_cls=training_operator_cls, initialization_hook=initialization_hook, config=config,
@@ -83,6 +83,7 @@ class TorchTrainer:
         self._resize_cooldown_s = constants._env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S)
         self._progress = progress.ProgressBar() if use_tqdm else None  # ValueError without tqdm, as 1.12
         self._results = results.open_result_log(logdir)
+        self._durable = durable.open_run(storage_path, num_to_keep, resume, self._results)  # checked before Ray
         self._shards = ray_data.ShardCache()
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS", "local")
@@ -95,6 +96,7 @@ class TorchTrainer:
                                         use_gpu=use_gpu, use_local=use_local, timeout_s=timeout_s)
         try:
             self._start_workers(num_workers)
+            self._durable.resume(self.load_state_dict, timeout_s)  # from storage_path's newest checkpoint
         except WorkerFailure as err:
             self.worker_group.shutdown(force=True)
             raise RuntimeError("Worker startup failed: a worker died while starting (see the cause).") from err
@@ -274,10 +276,11 @@ class TorchTrainer:
         return rank_kwargs
 
     def _log_result(self, phase, stats, reduce_results):
-        """Reduce the per-worker stats, append them to the result log (``logdir``), return what was asked."""
+        """Reduce the per-worker stats, log them (``logdir``), checkpoint (``storage_path``), return what was asked."""
         reduced = reduce_worker_stats(stats)
         if self._results is not None:
             self._results.log(phase, reduced)
+        self._durable.on_result(phase, reduced, self._take_snapshot)
         return reduced if reduce_results else stats
 
     def validate(self, num_steps=None, profile=False, reduce_results=True, info=None, max_retries=3):
@@ -338,12 +341,12 @@ class TorchTrainer:
         return checkpoint.state_from_bytes(self._take_snapshot())
 
     def load_state_dict(self, state_dict, blocking=False):
-        """Load ``state_dict`` on every worker (each onto its own device).
+        """Load ``state_dict`` (or its ``torch.save`` bytes) on every worker (each onto its own device).
 
         The call returns before the workers finish unless ``blocking``; later calls run after it.
         """
         self._ensure_workers()
-        stream = checkpoint.state_to_bytes(state_dict)
+        stream = state_dict if isinstance(state_dict, bytes) else checkpoint.state_to_bytes(state_dict)
         ref = ray.put(stream)
         if blocking:
             self._run("load_state_stream", ref)
@@ -352,8 +355,8 @@ class TorchTrainer:
         self._snapshot = stream
 
     def save(self, checkpoint_path):
-        """Write the trainer state to ``checkpoint_path`` atomically; returns the path."""
-        return checkpoint.save_state(self.state_dict(), checkpoint_path)
+        """Write the trainer state to ``checkpoint_path`` atomically (and to ``storage_path``); returns the path."""
+        return checkpoint.save_state(self._durable.on_save(self.state_dict(), self._take_snapshot), checkpoint_path)
 
     def load(self, checkpoint_path, weights_only=True):
         """Load a file written by :meth:`save` (``weights_only=False`` only for trusted files; see README)."""
@@ -369,7 +372,7 @@ class TorchTrainer:
         if isinstance(group, WorkerGroup):
             group.shutdown(force=force)
         self.worker_group = _ShutDownGroup()
-        for name in ("_progress", "_results", "_shards"):  # bar and mailbox actor, log files, Ray Data split
+        for name in ("_progress", "_results", "_shards", "_durable"):  # bar, log files, Ray Data split, uploads
             extra = self.__dict__.get(name)
             if extra is not None:
                 extra.close()

@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 #: The file a trial's checkpoint directory holds (the 1.x name).
 CHECKPOINT_FILE = "trainer.checkpoint"
+#: Its completion marker (the format of ``storage_path`` checkpoints, :mod:`raysgd.torch.storage`).
+MARKER_FILE = "checkpoint.json"
 #: Keys that shape the resource request; read from the Tune config first, then from ``as_trainable``'s kwargs.
 RESOURCE_KEYS = ("num_workers", "num_cpus_per_worker", "use_gpu", "use_local")
 _DEFAULTS = {"num_workers": 1, "num_cpus_per_worker": 1, "use_gpu": "auto", "use_local": False}
@@ -165,8 +167,18 @@ class BaseTorchTrainable(Trainable):
         return merge_dicts(train_stats, validation_stats)
 
     def save_checkpoint(self, checkpoint_dir):
-        """Write the trainer state to ``<checkpoint_dir>/trainer.checkpoint``; returns None (Ray 2.x's contract)."""
-        self.trainer.save(os.path.join(checkpoint_dir, CHECKPOINT_FILE))
+        """Write the trainer state into ``checkpoint_dir``; returns None (Ray 2.x's contract).
+
+        The format is that of ``TorchTrainer(storage_path=...)`` checkpoints (:mod:`raysgd.torch.storage`):
+        ``trainer.checkpoint`` (the bytes :meth:`TorchTrainer.save` writes), then its ``checkpoint.json``
+        marker with size and CRC-32, so a damaged trial checkpoint is detected when it is loaded.
+        """
+        from raysgd.torch import storage  # noqa: PLC0415 (pyarrow comes with ray[tune])
+
+        filesystem, path = storage.resolve(checkpoint_dir)
+        state = self.trainer.state_dict()
+        storage.write_checkpoint_dir(filesystem, path, checkpoint.state_to_bytes(state),
+                                     {"epoch": state["epoch"], "reason": "tune", "iteration": self.training_iteration})
         return None
 
     def load_checkpoint(self, checkpoint):
@@ -175,9 +187,12 @@ class BaseTorchTrainable(Trainable):
             state = checkpoint
         else:
             path = os.fspath(checkpoint)
-            if os.path.isdir(path):
-                path = os.path.join(path, CHECKPOINT_FILE)
-            state = checkpoint_state(path)
+            if os.path.isfile(os.path.join(path, MARKER_FILE)):  # checked against its marker, loaded safely
+                from raysgd.torch import storage  # noqa: PLC0415
+
+                state, _ = storage.read_checkpoint_dir(*storage.resolve(path))
+            else:  # a 1.x file, or a directory holding one
+                state = checkpoint_state(os.path.join(path, CHECKPOINT_FILE) if os.path.isdir(path) else path)
         self.trainer.load_state_dict(state, blocking=True)
 
     def cleanup(self):
@@ -241,6 +256,10 @@ def make_trainable(trainer_cls, *args, override_tune_step=None, **kwargs):
         raise RuntimeError("TorchTrainer.as_trainable needs Ray Tune: pip install 'ray[tune]'") \
             from _TUNE_IMPORT_ERROR
     _check_step_function(override_tune_step)
+    if kwargs.get("storage_path") is not None:
+        raise ValueError("as_trainable: storage_path expects None under Tune (every trial would write to the same "
+                         f"place); Tune keeps trial checkpoints itself (RunConfig(storage_path=...)); got "
+                         f"{kwargs['storage_path']!r}")
     resolve_resources({}, kwargs)  # a bad resource argument fails here, not in every trial
     captured_args, captured_kwargs = tuple(args), dict(kwargs)
 

@@ -1,0 +1,137 @@
+"""Asynchronous writes on one background thread: one write in flight, the newest one queued, errors surfaced.
+
+Layer 0: standard library only. :class:`AsyncWriter` runs write jobs (callables) one at a time on a
+daemon thread, so training continues while a checkpoint uploads:
+
+- **One in flight.** A job runs to its end before the next one starts.
+- **The newest wins.** At most one job waits behind the running one; submitting another while one
+  waits *replaces* the waiting job (its state is older, so it is dropped, never written). ``submit``
+  never blocks.
+- **Errors are surfaced.** A failed job is logged at once, and raised (as the ``__cause__`` of a
+  :class:`~raysgd.torch.errors.CheckpointError`) by the next ``submit``, ``flush`` or ``close``.
+- **Flushed at the end.** ``close()`` (``TorchTrainer.shutdown()``) waits for the running and queued
+  jobs; a writer still open when the interpreter exits is flushed by an ``atexit`` hook.
+
+Example:
+    >>> done = []
+    >>> writer = AsyncWriter()
+    >>> writer.submit(done.append, 1, description="job 1")
+    >>> writer.flush(timeout_s=10)
+    >>> done
+    [1]
+    >>> writer.close()
+"""
+import atexit
+import logging
+import threading
+import time
+import weakref
+
+from raysgd.torch.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+_OPEN = weakref.WeakSet()
+#: How long the ``atexit`` hook waits for unfinished writes.
+EXIT_FLUSH_TIMEOUT_S = 600
+
+
+class AsyncWriter:
+    """Runs write jobs on one background thread (see the module docstring for the rules)."""
+
+    def __init__(self, name="raysgd-checkpoint-writer"):
+        self._name = name
+        self._cond = threading.Condition()
+        self._queued = None  # (fn, args, description) waiting to run
+        self._running = None  # description of the job in flight
+        self._error = None  # (description, exception) of the first failure not yet raised
+        self._closed = False
+        self._thread = None
+        self.completed = 0  # jobs finished without error
+        self.dropped = 0  # queued jobs replaced by a newer one
+        _OPEN.add(self)
+
+    @property
+    def busy(self):
+        """Whether a job runs or waits."""
+        with self._cond:
+            return self._running is not None or self._queued is not None
+
+    def submit(self, fn, *args, description="write"):
+        """Queue ``fn(*args)``, replacing a job that waits; then raise an earlier job's error, if any."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("AsyncWriter.submit: the writer is closed")
+            if self._queued is not None:
+                logger.debug("%s replaces %s, which had not started", description, self._queued[2])
+                self.dropped += 1
+            self._queued = (fn, args, description)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        self._raise_error()
+
+    def flush(self, timeout_s=None):
+        """Wait until no job runs or waits; raise the error of a failed job. ``TimeoutError`` past ``timeout_s``."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self._running is not None or self._queued is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"{self._name}: {self._running or self._queued[2]} still unfinished "
+                                       f"after {timeout_s} s")
+                self._cond.wait(timeout=left)
+        self._raise_error()
+
+    def close(self, timeout_s=None):
+        """Flush (see :meth:`flush`), then stop the thread; later submits raise."""
+        try:
+            self.flush(timeout_s)
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            _OPEN.discard(self)
+
+    def _raise_error(self):
+        with self._cond:
+            failed, self._error = self._error, None
+        if failed is not None:
+            description, err = failed
+            raise CheckpointError(f"an asynchronous checkpoint write failed ({description}): "
+                                  f"{type(err).__name__}: {err}") from err
+
+    def _loop(self):
+        while True:
+            with self._cond:
+                while self._queued is None and not self._closed:
+                    self._cond.wait()
+                if self._queued is None:
+                    return
+                (fn, args, description), self._queued = self._queued, None
+                self._running = description
+            try:
+                fn(*args)
+            except BaseException as err:  # noqa: BLE001 (kept and raised in the caller's thread)
+                logger.error("%s failed: %s: %s", description, type(err).__name__, err, exc_info=err)
+                with self._cond:
+                    if self._error is None:
+                        self._error = (description, err)
+            else:
+                with self._cond:
+                    self.completed += 1
+            finally:
+                with self._cond:
+                    self._running = None
+                    self._cond.notify_all()
+
+
+@atexit.register
+def _flush_at_exit():
+    """A script that ends without ``shutdown()`` still finishes its checkpoint uploads."""
+    for writer in list(_OPEN):
+        try:
+            writer.close(timeout_s=EXIT_FLUSH_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 (nothing is left to raise to)
+            logger.error("Unfinished checkpoint write at exit: %s", err)

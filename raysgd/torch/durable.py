@@ -1,0 +1,161 @@
+"""Durable runs: the trainer's automatic checkpoints in ``storage_path`` and the resume from them.
+
+Helper of layer 5 (:mod:`raysgd.torch.torch_trainer`). ``TorchTrainer(storage_path=..., num_to_keep=2,
+resume=True)`` opens a :class:`DurableRun`; it checks the arguments before any actor starts, starts
+reading the newest complete checkpoint while the workers start (:meth:`DurableRun.restore`), and
+uploads the state bytes the trainer hands it at the end of every ``train()`` and at ``save()`` on a
+background thread (:class:`~raysgd.torch.async_writer.AsyncWriter`: one upload in flight, the newest
+waiting one wins). The storage format is :mod:`raysgd.torch.storage`'s.
+
+Example:
+    >>> import tempfile
+    >>> from raysgd.torch.checkpoint import state_to_bytes
+    >>> path = tempfile.mkdtemp()
+    >>> run = open_run(path, num_to_keep=2, resume=True)
+    >>> run.submit(state_to_bytes({"epoch": 1, "models": [], "optimizers": [], "operator": None}), epoch=1)
+    >>> run.close()
+    >>> again = open_run(path, num_to_keep=2, resume=True)
+    >>> again.restore().marker["epoch"]
+    1
+    >>> again.close()
+"""
+import logging
+import threading
+
+from raysgd.torch import async_writer
+
+logger = logging.getLogger(__name__)
+
+
+class NoStorage:
+    """What ``open_run`` returns without a ``storage_path``: every method does nothing, so callers need no ``if``."""
+
+    def resume(self, load_stream, timeout_s=None):
+        return None
+
+    def submit(self, stream, **meta):
+        pass
+
+    def on_result(self, phase, result, stream):
+        pass
+
+    def on_save(self, state, stream):
+        return state
+
+    def flush(self, timeout_s=None):
+        pass
+
+    def close(self, timeout_s=None):
+        pass
+
+
+def open_run(storage_path, num_to_keep=2, resume=True, result_log=None):
+    """``TorchTrainer(storage_path=...)``: a checked :class:`DurableRun`, or :class:`NoStorage` without a path.
+
+    ``result_log`` (the trainer's :class:`~raysgd.torch.results.ResultLogger`, if any) is rewound on resume.
+
+    Example:
+        >>> open_run(None).resume(None) is None
+        True
+        >>> open_run("/tmp/x", num_to_keep=0)
+        Traceback (most recent call last):
+        ValueError: TorchTrainer: num_to_keep expects an int >= 1 (checkpoints kept in storage_path); got 0
+    """
+    if resume not in (True, False):
+        raise TypeError(f"TorchTrainer: resume expects True or False; got {resume!r}")
+    if storage_path is None:
+        return NoStorage()
+    try:
+        from raysgd.torch import storage  # noqa: PLC0415 (pyarrow is needed only with a storage_path)
+    except ImportError as err:
+        raise ImportError("TorchTrainer(storage_path=...) needs pyarrow: pip install 'raysgd[storage]'") from err
+    run = DurableRun(storage.CheckpointStorage(storage_path, num_to_keep), resume=resume, result_log=result_log)
+    run.start_restore()  # reads the newest checkpoint while Ray and the workers start
+    return run
+
+
+class DurableRun:
+    """Automatic checkpoints of one trainer (see the module docstring)."""
+
+    def __init__(self, checkpoint_storage, resume=True, result_log=None):
+        self.storage = checkpoint_storage
+        self.resume_enabled = resume
+        self.result_log = result_log
+        self._writer = async_writer.AsyncWriter()
+        self._reader = None
+        self._restored = None
+        self._read_error = None
+
+    def start_restore(self):
+        """Begin reading the newest complete checkpoint on a thread (nothing when ``resume=False``)."""
+        if not self.resume_enabled or self._reader is not None:
+            return
+        self._reader = threading.Thread(target=self._read, name="raysgd-checkpoint-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        try:
+            self._restored = self.storage.latest()
+        except BaseException as err:  # noqa: BLE001 (raised by restore() in the caller's thread)
+            self._read_error = err
+
+    def restore(self, timeout_s=None):
+        """The :class:`~raysgd.torch.storage.Restored` checkpoint to resume from, or None; logs which one."""
+        if self._reader is None:
+            return None
+        self._reader.join(timeout_s)
+        if self._reader.is_alive():
+            raise TimeoutError(f"reading the newest checkpoint of {self.storage.storage_path!r} took more than "
+                               f"{timeout_s} s")
+        if self._read_error is not None:
+            raise self._read_error
+        restored = self._restored
+        if restored is None:
+            logger.info("No checkpoint in %s: starting a new run", self.storage.storage_path)
+        else:
+            logger.info("Resuming from %s (epoch %s, written at the end of %s)", restored.path,
+                        restored.marker.get("epoch"), restored.marker.get("reason", "?"))
+        return restored
+
+    def resume(self, load_stream, timeout_s=None):
+        """Load the checkpoint to resume from with ``load_stream(stream, blocking=True)``; rewind the result log.
+
+        Returns the :class:`~raysgd.torch.storage.Restored` checkpoint, or None (nothing to resume from).
+        """
+        restored = self.restore(timeout_s)
+        if restored is not None:
+            load_stream(restored.stream, blocking=True)
+            rows = restored.marker.get("result_rows")
+            if self.result_log is not None and rows is not None:
+                self.result_log.rewind(rows)  # rows logged after the checkpoint are redone: no duplicates
+        return restored
+
+    def submit(self, stream, **meta):
+        """Write ``stream`` (trainer state bytes, or a function returning them) with ``meta`` in its marker.
+
+        Asynchronous: see :class:`~raysgd.torch.async_writer.AsyncWriter`. The marker also records how many
+        train rows the result log holds, for :meth:`resume`.
+        """
+        stream = stream() if callable(stream) else stream
+        if self.result_log is not None:
+            meta["result_rows"] = self.result_log.train_rows
+        self._writer.submit(self.storage.write, stream, meta,
+                            description=f"checkpoint of epoch {meta.get('epoch')} to {self.storage.storage_path}")
+
+    def on_result(self, phase, result, stream):
+        """After a ``train()`` result was logged: checkpoint the state (``stream``: bytes or a function returning them)."""
+        if phase == "train":
+            self.submit(stream, reason="train", epoch=result.get("epoch"))
+
+    def on_save(self, state, stream):
+        """At ``save()``: checkpoint ``state`` (whose bytes ``stream`` gives) to storage too; returns ``state``."""
+        self.submit(stream, reason="save", epoch=state["epoch"])
+        return state
+
+    def flush(self, timeout_s=None):
+        """Wait until every submitted checkpoint is durable (raises a failed write's error)."""
+        self._writer.flush(timeout_s)
+
+    def close(self, timeout_s=None):
+        """Flush, then stop the writer thread."""
+        self._writer.close(timeout_s)

@@ -1,0 +1,113 @@
+"""Durable runs on a real cluster: automatic checkpoints in storage_path, resume, fallback, S3, Tune's format."""
+import logging
+import os
+
+import pytest
+import torch
+
+from conftest import assert_released
+from helpers import LinearOperator
+from raysgd.torch import storage
+from raysgd.torch.results import read_results
+from s3_server import moto_s3
+
+CONFIG = {"lr": 0.05, "momentum": 0.9, "batch_size": 8, "data_size": 32}
+
+
+def weights(trainer):
+    return {key: value.clone() for key, value in trainer.get_model(to_cpu=True).state_dict().items()}
+
+
+def assert_same(first, second):
+    assert first.keys() == second.keys()
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+
+
+def test_bad_storage_arguments_fail_before_any_actor_starts(ray_2cpus, trainer_factory):
+    with pytest.raises(ValueError, match="storage_path expects a local folder or a URI"):
+        trainer_factory(training_operator_cls=LinearOperator, storage_path="nosuchfs://bucket/run")
+    with pytest.raises(ValueError, match="num_to_keep expects an int >= 1"):
+        trainer_factory(training_operator_cls=LinearOperator, storage_path="/tmp/x", num_to_keep=-1)
+    assert_released()
+
+
+def test_second_trainer_continues_from_the_first(ray_2cpus, trainer_factory, tmp_path, caplog):
+    path, logdir = str(tmp_path / "run"), str(tmp_path / "logs")
+    first = trainer_factory(training_operator_cls=LinearOperator, num_workers=2, config=CONFIG, storage_path=path,
+                            logdir=logdir)
+    assert [first.train()["epoch"] for _ in range(2)] == [1, 2]
+    final = weights(first)
+    first.shutdown()  # flushes the upload of epoch 2
+    assert storage.CheckpointStorage(path).latest().marker["epoch"] == 2
+
+    with caplog.at_level(logging.INFO, logger="raysgd.torch.durable"):
+        second = trainer_factory(training_operator_cls=LinearOperator, num_workers=2, config=CONFIG,
+                                 storage_path=path, logdir=logdir, num_to_keep=1)
+    assert "Resuming from" in caplog.text and "checkpoint_000002" in caplog.text
+    assert_same(weights(second), final)
+    assert second.state_dict()["epoch"] == 2
+    assert second.train()["epoch"] == 3
+    second.save(str(tmp_path / "saved.pt"))  # save() writes a checkpoint too
+    second.shutdown()
+    restored = storage.CheckpointStorage(path).latest()
+    assert restored.marker["reason"] == "save" and restored.marker["epoch"] == 3
+    assert len(storage.CheckpointStorage(path).list()) == 1  # num_to_keep=1
+    assert [row["epoch"] for row in read_results(logdir)] == [1, 2, 3]
+
+    fresh = trainer_factory(training_operator_cls=LinearOperator, num_workers=1, config=CONFIG, storage_path=path,
+                            resume=False)
+    assert fresh.train()["epoch"] == 1
+
+
+def test_truncated_newest_uses_the_previous_checkpoint(ray_2cpus, trainer_factory, tmp_path, caplog):
+    path = str(tmp_path / "run")
+    trainer = trainer_factory(training_operator_cls=LinearOperator, config=CONFIG, storage_path=path)
+    trainer.train()
+    trainer._durable.flush(timeout_s=60)
+    after_one = weights(trainer)
+    trainer.train()
+    trainer.shutdown()
+    newest = os.path.join(storage.CheckpointStorage(path).list()[-1][1], storage.STATE_FILE)
+    with open(newest, "r+b") as handle:
+        handle.truncate(os.path.getsize(newest) // 2)
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.storage"):
+        resumed = trainer_factory(training_operator_cls=LinearOperator, config=CONFIG, storage_path=path)
+    assert "checkpoint_000002" in caplog.text and "damaged" in caplog.text
+    assert_same(weights(resumed), after_one)
+    assert resumed.train()["epoch"] == 2
+
+
+def test_s3_round_trip_through_a_trainer(ray_2cpus, trainer_factory):
+    with moto_s3() as (bucket, query):
+        uri = f"{bucket}/exp{query}"
+        first = trainer_factory(training_operator_cls=LinearOperator, config=CONFIG, storage_path=uri)
+        first.train()
+        final = weights(first)
+        first.shutdown()
+        second = trainer_factory(training_operator_cls=LinearOperator, config=CONFIG, storage_path=uri)
+        assert_same(weights(second), final)
+        assert second.train()["epoch"] == 2
+        second.shutdown()
+
+
+def test_tune_checkpoint_has_the_storage_format(ray_2cpus, trainer_factory, tmp_path):
+    pytest.importorskip("ray.tune")
+    from raysgd.torch import tune as raysgd_tune
+
+    assert raysgd_tune.CHECKPOINT_FILE == storage.STATE_FILE and raysgd_tune.MARKER_FILE == storage.MARKER_FILE
+    trainer = trainer_factory(training_operator_cls=LinearOperator, config=CONFIG)
+    trainer.train()
+    trainable = object.__new__(raysgd_tune.BaseTorchTrainable)  # no Tune run needed for save/load
+    trainable._trainer, trainable._iteration = trainer, 1
+    trainable.save_checkpoint(str(tmp_path))
+    stream, marker = storage.read_checkpoint_dir(*storage.resolve(str(tmp_path)))
+    assert marker["epoch"] == 1 and marker["reason"] == "tune"
+    saved = weights(trainer)
+    trainer.train()
+    trainable.load_checkpoint(str(tmp_path))
+    assert_same(weights(trainer), saved)
+    with open(tmp_path / storage.STATE_FILE, "r+b") as handle:  # damaged: refused with the file named
+        handle.truncate(100)
+    with pytest.raises(storage.DamagedCheckpoint, match="damaged"):
+        trainable.load_checkpoint(str(tmp_path))

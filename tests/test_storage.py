@@ -1,0 +1,149 @@
+"""Durable checkpoint storage without Ray: atomic directories, keep-N, damaged checkpoints, the async writer, S3."""
+import logging
+import os
+import threading
+
+import pytest
+import torch
+
+from raysgd.torch import async_writer, durable, storage
+from raysgd.torch.checkpoint import state_to_bytes
+from raysgd.torch.errors import CheckpointError
+from raysgd.torch.results import ResultLogger, read_results
+from s3_server import moto_s3
+
+
+def state(epoch):
+    return {"epoch": epoch, "global_step": 10 * epoch, "operator": {}, "models": [{"w": torch.full((4,), epoch)}],
+            "optimizers": [{}]}
+
+
+def test_keeps_the_newest_complete_checkpoints(tmp_path):
+    store = storage.CheckpointStorage(str(tmp_path / "run"), num_to_keep=2)
+    assert store.latest() is None and store.list() == []
+    for epoch in (1, 2, 3):
+        store.write(state_to_bytes(state(epoch)), {"epoch": epoch})
+    assert [index for index, _ in store.list()] == [2, 3]
+    restored = store.latest()
+    assert restored.marker["epoch"] == 3 and restored.path.endswith("checkpoint_000003")
+    assert torch.load(__import__("io").BytesIO(restored.stream), weights_only=True)["models"][0]["w"][0] == 3
+    assert sorted(os.listdir(restored.path)) == [storage.MARKER_FILE, storage.STATE_FILE]
+
+
+def test_truncated_newest_falls_back_to_the_previous_with_a_warning(tmp_path, caplog):
+    store = storage.CheckpointStorage(str(tmp_path), num_to_keep=3)
+    for epoch in (1, 2):
+        store.write(state_to_bytes(state(epoch)), {"epoch": epoch})
+    newest = os.path.join(store.list()[-1][1], storage.STATE_FILE)
+    with open(newest, "r+b") as handle:
+        handle.truncate(os.path.getsize(newest) // 2)
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.storage"):
+        assert store.latest().marker["epoch"] == 1
+    assert "checkpoint_000002" in caplog.text and "damaged" in caplog.text
+
+
+def test_a_checkpoint_without_its_marker_does_not_count(tmp_path, caplog):
+    store = storage.CheckpointStorage(str(tmp_path), num_to_keep=2)
+    store.write(state_to_bytes(state(1)), {"epoch": 1})
+    partial = tmp_path / "checkpoint_000002"  # a crash after the state file, before the marker
+    partial.mkdir()
+    (partial / storage.STATE_FILE).write_bytes(state_to_bytes(state(2)))
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.storage"):
+        assert store.latest().marker["epoch"] == 1
+    assert "incomplete" in caplog.text
+    store.write(state_to_bytes(state(3)), {"epoch": 3})  # numbered after the partial one, which is pruned
+    assert [index for index, _ in store.list()] == [1, 3]
+
+
+def test_unsafe_checkpoint_is_refused_not_skipped(tmp_path):
+    store = storage.CheckpointStorage(str(tmp_path), num_to_keep=2)
+    unsafe = {**state(1), "operator": {"obj": threading.Lock}}  # a class: a safe load refuses it
+    store.write(state_to_bytes(unsafe), {"epoch": 1})
+    with pytest.raises(CheckpointError, match="weights_only=True"):
+        store.latest()
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"storage_path": "foo://bucket/x"}, ValueError, "storage_path expects a local folder or a URI"),
+    ({"storage_path": 3}, TypeError, "storage_path expects a folder path or a URI"),
+    ({"storage_path": "/tmp/x", "num_to_keep": 0}, ValueError, "num_to_keep expects an int >= 1"),
+    ({"storage_path": "/tmp/x", "num_to_keep": 1.5}, ValueError, "num_to_keep expects an int >= 1"),
+    ({"storage_path": "/tmp/x", "resume": "yes"}, TypeError, "resume expects True or False"),
+])
+def test_bad_arguments_are_named(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        durable.open_run(**kwargs)
+
+
+def test_writer_runs_one_job_at_a_time_and_the_newest_queued_one_wins():
+    writer = async_writer.AsyncWriter()
+    release, started, done = threading.Event(), threading.Event(), []
+
+    def slow(value):
+        started.set()
+        assert release.wait(30)
+        done.append(value)
+
+    writer.submit(slow, 1)
+    assert started.wait(30)
+    writer.submit(done.append, 2)  # waits behind the running job ...
+    writer.submit(done.append, 3)  # ... and is replaced by this one
+    assert writer.busy and done == []
+    release.set()
+    writer.close(timeout_s=30)
+    assert done == [1, 3] and writer.dropped == 1 and writer.completed == 2
+
+
+def test_writer_errors_are_raised_at_the_next_call():
+    writer = async_writer.AsyncWriter()
+
+    def fail():
+        raise OSError("disk full")
+
+    with pytest.raises(CheckpointError, match="checkpoint 1.*disk full") as info:
+        writer.submit(fail, description="checkpoint 1")  # raises here if the job already failed ...
+        writer.flush(timeout_s=30)  # ... else here
+    assert isinstance(info.value.__cause__, OSError)
+    writer.flush(timeout_s=30)  # raised once
+    with pytest.raises(CheckpointError):
+        writer.submit(fail)
+        writer.close(timeout_s=30)
+
+
+def test_result_log_rewind_keeps_one_row_per_epoch(tmp_path):
+    log = ResultLogger(str(tmp_path), tensorboard=False)
+    for epoch in (1, 2, 3):
+        log.log("train", {"epoch": epoch, "train_loss": 1.0})
+        log.log("validate", {"val_loss": 1.0})
+    log.close()
+    resumed = ResultLogger(str(tmp_path))  # TensorBoard too when tensorboardX is installed: reopened with purge_step
+    resumed.rewind(2)  # the checkpoint was taken after epoch 2: epoch 3 is redone
+    resumed.log("train", {"epoch": 3, "train_loss": 0.5})
+    resumed.close()
+    assert [row["epoch"] for row in read_results(tmp_path, "train")] == [1, 2, 3]
+    assert read_results(tmp_path, "train")[-1]["train_loss"] == 0.5
+    assert [row["step"] for row in read_results(tmp_path, "validate")] == [1, 2]
+
+
+def test_s3_round_trip_through_moto_server():
+    with moto_s3() as (bucket, query):
+        uri = f"{bucket}/runs/exp1{query}"
+        run = durable.open_run(uri, num_to_keep=2, resume=True)
+        assert run.restore(timeout_s=60) is None
+        for epoch in (1, 2, 3):
+            run.submit(state_to_bytes(state(epoch)), epoch=epoch)
+            run.flush(timeout_s=60)
+        run.close(timeout_s=60)
+        store = storage.CheckpointStorage(uri, num_to_keep=2)
+        assert len(store.list()) == 2  # keep-N on S3 too
+        restored = durable.open_run(uri).restore(timeout_s=60)
+        assert restored.marker["epoch"] == 3 and restored.path.startswith("raysgd-test/runs/exp1/checkpoint_")
+
+
+def test_as_trainable_refuses_a_shared_storage_path():
+    pytest.importorskip("ray.tune")
+    from raysgd import TorchTrainer
+    from helpers import LinearOperator
+
+    with pytest.raises(ValueError, match="as_trainable: storage_path expects None under Tune"):
+        TorchTrainer.as_trainable(training_operator_cls=LinearOperator, storage_path="/tmp/x")
