@@ -36,7 +36,7 @@ def test_remote_user_error_reaches_the_caller_with_its_type_at_once(local_traine
     start = time.monotonic()
     with pytest.raises(ValueError, match="bad batch on rank 1"):
         trainer.train(max_retries=3)  # rank 0 waits in allreduce for rank 1: only the driver can see it
-    assert time.monotonic() - start < 30  # not timeout_s=600
+    assert time.monotonic() - start < 120  # not timeout_s=600 (generous: the CI machine is shared)
     assert trainer.num_failures == 0  # a user error is never retried
     assert len(rank0_threads()) <= 1 and not dist.is_initialized()  # rank 0's old thread and process group ended
 
@@ -47,7 +47,7 @@ def test_remote_death_is_recovered_within_seconds(local_trainer, tmp_path):
     start = time.monotonic()
     stats = trainer.train()
     assert (tmp_path / "exit").exists() and stats["num_samples"] == 400
-    assert time.monotonic() - start < 60 and trainer.num_failures == 1
+    assert time.monotonic() - start < 120 and trainer.num_failures == 1  # not timeout_s=600
     assert trainer.worker_group.num_workers == 2 and dist.is_initialized()  # the driver's group was re-created
 
 

@@ -113,7 +113,8 @@ class WorkerGroup:
     def run(self, method, *args, deadline_s=None, on_tick=None, lockstep=False, rank_kwargs=None, **kwargs):
         """Call ``method`` on every worker and return the results in rank order.
 
-        Remote calls are sent first, then the local worker's runs in this thread. With ``lockstep``
+        Remote calls are sent first, then the local worker's (in its own thread when remote ranks run
+        beside it, so this thread keeps watching them; in this thread when it is alone). With ``lockstep``
         (train and validate), the others must finish within ``timeout_s`` of the first.
         ``rank_kwargs(num_workers)``, if given, returns one dict of extra keyword arguments per rank
         (e.g. each rank's data shard); it is called for every run, so a retry gets fresh ones.
