@@ -6,6 +6,7 @@ import time
 import pytest
 
 from helpers import FaultyOperator
+from raysgd.torch import diagnostics
 from raysgd.torch.errors import WorkerFailure
 
 pytestmark = pytest.mark.usefixtures("ray_2cpus")
@@ -54,3 +55,15 @@ def test_stack_traces_from_another_thread_during_a_slow_train(trainer_factory, u
     assert not errors and sorted(seen) == [0, 1], (errors, seen)
     assert stats["num_samples"] == 200
     assert set(trainer.stack_traces()) == {0, 1}  # idle ranks answer too
+
+
+def test_a_rank_that_cannot_answer_is_dumped_with_py_spy(trainer_factory):
+    # The fallback when a worker's control thread does not answer (its process holds the interpreter lock).
+    trainer = trainer_factory(training_operator_cls=FaultyOperator, num_workers=2, config={"data_size": 40})
+    actor = trainer.worker_group.remote_workers[0]
+    if diagnostics._py_spy() is None:
+        pytest.skip("py-spy is not installed")
+    text = diagnostics._without_answer(actor._actor_id.hex(), timeout_s=0)
+    if "Permission denied" in text or "Operation not permitted" in text:
+        pytest.skip(f"ptrace is not permitted here: {text}")
+    assert text.startswith("py-spy dump:") and "main_loop" in text, text
