@@ -12,7 +12,10 @@ LAYERS = {
     "raysgd.torch.precision": 1, "raysgd.torch.data": 1, "raysgd.torch.checkpoint": 1,
     "raysgd.torch.training_operator": 2, "raysgd.torch.creator_operator": 2,
     "raysgd.torch.worker": 3, "raysgd.torch.recovery": 3,
-    "raysgd.torch.worker_group": 4, "raysgd.torch.mailbox": 4, "raysgd.torch.placement": 4,
+    "raysgd.torch.worker_group": 4, "raysgd.torch.mailbox": 4,
+    "raysgd.torch.local_runner": 3, "raysgd.torch.worker_handle": 4, "raysgd.torch.placement": 4,  # the group's helpers
+    "raysgd.torch.trial_placement": 4,
+    "raysgd.torch.cluster_state": 4, "raysgd.torch.diagnostics": 4,
     "raysgd.torch.arguments": 5, "raysgd.torch.torch_trainer": 5,
     "raysgd.torch.progress": 5, "raysgd.torch.results": 5, "raysgd.torch.ray_data": 5,  # the trainer's helpers
     "raysgd.torch.tune": 6, "raysgd.data.dataset": 6, "raysgd.data": 7,  # 1.x's sharded Dataset on Ray Data
@@ -91,6 +94,6 @@ def test_modules_are_small_and_say_their_job(path):
 
 def test_only_the_worker_group_touches_actor_handles():
     for path in library_modules():
-        if module_name(path) in ("raysgd.torch.worker_group", "raysgd.torch.mailbox"):
+        if module_name(path) in ("raysgd.torch.worker_group", "raysgd.torch.worker_handle", "raysgd.torch.mailbox"):
             continue
         assert ".remote(" not in path.read_text(), f"{path.name} calls actors directly"

@@ -1,4 +1,8 @@
-"""A 2-node cluster (1 CPU each) loses a node mid-epoch; training goes on, then grows back."""
+"""A 2-node cluster (1 CPU each) loses a node mid-epoch; training goes on, then grows back.
+
+Deterministic: rank 1 stops at batch 5 until its node is removed (so the epoch cannot end before the
+loss), and the restart waits until Ray reports the node dead (so it never places a worker there).
+"""
 import time
 
 import pytest
@@ -29,8 +33,8 @@ def cluster():
 def test_lost_node_shrinks_then_the_pool_grows_back(cluster, tmp_path, monkeypatch):
     cluster, nodes = cluster
     monkeypatch.setenv("SGD_RESIZE_COOLDOWN_S", "3")
-    config = {"data_size": 400, "batch_size": 10, "batch_sleep": 0.05,
-              "fault": {"rank": 1, "batch": 5, "kind": "signal", "marker": str(tmp_path / "at-batch-5")}}
+    config = {"data_size": 400, "batch_size": 10, "batch_sleep": 0.05,  # rank 1 waits at batch 5 for its node's end
+              "fault": {"rank": 1, "batch": 5, "kind": "sleep", "seconds": 300, "marker": str(tmp_path / "at-batch-5")}}
     trainer = TorchTrainer(training_operator_cls=FaultyOperator, num_workers=2, config=config, timeout_s=15)
     try:
         node_ids = trainer.apply_all_workers(lambda: ray.get_runtime_context().get_node_id())
@@ -52,6 +56,7 @@ def test_lost_node_shrinks_then_the_pool_grows_back(cluster, tmp_path, monkeypat
         elapsed = time.monotonic() - start
         thread.join(timeout=5)
         assert stats["num_samples"] == 400  # the whole epoch, retried on the surviving node
+        assert not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == doomed.node_id)  # the restart waited
         assert trainer.worker_group.num_workers == 1 and trainer.num_failures == 1
         assert elapsed < 90, elapsed
 

@@ -35,6 +35,8 @@ DEPRECATED = {
     "scheduler_creator": _CREATOR_HELP, "loss_creator": _CREATOR_HELP,
 }
 _warned_serialize = False
+#: ``TorchTrainer(placement_strategy=...)``: Ray's placement-group strategies.
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 def check_deprecated(kwargs):
@@ -78,8 +80,10 @@ def check_resources(num_workers, num_cpus_per_worker, use_gpu, use_local, caller
 
 def check_arguments(*, training_operator_cls, initialization_hook, config, num_workers, num_cpus_per_worker,
                     use_gpu, backend, wrap_ddp, timeout_s, use_fp16, use_tqdm, add_dist_sampler,
-                    scheduler_step_freq, use_local):
+                    scheduler_step_freq, use_local, placement_strategy="SPREAD"):
     """Validate every constructor argument; returns ``(use_gpu, backend)`` with ``"auto"`` resolved."""
+    _expect(placement_strategy in PLACEMENT_STRATEGIES, "placement_strategy",
+            "one of " + ", ".join(map(repr, PLACEMENT_STRATEGIES)), placement_strategy)
     _expect(isinstance(training_operator_cls, type) and issubclass(training_operator_cls, TrainingOperator),
             "training_operator_cls", "a subclass of raysgd.TrainingOperator", training_operator_cls, TypeError)
     _expect(initialization_hook is None or callable(initialization_hook), "initialization_hook",

@@ -31,13 +31,16 @@ class WorkerFailure(RuntimeError):
     Attributes:
         causes: ``{rank: description}`` for each rank that failed.
         unresponsive: ranks that never answered before the attempt was ended.
+        stacks: ``{rank: text}``: each live rank's Python stacks, taken before the group was killed
+            when some rank did not answer (or why no stack could be taken); empty otherwise.
     """
 
-    def __init__(self, message, causes=None, unresponsive=None):
-        super().__init__(message, causes, unresponsive)
+    def __init__(self, message, causes=None, unresponsive=None, stacks=None):
+        super().__init__(message, causes, unresponsive, stacks)
         self.message = message
         self.causes = dict(causes or {})
         self.unresponsive = list(unresponsive or [])
+        self.stacks = dict(stacks or {})
 
     @property
     def ranks(self):
@@ -49,7 +52,11 @@ class WorkerFailure(RuntimeError):
         parts += [f"rank {rank}: {cause}" for rank, cause in sorted(self.causes.items())]
         if self.unresponsive:
             parts.append("did not answer: rank " + ", rank ".join(map(str, self.unresponsive)))
-        return "; ".join(parts)
+        text = "; ".join(parts)
+        if self.stacks:
+            text += "\nWhere each rank was (Python stacks taken before the workers were stopped):\n" + "\n".join(
+                f"--- rank {rank} ---\n{stack.rstrip()}" for rank, stack in sorted(self.stacks.items()))
+        return text
 
 
 _COLLECTIVE_MARKERS = ("Timed out", "Connection closed by peer", "Connection reset by peer", "NCCL", "Broken pipe")

@@ -1,55 +1,102 @@
-"""Watching the Tune trial's placement group: give up on bundles that a lost node leaves unplaceable.
+"""Where the workers go: their bundles, the placement group (the group's own or a Tune trial's), how many fit.
 
-Layer 4 (ray): used by the worker group when it runs inside an enclosing placement group (a Tune
-trial's). When a node holding some of the trial's bundles is lost, Ray marks the group
-RESCHEDULING; if nothing can take those bundles, actors scheduled into them wait forever, and each
-restart try would wait ``timeout_s`` for them. Only Tune can place the trial elsewhere, so after
-``2 x SGD_PLACEMENT_GROUP_TIMEOUT_S`` unplaced the watch raises
-:class:`~raysgd.torch.errors.PlacementUnavailable`, which the trainer does not retry: the trial
-fails and ``FailureConfig(max_failures=...)`` restores it. The timing policy is
-:class:`raysgd.torch.recovery.PlacementWatch` (pure).
+Layer 4 helper of :mod:`raysgd.torch.worker_group`: imports ray and layers 0-3. The strategy is
+``TorchTrainer(placement_strategy=...)`` (1.x's ``"SPREAD"`` by default); inside a Tune trial the
+trial's own placement group is used instead.
 
 Example:
-    >>> watch = TrialPlacementWatch(pg)  # doctest: +SKIP
-    >>> watch.wait()  # returns once placed, or raises PlacementUnavailable  # doctest: +SKIP
+    >>> Placement(cpus=2, gpus=1, use_local=False, strategy="PACK").bundle(1)
+    {'CPU': 2, 'GPU': 1}
 """
+import logging
 import time
 
 import ray
+from ray.exceptions import GetTimeoutError
+from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
 
-from raysgd.torch import constants, recovery
-from raysgd.torch.errors import PlacementUnavailable
+from raysgd.torch import cluster_state, constants, recovery
+from raysgd.torch.trial_placement import TrialPlacementWatch
+
+logger = logging.getLogger(__name__)
+
+#: How long a restart waits for Ray to report a node dead once its raylet stopped answering.
+DYING_NODE_WAIT_S = constants._env_float("SGD_DYING_NODE_WAIT_S", 30)
 
 
-def unplaced_limit_s():
-    """Seconds a trial's bundles may stay unplaced: twice ``SGD_PLACEMENT_GROUP_TIMEOUT_S`` (read now)."""
-    return 2 * constants._env_float("SGD_PLACEMENT_GROUP_TIMEOUT_S", constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
+class Placement:
+    """Bundles of ``cpus``/``gpus`` per worker in one placement group of ``strategy`` (see the module docstring)."""
 
+    def __init__(self, cpus, gpus, use_local, strategy="SPREAD"):
+        self._cpus, self._gpus, self._use_local, self.strategy = cpus, gpus, use_local, strategy
+        self.watch = None  # a TrialPlacementWatch on the Tune trial's group, while one is used
 
-class TrialPlacementWatch:
-    """Looks at a placement group's state; raises once it has been unplaced for ``limit_s``.
+    def bundle(self, rank):
+        bundle = {"CPU": self._cpus}
+        if self._gpus:
+            bundle["GPU"] = self._gpus
+        if rank == 0 and self._use_local:
+            bundle[f"node:{ray.util.get_node_ip_address()}"] = 0.001  # rank 0 is this process: this node
+        return bundle
 
-    Args:
-        pg: the enclosing ``PlacementGroup``.
-        limit_s: default :func:`unplaced_limit_s`.
-        poll_s: pause between looks in :meth:`wait`.
-    """
+    def reserve(self, n, pg_timeout_s):
+        """``(placement group, first bundle index, owned)`` for ranks 0..n-1: the Tune trial's group, or a new one."""
+        trial_pg = get_current_placement_group()
+        if trial_pg is not None:
+            offset = 0 if self._use_local else 1  # bundle 0 is the trainable (which is rank 0 with use_local)
+            if len(trial_pg.bundle_specs) < offset + n:
+                raise ValueError(f"The enclosing placement group has {len(trial_pg.bundle_specs)} bundles; "
+                                 f"{n} workers need {offset + n}. Use TorchTrainer.as_trainable's resource request.")
+            self.watch = TrialPlacementWatch(trial_pg)  # a lost node's bundles: fail, and Tune restores the trial
+            self.watch.wait()
+            return trial_pg, offset, False
+        self.watch = None
+        total = ray.cluster_resources()
+        if total.get("CPU", 0) < n * self._cpus or total.get("GPU", 0) < n * self._gpus:
+            logger.warning("%d workers with %s each exceed the whole cluster (%s): waiting up to %.0f s for it to "
+                           "grow", n, self.bundle(1), total, pg_timeout_s)
+        pg = placement_group([self.bundle(rank) for rank in range(n)], strategy=self.strategy)
+        try:
+            ray.get(pg.ready(), timeout=pg_timeout_s)
+        except GetTimeoutError as err:
+            remove_placement_group(pg)
+            raise TimeoutError(f"{n} workers with {self.bundle(1)} each could not be placed ({self.strategy}) "
+                               f"within {pg_timeout_s:.0f} s; free resources: {ray.available_resources()}") from err
+        return pg, 0, True
 
-    def __init__(self, pg, limit_s=None, poll_s=0.2):
-        self.pg = pg
-        self.poll_s = poll_s
-        self._watch = recovery.PlacementWatch(unplaced_limit_s() if limit_s is None else limit_s)
+    @staticmethod
+    def remove(pg):
+        """Remove a placement group this group created and wait (bounded) until Ray reports it removed."""
+        remove_placement_group(pg)
+        deadline = time.monotonic() + constants.SGD_PLACEMENT_GROUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if ray.util.placement_group_table(pg).get("state") == "REMOVED":
+                break
+            time.sleep(0.05)
 
-    def check(self):
-        """One look: True if every bundle is placed, False if not (yet); raises PlacementUnavailable at the limit."""
-        state = ray.util.placement_group_table(self.pg).get("state")
-        placed = state == "CREATED"
-        if self._watch.observe(placed):
-            raise PlacementUnavailable(f"the workers' bundles of the enclosing placement group {self.pg.id.hex()} "
-                                       f"cannot be placed (state {state})", self._watch.unplaced_s)
-        return placed
+    def how_many_fit(self, limit, settle_s=0.0):
+        """How many workers fit now (counting CPUs and GPUs per worker on each node), at most ``limit``.
 
-    def wait(self):
-        """Return once the group is placed; raise PlacementUnavailable if it stays unplaced for the limit."""
-        while not self.check():
-            time.sleep(self.poll_s)
+        Ray's resource view lags a release by a moment: with ``settle_s`` (a restart after a failure)
+        it first waits until Ray reports dead every node whose raylet is gone (so no worker is placed
+        on a node that is going away), then polls for up to ``settle_s`` until ``limit`` workers fit,
+        and returns the best count seen.
+        """
+        trial_pg = get_current_placement_group()
+        if trial_pg is not None:
+            return min(limit, len(trial_pg.bundle_specs) - (0 if self._use_local else 1))
+        if settle_s > 0:
+            cluster_state.wait_out_dying_nodes(DYING_NODE_WAIT_S)
+        deadline = time.monotonic() + settle_s
+        best = 0
+        while True:
+            try:
+                from ray._private.state import state  # noqa: PLC0415 (per-node view; no public equivalent)
+
+                nodes = list(state.available_resources_per_node().values())
+            except Exception:  # noqa: BLE001 (fall back to the cluster-wide sum)
+                nodes = [ray.available_resources()]
+            best = max(best, recovery.workers_that_fit(nodes, self._cpus, self._gpus, limit))
+            if best >= limit or time.monotonic() >= deadline:
+                return best
+            time.sleep(0.1)

@@ -53,13 +53,15 @@ class TorchTrainer:
     def __init__(self, *, training_operator_cls=None, initialization_hook=None, config=None, num_workers=1,
                  num_cpus_per_worker=1, use_gpu="auto", backend="auto", wrap_ddp=True, timeout_s=1800,
                  use_fp16=False, use_tqdm=False, add_dist_sampler=True, scheduler_step_freq=None,
-                 use_local=False, logdir=None, storage_path=None, num_to_keep=2, resume=True, **deprecated):
+                 use_local=False, logdir=None, placement_strategy="SPREAD", storage_path=None, num_to_keep=2,
+                 resume=True, **deprecated):
         arguments.check_deprecated(deprecated)
         use_gpu, backend = arguments.check_arguments(
             training_operator_cls=training_operator_cls, initialization_hook=initialization_hook, config=config,
             num_workers=num_workers, num_cpus_per_worker=num_cpus_per_worker, use_gpu=use_gpu, backend=backend,
             wrap_ddp=wrap_ddp, timeout_s=timeout_s, use_fp16=use_fp16, use_tqdm=use_tqdm,
-            add_dist_sampler=add_dist_sampler, scheduler_step_freq=scheduler_step_freq, use_local=use_local)
+            add_dist_sampler=add_dist_sampler, scheduler_step_freq=scheduler_step_freq, use_local=use_local,
+            placement_strategy=placement_strategy)
         self.training_operator_cls = training_operator_cls
         self.initialization_hook = initialization_hook
         self._requested_config = dict(config or {})
@@ -93,7 +95,8 @@ class TorchTrainer:
             raise ValueError(f"TorchTrainer(use_gpu=True) needs GPUs, but the Ray cluster has none: "
                              f"{ray.cluster_resources()}")
         self.worker_group = WorkerGroup(self._worker_options, num_cpus_per_worker=num_cpus_per_worker,
-                                        use_gpu=use_gpu, use_local=use_local, timeout_s=timeout_s)
+                                        use_gpu=use_gpu, use_local=use_local, timeout_s=timeout_s,
+                                        placement_strategy=placement_strategy)
         try:
             self._start_workers(num_workers)
             self._durable.resume(self.load_state_dict, timeout_s)  # from storage_path's newest checkpoint
@@ -326,6 +329,15 @@ class TorchTrainer:
         models = self.worker_group.first_answer("get_models", to_cpu, deadline_s=self.timeout_s)
         return models[0] if len(models) == 1 else models
 
+    def stack_traces(self, timeout_s=5.0):
+        """``{rank: text}``: where every rank is now (its Python stacks); callable from another thread.
+
+        Example:
+            >>> threading.Thread(target=trainer.train).start()  # doctest: +SKIP
+            >>> print(trainer.stack_traces()[1])  # doctest: +SKIP
+        """
+        return self.worker_group.stack_traces(timeout_s)
+
     def get_local_operator(self):
         """The rank-0 operator living in this process (needs ``use_local=True``)."""
         self._ensure_workers()
@@ -368,14 +380,18 @@ class TorchTrainer:
 
     def shutdown(self, force=False):
         """Stop the workers and release their resources; the trainer cannot be used afterwards."""
-        group = self.__dict__.get("worker_group")
-        if isinstance(group, WorkerGroup):
-            group.shutdown(force=force)
-        self.worker_group = _ShutDownGroup()
-        for name in ("_progress", "_results", "_shards", "_durable"):  # bar, log files, Ray Data split, uploads
-            extra = self.__dict__.get(name)
-            if extra is not None:
-                extra.close()
+        group, self.worker_group = self.__dict__.get("worker_group"), _ShutDownGroup()
+        try:
+            if isinstance(group, WorkerGroup):
+                group.shutdown(force=force)  # returns once Ray shows the resources free (bounded)
+        finally:
+            for name in ("_progress", "_results", "_shards", "_durable"):  # bar, logs, Ray Data split, uploads
+                extra = self.__dict__.get(name)
+                try:
+                    if extra is not None:
+                        extra.close()
+                except Exception as err:  # noqa: BLE001 (close the others anyway)
+                    logger.warning("Closing %s at shutdown failed: %s", name, err)
 
     @classmethod
     def as_trainable(cls, *args, override_tune_step=None, **kwargs):

@@ -10,68 +10,25 @@ Example:
     >>> # group.start(2, operator_cls, config); group.run("train_epoch"); group.shutdown()
 """
 import logging
-import os
 import time
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
-from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raysgd.torch import constants, placement, recovery
+from raysgd.torch import cluster_state, constants, diagnostics
 from raysgd.torch.errors import CollectiveError, WorkerFailure
+from raysgd.torch.local_runner import AbandonedCall, LocalCall, LocalRunner
+from raysgd.torch.placement import Placement
 from raysgd.torch.worker import TorchWorker
+from raysgd.torch.worker_handle import Handle, _Done, start_actor
 
 logger = logging.getLogger(__name__)
 
 _TICK_S = 0.5
 _USER_ERROR_GRACE_S = 2.0
 _CAUSE_GRACE_S = 1.0
-_RemoteWorker = None
-
-
-def _remote_worker_cls():
-    global _RemoteWorker
-    if _RemoteWorker is None:
-        _RemoteWorker = ray.remote(TorchWorker)
-    return _RemoteWorker
-
-
-def _legacy_runtime_env():
-    """Actor options carrying ``raysgd.compat``'s flag, so actors map ``ray.util.sgd`` imports too."""
-    if os.environ.get(constants.LEGACY_IMPORTS_ENV) != "1":
-        return {}
-    return {"runtime_env": {"env_vars": {constants.LEGACY_IMPORTS_ENV: "1"}}}
-
-
-class _Done:
-    """A call the local worker already finished: its value or its exception."""
-
-    def __init__(self, fn):
-        try:
-            self.value, self.error = fn(), None
-        except Exception as err:  # noqa: BLE001 (sorted out by the caller, like a remote result)
-            self.value, self.error = None, err
-
-
-class _Handle:
-    """A worker as the group sees it: ``call`` returns an ObjectRef (actor) or a :class:`_Done` (local)."""
-
-    def __init__(self, rank, actor=None, local=None):
-        self.rank, self.actor, self.local = rank, actor, local
-
-    def call(self, method, *args, **kwargs):
-        if self.local is not None:  # resolve ObjectRef arguments as Ray does for actors
-            args = [ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args]
-            return _Done(lambda: getattr(self.local, method)(*args, **kwargs))
-        return getattr(self.actor, method).remote(*args, **kwargs)
-
-    def kill(self):
-        if self.local is not None:
-            self.local.shutdown()
-        else:
-            ray.kill(self.actor, no_restart=True)
-
+_LOCAL_TICK_S = 0.05  # how often a local rank 0's thread is checked while remote ranks are watched
+_LOCAL_STOP_S = 10.0  # how long rank 0's call gets to end once its peers were killed
 
 class WorkerGroup:
     """``num_workers`` replicas: rank 0 optionally in the driver, the rest Ray actors in one placement group.
@@ -91,12 +48,12 @@ class WorkerGroup:
         self._gpus = 1 if use_gpu else 0
         self._use_local = use_local
         self._timeout_s = timeout_s
-        self._strategy = placement_strategy
+        self._placement = Placement(num_cpus_per_worker, self._gpus, use_local, placement_strategy)
         self._handles = []
         self._pg = None
         self._own_pg = False
         self._submitted = None
-        self._watch = None  # a placement.TrialPlacementWatch on the Tune trial's group
+        self._runner = None  # rank 0's thread (use_local with remote ranks)
         self.broken = False
         self.generation = 0  # counts start(): per-rank inputs built for one generation die with it
 
@@ -114,61 +71,9 @@ class WorkerGroup:
         """The :class:`TorchWorker` living in the driver (``use_local``), else None."""
         return self._handles[0].local if self._handles and self._handles[0].local is not None else None
 
-    # ----------------------------------------------------------------- placement
-    def _bundle(self, rank):
-        bundle = {"CPU": self._cpus}
-        if self._gpus:
-            bundle["GPU"] = self._gpus
-        if rank == 0 and self._use_local:
-            bundle[f"node:{ray.util.get_node_ip_address()}"] = 0.001  # rank 0 is this process: this node
-        return bundle
-
-    def _placement(self, n, pg_timeout_s):
-        """``(placement group, first bundle index)`` for ranks 0..n-1: the Tune trial's group, or a new one."""
-        trial_pg = get_current_placement_group()
-        if trial_pg is not None:
-            offset = 0 if self._use_local else 1  # bundle 0 is the trainable (which is rank 0 with use_local)
-            if len(trial_pg.bundle_specs) < offset + n:
-                raise ValueError(f"The enclosing placement group has {len(trial_pg.bundle_specs)} bundles; "
-                                 f"{n} workers need {offset + n}. Use TorchTrainer.as_trainable's resource request.")
-            self._watch = placement.TrialPlacementWatch(trial_pg)  # a lost node's bundles: fail, Tune restores
-            self._watch.wait()
-            return trial_pg, offset, False
-        total = ray.cluster_resources()
-        if total.get("CPU", 0) < n * self._cpus or total.get("GPU", 0) < n * self._gpus:
-            logger.warning("%d workers with %s each exceed the whole cluster (%s): waiting up to %.0f s for it to "
-                           "grow", n, self._bundle(1), total, pg_timeout_s)
-        pg = placement_group([self._bundle(rank) for rank in range(n)], strategy=self._strategy)
-        try:
-            ray.get(pg.ready(), timeout=pg_timeout_s)
-        except GetTimeoutError as err:
-            remove_placement_group(pg)
-            raise TimeoutError(f"{n} workers with {self._bundle(1)} each could not be placed within "
-                               f"{pg_timeout_s:.0f} s; free resources: {ray.available_resources()}") from err
-        return pg, 0, True
-
     def how_many_fit(self, limit, settle_s=0.0):
-        """How many workers fit now (counting CPUs and GPUs per worker on each node), at most ``limit``.
-
-        Ray's resource view lags a release by a moment: with ``settle_s`` it is polled for up to that
-        long until ``limit`` workers fit, and the best count seen is returned.
-        """
-        trial_pg = get_current_placement_group()
-        if trial_pg is not None:
-            return min(limit, len(trial_pg.bundle_specs) - (0 if self._use_local else 1))
-        deadline = time.monotonic() + settle_s
-        best = 0
-        while True:
-            try:
-                from ray._private.state import state  # noqa: PLC0415 (per-node view; no public equivalent)
-
-                nodes = list(state.available_resources_per_node().values())
-            except Exception:  # noqa: BLE001 (fall back to the cluster-wide sum)
-                nodes = [ray.available_resources()]
-            best = max(best, recovery.workers_that_fit(nodes, self._cpus, self._gpus, limit))
-            if best >= limit or time.monotonic() >= deadline:
-                return best
-            time.sleep(0.1)
+        """How many workers fit now, at most ``limit`` (see :meth:`Placement.how_many_fit`)."""
+        return self._placement.how_many_fit(limit, settle_s)
 
     # ----------------------------------------------------------------- start-up
     def start(self, n, operator_cls, config, pg_timeout_s=None, initialization_hook=None):
@@ -181,21 +86,19 @@ class WorkerGroup:
         pg_timeout_s = constants.SGD_PLACEMENT_GROUP_TIMEOUT_S if pg_timeout_s is None else pg_timeout_s
         self.broken = False
         self.generation += 1
-        self._watch = None
-        self._pg, offset, self._own_pg = self._placement(n, pg_timeout_s)
+        self._pg, offset, self._own_pg = self._placement.reserve(n, pg_timeout_s)
         options = dict(self._worker_options, num_cpus=self._cpus, world_size=n)
         for rank in range(n):
             if rank == 0 and self._use_local:
                 local = TorchWorker(operator_cls, config, is_local=True, **options)
-                self._handles.append(_Handle(0, local=local))
+                self._runner = LocalRunner() if n > 1 else None  # the driver watches the others meanwhile
+                self._handles.append(Handle(0, local=local, runner=self._runner))
                 continue
-            strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=offset + rank)
-            actor = _remote_worker_cls().options(num_cpus=self._cpus, num_gpus=self._gpus, scheduling_strategy=strategy,
-                                                 **_legacy_runtime_env()).remote(operator_cls, config, **options)
-            self._handles.append(_Handle(rank, actor=actor))
+            self._handles.append(start_actor(rank, self._pg, offset + rank, self._cpus, self._gpus, operator_cls,
+                                             config, options))
         deadline = self._timeout_s + 60
         self.run("run_hook", initialization_hook, deadline_s=deadline,
-                 on_tick=self._watch.check if self._watch is not None else None)
+                 on_tick=self._placement.watch.check if self._placement.watch is not None else None)
         local_ranks = [0] * n
         if n > 1:
             url = self._collect({0: self._handles[0].call("setup_address")}, deadline_s=deadline)[0]
@@ -211,7 +114,8 @@ class WorkerGroup:
     def run(self, method, *args, deadline_s=None, on_tick=None, lockstep=False, rank_kwargs=None, **kwargs):
         """Call ``method`` on every worker and return the results in rank order.
 
-        Remote calls are sent first, then the local worker's runs in this thread. With ``lockstep``
+        Remote calls are sent first, then the local worker's (in its own thread when remote ranks run
+        beside it, so this thread keeps watching them; in this thread when it is alone). With ``lockstep``
         (train and validate), the others must finish within ``timeout_s`` of the first.
         ``rank_kwargs(num_workers)``, if given, returns one dict of extra keyword arguments per rank
         (e.g. each rank's data shard); it is called for every run, so a retry gets fresh ones.
@@ -236,7 +140,10 @@ class WorkerGroup:
         lost = {}
         for handle in self._handles:
             call = handle.call(method, *args, **kwargs)
-            if isinstance(call, _Done):
+            if isinstance(call, LocalCall) and not call.wait(deadline_s):
+                lost[handle.rank] = GetTimeoutError(f"rank 0 did not answer within {deadline_s} s")
+                continue
+            if isinstance(call, (_Done, LocalCall)):
                 if call.error is not None:
                     raise call.error
                 return call.value
@@ -257,56 +164,94 @@ class WorkerGroup:
             self._collect(submitted, deadline_s=self._timeout_s)
 
     def _collect(self, calls, deadline_s=None, on_tick=None, lockstep=False):
-        """Wait for every call; the first death or collective failure kills the group (WorkerFailure)."""
+        """Wait for every call; the first death or collective failure kills the group (WorkerFailure).
+
+        A local rank 0 running in its thread is checked every tick while the remote ranks are
+        watched, so their errors and deaths are seen at once. Ctrl-C stops every worker.
+        """
+        try:
+            return self._collect_calls(calls, deadline_s, on_tick, lockstep)
+        except KeyboardInterrupt:
+            logger.warning("Interrupted: stopping the workers (the next call restarts them)")
+            self._kill_all()
+            raise
+
+    def _collect_calls(self, calls, deadline_s, on_tick, lockstep):
         start = time.monotonic()
         results, failures, user_error, first_success = {}, {}, None, None
-        pending = {}
+        pending, local = {}, {}
+
+        def file(rank, value, error):
+            nonlocal user_error, first_success
+            user_error = self._sort(rank, value, error, results, failures) or user_error
+            if error is None and first_success is None:
+                first_success = time.monotonic()
+
+        def poll_local():
+            for rank, call in list(local.items()):
+                if call.done():
+                    del local[rank]
+                    file(rank, call.value, call.error)
+
+        def unanswered():
+            return sorted([*pending.values(), *local])
+
         for rank, call in calls.items():
             if isinstance(call, _Done):
-                user_error = self._sort(rank, call.value, call.error, results, failures) or user_error
-                first_success = time.monotonic() if call.error is None else first_success
+                file(rank, call.value, call.error)
+            elif isinstance(call, LocalCall):
+                local[rank] = call
             else:
                 pending[call] = rank
-        while pending and not failures:
+        while (pending or local) and not failures:
             now = time.monotonic()
             if user_error is not None and now - user_error[1] > _USER_ERROR_GRACE_S:
                 break
             if deadline_s is not None and now - start > deadline_s:
-                return self._fail(failures, sorted(pending.values()), None, f"no answer within {deadline_s:.0f} s")
+                return self._fail(failures, unanswered(), None, f"no answer within {deadline_s:.0f} s")
             if lockstep and first_success is not None and now - first_success > self._timeout_s + 5:
-                return self._fail({}, sorted(pending.values()), None, "workers did not finish after rank "
+                return self._fail({}, unanswered(), None, "workers did not finish after rank "
                                   f"{min(results)} did (timeout_s={self._timeout_s})")
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=_TICK_S)
-            for ref in ready:
-                rank = pending.pop(ref)
-                try:
-                    value, error = ray.get(ref), None
-                except RayError as err:
-                    value, error = None, err
-                user_error = self._sort(rank, value, error, results, failures) or user_error
-                if error is None and first_success is None:
-                    first_success = time.monotonic()
+            poll_local()
+            if pending:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=_LOCAL_TICK_S if local else _TICK_S)
+                for ref in ready:
+                    rank = pending.pop(ref)
+                    try:
+                        file(rank, ray.get(ref), None)
+                    except RayError as err:
+                        file(rank, None, err)
+            elif local:
+                next(iter(local.values())).wait(_TICK_S)
+            poll_local()
             if on_tick is not None:
                 on_tick()
-        if failures and pending and all(isinstance(c, CollectiveError) for c in failures.values()):
+        if failures and (pending or local) and all(isinstance(c, CollectiveError) for c in failures.values()):
             # A survivor's collective often fails just before the dead peer is reported: wait a moment
             # for the real cause, so that the error names the rank that died rather than its victim.
-            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=_CAUSE_GRACE_S)
+            # A user error found meanwhile is kept: it is the cause (see below).
+            ready = ray.wait(list(pending), num_returns=len(pending), timeout=_CAUSE_GRACE_S)[0] if pending else []
             for ref in ready:
                 rank = pending.pop(ref)
                 try:
-                    self._sort(rank, ray.get(ref), None, results, failures)
+                    file(rank, ray.get(ref), None)
                 except RayError as err:
-                    self._sort(rank, None, err, results, failures)
-        if failures:
-            collective_only = all(isinstance(c, CollectiveError) for c in failures.values())
-            root = [c for c in failures.values() if not isinstance(c, CollectiveError)] or list(failures.values())
-            return self._fail(failures, sorted(pending.values()) if collective_only else [], root[0],
-                              "worker failure")
-        if user_error is not None:
-            if pending:  # the others are stuck waiting for the failed rank: the group is unusable
+                    file(rank, None, err)
+            for call in local.values():
+                call.wait(0 if ready else _CAUSE_GRACE_S)
+            poll_local()
+        deaths = [c for c in failures.values() if not isinstance(c, CollectiveError)]
+        if user_error is not None and not deaths:  # collective errors are the user error's victims
+            if unanswered() or failures:  # the others are stuck waiting for the failed rank
                 self._kill_all()
             raise user_error[0]
+        if failures:
+            if user_error is not None:
+                logger.warning("rank %d raised %r while another rank died; retrying for the death", user_error[2],
+                               user_error[0])
+                failures.setdefault(user_error[2], user_error[0])
+            return self._fail(failures, [] if deaths else unanswered(), (deaths or list(failures.values()))[0],
+                              "worker failure")
         return [results[rank] for rank in sorted(results)]
 
     def _sort(self, rank, value, error, results, failures):
@@ -315,58 +260,83 @@ class WorkerGroup:
             results[rank] = value
             return None
         if isinstance(error, RayActorError) and error.actor_init_failed:  # deterministic: not retried
-            return RuntimeError(f"rank {rank} could not be created: {error}"), time.monotonic()
+            return RuntimeError(f"rank {rank} could not be created: {error}"), time.monotonic(), rank
         cause = error.cause if isinstance(error, RayTaskError) else error
-        if isinstance(cause, CollectiveError) or (isinstance(error, RayError) and not isinstance(error, RayTaskError)):
-            failures[rank] = cause if isinstance(cause, CollectiveError) else error
+        if isinstance(cause, (CollectiveError, AbandonedCall)) or (
+                isinstance(error, RayError) and not isinstance(error, RayTaskError)):
+            failures[rank] = cause if isinstance(cause, (CollectiveError, AbandonedCall)) else error
             return None
         if isinstance(error, RayTaskError) and isinstance(error.cause, BaseException):
             original = error.cause
             original.__cause__ = error  # keep the worker's traceback in the chain
-            return original, time.monotonic()
-        return error, time.monotonic()
+            return original, time.monotonic(), rank
+        return error, time.monotonic(), rank
 
     def _fail(self, failures, unresponsive, cause, message):
+        stacks = {}
+        if unresponsive:  # where is everyone? taken before the kill, while they are stuck
+            try:
+                stacks = self.stack_traces()
+            except Exception as err:  # noqa: BLE001 (the failure matters more than its forensics)
+                stacks = {rank: f"no stack: {type(err).__name__}: {err}" for rank in unresponsive}
         self._kill_all()
         descriptions = {rank: _describe(err) for rank, err in failures.items()}
-        failure = WorkerFailure(message, descriptions, unresponsive)
+        failure = WorkerFailure(message, descriptions, unresponsive, stacks)
         logger.warning("Ending the attempt: %s", failure)
         raise failure from (cause if isinstance(cause, BaseException) else None)  # a timeout's cause is text
 
+    def stack_traces(self, timeout_s=diagnostics.STACK_TIMEOUT_S):
+        """``{rank: text}``: every rank's Python stacks now (safe to call from another thread while a call runs).
+
+        Remote ranks answer from their ``"control"`` concurrency group; a rank that does not answer
+        within ``timeout_s`` is dumped with py-spy when it runs on this machine, else the text says why.
+        """
+        return diagnostics.gather_stacks({h.rank: h.stacks_request() for h in list(self._handles)}, timeout_s)
+
     # ----------------------------------------------------------------- teardown
     def _kill_all(self):
-        for handle in self._handles:
+        handles, self._handles = self._handles, []
+        self._submitted = None
+        self.broken = True
+        for handle in sorted(handles, key=lambda h: h.local is not None):  # remote ranks first: closing their
+            if handle.runner is not None:  # connections ends rank 0's collective, so its thread can end
+                self._runner = None
+                handle.runner.stop(_LOCAL_STOP_S)
             try:
                 handle.kill()
             except Exception as err:  # noqa: BLE001 (already gone)
                 logger.debug("kill rank %d: %s", handle.rank, err)
-        self._handles = []
-        self._submitted = None
-        self.broken = True
         self._remove_pg()
 
     def _remove_pg(self):
-        if self._pg is not None and self._own_pg:
-            remove_placement_group(self._pg)
-            deadline = time.monotonic() + constants.SGD_PLACEMENT_GROUP_TIMEOUT_S
-            while time.monotonic() < deadline:
-                table = ray.util.placement_group_table(self._pg)
-                if table.get("state") == "REMOVED":
-                    break
-                time.sleep(0.05)
-        self._pg = None
+        pg, self._pg = self._pg, None
+        if pg is not None and self._own_pg:
+            Placement.remove(pg)
 
     def shutdown(self, force=False):
-        """Stop every worker (gracefully unless ``force``) and release the placement group."""
-        if self._handles and not force and not self.broken:
-            try:
+        """Stop every worker (gracefully unless ``force``) and release the placement group.
+
+        Whatever fails on the way (a pending non-blocking call that raised, a dead worker), every actor
+        is killed and the placement group removed; it returns once Ray shows them released (bounded
+        wait), so ``ray.available_resources()`` right after counts them free.
+        """
+        actor_ids = [h.actor._actor_id.hex() for h in self._handles if h.actor is not None]
+        pg = self._pg if self._own_pg else None
+        before = ray.available_resources() if pg is not None else {}
+        try:
+            if self._handles and not force and not self.broken:
                 self.run("shutdown", deadline_s=constants.SGD_SHUTDOWN_TIMEOUT_S)
-            except (WorkerFailure, RayError) as err:
-                logger.info("Graceful shutdown failed (%s); killing the workers", err)
-            except RuntimeError as err:
-                logger.info("Graceful shutdown failed (%s); killing the workers", err)
-        self._kill_all()
-        self.broken = False
+        except Exception as err:  # noqa: BLE001 (a pending call's error must not stop the release)
+            logger.warning("Graceful shutdown failed (%s: %s); killing the workers", type(err).__name__, err)
+        finally:
+            self._kill_all()
+            self.broken = False
+            if actor_ids or pg is not None:
+                held = cluster_state.held_by(pg.bundle_specs) if pg is not None else {}
+                cluster_state.wait_until_released(
+                    actor_ids, pg.id.hex() if pg is not None else None,
+                    {key: before.get(key, 0) + amount for key, amount in held.items()},
+                    timeout_s=constants.SGD_SHUTDOWN_TIMEOUT_S)
 
 
 def _describe(err):

@@ -1,0 +1,124 @@
+"""Waiting, under deadlines, for Ray's view of the cluster to catch up: released resources and dead nodes.
+
+Layer 4 helper of :mod:`raysgd.torch.worker_group`: imports ray only. Ray reports a change a moment
+after it happened: a killed actor's CPUs come back in ``ray.available_resources()`` a little later,
+and a node whose raylet is gone stays listed as alive until its health checks fail (seconds). The
+worker group waits here so that what it reads next is true:
+
+- :func:`wait_until_released`: after ``shutdown()``, until Ray shows the actors dead, the placement
+  group gone and its CPUs/GPUs available again;
+- :func:`wait_out_dying_nodes`: before a restart, until every node that Ray lists as alive but whose
+  raylet no longer accepts connections is reported dead, so no worker is placed on it.
+
+Every wait is bounded and logs (never raises) when it runs out.
+
+Example:
+    >>> held_by([{"CPU": 2, "node:1.2.3.4": 0.001}, {"CPU": 2, "GPU": 1}])
+    {'CPU': 4, 'GPU': 1}
+"""
+import logging
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+
+
+def held_by(bundles):
+    """The CPUs and GPUs that a placement group with ``bundles`` reserves."""
+    held = {}
+    for bundle in bundles:
+        for key in ("CPU", "GPU"):
+            if bundle.get(key):
+                held[key] = held.get(key, 0) + bundle[key]
+    return held
+
+
+def _actors_dead(actor_ids):
+    from ray._private.state import state  # noqa: PLC0415 (per-actor state; no public equivalent without a dashboard)
+
+    for actor_id in actor_ids:
+        try:
+            entry = state.actor_table(actor_id)
+        except Exception:  # noqa: BLE001 (unknown to the GCS: nothing held)
+            continue
+        if entry and entry.get("State") != "DEAD":
+            return False
+    return True
+
+
+def wait_until_released(actor_ids, pg_id=None, expected=None, timeout_s=10.0):
+    """Wait until the actors are dead and, for a removed placement group, its resources are free again.
+
+    Args:
+        actor_ids: hex ids of the killed actors.
+        pg_id: hex id of the removed placement group, or None (a Tune trial's group is not ours).
+        expected: ``{"CPU": n, ...}``: the least ``ray.available_resources()`` must show again
+            (what was available before the removal plus what the group held, capped at the cluster's total).
+
+    Returns True when everything was seen released within ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        released = _actors_dead(actor_ids)
+        if released and (pg_id is not None or expected):
+            available, total = ray.available_resources(), ray.cluster_resources()
+            released = not any(pg_id in key for key in available) if pg_id else True
+            for key, amount in (expected or {}).items():
+                released = released and available.get(key, 0) + 1e-6 >= min(amount, total.get(key, 0))
+        if released:
+            return True
+        if time.monotonic() > deadline:
+            logger.warning("Ray did not report the workers' resources released within %.0f s (actors %s, "
+                           "placement group %s); available: %s", timeout_s, actor_ids, pg_id,
+                           ray.available_resources())
+            return False
+        time.sleep(_POLL_S)
+
+
+def _raylet_answers(node, timeout_s):
+    try:
+        with socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _dying(nodes, connect_timeout_s):
+    alive = [node for node in nodes if node.get("Alive") and node.get("NodeManagerPort")]
+    if not alive:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(alive))) as pool:
+        answers = list(pool.map(lambda node: _raylet_answers(node, connect_timeout_s), alive))
+    return [node for node, answered in zip(alive, answers) if not answered]
+
+
+def dying_nodes(connect_timeout_s=1.0):
+    """Ids of the nodes Ray lists as alive whose raylet does not accept connections (being removed or lost)."""
+    return [node["NodeID"] for node in _dying(ray.nodes(), connect_timeout_s)]
+
+
+def wait_out_dying_nodes(timeout_s=30.0):
+    """Wait until Ray reports every dying node (see :func:`dying_nodes`) dead; returns the ids still listed.
+
+    Ray's health check (``health_check_period_ms`` times ``health_check_failure_threshold``) decides
+    how long this takes; a restart placed meanwhile could land on the dying node. A node whose raylet
+    answers again stops being waited for.
+    """
+    dying = _dying(ray.nodes(), 1.0)
+    if not dying:
+        return []
+    ids = [node["NodeID"] for node in dying]
+    logger.info("Waiting up to %.0f s for Ray to report node(s) %s dead (their raylets are gone)", timeout_s, ids)
+    deadline = time.monotonic() + timeout_s
+    while ids and time.monotonic() < deadline:
+        time.sleep(0.2)
+        ids = [node["NodeID"] for node in _dying([n for n in ray.nodes() if n["NodeID"] in ids], 1.0)]
+    if ids:
+        logger.warning("Node(s) %s still listed as alive after %.0f s although their raylets are gone",
+                       ids, timeout_s)
+    return ids

@@ -1,0 +1,85 @@
+"""A worker as the worker group sees it: a Ray actor, or rank 0 in the driver (``use_local``), behind one ``call``.
+
+Layer 4 helper of :mod:`raysgd.torch.worker_group`, which alone uses it: with the group, the only
+code that touches actor handles. ``call`` returns an ObjectRef for an actor, a
+:class:`~raysgd.torch.local_runner.LocalCall` for a local rank 0 running in its thread beside
+remote ranks, or a finished :class:`_Done` for a local rank 0 alone. Actors get a second Ray
+concurrency group (``"control"``) that answers stack requests while they train.
+
+Example:
+    >>> done = _Done(lambda: 1 / 0)
+    >>> done.value, type(done.error).__name__
+    (None, 'ZeroDivisionError')
+"""
+import os
+import threading
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raysgd.torch import constants, diagnostics
+from raysgd.torch.worker import TorchWorker
+
+_RemoteWorker = None
+
+
+def _remote_worker_cls():
+    global _RemoteWorker
+    if _RemoteWorker is None:
+        _RemoteWorker = ray.remote(concurrency_groups=diagnostics.CONCURRENCY_GROUPS)(TorchWorker)
+    return _RemoteWorker
+
+
+def _legacy_runtime_env():
+    """Actor options carrying ``raysgd.compat``'s flag, so actors map ``ray.util.sgd`` imports too."""
+    if os.environ.get(constants.LEGACY_IMPORTS_ENV) != "1":
+        return {}
+    return {"runtime_env": {"env_vars": {constants.LEGACY_IMPORTS_ENV: "1"}}}
+
+
+class _Done:
+    """A call the local worker already finished: its value or its exception."""
+
+    def __init__(self, fn):
+        try:
+            self.value, self.error = fn(), None
+        except Exception as err:  # noqa: BLE001 (sorted out by the caller, like a remote result)
+            self.value, self.error = None, err
+
+
+class Handle:
+    """A worker as the group sees it: ``call`` returns an ObjectRef (actor), or for the local rank a
+    :class:`LocalCall` running in its thread (beside remote ranks) or a finished :class:`_Done` (alone)."""
+
+    def __init__(self, rank, actor=None, local=None, runner=None):
+        self.rank, self.actor, self.local, self.runner = rank, actor, local, runner
+
+    def call(self, method, *args, **kwargs):
+        if self.local is not None:  # resolve ObjectRef arguments as Ray does for actors
+            args = [ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args]
+            run = lambda: getattr(self.local, method)(*args, **kwargs)  # noqa: E731
+            return self.runner.submit(run) if self.runner is not None else _Done(run)
+        return getattr(self.actor, method).remote(*args, **kwargs)
+
+    def stacks_request(self):
+        """Text (the local rank's thread) or ``(ObjectRef, actor id)`` of the stacks its control thread takes."""
+        if self.local is not None:
+            ident = self.runner.ident if self.runner is not None else None
+            return diagnostics.format_stacks(only=[ident or threading.main_thread().ident], skip_current=False)
+        ref = self.actor.apply.options(concurrency_group=diagnostics.CONTROL_GROUP).remote(diagnostics.format_stacks)
+        return ref, self.actor._actor_id.hex()
+
+    def kill(self):
+        if self.local is not None:
+            self.local.shutdown()
+        else:
+            ray.kill(self.actor, no_restart=True)
+
+
+
+def start_actor(rank, pg, bundle_index, cpus, gpus, operator_cls, config, options):
+    """A :class:`Handle` of a new worker actor in bundle ``bundle_index`` of ``pg``."""
+    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index)
+    actor = _remote_worker_cls().options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy,
+                                         **_legacy_runtime_env()).remote(operator_cls, config, **options)
+    return Handle(rank, actor=actor)
