@@ -13,6 +13,7 @@ Example:
 import collections
 import contextlib
 import numbers
+import sys
 import time
 
 import numpy as np
@@ -26,7 +27,11 @@ BATCH_SIZE = "*batch_size"
 
 
 class AverageMeter:
-    """Running average of one metric.
+    """Running average of one metric; tensors stay on their device until the average is read.
+
+    Python numbers are summed on the host, exactly as in RaySGD 1.x. A one-element tensor is added
+    to a float64 sum on its own device without reading it, so updating never waits for the device;
+    ``sum`` and ``avg`` copy the device sums to the host when read (``val`` is the last value as given).
 
     Example:
         >>> m = AverageMeter()
@@ -41,23 +46,50 @@ class AverageMeter:
     def reset(self):
         """Forget every value."""
         self.val = 0
-        self.avg = 0
-        self.sum = 0
         self.count = 0
+        self._sum = 0  # the Python numbers' part of the sum
+        self._device_sums = {}  # device -> float64 0-d tensor: the tensors' part, never read while updating
+        self._updated = False
 
     def update(self, val, n=1):
-        """Add ``val`` with weight ``n``."""
+        """Add ``val`` (a number or a one-element tensor) with weight ``n``."""
         self.val = val
-        self.sum += val * n
         self.count += n
-        self.avg = self.sum / self.count if self.count else float("nan")
+        self._updated = True
+        if not (_is_tensor(val) and val.numel() == 1):
+            self._sum += val * n
+            return
+        val = self.val = val.detach().reshape(())
+        total = self._device_sums.get(val.device)
+        if total is None:
+            self._device_sums[val.device] = val.double() * n
+        elif _is_tensor(n):
+            total.add_(val.double() * n)
+        else:
+            total.add_(val, alpha=n)
+
+    @property
+    def sum(self):
+        """The weighted sum (reads the device sums: a host sync when tensors were added)."""
+        return self._sum + sum(to_host(list(self._device_sums.values())))
+
+    @property
+    def avg(self):
+        """The weighted mean: 0 before any update, NaN when the weights add up to 0."""
+        if not self._updated:
+            return 0
+        count = to_host([self.count])[0]
+        return self.sum / count if count else float("nan")
 
 
 class AverageMeterCollection:
     """One :class:`AverageMeter` per metric key, plus batch and sample counts.
 
     ``summary()`` returns ``batch_count``, ``num_samples`` and, for each key ``k``,
-    the sample-weighted mean ``k`` and the last value ``last_k``.
+    the sample-weighted mean ``k`` and the last value ``last_k``, all as Python values.
+    ``update`` accepts numbers and one-element tensors and never reads a tensor, so a training loop
+    on a GPU does not wait for the device on every batch; ``summary()`` and ``state()`` copy
+    everything to the host at once (one transfer per device).
 
     Example:
         >>> c = AverageMeterCollection()
@@ -82,29 +114,112 @@ class AverageMeterCollection:
         self.n += n
         for key, value in metrics.items():
             value = _scalar(value)
-            if isinstance(value, numbers.Number) and not isinstance(value, bool):
+            if _is_number(value):
                 self._meters[key].update(value, n=n)
             else:
                 self._latest[key] = value
 
     def summary(self):
-        """The averaged metrics as a dict (see the class docstring)."""
-        stats = {BATCH_COUNT: self._batch_count, NUM_SAMPLES: self.n}
-        for key, meter in self._meters.items():
-            stats[str(key)] = meter.avg
-            stats["last_" + str(key)] = meter.val
-        for key, value in self._latest.items():
+        """The averaged metrics as a dict of Python values (see the class docstring)."""
+        state = self.state()
+        stats = {BATCH_COUNT: state[BATCH_COUNT], NUM_SAMPLES: state[NUM_SAMPLES]}
+        for key, meter in state["meters"].items():
+            stats[str(key)] = meter["sum"] / meter["count"] if meter["count"] else float("nan")
+            stats["last_" + str(key)] = meter["val"]
+        for key, value in state["latest"].items():
             stats[str(key)] = value
         return stats
 
+    def state(self):
+        """Everything recorded so far as Python values, for a checkpoint; :meth:`from_state` rebuilds it.
+
+        ``{"batch_count", "num_samples", "meters": {key: {"sum", "count", "val"}}, "latest": {key: value}}``.
+
+        Example:
+            >>> c = AverageMeterCollection()
+            >>> c.update({"loss": 2.0}, n=4)
+            >>> AverageMeterCollection.from_state(c.state()).summary() == c.summary()
+            True
+        """
+        values, layout = [self.n], []
+        for key, meter in self._meters.items():
+            sums = list(meter._device_sums.values())
+            layout.append((key, meter._sum, len(sums)))
+            values += sums + [meter.count, meter.val]
+        tensors = [key for key, value in self._latest.items() if _is_tensor(value) and value.numel() == 1]
+        values += [self._latest[key] for key in tensors]
+        host = iter(to_host(values))
+        state = {BATCH_COUNT: self._batch_count, NUM_SAMPLES: next(host), "meters": {}, "latest": dict(self._latest)}
+        for key, total, num_sums in layout:
+            for _ in range(num_sums):
+                total += next(host)
+            state["meters"][key] = {"sum": total, "count": next(host), "val": next(host)}
+        state["latest"].update(zip(tensors, host))
+        return state
+
+    @classmethod
+    def from_state(cls, state):
+        """A collection holding what :meth:`state` returned; later updates add to it."""
+        collection = cls()
+        collection._batch_count = state[BATCH_COUNT]
+        collection.n = state[NUM_SAMPLES]
+        for key, saved in state["meters"].items():
+            meter = collection._meters[key]
+            meter._sum, meter.count, meter.val, meter._updated = saved["sum"], saved["count"], saved["val"], True
+        collection._latest = dict(state["latest"])
+        return collection
+
+
+def _is_tensor(value):
+    torch = sys.modules.get("torch")  # a tensor can only exist once torch is imported: never import it here
+    return torch is not None and isinstance(value, torch.Tensor)
+
 
 def _scalar(value):
-    """A one-element tensor or numpy value as a Python number; anything else unchanged."""
-    if hasattr(value, "item"):
-        size = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
-        if size == 1:
-            return value.item()
+    """A one-element tensor as a detached 0-d tensor on its device; a numpy scalar as a Python number."""
+    if _is_tensor(value):
+        return value.detach().reshape(()) if value.numel() == 1 else value
+    if hasattr(value, "item") and getattr(value, "size", None) == 1:
+        return value.item()
     return value
+
+
+def _is_number(value):
+    """A number to average: a non-bool Python number, or a 0-d real (non-bool) tensor."""
+    if _is_tensor(value):
+        return value.dim() == 0 and not value.is_complex() and value.dtype is not sys.modules["torch"].bool
+    return isinstance(value, numbers.Number) and not isinstance(value, bool)
+
+
+def to_host(values):
+    """``values`` with every one-element tensor replaced by its Python value, copied in one transfer per device.
+
+    Other values pass through. Integer and bool tensors give ``int`` and ``bool``, floating ones ``float``.
+
+    Example:
+        >>> import torch
+        >>> to_host([1, torch.tensor(2.5), torch.tensor([3])])
+        [1, 2.5, 3]
+    """
+    values = list(values)
+    by_device = collections.defaultdict(list)
+    for index, value in enumerate(values):
+        if _is_tensor(value) and value.numel() == 1:
+            by_device[value.device].append(index)
+    for indices in by_device.values():
+        torch = sys.modules["torch"]
+        tensors = [values[i].detach().reshape(()) for i in indices]
+        if any(t.is_complex() for t in tensors):
+            host = [t.item() for t in tensors]
+        else:
+            host = torch.stack([t.to(torch.float64) for t in tensors]).tolist()  # the one sync
+        for index, tensor, value in zip(indices, tensors, host):
+            if tensor.dtype is torch.bool:
+                value = bool(value)
+            elif not (tensor.is_floating_point() or tensor.is_complex()):
+                value = int(value)
+            values[index] = value
+    return values
 
 
 class TimerStat:
