@@ -16,6 +16,7 @@ LAYERS = {
     "raysgd.torch.arguments": 5, "raysgd.torch.torch_trainer": 5,
     "raysgd.torch.progress": 5, "raysgd.torch.results": 5, "raysgd.torch.ray_data": 5,  # the trainer's helpers
     "raysgd.torch.tune": 6,
+    "raysgd.meters": 0,  # the metric meters, public through raysgd.utils
     "raysgd.torch.resnet": 1, "raysgd.plot": 0,
     "raysgd.compat": 7, "raysgd.legacy": 7,  # package glue: the 1.x import mapping and its runner
     "raysgd": 7, "raysgd.torch": 7,  # the packages' public names
