@@ -188,6 +188,7 @@ class DeviceClassifier(TrainingOperator):
         self.register_data(train_loader=batches, validation_loader=batches)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch.cuda.set_sync_debug_mode")
 @pytest.mark.parametrize("use_fp16", [False, "bf16", True])
 def test_cuda_default_loop_syncs_once_per_epoch(use_fp16):
