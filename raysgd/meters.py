@@ -20,6 +20,7 @@ BATCH_COUNT = "batch_count"
 #: Number of samples a worker saw in one call (a metric key, and the weight of its other metrics).
 NUM_SAMPLES = "num_samples"
 
+
 class AverageMeter:
     """Running average of one metric; tensors stay on their device until the average is read.
 

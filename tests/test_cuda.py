@@ -12,7 +12,6 @@ import torch.nn as nn
 
 from conftest import start_ray
 from helpers import ClassifierOperator, FaultyOperator, LinearOperator
-from raysgd import TorchTrainer
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")]
