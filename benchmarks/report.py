@@ -137,7 +137,7 @@ def tables(result, fmt="simple"):
         rows = [[r["workload"], f"{r['image']}px x {r['batch_size']}", r["precision"], r["side"],
                  _fmt(r["images_per_s"], 1), _fmt(r["ratio"], 3)] for r in gpu["rows"]]
         parts.append((f"GPU: 1 worker against a plain torch.amp loop, {gpu['device']}, torch {gpu['torch']}, "
-                      f"{gpu['date']} ({gpu['status']}; raysgd-sync = a loss read per step, the loop before the sync fix)",
+                      f"{gpu['date']} ({gpu['status']}; raysgd-sync: a loss read per step, as before the sync fix)",
                       tabulate(rows, ["workload", "input", "precision", "side", "images/s", "/ plain"], tablefmt=fmt)))
     elif gpu:
         parts.append(("GPU", f"skipped: {gpu.get('reason')}"))
