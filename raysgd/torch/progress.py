@@ -87,7 +87,8 @@ class ProgressReporter:
     ``state`` is ``{"call", "n", "total", "desc", "losses", "elapsed"}``: the batches done, the
     expected total (``num_steps``, else the loader's length, else None), the description, the
     running mean of every numeric metric whose name contains ``loss`` (``train_loss`` is shown as
-    ``loss``; a tensor is summed on its device and read only when a state is sent), and the seconds since the epoch began on rank 0 (so the bar's rate is rank 0's).
+    ``loss``; a tensor is summed on its device and read only when a state is sent), and the seconds
+    since the epoch began on rank 0 (so the bar's rate is rank 0's).
 
     Example:
         >>> sent = []
