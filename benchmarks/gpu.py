@@ -1,15 +1,33 @@
-"""GPU: ResNet-50 on synthetic ImageNet-shaped data, one worker, fp32 and fp16 images/s, raysgd against torch.amp.
+"""GPU images/s: raysgd's default loop (1 worker) against a plain torch.amp loop, ResNet-50 and a CIFAR ResNet-18.
 
-benchmark.py runs ``python gpu.py SPEC.json`` when CUDA is available. ``--smoke-test`` runs it at toy size
-(32x32 images, batch 2), on the CPU when there is no CUDA (bfloat16 instead of float16) so that the code
-cannot rot; such a run measures nothing and is recorded as ``status: smoke`` or ``cpu-check``.
+Workloads (synthetic data generated on the GPU, one batch repeated, so no input pipeline is measured):
 
-Example::
+* ``resnet50``: ResNet-50, 224x224, batch 128, fp32, fp16 and bf16 (target: raysgd >= 0.97x plain);
+* ``cifar-resnet18``: :func:`raysgd.torch.resnet.ResNet18`, 32x32, batch 256, where the per-step overhead
+  shows (target: >= 0.95x).
 
-    python benchmarks/gpu.py /tmp/gpu-spec.json
+Sides, each with the same ``torch.autocast`` dtype and a ``torch.amp.GradScaler`` for fp16 only, SGD with
+momentum, ``cudnn.benchmark`` on:
+
+* ``plain``: a plain loop that never reads the loss during the timed steps;
+* ``raysgd``: ``TorchTrainer(num_workers=1, use_gpu=True, use_fp16=...)`` with the default ``train_batch``;
+* ``raysgd-sync``: the same trainer, but every step reads its loss with ``.item()``, as raysgd's default loop
+  did before the sync fix: the "before" number.
+
+Timing: every step's end time is stamped; at each window boundary the stamp is taken after
+``torch.cuda.synchronize()`` (on both sides alike), and the rate is the median over the windows. Run it:
+
+    python benchmarks/gpu.py                      # the full table (CUDA only; prints why it skips without it)
+    python benchmarks/gpu.py --smoke-test         # toy sizes; on the CPU (bf16) when there is no CUDA
+    python benchmarks/gpu.py --workloads cifar-resnet18 --precisions fp16 --json /tmp/gpu.json
+
+benchmark.py runs it as ``python gpu.py SPEC.json`` for its ``gpu`` section.
 """
+import argparse
 import datetime
 import json
+import os
+import statistics
 import sys
 import time
 
@@ -20,108 +38,209 @@ from raysgd import TrainingOperator
 from sides import write_json
 from workloads import make_model, make_optimizer, pin_threads, steady_rate, timed_steps
 
-FULL = {"batch_size": 128, "image": 224, "warmup": 10, "steps": 50, "windows": 3}
-CPU_CHECK = {"batch_size": 2, "image": 32, "warmup": 1, "steps": 2, "windows": 1}
+WORKLOADS = {
+    "resnet50": {"model": "resnet50", "batch_size": 128, "image": 224, "classes": 1000, "warmup": 10, "steps": 30,
+                 "windows": 3, "target": 0.97},
+    "cifar-resnet18": {"model": "cifar-resnet18", "batch_size": 256, "image": 32, "classes": 10, "warmup": 20,
+                       "steps": 100, "windows": 3, "target": 0.95},
+}
+SMOKE = {"batch_size": 2, "image": 32, "warmup": 1, "steps": 2, "windows": 1}
+PRECISIONS = ("fp32", "fp16", "bf16")
+SIDES = ("plain", "raysgd", "raysgd-sync")
 
 
-def synthetic_batch(batch_size, image, device):
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(batch_size, 3, image, image, generator=generator)
-    y = torch.randint(0, 1000, (batch_size,), generator=generator)
-    return x.to(device), y.to(device)
+def build_model(name, classes):
+    if name == "cifar-resnet18":
+        from raysgd.torch.resnet import ResNet18  # noqa: PLC0415
+
+        torch.manual_seed(0)
+        return ResNet18({"num_classes": classes})
+    return make_model(name)
 
 
-def low_precision(device):
-    """float16 with a GradScaler on CUDA; bfloat16 (no scaler) for the CPU check."""
-    return torch.float16 if device.type == "cuda" else torch.bfloat16
+def synthetic_batch(sizes, device):
+    """One batch of random images and labels, generated on ``device``."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(sizes["batch_size"], 3, sizes["image"], sizes["image"], generator=generator, device=device)
+    y = torch.randint(0, sizes["classes"], (sizes["batch_size"],), generator=generator, device=device)
+    return x, y
 
 
-def plain_loop(sizes, fp16, device):
-    """The reference: a plain loop with ``torch.autocast`` and ``torch.amp.GradScaler``; returns step end times."""
+def autocast_dtype(precision, device):
+    """float16 only on CUDA (raysgd keeps fp32 for use_fp16=True on CPU); bfloat16 anywhere."""
+    if precision == "fp16" and device.type == "cuda":
+        return torch.float16
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+class Stamper:
+    """Step end times; at window boundaries after a device synchronisation, so the windows time the GPU."""
+
+    def __init__(self, sizes, device):
+        first = sizes["warmup"] - 1
+        self._boundaries = {first + k * sizes["steps"] for k in range(sizes["windows"] + 1)}
+        self._cuda = device.type == "cuda"
+        self.stamps = []
+
+    def __call__(self):
+        if self._cuda and len(self.stamps) in self._boundaries:
+            torch.cuda.synchronize()
+        self.stamps.append(time.time())
+
+
+def plain_loop(sizes, precision, device):
+    """The reference loop: autocast, a GradScaler (fp16), no read of the loss; returns step end times."""
     torch.backends.cudnn.benchmark = True
-    model, criterion = make_model("resnet50").to(device), nn.CrossEntropyLoss()
+    model, criterion = build_model(sizes["model"], sizes["classes"]).to(device), nn.CrossEntropyLoss()
     optimizer = make_optimizer(model)
-    scaler = torch.amp.GradScaler(device.type, enabled=fp16 and device.type == "cuda")
-    x, y = synthetic_batch(sizes["batch_size"], sizes["image"], device)
-    stamps = []
+    dtype = autocast_dtype(precision, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype is torch.float16)
+    x, y = synthetic_batch(sizes, device)
+    stamper = Stamper(sizes, device)
     model.train()
     for _ in range(timed_steps(sizes)):
-        with torch.autocast(device.type, dtype=low_precision(device), enabled=fp16):
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             loss = criterion(model(x), y)
         optimizer.zero_grad()
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-        loss.item()  # synchronises, as raysgd's default train_batch does
-        stamps.append(time.time())
-    return stamps
+        stamper()
+    return stamper.stamps
 
 
-class ResNet50Operator(TrainingOperator):
-    """raysgd's default loop on ResNet-50; the loader is one device-resident batch repeated."""
+class BenchOperator(TrainingOperator):
+    """raysgd's default ``train_batch`` on the workload; ``sync_per_step`` adds the ``.item()`` of the old loop."""
 
     def setup(self, config):
         torch.backends.cudnn.benchmark = True
-        model = make_model("resnet50")
+        model = build_model(config["model"], config["classes"])
         self.model, self.optimizer, self.criterion = self.register(
             models=model, optimizers=make_optimizer(model), criterion=nn.CrossEntropyLoss())
-        batch = synthetic_batch(config["batch_size"], config["image"], self.device)
-        self.register_data(train_loader=[batch] * timed_steps(config))
-        self.stamps = []
+        self.register_data(train_loader=[synthetic_batch(config, self.device)] * timed_steps(config))
+        self.sync_per_step = False
+        self.stamper = None
 
     def train_batch(self, batch, batch_info):
+        if batch_info["batch_idx"] == 0:
+            self.stamper = Stamper(self.config, self.device)
         metrics = super().train_batch(batch, batch_info)
-        self.stamps.append(time.time())
+        if self.sync_per_step:
+            metrics["train_loss"] = metrics["train_loss"].item()
+        self.stamper()
         return metrics
 
 
-def raysgd_loop(sizes, fp16, device, threads):
-    """raysgd ``TorchTrainer(num_workers=1)`` for one epoch; returns rank 0's step end times."""
-    from gpu import ResNet50Operator as by_name  # noqa: PLC0415 (not __main__'s copy: workers import it by name)
-    from raysgd import TorchTrainer
+def raysgd_loops(sizes, precision, device, threads):
+    """One trainer: an epoch of the default loop, then one with a sync per step; returns both stamp lists."""
+    from gpu import BenchOperator as by_name  # noqa: PLC0415 (not __main__'s copy: the worker imports it by name)
+    from raysgd import TorchTrainer  # noqa: PLC0415
 
     cuda = device.type == "cuda"
-    low = (True if cuda else "bf16") if fp16 else False
+    use_fp16 = {"fp32": False, "fp16": True, "bf16": "bf16"}[precision]
     trainer = TorchTrainer(training_operator_cls=by_name, num_workers=1, use_gpu=cuda, num_cpus_per_worker=threads,
-                           use_fp16=low, config=dict(sizes))
+                           use_fp16=use_fp16, config=dict(sizes))
     try:
-        trainer.train()
-        return trainer.apply_all_operators(lambda op: op.stamps)[0]
+        stamps = {}
+        for side in ("raysgd", "raysgd-sync"):
+            trainer.apply_all_operators(lambda op, on=side == "raysgd-sync": setattr(op, "sync_per_step", on))
+            trainer.train()
+            stamps[side] = trainer.apply_all_operators(lambda op: op.stamper.stamps)[0]
+        return stamps
     finally:
         trainer.shutdown()
 
 
-def main(argv):
-    import ray
+def measure(workloads, precisions, smoke, threads, bench_dir):
+    """Every (workload, precision, side) row: images/s, and each raysgd side's ratio to the plain loop."""
+    import ray  # noqa: PLC0415
 
-    with open(argv[1], encoding="utf-8") as handle:
-        spec = json.load(handle)
-    pin_threads(spec["threads"])
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    sizes = CPU_CHECK if spec["smoke"] or not cuda else FULL
     rows = []
-    for fp16 in (False, True):
-        stamps = plain_loop(sizes, fp16, device)
-        rows.append(dict(side="plain torch.amp", fp16=fp16, stamps=stamps))
-    if cuda:
-        torch.cuda.empty_cache()
-    ray.init(address="local", num_cpus=spec["threads"], num_gpus=1 if cuda else 0, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": spec["bench_dir"]}}, log_to_driver=False)
+    ray.init(address="local", num_cpus=max(threads, 1), num_gpus=1 if cuda else 0, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+                 p for p in (bench_dir, os.environ.get("PYTHONPATH")) if p)}}, log_to_driver=False)
     try:
-        for fp16 in (False, True):
-            rows.append(dict(side="raysgd", fp16=fp16, stamps=raysgd_loop(sizes, fp16, device, spec["threads"])))
+        for workload in workloads:
+            sizes = dict(WORKLOADS[workload], **(SMOKE if smoke or not cuda else {}))
+            for precision in precisions:
+                stamps = {"plain": plain_loop(sizes, precision, device)}
+                if cuda:
+                    torch.cuda.empty_cache()
+                stamps.update(raysgd_loops(sizes, precision, device, threads))
+                rate = {side: steady_rate(stamps[side], sizes["warmup"], sizes["steps"], sizes["batch_size"],
+                                          sizes["windows"]) for side in SIDES}
+                for side in SIDES:
+                    rows.append(dict(workload=workload, precision=precision, side=side, batch_size=sizes["batch_size"],
+                                     image=sizes["image"], images_per_s=rate[side],
+                                     ratio=rate[side] / rate["plain"], target=sizes["target"]))
     finally:
         ray.shutdown()
-    for row in rows:
-        row["images_per_s"] = steady_rate(row.pop("stamps"), sizes["warmup"], sizes["steps"], sizes["batch_size"],
-                                          sizes["windows"])
-    status = "measured" if cuda and not spec["smoke"] else ("smoke" if cuda else "cpu-check")
-    write_json(spec["record"], dict(
-        status=status, device=torch.cuda.get_device_name(0) if cuda else "cpu",
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        precision_low="float16" if cuda else "bfloat16", **sizes, rows=rows))
+    return rows
+
+
+def table(record):
+    """The rows as a markdown table, with the header line naming the device, the date and the versions."""
+    from tabulate import tabulate  # noqa: PLC0415
+
+    lines = [f"{record['date']}, {record['device']}, torch {record['torch']}, ray {record['ray']} ({record['status']})"]
+    rows = [[r["workload"], f"{r['image']}px x {r['batch_size']}", r["precision"], r["side"],
+             f"{r['images_per_s']:.1f}", f"{r['ratio']:.3f}",
+             "" if r["side"] == "plain" else f">= {r['target']}: {'yes' if r['ratio'] >= r['target'] else 'NO'}"]
+            for r in record["rows"]]
+    lines.append(tabulate(rows, ["workload", "input", "precision", "side", "images/s", "/ plain", "target"],
+                          tablefmt="github"))
+    return "\n".join(lines)
+
+
+def run(workloads, precisions, smoke, threads, bench_dir):
+    import ray  # noqa: PLC0415
+
+    cuda = torch.cuda.is_available()
+    record = dict(status="measured" if cuda and not smoke else ("smoke" if cuda else "cpu-check"),
+                  device=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__,
+                  ray=ray.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    record["rows"] = measure(workloads, precisions, smoke, threads, bench_dir)
+    ratios = [r["ratio"] for r in record["rows"] if r["side"] == "raysgd"]
+    record["median_ratio"] = statistics.median(ratios) if ratios else None
+    return record
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("spec", nargs="?", help="benchmark.py's spec file (JSON); else the options below")
+    parser.add_argument("--smoke-test", action="store_true", help="toy sizes (on the CPU without CUDA)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated subset of {list(WORKLOADS)}")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS), help=f"comma-separated subset of {PRECISIONS}")
+    parser.add_argument("--threads", type=int, default=4, help="CPU threads of each side's process")
+    parser.add_argument("--json", default=None, help="also write the record to this file")
+    args = parser.parse_args(argv[1:])
+    bench_dir = os.path.dirname(os.path.abspath(__file__))
+    if args.spec:  # from benchmark.py: its smoke flag and threads; the CPU check runs the smallest workload
+        with open(args.spec, encoding="utf-8") as handle:
+            spec = json.load(handle)
+        pin_threads(spec["threads"])
+        smoke = spec["smoke"] or not torch.cuda.is_available()
+        workloads = ["resnet50"] if smoke else list(WORKLOADS)  # at 32px the cheapest per image
+        precisions = ["fp32", "bf16"] if smoke else list(PRECISIONS)
+        record = run(workloads, precisions, smoke, spec["threads"], spec["bench_dir"])
+        write_json(spec["record"], record)
+        return 0
+    workloads, precisions = args.workloads.split(","), args.precisions.split(",")
+    for name, values, allowed in (("--workloads", workloads, WORKLOADS), ("--precisions", precisions, PRECISIONS)):
+        if any(v not in allowed for v in values):
+            parser.error(f"{name} expects a comma-separated subset of {list(allowed)}; got {values}")
+    if not torch.cuda.is_available() and not args.smoke_test:
+        print("gpu.py: skipped: CUDA is not available on this machine (--smoke-test runs the code on the CPU)")
+        return 0
+    pin_threads(args.threads)
+    record = run(workloads, precisions, args.smoke_test, args.threads, bench_dir)
+    print(table(record), flush=True)
+    if args.json:
+        write_json(args.json, record)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    sys.exit(main(sys.argv))

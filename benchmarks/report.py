@@ -134,10 +134,11 @@ def tables(result, fmt="simple"):
                                       "repeats"], tablefmt=fmt)))
     gpu = result.get("gpu") or {}
     if gpu.get("rows"):
-        rows = [[r["side"], "fp16" if r["fp16"] else "fp32", _fmt(r["images_per_s"], 1)] for r in gpu["rows"]]
-        parts.append((f"GPU: ResNet-50, batch {gpu['batch_size']}, {gpu['image']}px, 1 worker, {gpu['device']}, "
-                      f"{gpu['date']} ({gpu['status']})", tabulate(rows, ["side", "precision", "images/s"],
-                                                                    tablefmt=fmt)))
+        rows = [[r["workload"], f"{r['image']}px x {r['batch_size']}", r["precision"], r["side"],
+                 _fmt(r["images_per_s"], 1), _fmt(r["ratio"], 3)] for r in gpu["rows"]]
+        parts.append((f"GPU: 1 worker against a plain torch.amp loop, {gpu['device']}, torch {gpu['torch']}, "
+                      f"{gpu['date']} ({gpu['status']}; raysgd-sync: a loss read per step, as before the sync fix)",
+                      tabulate(rows, ["workload", "input", "precision", "side", "images/s", "/ plain"], tablefmt=fmt)))
     elif gpu:
         parts.append(("GPU", f"skipped: {gpu.get('reason')}"))
     if result.get("targets"):

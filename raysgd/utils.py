@@ -1,6 +1,6 @@
 """Metric meters, timers and the public constants shared by every layer.
 
-Layer 0: imports only the standard library and numpy.
+Layer 0: imports only the standard library, numpy and :mod:`raysgd.meters` (where the meters live).
 
 Example:
     >>> from raysgd.utils import AverageMeterCollection, NUM_SAMPLES
@@ -12,102 +12,17 @@ Example:
 """
 import collections
 import contextlib
-import numbers
 import time
 
 import numpy as np
 
-#: Number of batches a worker ran in one call (a metric key).
-BATCH_COUNT = "batch_count"
-#: Number of samples a worker saw in one call (a metric key, and the weight of its other metrics).
-NUM_SAMPLES = "num_samples"
+from raysgd.meters import BATCH_COUNT, NUM_SAMPLES, AverageMeter, AverageMeterCollection, to_host  # noqa: F401
+
 #: Config key for the *global* batch size; each worker's config holds ``global // num_workers``.
 BATCH_SIZE = "*batch_size"
 #: Config key for the seed of the epoch's sample order (an int, the same on every worker; default 0, or the
 #: loader's ``generator.initial_seed()``). Give each Tune trial its own to see different orders.
 DATA_SEED = "data_seed"
-
-
-class AverageMeter:
-    """Running average of one metric.
-
-    Example:
-        >>> m = AverageMeter()
-        >>> m.update(2.0, n=3); m.update(4.0, n=1)
-        >>> m.avg, m.val, m.count
-        (2.5, 4.0, 4)
-    """
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self):
-        """Forget every value."""
-        self.val = 0
-        self.avg = 0
-        self.sum = 0
-        self.count = 0
-
-    def update(self, val, n=1):
-        """Add ``val`` with weight ``n``."""
-        self.val = val
-        self.sum += val * n
-        self.count += n
-        self.avg = self.sum / self.count if self.count else float("nan")
-
-
-class AverageMeterCollection:
-    """One :class:`AverageMeter` per metric key, plus batch and sample counts.
-
-    ``summary()`` returns ``batch_count``, ``num_samples`` and, for each key ``k``,
-    the sample-weighted mean ``k`` and the last value ``last_k``.
-
-    Example:
-        >>> c = AverageMeterCollection()
-        >>> c.update({"acc": 1.0}, n=2); c.update({"acc": 0.0}, n=2)
-        >>> c.summary()
-        {'batch_count': 2, 'num_samples': 4, 'acc': 0.5, 'last_acc': 0.0}
-    """
-
-    def __init__(self):
-        self._batch_count = 0
-        self.n = 0
-        self._meters = collections.defaultdict(AverageMeter)
-        self._latest = {}
-
-    def update(self, metrics, n=1):
-        """Record one batch's ``metrics`` dict, weighted by ``n`` samples.
-
-        One-element tensors and numpy scalars count as numbers; any other non-number (a string, say)
-        is not averaged: the summary reports its last value.
-        """
-        self._batch_count += 1
-        self.n += n
-        for key, value in metrics.items():
-            value = _scalar(value)
-            if isinstance(value, numbers.Number) and not isinstance(value, bool):
-                self._meters[key].update(value, n=n)
-            else:
-                self._latest[key] = value
-
-    def summary(self):
-        """The averaged metrics as a dict (see the class docstring)."""
-        stats = {BATCH_COUNT: self._batch_count, NUM_SAMPLES: self.n}
-        for key, meter in self._meters.items():
-            stats[str(key)] = meter.avg
-            stats["last_" + str(key)] = meter.val
-        for key, value in self._latest.items():
-            stats[str(key)] = value
-        return stats
-
-
-def _scalar(value):
-    """A one-element tensor or numpy value as a Python number; anything else unchanged."""
-    if hasattr(value, "item"):
-        size = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", None)
-        if size == 1:
-            return value.item()
-    return value
 
 
 class TimerStat:

@@ -45,7 +45,8 @@ def test_smoke_test_runs_every_side_and_section(tmp_path):
     assert set(snapshot) == {"tiny", "wide"} and 9 < snapshot["wide"]["state_mb"] < 11
     recovery = costs["recovery"]
     assert 0 < recovery["detect_s"] < recovery["recovery_s"] and len(recovery["attempts"]) == 1
-    assert result["gpu"]["status"] in ("cpu-check", "smoke") and len(result["gpu"]["rows"]) == 4
+    assert result["gpu"]["status"] in ("cpu-check", "smoke") and len(result["gpu"]["rows"]) == 6
+    assert {r["side"] for r in result["gpu"]["rows"]} == {"plain", "raysgd", "raysgd-sync"}
     assert {t["target"].split(":")[0] for t in result["targets"]} >= {"mlp", "recovery"}
     assert "Targets" in proc.stdout and "| raysgd" in markdown.read_text()
 

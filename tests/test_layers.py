@@ -20,6 +20,7 @@ LAYERS = {
     "raysgd.torch.progress": 5, "raysgd.torch.results": 5, "raysgd.torch.ray_data": 5,  # the trainer's helpers
     "raysgd.torch.tune": 6, "raysgd.data.dataset": 6, "raysgd.data": 7,  # 1.x's sharded Dataset on Ray Data
     "raysgd.torch.lightning": 6, "raysgd.torch.lightning_operator": 6,  # Lightning: an integration at the edge
+    "raysgd.meters": 0,  # the metric meters, public through raysgd.utils
     "raysgd.torch.resnet": 1, "raysgd.plot": 0,
     "raysgd.torch.cursor": 1,  # the data cursor: which stream positions each rank reads
     "raysgd.torch.evaluation": 1,  # validation without collectives per batch

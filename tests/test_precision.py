@@ -57,6 +57,7 @@ def test_unknown_mode_and_missing_apex_are_clear_errors():
         Precision("apex", CPU)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: float16 autocast and GradScaler")
 def test_fp16_on_cuda_scales_and_round_trips_the_scaler_state():
     device = torch.device("cuda")
@@ -166,6 +167,7 @@ def test_custom_gan_loop_with_the_helpers(cluster):
         trainer.shutdown()
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs: nccl and float16 GradScaler")
 def test_nccl_fp16_trainer_round_trips_the_scaler(cluster):
     trainer = TorchTrainer(training_operator_cls=ClassifierOperator, num_workers=1, use_gpu=True, use_fp16=True)

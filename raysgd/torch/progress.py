@@ -27,10 +27,12 @@ import sys
 import time
 
 import ray
+import torch
 from ray.exceptions import GetTimeoutError, RayError
 
 from raysgd.torch.constants import _env_float
 from raysgd.torch.mailbox import Mailbox
+from raysgd.utils import AverageMeterCollection
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,13 @@ def describe(info):
     return f"{epoch}/{num_epochs}e" if num_epochs else f"{epoch}e"
 
 
+def _is_loss(value):
+    """A real number or a one-element real tensor (read later, at most once per update sent)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.dtype is not torch.bool and not value.is_complex()
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _length(source):
     try:
         return len(source)
@@ -78,7 +87,8 @@ class ProgressReporter:
     ``state`` is ``{"call", "n", "total", "desc", "losses", "elapsed"}``: the batches done, the
     expected total (``num_steps``, else the loader's length, else None), the description, the
     running mean of every numeric metric whose name contains ``loss`` (``train_loss`` is shown as
-    ``loss``), and the seconds since the epoch began on rank 0 (so the bar's rate is rank 0's).
+    ``loss``; a tensor is summed on its device and read only when a state is sent), and the seconds
+    since the epoch began on rank 0 (so the bar's rate is rank 0's).
 
     Example:
         >>> sent = []
@@ -102,7 +112,7 @@ class ProgressReporter:
         self._total = total
         self._n = 0
         self._desc = ""
-        self._sums, self._counts = {}, {}
+        self._losses = AverageMeterCollection()  # tensors stay on the device until state() reads them
         self._last_sent = float("-inf")
         self._began = time.monotonic()
 
@@ -124,10 +134,9 @@ class ProgressReporter:
         """Record one finished batch; forward the state if ``interval_s`` passed since the last one."""
         self._n = batch_idx + 1
         self._desc = describe(info or {})
-        for key, value in metrics.items():
-            if "loss" in str(key) and isinstance(value, numbers.Real) and not isinstance(value, bool):
-                self._sums[key] = self._sums.get(key, 0.0) + float(value)
-                self._counts[key] = self._counts.get(key, 0) + 1
+        losses = {key: value for key, value in metrics.items() if "loss" in str(key) and _is_loss(value)}
+        if losses:
+            self._losses.update(losses)
         now = time.monotonic()
         if now - self._last_sent >= self.interval_s:
             self._last_sent = now
@@ -138,9 +147,10 @@ class ProgressReporter:
         self._sink(self.state(), True)
 
     def state(self):
-        """The current state dict (see the class docstring)."""
-        losses = {("loss" if key == "train_loss" else str(key)): self._sums[key] / self._counts[key]
-                  for key in self._sums}
+        """The current state dict (see the class docstring); reads the device once per device."""
+        meters = self._losses.state()["meters"]
+        losses = {("loss" if key == "train_loss" else str(key)): meter["sum"] / meter["count"]
+                  for key, meter in meters.items()}
         return {"call": self.call_id, "n": self._n, "total": self._total, "desc": self._desc, "losses": losses,
                 "elapsed": time.monotonic() - self._began}
 

@@ -163,7 +163,9 @@ class TrainingOperator:
         return meters.summary()
 
     def train_batch(self, batch, batch_info):
-        """One optimization step on ``batch`` (``*features, target``); returns ``train_loss`` and ``num_samples``."""
+        """One optimization step on ``batch`` (``*features, target``); returns ``train_loss`` and ``num_samples``.
+
+        ``train_loss`` stays a 0-d tensor on the device (no sync per step); the epoch's meters read it once."""
         model = self._component("model", "_models")
         optimizer = self._component("optimizer", "_optimizers")
         criterion = self._component("criterion", "_criterion")
@@ -176,7 +178,7 @@ class TrainingOperator:
             self.backward(loss, optimizer)
         with self.timers.record("apply"):
             self.step(optimizer)
-        return {"train_loss": loss.item(), NUM_SAMPLES: target.size(0)}
+        return {"train_loss": loss.detach(), NUM_SAMPLES: target.size(0)}
 
     def validate(self, val_iterator, info=None):
         """Run :meth:`validate_batch` over ``val_iterator`` without gradients; returns averaged metrics."""
@@ -190,7 +192,7 @@ class TrainingOperator:
         return meters.summary()
 
     def validate_batch(self, batch, batch_info):
-        """Loss and argmax accuracy on one batch; returns ``val_loss``, ``val_accuracy``, ``num_samples``."""
+        """Loss and argmax accuracy of one batch: ``val_loss``, ``val_accuracy`` (0-d tensors), ``num_samples``."""
         model = self._component("model", "_models")
         criterion = self._component("criterion", "_criterion")
         *features, target = _data.to_device(batch, self._device if self._use_gpu else None)
@@ -198,10 +200,11 @@ class TrainingOperator:
             output = model(*features)
             loss = criterion(output, target)
         num_samples = target.size(0)
-        correct = 0
+        accuracy = 0.0
         if output.dim() > 1 and output.size(0) == num_samples:
-            correct = (output.argmax(dim=1) == target.view(-1).to(output.device)).sum().item()
-        return {"val_loss": loss.item(), "val_accuracy": correct / max(num_samples, 1), NUM_SAMPLES: num_samples}
+            correct = (output.argmax(dim=1) == target.view(-1).to(output.device)).sum()
+            accuracy = correct.double() / max(num_samples, 1)  # stays on the device: no sync per batch
+        return {"val_loss": loss.detach(), "val_accuracy": accuracy, NUM_SAMPLES: num_samples}
 
     def state_dict(self):
         """Extra state of your own to checkpoint (stored under ``"operator"``). Override it; default None."""

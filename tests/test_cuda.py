@@ -1,0 +1,134 @@
+"""On a real GPU: device selection, nccl, use_local, fp16 with a GradScaler, bf16, state moving between devices.
+
+Every test here needs CUDA and skips without it (CI has no GPU). On the GPU device machine they run with
+``bash benchmarks/device/run_gpu_checks.sh tests`` (see benchmarks/README.md). A machine has one GPU and
+each worker takes a whole one, so multi-rank nccl cannot run here: every trainer has 1 worker.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import start_ray
+from helpers import ClassifierOperator, FaultyOperator, LinearOperator
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")]
+
+
+@pytest.fixture(scope="module")
+def gpu_cluster():
+    ray = start_ray(4, num_gpus=torch.cuda.device_count())
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def gpu_trainer(gpu_cluster, trainer_factory):
+    return lambda **kwargs: trainer_factory(**{"training_operator_cls": ClassifierOperator, "num_workers": 1,
+                                               "timeout_s": 120, **kwargs})
+
+
+class DtypeRecorder(ClassifierOperator):
+    """Records the dtype of the first layer's output inside the forward pass."""
+
+    def setup(self, config):
+        super().setup(config)
+        self.seen_dtypes = set()
+        module = self.model.module if hasattr(self.model, "module") else self.model
+        module[0].register_forward_hook(lambda mod, inputs, output: self.seen_dtypes.add(str(output.dtype)))
+
+
+def set_scale(value):
+    """A function for apply_all_operators setting the GradScaler's scale (also before its first step)."""
+    return lambda op: op.precision.scaler.load_state_dict({**op.precision.scaler.state_dict(), "scale": value})
+
+
+def devices_of(trainer):
+    return trainer.apply_all_operators(lambda op: sorted({p.device.type for p in op.model.parameters()}))
+
+
+def test_use_gpu_auto_picks_the_gpu_and_nccl(gpu_trainer):
+    trainer = gpu_trainer()  # use_gpu="auto", backend="auto"
+    assert trainer.use_gpu is True and trainer.backend == "nccl"
+    assert trainer.apply_all_operators(lambda op: str(op.device)) == ["cuda:0"]
+    assert trainer.apply_all_workers(lambda: torch.distributed.get_backend()) == ["nccl"]
+    assert devices_of(trainer) == [["cuda"]]
+    stats = trainer.train()
+    assert stats["num_samples"] == 240 and math.isfinite(stats["train_loss"])
+    val = trainer.validate()
+    assert val["num_samples"] == 240 and 0 <= val["val_accuracy"] <= 1
+
+
+def test_use_local_trains_on_the_gpu_in_the_driver(gpu_trainer):
+    trainer = gpu_trainer(use_local=True, use_gpu=True)
+    first = trainer.train()["train_loss"]
+    operator = trainer.get_local_operator()
+    assert operator.device.type == "cuda" and {p.device.type for p in operator.model.parameters()} == {"cuda"}
+    for _ in range(4):
+        last = trainer.train()["train_loss"]
+    assert last < first
+
+
+def test_fp16_autocasts_to_float16_and_the_scaler_round_trips_save_and_load(gpu_trainer, tmp_path):
+    trainer = gpu_trainer(training_operator_cls=DtypeRecorder, use_gpu=True, use_fp16=True)
+    for _ in range(2):
+        stats = trainer.train()
+    assert math.isfinite(stats["train_loss"])
+    assert "torch.float16" in trainer.apply_all_operators(lambda op: op.seen_dtypes)[0]
+    state = trainer.state_dict()
+    assert state["amp_native"]["scale"] > 0
+    trainer.apply_all_operators(set_scale(1234.0))  # a scale no default has
+    trainer.save(str(tmp_path / "ckpt"))
+    other = gpu_trainer(training_operator_cls=DtypeRecorder, use_gpu=True, use_fp16=True)
+    other.load(str(tmp_path / "ckpt"))
+    assert other.apply_all_operators(lambda op: op.precision.scaler.get_scale()) == [1234.0]
+    assert other.state_dict()["amp_native"]["scale"] == 1234.0
+    other.train()
+
+
+def test_fp16_scaler_state_survives_a_worker_failure(gpu_trainer, tmp_path):
+    fault = {"rank": 0, "batch": 3, "kind": "exit", "marker": str(tmp_path / "fault")}
+    trainer = gpu_trainer(training_operator_cls=FaultyOperator, use_gpu=True, use_fp16=True,
+                          config={"data_size": 200, "batch_size": 10, "fault": fault})
+    trainer.apply_all_operators(set_scale(96.0))  # taken into train()'s snapshot
+    stats = trainer.train()
+    assert (tmp_path / "fault").exists() and trainer.num_failures == 1  # the worker really died
+    assert stats["num_samples"] == 200
+    # the restarted worker loaded the snapshot's scale: a fresh scaler starts at 65536, which halving never
+    # turns into 96, and 20 steps are far from the growth interval of 2000, so the scale is unchanged
+    assert trainer.apply_all_operators(lambda op: op.precision.scaler.get_scale()) == [96.0]
+    assert devices_of(trainer) == [["cuda"]]
+
+
+def test_bf16_autocasts_on_cuda_without_a_scaler(gpu_trainer):
+    trainer = gpu_trainer(training_operator_cls=DtypeRecorder, use_gpu=True, use_fp16="bf16")
+    stats = trainer.train()
+    assert math.isfinite(stats["train_loss"])
+    assert "torch.bfloat16" in trainer.apply_all_operators(lambda op: op.seen_dtypes)[0]
+    assert "amp_native" not in trainer.state_dict()
+
+
+def test_get_model_to_cpu_from_a_gpu_worker(gpu_trainer):
+    trainer = gpu_trainer(use_gpu=True)
+    trainer.train()
+    model = trainer.get_model(to_cpu=True)
+    assert isinstance(model, nn.Module) and {p.device.type for p in model.parameters()} == {"cpu"}
+    assert devices_of(trainer) == [["cuda"]]  # the worker's own model did not move
+    expected = trainer.apply_all_operators(lambda op: [p.detach().cpu() for p in op.model.parameters()])[0]
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), expected))
+
+
+def test_load_state_dict_lands_on_each_workers_device(gpu_trainer):
+    source = gpu_trainer(training_operator_cls=LinearOperator, use_gpu=False)
+    for _ in range(3):
+        source.train()
+    state = source.state_dict()  # CPU tensors
+    target = gpu_trainer(training_operator_cls=LinearOperator, use_gpu=True)
+    target.load_state_dict(state, blocking=True)
+    assert devices_of(target) == [["cuda"]]
+    loaded = target.state_dict()
+    for name, value in state["models"][0].items():
+        assert torch.equal(loaded["models"][0][name].cpu(), value.cpu()), name
+    target.train()  # the optimizer state moved too: a step works on the GPU
