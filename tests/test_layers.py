@@ -10,7 +10,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "raysgd"
 LAYERS = {
     "raysgd.utils": 0, "raysgd.torch.constants": 0, "raysgd.torch.errors": 0, "raysgd.torch.reduction": 0,
     "raysgd.torch.precision": 1, "raysgd.torch.data": 1, "raysgd.torch.checkpoint": 1,
-    "raysgd.torch.training_operator": 2, "raysgd.torch.creator_operator": 2,
+    "raysgd.torch.training_operator": 2, "raysgd.torch.creator_operator": 2, "raysgd.torch.state": 2,
+    "raysgd.torch.committer": 3, "raysgd.torch.commit_store": 4, "raysgd.torch.commits": 5,
     "raysgd.torch.worker": 3, "raysgd.torch.recovery": 3,
     "raysgd.torch.worker_group": 4, "raysgd.torch.mailbox": 4,
     "raysgd.torch.arguments": 5, "raysgd.torch.torch_trainer": 5,
@@ -84,6 +85,6 @@ def test_modules_are_small_and_say_their_job(path):
 
 def test_only_the_worker_group_touches_actor_handles():
     for path in library_modules():
-        if module_name(path) in ("raysgd.torch.worker_group", "raysgd.torch.mailbox"):
+        if module_name(path) in ("raysgd.torch.worker_group", "raysgd.torch.mailbox", "raysgd.torch.commit_store"):
             continue
         assert ".remote(" not in path.read_text(), f"{path.name} calls actors directly"

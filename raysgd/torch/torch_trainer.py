@@ -20,7 +20,7 @@ import types
 
 import ray
 
-from raysgd.torch import arguments, checkpoint, constants, progress, ray_data, recovery, results
+from raysgd.torch import arguments, checkpoint, commits, constants, progress, ray_data, recovery, results
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
@@ -53,7 +53,7 @@ class TorchTrainer:
     def __init__(self, *, training_operator_cls=None, initialization_hook=None, config=None, num_workers=1,
                  num_cpus_per_worker=1, use_gpu="auto", backend="auto", wrap_ddp=True, timeout_s=1800,
                  use_fp16=False, use_tqdm=False, add_dist_sampler=True, scheduler_step_freq=None,
-                 use_local=False, logdir=None, **deprecated):
+                 use_local=False, logdir=None, commit_every_n_steps=None, **deprecated):
         arguments.check_deprecated(deprecated)
         use_gpu, backend = arguments.check_arguments(
             training_operator_cls=training_operator_cls, initialization_hook=initialization_hook, config=config,
@@ -79,7 +79,9 @@ class TorchTrainer:
                                     backend=backend)
         self._num_failures = 0
         self._last_resize = float("-inf")
-        self._snapshot = None  # rank 0's state bytes, valid while nothing changed the state since
+        self._snapshot = None  # rank 0's state bytes: the restart point (kept until a fresher one is taken)
+        self._snapshot_stale = True  # the state may have moved on since the snapshot
+        self._commits = commits.CommitPolicy(commit_every_n_steps)
         self._resize_cooldown_s = constants._env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S)
         self._progress = progress.ProgressBar() if use_tqdm else None  # ValueError without tqdm, as 1.12
         self._results = results.open_result_log(logdir)
@@ -168,9 +170,10 @@ class TorchTrainer:
             self._resize_worker_group(self._snapshot)
 
     def _take_snapshot(self):
-        """Rank 0's state bytes (any live rank's if rank 0 is gone: DDP replicas hold the same state)."""
-        if self._snapshot is None:
+        """Rank 0's current state bytes (any live rank's if rank 0 is gone: DDP replicas hold the same state)."""
+        if self._snapshot is None or self._snapshot_stale:
             self._snapshot = self.worker_group.first_answer("state_stream", deadline_s=self.timeout_s)
+            self._snapshot_stale = False
         return self._snapshot
 
     def _maybe_scale_up(self, state):
@@ -190,12 +193,20 @@ class TorchTrainer:
         if not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries expects an int >= 0; got {max_retries!r}")
         self._ensure_workers()
-        state = self._take_snapshot() if max_retries > 0 else None
-        if state is not None:
-            self._maybe_scale_up(state)
+        state = self._take_snapshot()  # the restart point, even with max_retries=0 (for the next call)
+        self._maybe_scale_up(state)
+        replay = kwargs.pop("replay", False)  # input without a data cursor (Ray Data): no commits
+        committing = method == "train_epoch" and self._commits.enabled and not replay
+        if committing:
+            self._commits.begin_call()
+        num_steps = kwargs.get("num_steps")
         for attempt in range(max_retries + 1):
             try:
-                return self.worker_group.run(method, **kwargs)
+                if committing:
+                    kwargs["commit"] = self._commits.plan()
+                results = self.worker_group.run(method, **kwargs)
+                self._snapshot_stale = True  # train and validate (custom ones too) may change the state
+                return self._commits.finish(results) if committing else results
             except WorkerFailure as failure:
                 self._num_failures += 1
                 if attempt == max_retries:
@@ -204,7 +215,11 @@ class TorchTrainer:
                 logger.warning("%s failed (%s); restarting workers, retry %d of %d", method, failure,
                                attempt + 1, max_retries)
                 try:
-                    self._resize_worker_group(state)
+                    resumed = self._commits.restart_state() if committing else None
+                    if resumed is not None:
+                        kwargs["num_steps"] = commits.remaining_steps(num_steps, resumed)
+                    self._resize_worker_group(resumed if resumed is not None else state)
+                    self._snapshot = state  # a commit is a restart point inside this call only
                 except recovery.RestartGaveUp as err:
                     raise RuntimeError(f"Training run failed: the workers could not be restarted ({err}).") \
                         from failure
@@ -215,15 +230,12 @@ class TorchTrainer:
         raise AssertionError("unreachable")
 
     def _undo_partial_call(self, state):
-        """After user code raised mid-call, put the workers back to the call's starting state (if known)."""
-        if state is None:
-            self._snapshot = None  # unknown partial progress: the next snapshot is taken afresh
-        elif not self.worker_group.broken:  # a torn-down group restarts from the snapshot at the next call
+        """After user code raised mid-call, put the workers back to the call's starting state."""
+        if not self.worker_group.broken:  # a torn-down group restarts from the snapshot at the next call
             try:
                 self.worker_group.run("load_state_stream", ray.put(state), deadline_s=self.timeout_s)
             except Exception as err:  # noqa: BLE001 (the user's error is the one to raise)
                 logger.warning("Could not restore the state after a failed call: %s", err)
-                self._snapshot = None
 
     # ----------------------------------------------------------------- train / validate
     def train(self, num_steps=None, profile=False, reduce_results=True, max_retries=3, info=None, dataset=None):
@@ -242,8 +254,10 @@ class TorchTrainer:
         reporter = self._progress.start(local=self.use_local) if self._progress is not None else None
         completed = False
         try:
+            if data is not None and self._commits.enabled:
+                logger.warning("train(dataset=...) takes no commits: a failure replays this call from its start.")
             stats = self._with_recovery("train_epoch", max_retries, num_steps=num_steps, profile=profile,
-                                        info=dict(info or {}), lockstep=True,
+                                        info=dict(info or {}), lockstep=True, replay=data is not None,
                                         rank_kwargs=self._rank_inputs(data, reporter),
                                         on_tick=self._progress.tick if reporter is not None else None)
             completed = True
@@ -252,7 +266,6 @@ class TorchTrainer:
                 self._progress.finish(completed)
             if data is not None and not completed:
                 self._shards.drop()  # the split may be stuck mid-epoch: split again next time
-        self._snapshot = None  # the state moved on
         return self._log_result("train", stats, reduce_results)
 
     def _rank_inputs(self, data, reporter):
@@ -292,26 +305,28 @@ class TorchTrainer:
 
     # ----------------------------------------------------------------- operators and models
     def _run(self, method, *args, **kwargs):
+        """Run ``method`` everywhere; a lost worker restarts from the last snapshot at the next call."""
         self._ensure_workers()
+        if self._snapshot is None:  # a restart point must exist before anything can change the state
+            self._take_snapshot()
         try:
-            return self.worker_group.run(method, *args, **kwargs)
+            result = self.worker_group.run(method, *args, **kwargs)
+            self._snapshot_stale = True
+            return result
         except WorkerFailure as failure:
             self._num_failures += 1
             raise RuntimeError(f"{method} failed: a worker was lost (it restarts at the next call).") from failure
 
     def apply_all_workers(self, fn):
         """Call ``fn()`` on every worker; returns the results in rank order."""
-        self._snapshot = None
         return self._run("apply", fn)
 
     def apply_all_operators(self, fn):
         """Call ``fn(operator)`` on every worker's operator; returns the results in rank order."""
-        self._snapshot = None
         return self._run("apply_operator", fn)
 
     def update_scheduler(self, metric):
         """Call ``scheduler.step(metric)`` on every worker (for ``scheduler_step_freq="manual"``)."""
-        self._snapshot = None
         self._run("update_scheduler", metric)
 
     def get_model(self, to_cpu=False):
@@ -335,7 +350,21 @@ class TorchTrainer:
     def state_dict(self):
         """Rank 0's state: ``{epoch, global_step, operator, models, optimizers[, schedulers][, amp_*]}`` on CPU."""
         self._ensure_workers()
+        self._snapshot_stale = True  # always the current state (custom validate, get_local_operator, ...)
         return checkpoint.state_from_bytes(self._take_snapshot())
+
+    def latest_commit(self):
+        """The state of the running (or last) ``train()`` call's latest complete commit, or None.
+
+        It holds a ``cursor`` (the epoch and the global samples consumed) and every rank's random
+        streams; :meth:`load_state_dict` of it resumes that epoch at the cursor. Safe to call from
+        another thread while ``train()`` runs.
+
+        Example:
+            >>> trainer.latest_commit()["cursor"]  # doctest: +SKIP
+            {'epoch': 1, 'consumed': 48, 'steps': 6, 'call_steps': 6, 'attempt': 0}
+        """
+        return self._commits.latest_state()
 
     def load_state_dict(self, state_dict, blocking=False):
         """Load ``state_dict`` on every worker (each onto its own device).
@@ -349,7 +378,7 @@ class TorchTrainer:
             self._run("load_state_stream", ref)
         else:
             self.worker_group.submit("load_state_stream", ref)
-        self._snapshot = stream
+        self._snapshot, self._snapshot_stale = stream, False
 
     def save(self, checkpoint_path):
         """Write the trainer state to ``checkpoint_path`` atomically; returns the path."""
@@ -369,7 +398,7 @@ class TorchTrainer:
         if isinstance(group, WorkerGroup):
             group.shutdown(force=force)
         self.worker_group = _ShutDownGroup()
-        for name in ("_progress", "_results", "_shards"):  # bar and mailbox actor, log files, Ray Data split
+        for name in ("_progress", "_results", "_shards", "_commits"):  # bar and mailbox actor, log files, Ray Data split
             extra = self.__dict__.get(name)
             if extra is not None:
                 extra.close()

@@ -83,7 +83,7 @@ class TrainingOperator:
         self._schedulers = None
         self._train_loader = self._validation_loader = None
         self.timers = TimerCollection()
-        self.global_step = 0
+        self.global_step, self._running_meters = 0, None  # the meters of the running default-loop epoch
         self.setup(config)
 
     # ----------------------------------------------------------------- user hooks
@@ -147,7 +147,7 @@ class TrainingOperator:
         """
         info = dict(info or {})
         self._set_mode(training=True)
-        meters = AverageMeterCollection()
+        meters = self._running_meters = AverageMeterCollection()
         for batch_idx, batch in enumerate(iterator):
             batch_info = {"batch_idx": batch_idx, "global_step": self.global_step, **info}
             metrics = dict(self.train_batch(batch, batch_info))
@@ -158,6 +158,7 @@ class TrainingOperator:
             self._report_progress(batch_idx, metrics, info)
         if self._scheduler_step_freq == SCHEDULER_STEP_EPOCH:
             self._step_schedulers()
+        self._running_meters = None
         return meters.summary()
 
     def train_batch(self, batch, batch_info):
@@ -277,6 +278,15 @@ class TrainingOperator:
         if reporter is not None:
             reporter(batch_idx, metrics, info)
 
+    def _state_parts(self):
+        """What this operator owns of the training state, for :mod:`raysgd.torch.state` (the one reader)."""
+        self._require_registered()
+        return dict(models=self._original_models, optimizers=self._optimizers, precision=self._precision,
+                    schedulers=self._schedulers)
+
+    def _partial_metrics(self):  # the default loop's metrics of the running epoch so far (else None)
+        return self._running_meters.summary() if self._running_meters is not None else None
+
     def _get_original_models(self):
         self._require_registered()
         return self._original_models
@@ -288,10 +298,6 @@ class TrainingOperator:
     def _get_schedulers(self):
         self._require_registered()
         return self._schedulers
-
-    def _get_criterion(self):
-        self._require_registered()
-        return self._criterion
 
     def _get_train_loader(self):
         if self._train_loader is None:

@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from raysgd.torch import checkpoint
 from raysgd.torch import data as _data
+from raysgd.torch import state as _state
+from raysgd.torch.committer import Committer
 from raysgd.torch.constants import NUM_STEPS, USE_FP16
 from raysgd.torch.errors import CollectiveError, is_collective_failure
 from raysgd.utils import TimerCollection
@@ -61,9 +63,10 @@ class _PersistentIterator:
     one ran out; ``on_new_epoch`` is called just before.
     """
 
-    def __init__(self, get_loader, on_new_epoch):
+    def __init__(self, get_loader, on_new_epoch, after_iter=None):
         self._get_loader = get_loader
         self._on_new_epoch = on_new_epoch
+        self._after_iter = after_iter or (lambda: None)
         self._iterator = None
 
     def reset(self):
@@ -74,6 +77,7 @@ class _PersistentIterator:
             loader = self._get_loader()
             self._on_new_epoch(loader)
             self._iterator = iter(loader)
+            self._after_iter()
         return self._iterator
 
     def take(self, num_steps=None):
@@ -117,7 +121,8 @@ class TorchWorker:
         self._is_local = is_local
         self._options = dict(use_fp16=use_fp16, use_tqdm=use_tqdm, wrap_ddp=wrap_ddp,
                              add_dist_sampler=add_dist_sampler, scheduler_step_freq=scheduler_step_freq)
-        self._train_iter = _PersistentIterator(self._train_loader, self._on_new_train_epoch)
+        self.committer = Committer()
+        self._train_iter = _PersistentIterator(self._train_loader, self._on_new_train_epoch, self.committer.after_iter)
         self._val_iter = _PersistentIterator(self._validation_loader, lambda loader: None)
         if not is_local and num_cpus:
             torch.set_num_threads(max(1, int(num_cpus)))
@@ -178,6 +183,7 @@ class TorchWorker:
 
     def _on_new_train_epoch(self, loader):
         _data.set_sampler_epoch(loader, self.epochs)
+        self.committer.begin_epoch(loader)
         self.epochs += 1
 
     def _begin(self, profile):
@@ -188,12 +194,13 @@ class TorchWorker:
             self.timers.disable()
 
     @_guard_collectives
-    def train_epoch(self, num_steps=None, profile=False, info=None, iterator=None, progress=None):
+    def train_epoch(self, num_steps=None, profile=False, info=None, iterator=None, progress=None, commit=None):
         """Train ``num_steps`` batches (default: the rest of the epoch); returns ``{"epoch", **metrics}``.
 
         ``iterator`` (e.g. a Ray Data shard) replaces the registered loader for this call and
         counts as one epoch. ``progress`` (rank 0 with ``use_tqdm``) is a
         :class:`~raysgd.torch.progress.ProgressReporter` fed by the operator's per-batch hook.
+        ``commit`` (a :class:`~raysgd.torch.committer.CommitPlan`) commits between batches.
         """
         self._begin(profile)
         info = {**(info or {}), NUM_STEPS: num_steps, USE_FP16: self.operator.use_fp16, "epoch_idx": self.epochs}
@@ -203,6 +210,8 @@ class TorchWorker:
                 batches = iterator if num_steps is None else itertools.islice(iterator, num_steps)
             else:
                 batches = self._train_iter.take(num_steps)
+            batches = self.committer.batches(self, batches, commit if iterator is None else None,
+                                             lambda: self.operator._train_loader)
             reporting = contextlib.nullcontext() if progress is None else progress.attach(
                 self.operator, num_steps, iterator if iterator is not None else self.operator._train_loader)
             with reporting:
@@ -225,35 +234,21 @@ class TorchWorker:
 
     # ----------------------------------------------------------------- state
     def state_dict(self):
-        """``{epoch, global_step, operator, models, optimizers[, schedulers][, amp_*]}``; models unwrapped."""
-        op = self.operator
-        state = {
-            "epoch": self.epochs,
-            "global_step": op.global_step,
-            "operator": op.state_dict(),
-            "models": [model.state_dict() for model in op._get_original_models()],
-            "optimizers": [opt.state_dict() for opt in op._get_optimizers()],
-        }
-        if op._schedulers:
-            state["schedulers"] = [sched.state_dict() for sched in op._schedulers]
-        state.update(op.precision.state_dict())
-        return state
+        """This worker's state (see :mod:`raysgd.torch.state`), with its own random streams as ``rng[0]``."""
+        return {**_state.capture(self.operator, self.epochs), _state.RNG: [_state.rng_state()]}
 
     def load_state_dict(self, state):
-        """Load a :meth:`state_dict` (a new epoch starts at the next train call)."""
-        op = self.operator
-        for model, model_state in zip(op._get_original_models(), state["models"]):
-            model.load_state_dict(model_state)
-        for opt, opt_state in zip(op._get_optimizers(), state["optimizers"]):
-            opt.load_state_dict(opt_state)
-        for sched, sched_state in zip(op._schedulers or (), state.get("schedulers", ())):
-            sched.load_state_dict(sched_state)
-        op.precision.load_state_dict(state)
-        self.epochs = state["epoch"]
-        op.global_step = state.get("global_step", op.global_step)
+        """Load a state (a snapshot, a checkpoint or a commit); a new epoch starts at the next train call.
+
+        A commit's ``cursor`` makes that epoch resume where the commit was taken, with this rank's
+        random streams from it (applied once the epoch's iterator exists, as in the original run).
+        """
+        epoch = _state.restore(self.operator, state)
+        cursor = state.get(_state.CURSOR)
+        self.epochs = cursor["epoch"] - 1 if cursor else epoch
+        self.committer.load(cursor, _state.rank_rng(state, self.world_rank))
         self._train_iter.reset()
         self._val_iter.reset()
-        op.load_state_dict(state["operator"])
 
     def state_stream(self):
         """:meth:`state_dict` as ``torch.save`` bytes."""
