@@ -48,32 +48,55 @@ class CommitPolicy:
         self._attempt = 0
         self._carried = {0: None}
         self.last_key = None  # the key of the commit the last resume started from
+        self.active = False  # whether the running call commits
+        self._num_steps = None
 
     @property
     def enabled(self):
         return self.every_n != 0
 
-    def begin_call(self):
-        """A new ``train()`` call: the commits of the previous one are no restart point any more."""
+    def begin_call(self, trains=True, replay=False):
+        """A new call (``trains``: a ``train()`` call); returns whether it commits.
+
+        ``replay``: its input has no data cursor (Ray Data), so it takes no commits and a failure
+        replays it from its start (logged). The commits of the previous call are no restart point any more.
+        """
+        if trains and replay and self.enabled:
+            logger.warning("train(dataset=...) takes no commits: a failure replays this call from its start.")
+        self.active = bool(trains) and not replay and self.enabled
+        if not self.active:
+            return False
         if self._store is None:
             self._store = CommitStore()
         self._call += 1
         self._attempt, self._carried, self.last_key = 0, {0: None}, None
         self._store.begin(self._call)
+        return True
+
+    def with_plan(self, kwargs):
+        """The call's keyword arguments, with this attempt's :class:`CommitPlan` when the call commits."""
+        if not self.active:
+            return kwargs
+        self._num_steps = kwargs.get("num_steps") if self._attempt == 0 else self._num_steps
+        return {**kwargs, "commit": self.plan()}
 
     def plan(self):
         """The :class:`CommitPlan` of the current attempt (sent to every worker with the call)."""
         return CommitPlan(self._store, self.every_n or None, commit_interval_s(), self._call, self._attempt)
 
-    def restart_state(self):
+    def restart_state(self, kwargs):
         """The state of the call's latest complete commit (with its ``cursor``), or None when there is none.
 
-        Advances to the next attempt; the committed metrics are carried into it.
+        Advances to the next attempt; the committed metrics are carried into it, and ``kwargs["num_steps"]``
+        is cut by the steps already committed.
         """
-        found = self._store.latest_records(self._call) if self._store is not None else None
+        if not self.active:
+            return None
+        found = self._store.latest_records(self._call)
         self._attempt += 1
         if found is None:
             self._carried[self._attempt] = None
+            kwargs["num_steps"] = self._num_steps
             return None
         key, records = found
         state = _state.assemble_commit(records)
@@ -81,12 +104,15 @@ class CommitPolicy:
         self._carried[self._attempt] = merge_partials(self._carried.get(made_in), state[_state.METERS]) \
             if any(m is not None for m in state[_state.METERS]) else self._carried.get(made_in)
         self.last_key = key
+        kwargs["num_steps"] = remaining_steps(self._num_steps, state)
         logger.info("Resuming from the commit at step %d of the call (cursor %d)", key[1],
                     state[_state.CURSOR]["consumed"])
         return state
 
     def finish(self, stats):
         """The per-worker metrics of the whole call: the committed parts merged into the last attempt's."""
+        if not self.active:
+            return stats
         carried = self._carried.get(self._attempt)
         return merge_partials(carried, stats) if carried else stats
 

@@ -20,7 +20,7 @@ import types
 
 import ray
 
-from raysgd.torch import arguments, checkpoint, commits, constants, progress, ray_data, recovery, results
+from raysgd.torch import arguments, checkpoint, commits, constants, elastic, progress, ray_data, recovery, results
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
@@ -63,9 +63,9 @@ class TorchTrainer:
         self.training_operator_cls = training_operator_cls
         self.initialization_hook = initialization_hook
         self._requested_config = dict(config or {})
-        arguments.split_batch_size(self._requested_config, num_workers)  # checks BATCH_SIZE's value
+        self.min_replicas, self.max_replicas = arguments.worker_range(num_workers)
+        arguments.split_batch_size(self._requested_config, self.max_replicas)  # checks BATCH_SIZE's value
         self._config = dict(self._requested_config)
-        self.max_replicas = num_workers
         self.num_cpus_per_worker = num_cpus_per_worker
         self.use_gpu = use_gpu
         self.backend = backend
@@ -96,7 +96,9 @@ class TorchTrainer:
         self.worker_group = WorkerGroup(self._worker_options, num_cpus_per_worker=num_cpus_per_worker,
                                         use_gpu=use_gpu, use_local=use_local, timeout_s=timeout_s)
         try:
-            self._start_workers(num_workers)
+            elastic.start_first_group(self._start_workers, self.worker_group.how_many_fit, self.min_replicas,
+                                      self.max_replicas, isinstance(num_workers, tuple),
+                                      constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
         except WorkerFailure as err:
             self.worker_group.shutdown(force=True)
             raise RuntimeError("Worker startup failed: a worker died while starting (see the cause).") from err
@@ -136,12 +138,12 @@ class TorchTrainer:
 
         def try_start(n):
             try:
-                for size in range(n, 0, -1):  # the resource view can lag a lost node: try smaller groups
+                for size in elastic.restart_sizes(n, self.min_replicas):  # the resource view can lag a lost node
                     try:
                         self._start_workers(size, pg_timeout_s=min(constants.SGD_PLACEMENT_GROUP_TIMEOUT_S, 10))
                         break
                     except TimeoutError:
-                        if size == 1:
+                        if size == self.min_replicas:
                             raise
                 self.worker_group.run("load_state_stream", ray.put(state), deadline_s=self.timeout_s)
             except BaseException:
@@ -151,7 +153,8 @@ class TorchTrainer:
 
         def retry_cleanup_fit():
             self.worker_group.shutdown(force=True)
-            return self.worker_group.how_many_fit(target, settle_s=2.0)
+            fit = self.worker_group.how_many_fit(target, settle_s=2.0)
+            return fit if fit >= self.min_replicas else 0  # never below the minimum: wait (backoff)
 
         started = recovery.restart_with_backoff(
             try_start, retry_cleanup_fit, tries=max_retries or constants.SGD_MAX_RESTART_TRIES,
@@ -195,18 +198,12 @@ class TorchTrainer:
         self._ensure_workers()
         state = self._take_snapshot()  # the restart point, even with max_retries=0 (for the next call)
         self._maybe_scale_up(state)
-        replay = kwargs.pop("replay", False)  # input without a data cursor (Ray Data): no commits
-        committing = method == "train_epoch" and self._commits.enabled and not replay
-        if committing:
-            self._commits.begin_call()
-        num_steps = kwargs.get("num_steps")
+        self._commits.begin_call(method == "train_epoch", replay=kwargs.pop("replay", False))
         for attempt in range(max_retries + 1):
             try:
-                if committing:
-                    kwargs["commit"] = self._commits.plan()
-                results = self.worker_group.run(method, **kwargs)
+                results = self.worker_group.run(method, **self._commits.with_plan(kwargs))
                 self._snapshot_stale = True  # train and validate (custom ones too) may change the state
-                return self._commits.finish(results) if committing else results
+                return self._commits.finish(results)
             except WorkerFailure as failure:
                 self._num_failures += 1
                 if attempt == max_retries:
@@ -215,9 +212,7 @@ class TorchTrainer:
                 logger.warning("%s failed (%s); restarting workers, retry %d of %d", method, failure,
                                attempt + 1, max_retries)
                 try:
-                    resumed = self._commits.restart_state() if committing else None
-                    if resumed is not None:
-                        kwargs["num_steps"] = commits.remaining_steps(num_steps, resumed)
+                    resumed = self._commits.restart_state(kwargs)  # the latest commit, or None
                     self._resize_worker_group(resumed if resumed is not None else state)
                     self._snapshot = state  # a commit is a restart point inside this call only
                 except recovery.RestartGaveUp as err:
@@ -231,11 +226,11 @@ class TorchTrainer:
 
     def _undo_partial_call(self, state):
         """After user code raised mid-call, put the workers back to the call's starting state."""
-        if not self.worker_group.broken:  # a torn-down group restarts from the snapshot at the next call
-            try:
+        try:  # a torn-down group restarts from the snapshot at the next call
+            if not self.worker_group.broken:
                 self.worker_group.run("load_state_stream", ray.put(state), deadline_s=self.timeout_s)
-            except Exception as err:  # noqa: BLE001 (the user's error is the one to raise)
-                logger.warning("Could not restore the state after a failed call: %s", err)
+        except Exception as err:  # noqa: BLE001 (the user's error is the one to raise)
+            logger.warning("Could not restore the state after a failed call: %s", err)
 
     # ----------------------------------------------------------------- train / validate
     def train(self, num_steps=None, profile=False, reduce_results=True, max_retries=3, info=None, dataset=None):
@@ -254,8 +249,6 @@ class TorchTrainer:
         reporter = self._progress.start(local=self.use_local) if self._progress is not None else None
         completed = False
         try:
-            if data is not None and self._commits.enabled:
-                logger.warning("train(dataset=...) takes no commits: a failure replays this call from its start.")
             stats = self._with_recovery("train_epoch", max_retries, num_steps=num_steps, profile=profile,
                                         info=dict(info or {}), lockstep=True, replay=data is not None,
                                         rank_kwargs=self._rank_inputs(data, reporter),
@@ -354,15 +347,10 @@ class TorchTrainer:
         return checkpoint.state_from_bytes(self._take_snapshot())
 
     def latest_commit(self):
-        """The state of the running (or last) ``train()`` call's latest complete commit, or None.
+        """The latest complete commit of the running (or last) ``train()`` call as a state dict, or None.
 
-        It holds a ``cursor`` (the epoch and the global samples consumed) and every rank's random
-        streams; :meth:`load_state_dict` of it resumes that epoch at the cursor. Safe to call from
-        another thread while ``train()`` runs.
-
-        Example:
-            >>> trainer.latest_commit()["cursor"]  # doctest: +SKIP
-            {'epoch': 1, 'consumed': 48, 'steps': 6, 'call_steps': 6, 'attempt': 0}
+        Its ``cursor`` and per-rank ``rng`` let :meth:`load_state_dict` resume that epoch exactly there.
+        Example: ``trainer.latest_commit()["cursor"]["consumed"]``; safe from another thread during train().
         """
         return self._commits.latest_state()
 
