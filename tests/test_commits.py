@@ -7,7 +7,9 @@ import time
 import pytest
 import torch
 
-from helpers import CountingOperator, seeding_hook
+from conftest import assert_released
+from helpers import CountingOperator, LinearOperator, seeding_hook
+from raysgd.torch import checkpoint, constants
 
 pytestmark = pytest.mark.usefixtures("ray_4cpus")
 
@@ -93,3 +95,68 @@ def test_commits_off_replays_the_call_from_its_start(trainers, tmp_path):
     assert stats["num_samples"] == N and torch.equal(counts(trainer), torch.ones(N))
     assert trainer.latest_commit() is None
     assert executed(log) >= 24 + 2 * 8  # the epoch was replayed from its start
+
+
+# ----------------------------------------------------------------- snapshot rules (issue 11, items 2 and 8)
+class BestScore(LinearOperator):
+    """Keeps a best score that a custom validate() changes (operator state)."""
+
+    def setup(self, config):
+        super().setup(config)
+        self.best = 0.0
+
+    def validate(self, val_iterator, info=None):
+        self.best += 1.0
+        return super().validate(val_iterator, info)
+
+    def state_dict(self):
+        return {"best": self.best}
+
+    def load_state_dict(self, state_dict):
+        self.best = state_dict["best"]
+
+    def train_batch(self, batch, batch_info):
+        marker = self.config.get("raise_marker")
+        if marker and self.world_rank == 1 and not os.path.exists(marker):
+            open(marker, "w").close()
+            raise ValueError("a user bug")
+        return super().train_batch(batch, batch_info)
+
+
+def test_save_and_state_dict_hold_the_current_state_after_validate_and_local_changes(trainer_factory, tmp_path):
+    trainer = trainer_factory(training_operator_cls=BestScore, num_workers=1, use_local=True, timeout_s=20)
+    trainer.train()
+    trainer.validate()
+    trainer.validate()
+    path = trainer.save(tmp_path / "ckpt")
+    assert checkpoint.load_state(path)["operator"] == {"best": 2.0}
+    trainer.get_local_operator().best = 7.0
+    assert trainer.state_dict()["operator"] == {"best": 7.0}
+    trainer.get_local_operator().model.weight.data.fill_(3.0)
+    assert float(trainer.state_dict()["models"][0]["weight"]) == 3.0
+
+
+def test_a_lost_worker_never_makes_the_trainer_unusable(trainer_factory, tmp_path):
+    trainer = trainer_factory(training_operator_cls=BestScore, num_workers=2, timeout_s=20,
+                              config={"raise_marker": str(tmp_path / "raised")})
+    with pytest.raises(ValueError, match="a user bug"):  # user error, no retries: the group is torn down
+        trainer.train(max_retries=0)
+    assert trainer.train()["num_samples"] == 200
+    with pytest.raises(RuntimeError, match="worker was lost"):
+        trainer.apply_all_workers(lambda: os._exit(1) if torch.distributed.get_rank() == 1 else None)
+    assert trainer.train()["num_samples"] == 200  # restarted from the last restart point
+    assert trainer.state_dict()["epoch"] == 2  # nothing trained was lost
+
+
+# ----------------------------------------------------------------- elastic range
+def test_a_range_starts_with_what_fits_and_an_unplaceable_minimum_is_a_clear_error(trainer_factory, monkeypatch):
+    assert_released()  # the previous test's workers are gone: all 4 CPUs are free
+    trainer = trainer_factory(training_operator_cls=LinearOperator, num_workers=(1, 4), num_cpus_per_worker=2,
+                              timeout_s=20)
+    assert trainer.worker_group.num_workers == 2  # 4 CPUs: two workers fit now; no wait for four
+    assert trainer.train()["num_samples"] == 200
+    trainer.shutdown()
+    monkeypatch.setattr(constants, "SGD_PLACEMENT_GROUP_TIMEOUT_S", 2)
+    with pytest.raises(TimeoutError, match=r"minimum of 3 workers.*free resources"):
+        trainer_factory(training_operator_cls=LinearOperator, num_workers=(3, 4), num_cpus_per_worker=2)
+    assert_released()

@@ -31,7 +31,7 @@ def start_first_group(start, how_many_fit, low, high, is_range, timeout_s):
     """
     if not is_range:
         return start(high)
-    size = max(low, how_many_fit(high))
+    size = max(low, how_many_fit(high, settle_s=1.0))  # a moment for Ray's view of just-freed resources
     try:
         return start(size)
     except TimeoutError as err:

@@ -300,8 +300,7 @@ class TorchTrainer:
     def _run(self, method, *args, **kwargs):
         """Run ``method`` everywhere; a lost worker restarts from the last snapshot at the next call."""
         self._ensure_workers()
-        if self._snapshot is None:  # a restart point must exist before anything can change the state
-            self._take_snapshot()
+        self._take_snapshot()  # a current restart point before anything can change the state
         try:
             result = self.worker_group.run(method, *args, **kwargs)
             self._snapshot_stale = True
