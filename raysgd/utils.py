@@ -23,6 +23,9 @@ BATCH_COUNT = "batch_count"
 NUM_SAMPLES = "num_samples"
 #: Config key for the *global* batch size; each worker's config holds ``global // num_workers``.
 BATCH_SIZE = "*batch_size"
+#: Config key for the seed of the epoch's sample order (an int, the same on every worker; default 0, or the
+#: loader's ``generator.initial_seed()``). Give each Tune trial its own to see different orders.
+DATA_SEED = "data_seed"
 
 
 class AverageMeter:

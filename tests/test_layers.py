@@ -18,6 +18,7 @@ LAYERS = {
     "raysgd.torch.progress": 5, "raysgd.torch.results": 5, "raysgd.torch.ray_data": 5,  # the trainer's helpers
     "raysgd.torch.tune": 6,
     "raysgd.torch.resnet": 1, "raysgd.plot": 0,
+    "raysgd.torch.cursor": 1,  # the data cursor: which stream positions each rank reads
     "raysgd.compat": 7, "raysgd.legacy": 7,  # package glue: the 1.x import mapping and its runner
     "raysgd": 7, "raysgd.torch": 7,  # the packages' public names
 }

@@ -34,7 +34,8 @@ def test_changelog_keeps_a_changelog_form():
 DOCTESTED = ["raysgd.utils", "raysgd.torch.recovery", "raysgd.torch.reduction", "raysgd.torch.arguments",
              "raysgd.torch.checkpoint", "raysgd.torch.data", "raysgd.torch.errors", "raysgd.torch.precision",
              "raysgd.torch.worker", "raysgd.torch.constants", "raysgd.torch.examples.train_example",
-             "raysgd.torch.progress", "raysgd.torch.results", "raysgd.torch.ray_data"]
+             "raysgd.torch.progress", "raysgd.torch.results", "raysgd.torch.ray_data",
+             "raysgd.torch.cursor"]
 
 
 @pytest.mark.parametrize("name", DOCTESTED)

@@ -14,7 +14,7 @@ import torch
 from raysgd.torch.constants import VALID_SCHEDULER_STEP
 from raysgd.torch.precision import validate_fp16
 from raysgd.torch.training_operator import TrainingOperator
-from raysgd.utils import BATCH_SIZE
+from raysgd.utils import BATCH_SIZE, DATA_SEED
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ DEPRECATED = {
     "apex_args": ("apex_args is deprecated here: pass apex_args to self.register(...) in your TrainingOperator's "
                   "setup() instead."),
     "data_loader_args": ("data_loader_args is deprecated: return a torch.utils.data.DataLoader from your data "
-                         "creator or register it in setup(); a DistributedSampler is added for num_workers > 1."),
+                         "creator or register it in setup(); it is sharded across the workers by its own sampler."),
     "model_creator": _CREATOR_HELP, "data_creator": _CREATOR_HELP, "optimizer_creator": _CREATOR_HELP,
     "scheduler_creator": _CREATOR_HELP, "loss_creator": _CREATOR_HELP,
 }
@@ -104,6 +104,9 @@ def check_arguments(*, training_operator_cls, initialization_hook, config, num_w
     _expect(initialization_hook is None or callable(initialization_hook), "initialization_hook",
             "a callable taking no arguments, or None", initialization_hook, TypeError)
     _expect(config is None or isinstance(config, dict), "config", "a dict or None", config, TypeError)
+    seed = (config or {}).get(DATA_SEED)
+    _expect(seed is None or (isinstance(seed, int) and not isinstance(seed, bool)), "config[DATA_SEED]",
+            "an int (the seed of the data order) or None", seed, TypeError)
     check_resources(num_workers, num_cpus_per_worker, use_gpu, use_local)
     use_gpu = torch.cuda.is_available() if use_gpu == "auto" else use_gpu
     _expect(backend in ("auto", "gloo", "nccl"), "backend", "'auto', 'gloo' or 'nccl'", backend)

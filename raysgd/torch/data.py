@@ -1,6 +1,12 @@
-"""Sharding registered DataLoaders across workers: a shuffling train sampler, exact validation shards.
+"""Sharding registered DataLoaders across workers by their own samplers, and moving batches to a device.
 
-Layer 1: imports torch only.
+Layer 1: imports torch and :mod:`raysgd.torch.cursor` (which decides the positions each rank reads).
+
+A map-style ``DataLoader`` is rebuilt with every setting it had, its sampler (or custom
+``batch_sampler``) wrapped in a :class:`~raysgd.torch.cursor.ShardSampler`: each rank reads every
+``world_size``-th position of the sampler's stream for the epoch, so a ``SubsetRandomSampler`` over
+the training indices stays exactly those indices. Training shards keep DDP in lockstep; validation
+shards are exact.
 
 Example:
     >>> import torch
@@ -9,75 +15,150 @@ Example:
     >>> shard = shard_loader(loader, rank=1, world_size=2, training=False)
     >>> [b[0].tolist() for b in shard]
     [[1.0, 3.0]]
+    >>> loader_cursor(shard, batches_taken=1)  # positions consumed by both ranks after one batch each
+    4
 """
+import collections.abc
 import logging
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
+
+from raysgd.torch.cursor import ShardSampler
 
 logger = logging.getLogger(__name__)
 
-# DataLoader settings carried over when a loader is rebuilt with a distributed sampler.
-_COPIED = ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn",
-           "multiprocessing_context", "generator", "persistent_workers", "pin_memory_device")
+# DataLoader settings carried over when a loader is rebuilt (batch_size and drop_last are set apart).
+_COPIED = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+           "generator", "persistent_workers", "pin_memory_device", "in_order")
 
 
-class ExactShardSampler(Sampler):
-    """Indices ``rank, rank + world_size, ...``: every sample lands on exactly one worker, none twice.
+def resolve_seed(loader, seed=None):
+    """The shuffle seed: ``seed`` (the ``DATA_SEED`` config key) if given, else the loader's or its
+    sampler's ``generator.initial_seed()``, else 0. It must be the same on every rank.
 
-    Used for validation so that metrics over N workers equal those of one process.
+    Example:
+        >>> resolve_seed(DataLoader(range(3), generator=torch.Generator().manual_seed(5)))
+        5
     """
+    if seed is not None:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"the data seed (config key 'data_seed') must be an int; got {type(seed).__name__} "
+                            f"{seed!r}")
+        return seed
+    for owner in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator):
+            return int(generator.initial_seed())
+    return 0
 
-    def __init__(self, dataset, rank, world_size):
-        self._indices = range(rank, len(dataset), world_size)
 
-    def __iter__(self):
-        return iter(self._indices)
-
-    def __len__(self):
-        return len(self._indices)
-
-
-def shard_loader(loader, rank, world_size, training):
+def shard_loader(loader, rank, world_size, training, seed=None):
     """Rebuild ``loader`` so that this rank reads only its shard; loaders that cannot be sharded pass through.
 
-    Training uses ``DistributedSampler`` (shuffled when the original loader shuffled; call
-    ``set_epoch`` every epoch); validation uses :class:`ExactShardSampler`.
+    Passed through: anything that is not a ``DataLoader``, iterable-style datasets, and loaders whose
+    sampler is already a ``DistributedSampler`` (sharded by the user). ``training`` keeps every rank at
+    the same batch count; validation shards are exact. ``seed``: see :func:`resolve_seed`.
     """
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return loader
-    if loader.batch_size is None:
-        logger.warning("DataLoader with a custom batch_sampler is not sharded: every worker reads all of it.")
+    if isinstance(loader.sampler, DistributedSampler):
+        logger.info("DataLoader already has a DistributedSampler: it is used as it is, not sharded again.")
         return loader
-    if training:
-        sampler = DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank,
-                                     shuffle=isinstance(loader.sampler, RandomSampler), seed=0)
-    else:
-        sampler = ExactShardSampler(loader.dataset, rank, world_size)
+    seed = resolve_seed(loader, seed)
     kwargs = {name: getattr(loader, name) for name in _COPIED if hasattr(loader, name)}
     if kwargs.get("num_workers", 0) > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     else:
         kwargs.pop("persistent_workers", None)
-    return DataLoader(loader.dataset, sampler=sampler, shuffle=False, **kwargs)
+    if loader.batch_size is None and loader.batch_sampler is not None:  # a custom batch_sampler: shard batches
+        shard = ShardSampler(loader.batch_sampler, rank, world_size, seed=seed, batch_size=1, lockstep=training)
+        return DataLoader(loader.dataset, batch_sampler=shard, **kwargs)
+    # batch_size=None turns automatic batching off: each index is a batch.
+    shard = ShardSampler(loader.sampler, rank, world_size, seed=seed, batch_size=loader.batch_size or 1,
+                         drop_last=loader.drop_last, lockstep=training)
+    return DataLoader(loader.dataset, sampler=shard, batch_size=loader.batch_size, drop_last=loader.drop_last,
+                      shuffle=False, **kwargs)
+
+
+def shard_sampler(loader):
+    """The :class:`~raysgd.torch.cursor.ShardSampler` of a loader built by :func:`shard_loader`, else None."""
+    for name in ("batch_sampler", "sampler"):
+        sampler = getattr(loader, name, None)
+        if isinstance(sampler, ShardSampler):
+            return sampler
+    return None
 
 
 def set_sampler_epoch(loader, epoch):
-    """Call ``loader.sampler.set_epoch(epoch)`` when the sampler has it (DistributedSampler)."""
-    sampler = getattr(loader, "sampler", None)
+    """Call ``set_epoch(epoch)`` on the loader's shard sampler, or its own sampler when it has one."""
+    sampler = shard_sampler(loader) or getattr(loader, "sampler", None)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
 
 
+def set_sampler_start(loader, consumed):
+    """Make the loader's next pass start at the global cursor ``consumed``; False when it is not sharded by us.
+
+    Example:
+        >>> shard = shard_loader(DataLoader(range(6), batch_size=1), rank=0, world_size=2, training=True)
+        >>> set_sampler_start(shard, 2), [int(b) for b in shard]
+        (True, [2, 4])
+    """
+    sampler = shard_sampler(loader)
+    if sampler is None:
+        return False
+    sampler.set_start(consumed)
+    return True
+
+
+def loader_cursor(loader, batches_taken):
+    """The global cursor after every rank took ``batches_taken`` batches of this pass; None if not sharded by us.
+
+    It counts positions of the epoch's stream (batches, for a custom ``batch_sampler``).
+    """
+    sampler = shard_sampler(loader)
+    return None if sampler is None else sampler.position_after(batches_taken)
+
+
 def to_device(batch, device, non_blocking=True):
-    """Move every tensor in a (nested) batch to ``device``; other objects pass through."""
+    """Move every tensor in a (nested) batch to ``device``; containers keep their type, other objects pass through.
+
+    Namedtuples, tuple and list subclasses and ``dict`` subclasses (``OrderedDict``, ``defaultdict``)
+    come back as the same type.
+
+    Example:
+        >>> import collections
+        >>> Pair = collections.namedtuple("Pair", "x y")
+        >>> to_device(Pair(torch.zeros(1), [torch.ones(1)]), "cpu")
+        Pair(x=tensor([0.]), y=[tensor([1.])])
+    """
     if device is None:
         return batch
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(to_device(item, device, non_blocking) for item in batch))
     if isinstance(batch, (list, tuple)):
         moved = [to_device(item, device, non_blocking) for item in batch]
-        return type(batch)(moved) if isinstance(batch, list) else tuple(moved)
-    if isinstance(batch, dict):
-        return {key: to_device(value, device, non_blocking) for key, value in batch.items()}
+        return _rebuild(batch, moved)
+    if isinstance(batch, collections.abc.Mapping):
+        moved = [(key, to_device(value, device, non_blocking)) for key, value in batch.items()]
+        return _rebuild(batch, moved)
     return batch
+
+
+def _rebuild(container, items):
+    """``type(container)(items)``, keeping a defaultdict's factory; a plain list/tuple/dict if that fails."""
+    kind = type(container)
+    if kind in (list, tuple, dict):
+        return kind(items)
+    try:
+        if isinstance(container, collections.defaultdict):
+            return kind(container.default_factory, items)
+        return kind(items)
+    except Exception:  # a subclass whose constructor takes other arguments
+        fallback = dict if isinstance(container, collections.abc.Mapping) else (
+            list if isinstance(container, list) else tuple)
+        logger.debug("to_device: rebuilding %s failed; returning a %s", kind.__name__, fallback.__name__)
+        return fallback(items)

@@ -16,6 +16,7 @@ Example:
     ...         self.register_data(train_loader=DataLoader(LinearDataset(2, 5), batch_size=32),
     ...                            validation_loader=DataLoader(LinearDataset(2, 5, size=100), batch_size=32))
 """
+import functools
 import logging
 
 import torch
@@ -24,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from raysgd.torch import data as _data
 from raysgd.torch.constants import SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH
 from raysgd.torch.precision import LegacyAmp, Precision
-from raysgd.utils import NUM_SAMPLES, AverageMeterCollection, TimerCollection
+from raysgd.utils import DATA_SEED, NUM_SAMPLES, AverageMeterCollection, TimerCollection
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class TrainingOperator:
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._use_tqdm = use_tqdm
         self._wrap_ddp = wrap_ddp and is_distributed
-        self._add_dist_sampler = add_dist_sampler and is_distributed
+        self._add_dist_sampler = add_dist_sampler  # also at world size 1: the data cursor needs a seeded order
         self._scheduler_step_freq = scheduler_step_freq
         self._precision = Precision(use_fp16, self._device)
         self._registered = False
@@ -132,11 +133,12 @@ class TrainingOperator:
         return tuple(returns)
 
     def register_data(self, *, train_loader=None, validation_loader=None):
-        """Register the loaders (any iterables); DataLoaders are sharded across workers when distributed."""
-        if self._add_dist_sampler:
-            train_loader = _data.shard_loader(train_loader, self._world_rank, self._world_size, training=True)
-            validation_loader = _data.shard_loader(validation_loader, self._world_rank, self._world_size,
-                                                   training=False)
+        """Register the loaders (any iterables); map-style DataLoaders are sharded by their own samplers."""
+        if self._add_dist_sampler:  # seeded by config[DATA_SEED]: see raysgd.torch.data.resolve_seed
+            shard = functools.partial(_data.shard_loader, rank=self._world_rank, world_size=self._world_size,
+                                      seed=self._config.get(DATA_SEED))
+            train_loader, validation_loader = shard(train_loader, training=True), shard(validation_loader,
+                                                                                        training=False)
         self._train_loader = train_loader
         self._validation_loader = validation_loader
 

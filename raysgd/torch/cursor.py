@@ -1,0 +1,270 @@
+"""The data cursor: which positions of an epoch's index stream each rank reads, and how many are consumed.
+
+Layer 1: imports torch (and numpy, only to isolate its global random stream). No Ray, no process group.
+
+The epoch's *global stream* is the loader's own sampler (or batch sampler) iterated once, with every
+random stream it could use seeded from ``(seed, epoch)``: the same list on every rank, and a replay of
+it after a failure. The process's own random streams (torch CPU, numpy, Python ``random``) are saved
+and restored around the draw, so sharding never shifts them.
+
+Rank ``r`` of ``W`` reads the stream's positions ``start + r, start + r + W, ...``, where the **cursor**
+``start`` counts the positions already consumed by all ranks together. After ``k`` full batches of
+``b`` items on every rank, exactly the first ``start + k * b * W`` positions are consumed
+(:meth:`ShardSampler.position_after`); a restart at that cursor, on any number of ranks, reads each
+remaining position exactly once.
+
+The tail of a training epoch (``lockstep=True``: every rank must run the same number of batches,
+because DDP steps together). Let ``R`` be the positions left and ``t = R mod (W * b)``:
+
+* ``drop_last``: every rank reads ``R // (W * b)`` full batches; the last ``t`` positions are skipped
+  (as ``DataLoader(drop_last=True)`` does on one process).
+* otherwise, with ``t == 0`` or ``t >= W``: every position is read exactly once; the last batch of
+  each rank is partial.
+* otherwise (``0 < t < W``, e.g. ``b == 1`` and ``R`` not a multiple of ``W``, or fewer positions
+  than ranks): ranks ``t..W-1`` would run one batch fewer, so each of them also reads one position
+  from the start of what was left. Those ``W - t`` samples are trained twice in that epoch; this is
+  the only case where exactly-once does not hold, and no fixed batch size can avoid it.
+
+Validation (``lockstep=False``) is exact: ``start + r, start + r + W, ...`` up to the end, unpadded,
+so ranks may differ by one item (and by one batch).
+
+Example:
+    >>> list(shard_positions(10, 0, rank=1, world_size=3))
+    [1, 4, 7]
+    >>> list(shard_positions(10, 4, rank=0, world_size=3))
+    [4, 7]
+    >>> from torch.utils.data import SubsetRandomSampler
+    >>> shards = [ShardSampler(SubsetRandomSampler([2, 4, 6, 8, 10]), r, 2, seed=7) for r in (0, 1)]
+    >>> sorted(list(shards[0]) + list(shards[1]))
+    [2, 4, 6, 8, 10]
+    >>> shards[0].position_after(num_batches=1, batch_size=2)
+    4
+"""
+import contextlib
+import hashlib
+import logging
+import random
+
+import torch
+from torch.utils.data import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+def epoch_seed(seed, epoch):
+    """A 63-bit seed for ``(seed, epoch)``: pairs never collide the way ``seed + epoch`` does.
+
+    Example:
+        >>> epoch_seed(0, 1) == epoch_seed(1, 0)
+        False
+    """
+    digest = hashlib.sha256(f"raysgd-cursor:{int(seed)}:{int(epoch)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+@contextlib.contextmanager
+def isolated_random_streams(seed):
+    """Seed torch's CPU generator, numpy's and Python's global streams with ``seed``; restore them after.
+
+    CUDA generators are never touched (a sampler draws on the CPU).
+
+    Example:
+        >>> before = torch.get_rng_state()
+        >>> with isolated_random_streams(3):
+        ...     a = torch.rand(1)
+        >>> with isolated_random_streams(3):
+        ...     b = torch.rand(1)
+        >>> bool(torch.equal(a, b)), bool(torch.equal(before, torch.get_rng_state()))
+        (True, True)
+    """
+    torch_state = torch.get_rng_state()
+    python_state = random.getstate()
+    try:
+        import numpy as np  # noqa: PLC0415 (optional: only to leave numpy's stream as it was)
+    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
+        np = None
+    numpy_state = np.random.get_state() if np is not None else None
+    try:
+        torch.default_generator.manual_seed(seed)  # not torch.manual_seed: that would reseed CUDA too
+        random.seed(seed)
+        if np is not None:
+            np.random.seed(seed % 2**32)
+        yield
+    finally:
+        torch.set_rng_state(torch_state)
+        random.setstate(python_state)
+        if np is not None:
+            np.random.set_state(numpy_state)
+
+
+def _generator_holders(base):
+    """The objects (the sampler, a batch sampler's inner sampler) whose ``generator`` attribute is set."""
+    holders = []
+    for obj in (base, getattr(base, "sampler", None)):
+        if obj is not None and "generator" in getattr(obj, "__dict__", {}):
+            holders.append(obj)
+    return holders
+
+
+def draw_stream(base, seed, epoch):
+    """The list ``base`` yields in ``epoch``: a deterministic function of ``(seed, epoch)``.
+
+    A ``generator`` attribute of ``base`` (or of its inner ``sampler``) is replaced by a fresh generator
+    seeded from ``(seed, epoch)`` during the draw, the global streams are isolated the same way, and
+    ``base.set_epoch(epoch)`` is called first when ``base`` has it.
+
+    Example:
+        >>> from torch.utils.data import RandomSampler
+        >>> draw_stream(RandomSampler(range(6)), 1, 0) == draw_stream(RandomSampler(range(6)), 1, 0)
+        True
+    """
+    derived = epoch_seed(seed, epoch)
+    if hasattr(base, "set_epoch"):
+        base.set_epoch(epoch)
+    holders = _generator_holders(base)
+    saved = [holder.generator for holder in holders]
+    try:
+        for holder in holders:
+            holder.generator = torch.Generator().manual_seed(derived)
+        with isolated_random_streams(derived):
+            return list(iter(base))
+    finally:
+        for holder, generator in zip(holders, saved):
+            holder.generator = generator
+
+
+def shard_positions(total, start, rank, world_size, *, batch_size=1, drop_last=False, lockstep=False):
+    """The stream positions rank ``rank`` of ``world_size`` reads, from cursor ``start`` of ``total``.
+
+    ``lockstep=False`` (validation): exact, unpadded. ``lockstep=True`` (training): every rank gets the
+    same number of batches of ``batch_size``; see the module docstring for how the tail is dealt.
+
+    Example:
+        >>> [list(shard_positions(5, 0, r, 2, batch_size=1, lockstep=True)) for r in (0, 1)]
+        [[0, 2, 4], [1, 3, 0]]
+        >>> [list(shard_positions(7, 0, r, 2, batch_size=2, lockstep=True)) for r in (0, 1)]
+        [[0, 2, 4, 6], [1, 3, 5]]
+        >>> [list(shard_positions(10, 1, r, 2, batch_size=2, drop_last=True, lockstep=True)) for r in (0, 1)]
+        [[1, 3, 5, 7], [2, 4, 6, 8]]
+    """
+    _check_shard_args(total, start, rank, world_size, batch_size)
+    if not lockstep:
+        return range(start + rank, total, world_size)
+    left = total - start
+    per_round = world_size * batch_size
+    if drop_last:
+        return range(start + rank, start + (left // per_round) * per_round, world_size)
+    positions = range(start + rank, total, world_size)
+    tail = left % per_round
+    if 0 < tail < world_size and rank >= tail:
+        return [*positions, start + (rank - tail) % left]
+    return positions
+
+
+def _check_shard_args(total, start, rank, world_size, batch_size):
+    for name, value in (("total", total), ("start", start), ("rank", rank), ("world_size", world_size),
+                        ("batch_size", batch_size)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"shard_positions: {name} must be an int; got {type(value).__name__} {value!r}")
+    if world_size < 1 or batch_size < 1:
+        raise ValueError(f"shard_positions: world_size and batch_size must be >= 1; got {world_size}, {batch_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"shard_positions: rank must be in [0, {world_size}); got {rank}")
+    if not 0 <= start <= total:
+        raise ValueError(f"shard_positions: the cursor start must be in [0, total={total}]; got {start}")
+
+
+class ShardSampler(Sampler):
+    """This rank's share of ``base``'s stream for the current epoch, from the cursor :attr:`start`.
+
+    ``base`` is the loader's own sampler (``batch_size`` = the loader's batch size) or its custom batch
+    sampler (``batch_size=1``: then each item is a batch and the cursor counts batches). ``lockstep``:
+    training (same batch count on every rank) or validation (exact shards).
+
+    Attributes: ``base``, ``rank``, ``world_size``, ``seed``, ``batch_size``, ``drop_last``,
+    ``lockstep``, ``epoch`` (set by :meth:`set_epoch`), ``start`` (the cursor this pass starts from) and
+    :attr:`total` (positions in the epoch's stream).
+
+    Example:
+        >>> from torch.utils.data import SequentialSampler
+        >>> shard = ShardSampler(SequentialSampler(range(10)), rank=1, world_size=2, batch_size=2)
+        >>> shard.set_start(4)
+        >>> list(shard), shard.position_after(1), shard.total
+        ([5, 7, 9], 8, 10)
+        >>> list(shard)  # a new pass starts at 0 unless set_start is called again
+        [1, 3, 5, 7, 9]
+    """
+
+    def __init__(self, base, rank, world_size, *, seed=0, batch_size=1, drop_last=False, lockstep=False):
+        _check_shard_args(0, 0, rank, world_size, batch_size)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"ShardSampler: seed must be an int; got {type(seed).__name__} {seed!r}")
+        self.base = base
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.batch_size = batch_size
+        self.drop_last = bool(drop_last)
+        self.lockstep = bool(lockstep)
+        self.epoch = 0
+        self.start = 0
+        self._pinned = False  # set_start was called for the next pass
+        self._stream = None  # (epoch, list) of the latest draw
+
+    def set_epoch(self, epoch):
+        """Use ``epoch``'s stream from the next pass; the cursor goes back to 0 unless :meth:`set_start` set it."""
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise ValueError(f"ShardSampler.set_epoch expects an int >= 0; got {epoch!r}")
+        self.epoch = epoch
+        if not self._pinned:
+            self.start = 0
+
+    def set_start(self, consumed):
+        """Start the next pass at the global cursor ``consumed`` (positions already read by all ranks)."""
+        if not isinstance(consumed, int) or isinstance(consumed, bool) or consumed < 0:
+            raise ValueError(f"ShardSampler.set_start expects an int >= 0 (a cursor); got {consumed!r}")
+        self.start = consumed
+        self._pinned = True
+
+    def stream(self):
+        """The current epoch's global stream (drawn once per epoch and kept)."""
+        if self._stream is None or self._stream[0] != self.epoch:
+            self._stream = (self.epoch, draw_stream(self.base, self.seed, self.epoch))
+        return self._stream[1]
+
+    @property
+    def total(self):
+        """Positions in the current epoch's stream."""
+        return len(self.stream())
+
+    def positions(self):
+        """This rank's positions for the pass starting at :attr:`start`."""
+        total = self.total
+        if self.start > total:
+            raise ValueError(f"the data cursor {self.start} is past the end of epoch {self.epoch}'s stream of "
+                             f"{total} positions: was it recorded for another dataset or sampler?")
+        return shard_positions(total, self.start, self.rank, self.world_size, batch_size=self.batch_size,
+                               drop_last=self.drop_last, lockstep=self.lockstep)
+
+    def position_after(self, num_batches, batch_size=None):
+        """The global cursor after ``num_batches`` batches of ``batch_size`` (default: ours) on every rank."""
+        batch_size = self.batch_size if batch_size is None else batch_size
+        if num_batches < 0 or batch_size < 1:
+            raise ValueError(f"position_after expects num_batches >= 0 and batch_size >= 1; "
+                             f"got {num_batches}, {batch_size}")
+        return min(self.start + num_batches * batch_size * self.world_size, self.total)
+
+    def __iter__(self):
+        if not self._pinned:
+            self.start = 0
+        self._pinned = False
+        self._stream = None  # a fresh draw per pass: the base may have changed (e.g. its indices)
+        stream = self.stream()
+        return iter([stream[p] for p in self.positions()])
+
+    def __len__(self):
+        return len(self.positions())
+
+    def __repr__(self):
+        return (f"ShardSampler(rank={self.rank}, world_size={self.world_size}, epoch={self.epoch}, "
+                f"start={self.start}, base={type(self.base).__name__})")

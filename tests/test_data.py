@@ -1,0 +1,128 @@
+"""Rebuilding DataLoaders with a shard of their own sampler (raysgd.torch.data), and batches moved to a device."""
+import collections
+import multiprocessing
+
+import pytest
+import torch
+from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
+                              SubsetRandomSampler, TensorDataset)
+
+from raysgd.torch import data
+from raysgd.torch.cursor import ShardSampler, draw_stream
+from raysgd.utils import DATA_SEED
+
+DATASET = TensorDataset(torch.arange(40))
+
+
+def indices(loader):
+    return [int(i) for batch in loader for i in batch[0]]
+
+
+def _collate(batch):
+    return torch.utils.data.default_collate(batch)
+
+
+def _init(worker_id):
+    pass
+
+
+def test_every_setting_carries_over():
+    generator = torch.Generator().manual_seed(21)
+    context = multiprocessing.get_context("spawn")
+    loader = DataLoader(DATASET, batch_size=5, sampler=SubsetRandomSampler(range(10)), num_workers=2,
+                        collate_fn=_collate, pin_memory=True, drop_last=True, timeout=7, worker_init_fn=_init,
+                        multiprocessing_context=context, generator=generator, prefetch_factor=3,
+                        persistent_workers=True, pin_memory_device="cpu", in_order=False)
+    shard = data.shard_loader(loader, rank=1, world_size=2, training=True)
+    for name in ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn",
+                 "multiprocessing_context", "generator", "prefetch_factor", "persistent_workers",
+                 "pin_memory_device", "in_order"):
+        assert getattr(shard, name) == getattr(loader, name), name
+    assert shard.in_order is False and shard.prefetch_factor == 3 and shard.generator is generator
+    assert isinstance(shard.sampler, ShardSampler) and shard.sampler.base is loader.sampler
+    assert shard.sampler.seed == 21 and shard.sampler.drop_last and shard.sampler.lockstep
+    single = data.shard_loader(DataLoader(DATASET, batch_size=4, shuffle=True), 0, 2, training=False)
+    assert single.prefetch_factor is None and single.persistent_workers is False
+    assert isinstance(single.sampler.base, RandomSampler) and not single.sampler.lockstep
+
+
+def test_subset_samplers_stay_subsets_and_shards_are_disjoint():
+    train_idx, val_idx = list(range(0, 40, 3)), list(range(1, 40, 3))  # 14 and 13 indices
+    for idx, training in ((train_idx, True), (val_idx, False)):
+        loader = DataLoader(DATASET, batch_size=3, sampler=SubsetRandomSampler(idx))
+        read = [indices(data.shard_loader(loader, r, 2, training=training)) for r in range(2)]
+        assert not set(read[0]) & set(read[1])
+        assert sorted(read[0] + read[1]) == sorted(idx)
+
+
+def test_the_seed_comes_from_the_config_key_or_the_generator():
+    def order(seed=None, **loader_kwargs):
+        loader = DataLoader(DATASET, batch_size=40, shuffle=True, **loader_kwargs)
+        return indices(data.shard_loader(loader, 0, 1, training=True, seed=seed))
+
+    assert order() == order(seed=0) != order(seed=1)  # the default seed is 0
+    assert order(generator=torch.Generator().manual_seed(1)) == order(seed=1)
+    assert order(seed=2, generator=torch.Generator().manual_seed(1)) == order(seed=2)  # the config key wins
+    assert DATA_SEED == "data_seed"
+    with pytest.raises(TypeError, match="data_seed"):
+        data.resolve_seed(DataLoader(DATASET), "3")
+
+
+def test_epochs_reshuffle_and_the_cursor_resumes():
+    loader = DataLoader(DATASET, batch_size=4, shuffle=True)
+    shard = data.shard_loader(loader, 0, 2, training=True)
+    first = indices(shard)
+    data.set_sampler_epoch(shard, 1)
+    second = indices(shard)
+    assert first != second
+    assert data.loader_cursor(shard, 2) == 16
+    assert data.set_sampler_start(shard, 16)
+    assert indices(shard) == second[8:]  # rank 0 continues where 2 batches on each of 2 ranks ended
+    stream = draw_stream(loader.sampler, 0, 1)
+    assert second == stream[0::2]
+
+
+def test_a_custom_batch_sampler_is_sharded_by_batches():
+    batches = BatchSampler(RandomSampler(range(40)), batch_size=6, drop_last=False)  # 7 batches
+    loader = DataLoader(DATASET, batch_sampler=batches)
+    shards = [data.shard_loader(loader, r, 2, training=False) for r in range(2)]
+    assert isinstance(shards[0].batch_sampler, ShardSampler) and shards[0].batch_sampler.base is batches
+    assert [len(s) for s in shards] == [4, 3]
+    read = [indices(s) for s in shards]
+    assert sorted(read[0] + read[1]) == list(range(40))
+    assert data.loader_cursor(shards[0], 2) == 4  # batches, not samples
+    lockstep = [data.shard_loader(loader, r, 2, training=True) for r in range(2)]
+    assert [len(s) for s in lockstep] == [4, 4]
+
+
+def test_what_is_not_sharded_passes_through():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+    own = DataLoader(DATASET, sampler=DistributedSampler(DATASET, num_replicas=2, rank=0))
+    for loader in (range(5), DataLoader(Stream()), own):
+        assert data.shard_loader(loader, 0, 2, training=True) is loader
+        assert data.loader_cursor(loader, 3) is None and not data.set_sampler_start(loader, 3)
+    data.set_sampler_epoch(own, 4)
+    assert own.sampler.epoch == 4
+    no_batching = data.shard_loader(DataLoader(DATASET, batch_size=None), 1, 2, training=False)
+    assert [int(x[0]) for x in no_batching][:3] == [1, 3, 5]
+
+
+Pair = collections.namedtuple("Pair", "features target")
+
+
+class Batch(list):
+    pass
+
+
+def test_to_device_keeps_container_types():
+    batch = Pair(torch.zeros(2), {"a": (torch.ones(1), Batch([torch.ones(1)]))})
+    moved = data.to_device(batch, "cpu")
+    assert type(moved) is Pair and type(moved.target["a"][1]) is Batch
+    ordered = data.to_device(collections.OrderedDict(x=torch.ones(1)), torch.device("cpu"))
+    assert type(ordered) is collections.OrderedDict
+    default = data.to_device(collections.defaultdict(list, x=[torch.ones(1)]), "cpu")
+    assert type(default) is collections.defaultdict and default.default_factory is list
+    assert data.to_device(batch, None) is batch
