@@ -135,7 +135,7 @@ class CountingModel(nn.Module):
 class CountingOperator(TrainingOperator):
     """``p[i]`` grows by exactly 1 each time sample ``i`` is trained (on any number of workers).
 
-    config: ``n`` samples, ``batch_size`` per worker, ``log`` (a file each executed batch appends a line
+    config: ``n`` samples, ``batch_size`` per worker, ``own_sampler`` (a :class:`CursorSampler`), ``log`` (a file each executed batch appends a line
     to), ``fault`` (``{"step", "marker", "rank"}``: that rank writes its pid to ``marker`` at that global
     step, then waits to be killed, once), ``batch_sleep``.
     """
@@ -151,8 +151,12 @@ class CountingOperator(TrainingOperator):
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         features = torch.randn(n, 4, generator=torch.Generator().manual_seed(5))
         dataset = TensorDataset(torch.arange(n), features)
-        sampler = CursorSampler(n, self.world_rank, self.world, seed=config.get("seed", 3))
-        self.register_data(train_loader=DataLoader(dataset, batch_size=config.get("batch_size", 4), sampler=sampler))
+        if config.get("own_sampler"):  # with TorchTrainer(add_dist_sampler=False)
+            sampler = CursorSampler(n, self.world_rank, self.world, seed=config.get("seed", 3))
+            loader = DataLoader(dataset, batch_size=config.get("batch_size", 4), sampler=sampler)
+        else:  # sharded by raysgd's data cursor
+            loader = DataLoader(dataset, batch_size=config.get("batch_size", 4), shuffle=True)
+        self.register_data(train_loader=loader)
 
     def train_batch(self, batch, batch_info):
         fault = self.config.get("fault")

@@ -19,7 +19,7 @@ N, BATCH, EVERY = 96, 4, 3  # 2 workers: 12 steps an epoch, a commit every 3
 @pytest.fixture
 def trainers(trainer_factory):
     defaults = {"training_operator_cls": CountingOperator, "num_workers": 2, "timeout_s": 20,
-                "add_dist_sampler": False, "commit_every_n_steps": EVERY, "initialization_hook": seeding_hook}
+                "commit_every_n_steps": EVERY, "initialization_hook": seeding_hook}
     return lambda **kwargs: trainer_factory(**{**defaults, **kwargs})
 
 
@@ -88,7 +88,8 @@ def test_kill_after_a_commit_resumes_exactly_once_and_bit_exact(trainers, tmp_pa
 
 def test_commits_off_replays_the_call_from_its_start(trainers, tmp_path):
     log, marker = str(tmp_path / "log"), str(tmp_path / "fault")
-    trainer = trainers(commit_every_n_steps=0, config={"n": N, "batch_size": BATCH, "log": log,
+    trainer = trainers(commit_every_n_steps=0, add_dist_sampler=False,  # and a user's own cursor sampler
+                       config={"n": N, "batch_size": BATCH, "log": log, "own_sampler": True,
                                                       "fault": {"step": 8, "rank": 1, "marker": marker}})
     kill_after_commit(trainer, marker, min_steps=None)
     stats = trainer.train()

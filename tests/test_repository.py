@@ -35,7 +35,8 @@ DOCTESTED = ["raysgd.utils", "raysgd.torch.recovery", "raysgd.torch.reduction", 
              "raysgd.torch.checkpoint", "raysgd.torch.data", "raysgd.torch.errors", "raysgd.torch.precision",
              "raysgd.torch.worker", "raysgd.torch.constants", "raysgd.torch.examples.train_example",
              "raysgd.torch.progress", "raysgd.torch.results", "raysgd.torch.ray_data",
-             "raysgd.torch.cursor"]
+             "raysgd.torch.cursor", "raysgd.torch.state", "raysgd.torch.committer", "raysgd.torch.commits",
+             "raysgd.torch.elastic"]
 
 
 @pytest.mark.parametrize("name", DOCTESTED)

@@ -63,10 +63,12 @@ def test_every_random_stream_is_restored():
     assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1]) and got[2] == expected[2]
 
 
-def test_a_loaded_commit_resumes_the_epoch_at_its_cursor():
+@pytest.mark.parametrize("own_sampler", [False, True], ids=["data-cursor", "own-sampler"])
+def test_a_loaded_commit_resumes_the_epoch_at_its_cursor(own_sampler):
     from helpers import CountingOperator
 
-    worker = TorchWorker(CountingOperator, {"n": 12, "batch_size": 2}, is_local=True)
+    worker = TorchWorker(CountingOperator, {"n": 12, "batch_size": 2, "own_sampler": own_sampler}, is_local=True,
+                         add_dist_sampler=not own_sampler)
     worker.setup_operator()
     saved = worker.state_dict()
     commit = {**saved, "cursor": {"epoch": 1, "consumed": 6, "steps": 3, "call_steps": 3}, "rng": [None]}
@@ -75,3 +77,18 @@ def test_a_loaded_commit_resumes_the_epoch_at_its_cursor():
     assert stats["epoch"] == 1 and stats["num_samples"] == 6
     p = worker.operator.model.p.detach()
     assert int(p.sum()) == 6 and set(p.tolist()) <= {0.0, 1.0}  # only the 6 samples after the cursor
+
+
+def test_a_state_taken_between_calls_inside_an_epoch_resumes_there():
+    from helpers import CountingOperator
+
+    worker = TorchWorker(CountingOperator, {"n": 12, "batch_size": 2}, is_local=True)
+    worker.setup_operator()
+    worker.train_epoch(num_steps=2)
+    saved = worker.state_dict()
+    assert saved["cursor"]["consumed"] == 4 and saved["cursor"]["epoch"] == 1
+    fresh = TorchWorker(CountingOperator, {"n": 12, "batch_size": 2}, is_local=True)
+    fresh.setup_operator()
+    fresh.load_state_dict(saved)
+    assert fresh.train_epoch()["num_samples"] == 8
+    assert torch.equal(fresh.operator.model.p.detach(), torch.ones(12))

@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 
 #: Steps measured before a time-based cadence is agreed.
 PROBE_STEPS = 5
+#: This process's latest commit timings (for benchmarks): ``in_loop_s`` (the host copy the loop waits for,
+#: including a wait for the previous commit), ``latency_s`` (from the copy's start until the store holds it),
+#: ``bytes`` and ``count``.
+STATS = {"in_loop_s": None, "latency_s": None, "bytes": None, "count": 0}
 
 
 def steps_between(every_n, interval_s, step_s):
@@ -115,6 +119,13 @@ class Committer:
             _state.set_rng_state(self.resume["rng"])
             self.resume = None
 
+    def cursor_now(self, epochs, loader):
+        """The cursor of an epoch stopped between calls (``train(num_steps=...)``), or None (none, or no cursor)."""
+        consumed = _cursor_of(loader, self.iter_batches) if loader is not None else None
+        if consumed is None:
+            return None
+        return {"epoch": epochs, "consumed": int(consumed), "steps": self.epoch_steps, "call_steps": 0}
+
     def load(self, cursor, rng):
         """Remember a loaded commit: the next epoch starts at its cursor with its random streams."""
         self.resume = {"cursor": dict(cursor), "rng": rng} if cursor else None
@@ -161,6 +172,7 @@ class Committer:
                                "Data or a loader without a sharding sampler); a failure replays the epoch.")
                 self._warned = True
             return
+        started = time.perf_counter()
         op = worker.operator
         record = {"rng": _state.rng_state(), "meters": op._partial_metrics(),
                   "cursor": {"epoch": worker.epochs, "consumed": int(consumed), "steps": self.epoch_steps,
@@ -170,15 +182,17 @@ class Committer:
         self.flush()  # at most one commit in flight: a slow sink slows training rather than piling up
         key = (plan.call_id, self.call_steps)
         self._thread = threading.Thread(target=self._send, args=(plan.sink, key, worker.world_rank,
-                                                                 worker.world_size, record), daemon=True)
+                                                                 worker.world_size, record, started), daemon=True)
         self._thread.start()
+        STATS["in_loop_s"] = time.perf_counter() - started
 
-    def _send(self, sink, key, rank, world_size, record):
+    def _send(self, sink, key, rank, world_size, record, started):
         try:
             buffer = io.BytesIO()
             torch.save(record, buffer)
             sink.put(key, rank, world_size, buffer.getvalue())
             self.sent += 1
+            STATS.update(latency_s=time.perf_counter() - started, bytes=buffer.tell(), count=STATS["count"] + 1)
         except Exception as err:  # noqa: BLE001 (a lost commit only costs recomputation)
             logger.warning("Commit %s of rank %d was not stored: %s", key, rank, err)
 

@@ -297,10 +297,6 @@ class TrainingOperator:
         self._require_registered()
         return self._optimizers
 
-    def _get_schedulers(self):
-        self._require_registered()
-        return self._schedulers
-
     def _get_train_loader(self):
         if self._train_loader is None:
             raise RuntimeError("No training loader: call self.register_data(train_loader=...) in setup(), "

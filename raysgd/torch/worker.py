@@ -72,6 +72,10 @@ class _PersistentIterator:
     def reset(self):
         self._iterator = None
 
+    @property
+    def mid_epoch(self):
+        return self._iterator is not None
+
     def _current(self):
         if self._iterator is None:
             loader = self._get_loader()
@@ -235,7 +239,12 @@ class TorchWorker:
     # ----------------------------------------------------------------- state
     def state_dict(self):
         """This worker's state (see :mod:`raysgd.torch.state`), with its own random streams as ``rng[0]``."""
-        return {**_state.capture(self.operator, self.epochs), _state.RNG: [_state.rng_state()]}
+        state = {**_state.capture(self.operator, self.epochs), _state.RNG: [_state.rng_state()]}
+        if self._train_iter.mid_epoch:  # train(num_steps=...) stopped inside an epoch: say where
+            cursor = self.committer.cursor_now(self.epochs, self.operator._train_loader)
+            if cursor is not None:
+                state[_state.CURSOR] = cursor
+        return state
 
     def load_state_dict(self, state):
         """Load a state (a snapshot, a checkpoint or a commit); a new epoch starts at the next train call.
@@ -272,7 +281,7 @@ class TorchWorker:
         return fn(self.operator)
 
     def update_scheduler(self, metric):
-        schedulers = self.operator._get_schedulers()
+        schedulers = self.operator._state_parts()["schedulers"]
         if not schedulers:
             raise TypeError("update_scheduler needs registered schedulers: pass register(schedulers=...) in setup()")
         for scheduler in schedulers:
