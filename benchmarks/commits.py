@@ -146,11 +146,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke-test", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per setting (median)")
     args = parser.parse_args()
     ray.init(address="local", num_cpus=4, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
                  [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])}})
-    repeats = 1 if args.smoke_test else 3
+    repeats = 1 if args.smoke_test else args.repeats
     results = {"overhead": [], "lost_work": [], "latency": []}
     try:
         for model in ("mlp", "resnet"):

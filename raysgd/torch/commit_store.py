@@ -25,9 +25,11 @@ class _StoreActor:
         self._complete = None  # (key, {rank: blob})
 
     def begin(self, call_id):
-        self._call, self._pending, self._complete = call_id, {}, None
+        if self._call is None or call_id > self._call:
+            self._call, self._pending, self._complete = call_id, {}, None
 
     def put(self, key, rank, world_size, blob):
+        self.begin(key[0])  # a worker's record may arrive before the driver's begin: calls only move forward
         if key[0] != self._call:
             return False  # a late record of a finished call
         size, records = self._pending.setdefault(tuple(key), (world_size, {}))
@@ -61,9 +63,9 @@ class CommitStore:
         self._actor = ray.remote(num_cpus=0)(_StoreActor).options(
             scheduling_strategy=here).remote()
 
-    def begin(self, call_id, timeout_s=60):
-        """Start a new call: older commits are dropped (they are not restart points any more)."""
-        ray.get(self._actor.begin.remote(call_id), timeout=timeout_s)
+    def begin(self, call_id):
+        """Start a new call: older commits are dropped (they are not restart points any more). Does not wait."""
+        self._actor.begin.remote(call_id)
 
     def put(self, key, rank, world_size, blob, timeout_s=600):
         """Store one rank's record (blocking until the store holds it)."""

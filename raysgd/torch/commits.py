@@ -55,6 +55,11 @@ class CommitPolicy:
     def enabled(self):
         return self.every_n != 0
 
+    def prepare(self):
+        """Start the store now (its process starts while the workers do), so that a failure never waits for it."""
+        if self.enabled and self._store is None:
+            self._store = CommitStore()
+
     def begin_call(self, trains=True, replay=False):
         """A new call (``trains``: a ``train()`` call); returns whether it commits.
 

@@ -105,6 +105,7 @@ class TorchTrainer:
         except BaseException:
             self.worker_group.shutdown(force=True)
             raise
+        self._commits.prepare()  # the store's process starts now, not when a failure needs it
 
     # ----------------------------------------------------------------- workers
     @property
