@@ -88,3 +88,91 @@ def exit_once_hook(marker):
 
 def seeding_hook():
     torch.manual_seed(1234)
+
+
+class CursorSampler(torch.utils.data.Sampler):
+    """A sampler with the data cursor's API, for tests that must not depend on how loaders are sharded.
+
+    The epoch's global order is a permutation of ``range(n)`` from ``(seed, epoch)``; from global position
+    ``start`` on, this rank takes every ``world_size``-th index.
+    """
+
+    def __init__(self, n, rank, world_size, seed=0):
+        self.n, self.rank, self.world_size, self.seed = n, rank, world_size, seed
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def set_start(self, consumed):
+        self.start = consumed
+
+    def _order(self):
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1000 + self.epoch))
+
+    def __iter__(self):
+        return iter(self._order()[self.start:][self.rank::self.world_size].tolist())
+
+    def __len__(self):
+        return len(range(self.start + self.rank, self.n, self.world_size))
+
+    def position_after(self, num_batches, batch_size):
+        return min(self.n, self.start + num_batches * batch_size * self.world_size)
+
+
+class CountingModel(nn.Module):
+    """``p[i]`` counts how often sample ``i`` was trained; a small dropout layer draws from torch's stream."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(n))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, idx, features):
+        return self.p[idx], torch.nn.functional.dropout(self.lin(features), 0.5, self.training)
+
+
+class CountingOperator(TrainingOperator):
+    """``p[i]`` grows by exactly 1 each time sample ``i`` is trained (on any number of workers).
+
+    config: ``n`` samples, ``batch_size`` per worker, ``own_sampler`` (a :class:`CursorSampler`), ``log`` (a file each executed batch appends a line
+    to), ``fault`` (``{"step", "marker", "rank"}``: that rank writes its pid to ``marker`` at that global
+    step, then waits to be killed, once), ``batch_sleep``.
+    """
+
+    def setup(self, config):
+        import torch.distributed as dist
+
+        n = config.get("n", 96)
+        model = CountingModel(n)
+        optimizer = torch.optim.SGD([{"params": [model.p], "lr": 1.0, "momentum": 0.0},
+                                     {"params": model.lin.parameters(), "lr": 0.01, "momentum": 0.9}])
+        self.model, self.optimizer = self.register(models=model, optimizers=optimizer)
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        features = torch.randn(n, 4, generator=torch.Generator().manual_seed(5))
+        dataset = TensorDataset(torch.arange(n), features)
+        if config.get("own_sampler"):  # with TorchTrainer(add_dist_sampler=False)
+            sampler = CursorSampler(n, self.world_rank, self.world, seed=config.get("seed", 3))
+            loader = DataLoader(dataset, batch_size=config.get("batch_size", 4), sampler=sampler)
+        else:  # sharded by raysgd's data cursor
+            loader = DataLoader(dataset, batch_size=config.get("batch_size", 4), shuffle=True)
+        self.register_data(train_loader=loader)
+
+    def train_batch(self, batch, batch_info):
+        fault = self.config.get("fault")
+        if fault and self.world_rank == fault.get("rank", 1) and self.global_step == fault["step"] \
+                and not os.path.exists(fault["marker"]):
+            with open(fault["marker"], "w") as handle:
+                handle.write(str(os.getpid()))
+            time.sleep(120)  # the test kills this process once the commit it waits for is stored
+        if self.config.get("log"):
+            with open(self.config["log"], "a") as handle:
+                handle.write(f"{self.world_rank} {self.global_step}\n")
+        time.sleep(self.config.get("batch_sleep", 0))
+        idx, features = batch
+        counts, out = self.model(idx, features)
+        loss = -counts.sum() * self.world + 0.01 * out.pow(2).sum()  # DDP's mean over ranks becomes a sum
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return {"train_loss": out.detach().pow(2).mean().item(), "num_samples": len(idx)}

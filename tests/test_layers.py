@@ -10,7 +10,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "raysgd"
 LAYERS = {
     "raysgd.utils": 0, "raysgd.torch.constants": 0, "raysgd.torch.errors": 0, "raysgd.torch.reduction": 0,
     "raysgd.torch.precision": 1, "raysgd.torch.data": 1, "raysgd.torch.checkpoint": 1,
-    "raysgd.torch.training_operator": 2, "raysgd.torch.creator_operator": 2,
+    "raysgd.torch.training_operator": 2, "raysgd.torch.creator_operator": 2, "raysgd.torch.state": 2,
+    "raysgd.torch.committer": 3, "raysgd.torch.commit_store": 4, "raysgd.torch.commits": 5, "raysgd.torch.elastic": 5,
     "raysgd.torch.worker": 3, "raysgd.torch.recovery": 3,
     "raysgd.torch.worker_group": 4, "raysgd.torch.mailbox": 4,
     "raysgd.torch.local_runner": 3, "raysgd.torch.worker_handle": 4, "raysgd.torch.placement": 4,  # the group's helpers
@@ -24,7 +25,7 @@ LAYERS = {
     "raysgd.torch.resnet": 1, "raysgd.plot": 0,
     "raysgd.torch.cursor": 1,  # the data cursor: which stream positions each rank reads
     "raysgd.torch.evaluation": 1,  # validation without collectives per batch
-    "raysgd.torch.model_copy": 1,
+    "raysgd.torch.model_copy": 1, "raysgd.torch.operator_precision": 2,
     "raysgd.torch.async_writer": 0, "raysgd.torch.storage": 1, "raysgd.torch.durable": 5,  # durable runs
     "raysgd.compat": 7, "raysgd.legacy": 7,  # package glue: the 1.x import mapping and its runner
     "raysgd": 7, "raysgd.torch": 7,  # the packages' public names
@@ -95,6 +96,7 @@ def test_modules_are_small_and_say_their_job(path):
 
 def test_only_the_worker_group_touches_actor_handles():
     for path in library_modules():
-        if module_name(path) in ("raysgd.torch.worker_group", "raysgd.torch.worker_handle", "raysgd.torch.mailbox"):
+        if module_name(path) in ("raysgd.torch.worker_group", "raysgd.torch.worker_handle", "raysgd.torch.mailbox",
+                                 "raysgd.torch.commit_store"):
             continue
         assert ".remote(" not in path.read_text(), f"{path.name} calls actors directly"

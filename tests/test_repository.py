@@ -36,7 +36,9 @@ DOCTESTED = ["raysgd.utils", "raysgd.torch.recovery", "raysgd.torch.reduction", 
              "raysgd.torch.worker", "raysgd.torch.constants", "raysgd.torch.examples.train_example",
              "raysgd.torch.progress", "raysgd.torch.results", "raysgd.torch.ray_data",
              "raysgd.torch.cursor", "raysgd.torch.evaluation",
-             "raysgd.torch.model_copy", "raysgd.data.dataset", "raysgd.data.examples.mlp_identity"]
+             "raysgd.torch.model_copy", "raysgd.data.dataset", "raysgd.data.examples.mlp_identity",
+             "raysgd.torch.state", "raysgd.torch.committer", "raysgd.torch.commits", "raysgd.torch.elastic",
+             "raysgd.torch.operator_precision"]
 
 
 @pytest.mark.parametrize("name", DOCTESTED)

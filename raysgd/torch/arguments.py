@@ -68,14 +68,34 @@ def check_resources(num_workers, num_cpus_per_worker, use_gpu, use_local, caller
         Traceback (most recent call last):
         ValueError: as_trainable: num_workers expects an int >= 1; got 0
     """
-    _expect(isinstance(num_workers, int) and not isinstance(num_workers, bool), "num_workers", "an int >= 1",
-            num_workers, TypeError, caller)
-    _expect(num_workers >= 1, "num_workers", "an int >= 1", num_workers, caller=caller)
+    worker_range(num_workers, caller)
     _expect(isinstance(num_cpus_per_worker, (int, float)) and not isinstance(num_cpus_per_worker, bool)
             and num_cpus_per_worker > 0, "num_cpus_per_worker", "a number > 0", num_cpus_per_worker, caller=caller)
     _expect(use_gpu == "auto" or isinstance(use_gpu, bool), "use_gpu", "True, False or 'auto'", use_gpu,
             caller=caller)
     _expect(isinstance(use_local, bool), "use_local", "True or False", use_local, TypeError, caller)
+
+
+def worker_range(num_workers, caller="TorchTrainer"):
+    """``(min, max)`` workers: an int ``N`` means ``(1, N)`` (1.x: up to N, down to 1); a tuple is checked.
+
+    Example:
+        >>> worker_range(4), worker_range((2, 4))
+        ((1, 4), (2, 4))
+        >>> worker_range((3, 2))
+        Traceback (most recent call last):
+        ValueError: TorchTrainer: num_workers expects an int >= 1 or a tuple (min, max) with 1 <= min <= max; got (3, 2)
+    """
+    expected = "an int >= 1 or a tuple (min, max) with 1 <= min <= max"
+    if isinstance(num_workers, tuple):
+        _expect(len(num_workers) == 2 and all(isinstance(n, int) and not isinstance(n, bool) for n in num_workers),
+                "num_workers", expected, num_workers, TypeError, caller)
+        _expect(1 <= num_workers[0] <= num_workers[1], "num_workers", expected, num_workers, caller=caller)
+        return tuple(num_workers)
+    _expect(isinstance(num_workers, int) and not isinstance(num_workers, bool), "num_workers", expected,
+            num_workers, TypeError, caller)
+    _expect(num_workers >= 1, "num_workers", "an int >= 1", num_workers, caller=caller)
+    return 1, num_workers
 
 
 def check_arguments(*, training_operator_cls, initialization_hook, config, num_workers, num_cpus_per_worker,
@@ -109,7 +129,7 @@ def check_arguments(*, training_operator_cls, initialization_hook, config, num_w
         _expect(isinstance(value, bool), name, "True or False", value, TypeError)
     _expect(not scheduler_step_freq or scheduler_step_freq in VALID_SCHEDULER_STEP, "scheduler_step_freq",
             f"one of {sorted(VALID_SCHEDULER_STEP)} or None", scheduler_step_freq)
-    if num_workers > 1 and not torch.distributed.is_available():
+    if worker_range(num_workers)[1] > 1 and not torch.distributed.is_available():
         raise ValueError("num_workers > 1 needs torch.distributed, which this torch build lacks")
     return use_gpu, backend
 

@@ -47,3 +47,5 @@ SGD_SHUTDOWN_TIMEOUT_S = _env_float("SGD_SHUTDOWN_TIMEOUT_S", 10)
 SGD_MAX_RESTART_TRIES = int(_env_float("SGD_MAX_RESTART_TRIES", 10))
 #: Cap of the exponential backoff between restart tries.
 SGD_BACKOFF_CAP_S = _env_float("SGD_BACKOFF_CAP_S", 60)
+#: Seconds of training between two commits inside an epoch (``TorchTrainer(commit_every_n_steps=None)``).
+SGD_COMMIT_INTERVAL_S = _env_float("SGD_COMMIT_INTERVAL_S", 30)

@@ -139,6 +139,27 @@ def as_input(dataset, operator_cls, num_steps=None):
     return dataset
 
 
+def rank_inputs(data, reporter, shard_cache, group, config, timeout_s):
+    """``rank_kwargs(num_workers)`` for ``train_epoch``: each rank's Ray Data shard, rank 0's progress reporter.
+
+    None when there is neither. Called for every attempt, so a retry gets fresh shards.
+    """
+    if data is None and reporter is None:
+        return None
+
+    def rank_kwargs(num_workers):
+        extra = [{} for _ in range(num_workers)]
+        if data is not None:
+            shards = shard_cache.shards(data, num_workers, group.generation, config, timeout_s)
+            for rank, shard in enumerate(shards):
+                extra[rank]["iterator"] = shard
+        if reporter is not None:
+            extra[0]["progress"] = reporter
+        return extra
+
+    return rank_kwargs
+
+
 def batch_size_per_worker(config, num_workers):
     """``config[BATCH_SIZE] // num_workers`` (at least 1), else ``config["batch_size"]``, else 32.
 

@@ -61,3 +61,43 @@ def reduce_worker_stats(stats):
                        "workers' samples still count in num_samples.",
                        ", ".join(f"{key} on rank(s) {ranks}" for key, ranks in nan_ranks.items()))
     return reduced
+
+
+def merge_partial(earlier, later):
+    """One worker's metrics over two consecutive parts of an epoch (each a summary with ``num_samples``).
+
+    ``num_samples`` and ``batch_count`` add up, ``last_*`` come from ``later``, other numbers are
+    averaged weighted by ``num_samples``.
+
+    Example:
+        >>> merge_partial({"num_samples": 30, "batch_count": 3, "loss": 1.0},
+        ...               {"num_samples": 10, "batch_count": 1, "loss": 3.0})
+        {'num_samples': 40, 'batch_count': 4, 'loss': 1.5}
+    """
+    if not earlier:
+        return later
+    if not later:
+        return earlier
+    n1, n2 = earlier.get(NUM_SAMPLES, 0) or 0, later.get(NUM_SAMPLES, 0) or 0
+    merged = dict(earlier)
+    for key, value in later.items():
+        old = earlier.get(key)
+        if key in (NUM_SAMPLES, BATCH_COUNT) and _is_number(old) and _is_number(value):
+            merged[key] = old + value
+        elif key.startswith("last_") or not (_is_number(old) and _is_number(value)) or n1 + n2 <= 0:
+            merged[key] = value
+        else:
+            merged[key] = (old * n1 + value * n2) / (n1 + n2)
+    return merged
+
+
+def merge_partials(earlier, later):
+    """Per-worker metrics of an epoch resumed on ``len(later)`` workers after ``len(earlier)`` committed some.
+
+    The committed part of old rank ``i`` is merged into new rank ``i % len(later)``.
+    """
+    merged = list(later)
+    for index, part in enumerate(earlier or ()):
+        if part and merged:
+            merged[index % len(merged)] = merge_partial(part, merged[index % len(merged)])
+    return merged

@@ -20,7 +20,8 @@ import types
 
 import ray
 
-from raysgd.torch import arguments, checkpoint, constants, durable, progress, ray_data, recovery, results
+from raysgd.torch import (arguments, checkpoint, commits, constants, durable, elastic, progress, ray_data,
+                          recovery, results)
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
@@ -53,8 +54,8 @@ class TorchTrainer:
     def __init__(self, *, training_operator_cls=None, initialization_hook=None, config=None, num_workers=1,
                  num_cpus_per_worker=1, use_gpu="auto", backend="auto", wrap_ddp=True, timeout_s=1800,
                  use_fp16=False, use_tqdm=False, add_dist_sampler=True, scheduler_step_freq=None,
-                 use_local=False, logdir=None, placement_strategy="SPREAD", storage_path=None, num_to_keep=2,
-                 resume=True, **deprecated):
+                 use_local=False, logdir=None, placement_strategy="SPREAD", commit_every_n_steps=None,
+                 storage_path=None, num_to_keep=2, resume=True, **deprecated):
         arguments.check_deprecated(deprecated)
         use_gpu, backend = arguments.check_arguments(
             training_operator_cls=training_operator_cls, initialization_hook=initialization_hook, config=config,
@@ -65,9 +66,9 @@ class TorchTrainer:
         self.training_operator_cls = training_operator_cls
         self.initialization_hook = initialization_hook
         self._requested_config = dict(config or {})
-        arguments.split_batch_size(self._requested_config, num_workers)  # checks BATCH_SIZE's value
+        self.min_replicas, self.max_replicas = arguments.worker_range(num_workers)
+        arguments.split_batch_size(self._requested_config, self.max_replicas)  # checks BATCH_SIZE's value
         self._config = dict(self._requested_config)
-        self.max_replicas = num_workers
         self.num_cpus_per_worker = num_cpus_per_worker
         self.use_gpu = use_gpu
         self.backend = backend
@@ -81,7 +82,9 @@ class TorchTrainer:
                                     backend=backend)
         self._num_failures = 0
         self._last_resize = float("-inf")
-        self._snapshot = None  # rank 0's state bytes, valid while nothing changed the state since
+        self._snapshot = None  # rank 0's state bytes: the restart point (kept until a fresher one is taken)
+        self._snapshot_stale = True  # the state may have moved on since the snapshot
+        self._commits = commits.CommitPolicy(commit_every_n_steps)
         self._resize_cooldown_s = constants._env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S)
         self._progress = progress.ProgressBar() if use_tqdm else None  # ValueError without tqdm, as 1.12
         self._results = results.open_result_log(logdir)
@@ -98,7 +101,9 @@ class TorchTrainer:
                                         use_gpu=use_gpu, use_local=use_local, timeout_s=timeout_s,
                                         placement_strategy=placement_strategy)
         try:
-            self._start_workers(num_workers)
+            elastic.start_first_group(self._start_workers, self.worker_group.how_many_fit, self.min_replicas,
+                                      self.max_replicas, isinstance(num_workers, tuple),
+                                      constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
             self._durable.resume(self.load_state_dict, timeout_s)  # from storage_path's newest checkpoint
         except WorkerFailure as err:
             self.worker_group.shutdown(force=True)
@@ -106,6 +111,7 @@ class TorchTrainer:
         except BaseException:
             self.worker_group.shutdown(force=True)
             raise
+        self._commits.prepare()  # the store's process starts now, not when a failure needs it
 
     # ----------------------------------------------------------------- workers
     @property
@@ -139,12 +145,12 @@ class TorchTrainer:
 
         def try_start(n):
             try:
-                for size in range(n, 0, -1):  # the resource view can lag a lost node: try smaller groups
+                for size in elastic.restart_sizes(n, self.min_replicas):  # the resource view can lag a lost node
                     try:
                         self._start_workers(size, pg_timeout_s=min(constants.SGD_PLACEMENT_GROUP_TIMEOUT_S, 10))
                         break
                     except TimeoutError:
-                        if size == 1:
+                        if size == self.min_replicas:
                             raise
                 self.worker_group.run("load_state_stream", ray.put(state), deadline_s=self.timeout_s)
             except BaseException:
@@ -154,7 +160,8 @@ class TorchTrainer:
 
         def retry_cleanup_fit():
             self.worker_group.shutdown(force=True)
-            return self.worker_group.how_many_fit(target, settle_s=2.0)
+            fit = self.worker_group.how_many_fit(target, settle_s=2.0)
+            return fit if fit >= self.min_replicas else 0  # never below the minimum: wait (backoff)
 
         started = recovery.restart_with_backoff(
             try_start, retry_cleanup_fit, tries=max_retries or constants.SGD_MAX_RESTART_TRIES,
@@ -173,34 +180,31 @@ class TorchTrainer:
             self._resize_worker_group(self._snapshot)
 
     def _take_snapshot(self):
-        """Rank 0's state bytes (any live rank's if rank 0 is gone: DDP replicas hold the same state)."""
-        if self._snapshot is None:
+        """Rank 0's current state bytes (any live rank's if rank 0 is gone: DDP replicas hold the same state)."""
+        if self._snapshot is None or self._snapshot_stale:
             self._snapshot = self.worker_group.first_answer("state_stream", deadline_s=self.timeout_s)
+            self._snapshot_stale = False
         return self._snapshot
 
     def _maybe_scale_up(self, state):
-        current = self.worker_group.num_workers
-        if current >= self.max_replicas:
-            return
-        extra = self.worker_group.how_many_fit(self.max_replicas - current)
-        logger.debug("scale-up check: %d of %d workers, %d more fit, %.1f s since the last resize", current,
-                     self.max_replicas, extra, time.monotonic() - self._last_resize)
-        if recovery.should_scale_up(current, self.max_replicas, extra, time.monotonic(), self._last_resize,
-                                    self._resize_cooldown_s):
-            logger.info("Scaling up from %d to %d workers", current, current + extra)
-            self._resize_worker_group(state, target=current + extra)
+        target = elastic.scale_up_target(self.worker_group, self.max_replicas, self._last_resize,
+                                         self._resize_cooldown_s)
+        if target is not None:
+            self._resize_worker_group(state, target=target)
 
     def _with_recovery(self, method, max_retries, **kwargs):
         """Run ``method`` on every worker; on a worker failure restart from the snapshot and retry."""
         if not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries expects an int >= 0; got {max_retries!r}")
         self._ensure_workers()
-        state = self._take_snapshot() if max_retries > 0 else None
-        if state is not None:
-            self._maybe_scale_up(state)
+        state = self._take_snapshot()  # the restart point, even with max_retries=0 (for the next call)
+        self._maybe_scale_up(state)
+        self._commits.begin_call(method == "train_epoch", replay=kwargs.pop("replay", False))
         for attempt in range(max_retries + 1):
             try:
-                return self.worker_group.run(method, **kwargs)
+                results = self.worker_group.run(method, **self._commits.with_plan(kwargs))
+                self._snapshot_stale = True  # train and validate (custom ones too) may change the state
+                return self._commits.finish(results)
             except WorkerFailure as failure:
                 self._num_failures += 1
                 if attempt == max_retries:
@@ -209,7 +213,9 @@ class TorchTrainer:
                 logger.warning("%s failed (%s); restarting workers, retry %d of %d", method, failure,
                                attempt + 1, max_retries)
                 try:
-                    self._resize_worker_group(state)
+                    resumed = self._commits.restart_state(kwargs)  # the latest commit, or None
+                    self._resize_worker_group(resumed if resumed is not None else state)
+                    self._snapshot = state  # a commit is a restart point inside this call only
                 except recovery.RestartGaveUp as err:
                     raise RuntimeError(f"Training run failed: the workers could not be restarted ({err}).") \
                         from failure
@@ -220,15 +226,12 @@ class TorchTrainer:
         raise AssertionError("unreachable")
 
     def _undo_partial_call(self, state):
-        """After user code raised mid-call, put the workers back to the call's starting state (if known)."""
-        if state is None:
-            self._snapshot = None  # unknown partial progress: the next snapshot is taken afresh
-        elif not self.worker_group.broken:  # a torn-down group restarts from the snapshot at the next call
-            try:
+        """After user code raised mid-call, put the workers back to the call's starting state."""
+        try:  # a torn-down group restarts from the snapshot at the next call
+            if not self.worker_group.broken:
                 self.worker_group.run("load_state_stream", ray.put(state), deadline_s=self.timeout_s)
-            except Exception as err:  # noqa: BLE001 (the user's error is the one to raise)
-                logger.warning("Could not restore the state after a failed call: %s", err)
-                self._snapshot = None
+        except Exception as err:  # noqa: BLE001 (the user's error is the one to raise)
+            logger.warning("Could not restore the state after a failed call: %s", err)
 
     # ----------------------------------------------------------------- train / validate
     def train(self, num_steps=None, profile=False, reduce_results=True, max_retries=3, info=None, dataset=None):
@@ -248,8 +251,10 @@ class TorchTrainer:
         completed = False
         try:
             stats = self._with_recovery("train_epoch", max_retries, num_steps=num_steps, profile=profile,
-                                        info=dict(info or {}), lockstep=True,
-                                        rank_kwargs=self._rank_inputs(data, reporter),
+                                        info=dict(info or {}), lockstep=True, replay=data is not None,
+                                        rank_kwargs=ray_data.rank_inputs(data, reporter, self._shards,
+                                                                         self.worker_group, self._requested_config,
+                                                                         self.timeout_s),
                                         on_tick=self._progress.tick if reporter is not None else None)
             completed = True
         finally:
@@ -257,26 +262,7 @@ class TorchTrainer:
                 self._progress.finish(completed)
             if data is not None and not completed:
                 self._shards.drop()  # the split may be stuck mid-epoch: split again next time
-        self._snapshot = None  # the state moved on
         return self._log_result("train", stats, reduce_results)
-
-    def _rank_inputs(self, data, reporter):
-        """Per-rank ``train_epoch`` arguments: each rank's Ray Data shard; the progress reporter for rank 0."""
-        if data is None and reporter is None:
-            return None
-
-        def rank_kwargs(num_workers):
-            extra = [{} for _ in range(num_workers)]
-            if data is not None:
-                shards = self._shards.shards(data, num_workers, self.worker_group.generation,
-                                             self._requested_config, self.timeout_s)
-                for rank, shard in enumerate(shards):
-                    extra[rank]["iterator"] = shard
-            if reporter is not None:
-                extra[0]["progress"] = reporter
-            return extra
-
-        return rank_kwargs
 
     def _log_result(self, phase, stats, reduce_results):
         """Reduce the per-worker stats, log them (``logdir``), checkpoint (``storage_path``), return what was asked."""
@@ -298,26 +284,27 @@ class TorchTrainer:
 
     # ----------------------------------------------------------------- operators and models
     def _run(self, method, *args, **kwargs):
+        """Run ``method`` everywhere; a lost worker restarts from the last snapshot at the next call."""
         self._ensure_workers()
+        self._take_snapshot()  # a current restart point before anything can change the state
         try:
-            return self.worker_group.run(method, *args, **kwargs)
+            result = self.worker_group.run(method, *args, **kwargs)
+            self._snapshot_stale = True
+            return result
         except WorkerFailure as failure:
             self._num_failures += 1
             raise RuntimeError(f"{method} failed: a worker was lost (it restarts at the next call).") from failure
 
     def apply_all_workers(self, fn):
         """Call ``fn()`` on every worker; returns the results in rank order."""
-        self._snapshot = None
         return self._run("apply", fn)
 
     def apply_all_operators(self, fn):
         """Call ``fn(operator)`` on every worker's operator; returns the results in rank order."""
-        self._snapshot = None
         return self._run("apply_operator", fn)
 
     def update_scheduler(self, metric):
         """Call ``scheduler.step(metric)`` on every worker (for ``scheduler_step_freq="manual"``)."""
-        self._snapshot = None
         self._run("update_scheduler", metric)
 
     def get_model(self, to_cpu=False):
@@ -350,7 +337,16 @@ class TorchTrainer:
     def state_dict(self):
         """Rank 0's state: ``{epoch, global_step, operator, models, optimizers[, schedulers][, amp_*]}`` on CPU."""
         self._ensure_workers()
+        self._snapshot_stale = True  # always the current state (custom validate, get_local_operator, ...)
         return checkpoint.state_from_bytes(self._take_snapshot())
+
+    def latest_commit(self):
+        """The latest complete commit of the running (or last) ``train()`` call as a state dict, or None.
+
+        Its ``cursor`` and per-rank ``rng`` let :meth:`load_state_dict` resume that epoch exactly there.
+        Example: ``trainer.latest_commit()["cursor"]["consumed"]``; safe from another thread during train().
+        """
+        return self._commits.latest_state()
 
     def load_state_dict(self, state_dict, blocking=False):
         """Load ``state_dict`` (or its ``torch.save`` bytes) on every worker (each onto its own device).
@@ -364,7 +360,7 @@ class TorchTrainer:
             self._run("load_state_stream", ref)
         else:
             self.worker_group.submit("load_state_stream", ref)
-        self._snapshot = stream
+        self._snapshot, self._snapshot_stale = stream, False
 
     def save(self, checkpoint_path):
         """Write the trainer state to ``checkpoint_path`` atomically (and to ``storage_path``); returns the path."""
@@ -385,7 +381,7 @@ class TorchTrainer:
             if isinstance(group, WorkerGroup):
                 group.shutdown(force=force)  # returns once Ray shows the resources free (bounded)
         finally:
-            for name in ("_progress", "_results", "_shards", "_durable"):  # bar, logs, Ray Data split, uploads
+            for name in ("_progress", "_results", "_shards", "_durable", "_commits"):  # bar, logs, uploads
                 extra = self.__dict__.get(name)
                 try:
                     if extra is not None:

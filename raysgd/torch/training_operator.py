@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raysgd.torch import data as _data
 from raysgd.torch.constants import SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH
+from raysgd.torch.operator_precision import PrecisionHelpers
 from raysgd.torch.precision import LegacyAmp, Precision
 from raysgd.utils import DATA_SEED, NUM_SAMPLES, AverageMeterCollection, TimerCollection
 
@@ -52,7 +53,7 @@ def _check_dict(name, value):
     return value or {}
 
 
-class TrainingOperator:
+class TrainingOperator(PrecisionHelpers):
     """Defines the training components of one worker and how an epoch and a batch are run.
 
     Subclass it and implement :meth:`setup`; override :meth:`train_batch`, :meth:`train_epoch`,
@@ -84,7 +85,7 @@ class TrainingOperator:
         self._schedulers = None
         self._train_loader = self._validation_loader = None
         self.timers = TimerCollection()
-        self.global_step = 0
+        self.global_step, self._running_meters = 0, None  # the meters of the running default-loop epoch
         self.setup(config)
 
     # ----------------------------------------------------------------- user hooks
@@ -149,7 +150,7 @@ class TrainingOperator:
         """
         info = dict(info or {})
         self._set_mode(training=True)
-        meters = AverageMeterCollection()
+        meters = self._running_meters = AverageMeterCollection()
         for batch_idx, batch in enumerate(iterator):
             batch_info = {"batch_idx": batch_idx, "global_step": self.global_step, **info}
             metrics = dict(self.train_batch(batch, batch_info))
@@ -160,6 +161,7 @@ class TrainingOperator:
             self._report_progress(batch_idx, metrics, info)
         if self._scheduler_step_freq == SCHEDULER_STEP_EPOCH:
             self._step_schedulers()
+        self._running_meters = None
         return meters.summary()
 
     def train_batch(self, batch, batch_info):
@@ -213,46 +215,6 @@ class TrainingOperator:
     def load_state_dict(self, state_dict):
         """Restore what :meth:`state_dict` returned. Override it; the default does nothing."""
 
-    # ----------------------------------------------------------------- mixed-precision helpers
-    def autocast(self):
-        """Context manager for the forward pass under ``use_fp16`` (a no-op in fp32).
-
-        Example:
-            >>> # with self.autocast():
-            >>> #     loss = criterion(model(x), y)
-        """
-        return self._precision.autocast()
-
-    def backward(self, loss, optimizer=None):
-        """``loss.backward()``, scaled under fp16 (GradScaler, or apex which needs ``optimizer``)."""
-        self._precision.backward(loss, optimizer)
-
-    def step(self, *optimizers, update=True):
-        """Step the optimizers through the scaler (skipping inf/NaN steps), then update the scale, which must happen
-        once per iteration: with optimizers stepped apart (a GAN) pass ``update=False`` to all but the last."""
-        self._precision.step(*optimizers, update=update)
-
-    def update_scale(self):
-        """Update the fp16 loss scale once for this iteration (after ``step(..., update=False)``)."""
-        self._precision.update_scale()
-
-    def unscale_gradients(self, optimizer):
-        """Unscale ``optimizer``'s gradients in place, e.g. before ``clip_grad_norm_``."""
-        self._precision.unscale_(optimizer)
-
-    def backward_and_step(self, loss, optimizer, clip_grad_norm=None, update_scale=True):
-        """``zero_grad``, scaled backward, optional clipping and the step; ``update_scale=False`` leaves the scale
-        update to a later step of the iteration. Example (a GAN's train_batch):
-            >>> # self.backward_and_step(d_loss, opt_d, update_scale=False); self.backward_and_step(g_loss, opt_g)
-        """
-        optimizer.zero_grad()
-        self.backward(loss, optimizer)
-        if clip_grad_norm is not None:
-            self.unscale_gradients(optimizer)
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-        self.step(optimizer, update=update_scale)
-
     # ----------------------------------------------------------------- internals
     def _component(self, attr, registered):
         """``self.<attr>`` if the user set it, else the single registered component of that kind."""
@@ -286,6 +248,15 @@ class TrainingOperator:
         if reporter is not None:
             reporter(batch_idx, metrics, info)
 
+    def _state_parts(self):
+        """What this operator owns of the training state, for :mod:`raysgd.torch.state` (the one reader)."""
+        self._require_registered()
+        return dict(models=self._original_models, optimizers=self._optimizers, precision=self._precision,
+                    schedulers=self._schedulers)
+
+    def _partial_metrics(self):  # the default loop's metrics of the running epoch so far (else None)
+        return self._running_meters.summary() if self._running_meters is not None else None
+
     def _get_original_models(self):
         self._require_registered()
         return self._original_models
@@ -293,14 +264,6 @@ class TrainingOperator:
     def _get_optimizers(self):
         self._require_registered()
         return self._optimizers
-
-    def _get_schedulers(self):
-        self._require_registered()
-        return self._schedulers
-
-    def _get_criterion(self):
-        self._require_registered()
-        return self._criterion
 
     def _get_train_loader(self):
         if self._train_loader is None:

@@ -108,7 +108,7 @@ def resource_bundles(resources):
     if resources["use_gpu"]:
         worker["GPU"] = 1
     head = [] if resources["use_local"] else [{"CPU": 1}]
-    return head + [dict(worker) for _ in range(resources["num_workers"])]
+    return head + [dict(worker) for _ in range(arguments.worker_range(resources["num_workers"])[1])]
 
 
 def trainer_kwargs_for(tune_config, trainer_kwargs):

@@ -32,6 +32,8 @@ from raysgd.torch import checkpoint
 from raysgd.torch import data as _data
 from raysgd.torch import evaluation
 from raysgd.torch import model_copy
+from raysgd.torch import state as _state
+from raysgd.torch.committer import Committer
 from raysgd.torch.constants import NUM_STEPS, USE_FP16
 from raysgd.torch.errors import CollectiveError, is_collective_failure
 from raysgd.utils import TimerCollection
@@ -63,9 +65,10 @@ class _PersistentIterator:
     one ran out; ``on_new_epoch`` is called just before.
     """
 
-    def __init__(self, get_loader, on_new_epoch, on_abandon=None):
+    def __init__(self, get_loader, on_new_epoch, after_iter=None, on_abandon=None):
         self._get_loader = get_loader
         self._on_new_epoch = on_new_epoch
+        self._after_iter = after_iter or (lambda: None)
         self._on_abandon = on_abandon
         self._iterator = None
 
@@ -83,11 +86,16 @@ class _PersistentIterator:
             self._iterator = None
             raise
 
+    @property
+    def mid_epoch(self):
+        return self._iterator is not None
+
     def _current(self):
         if self._iterator is None:
             loader = self._get_loader()
             self._on_new_epoch(loader)
             self._iterator = iter(loader)
+            self._after_iter()
         return self._iterator
 
     def take(self, num_steps=None):
@@ -131,7 +139,8 @@ class TorchWorker:
         self._is_local = is_local
         self._options = dict(use_fp16=use_fp16, use_tqdm=use_tqdm, wrap_ddp=wrap_ddp,
                              add_dist_sampler=add_dist_sampler, scheduler_step_freq=scheduler_step_freq)
-        self._train_iter = _PersistentIterator(self._train_loader, self._on_new_train_epoch,
+        self.committer = Committer()
+        self._train_iter = _PersistentIterator(self._train_loader, self._on_new_train_epoch, self.committer.after_iter,
                                                on_abandon=self._rewind_train_epoch)
         self._val_iter = _PersistentIterator(self._validation_loader, lambda loader: None)
         if not is_local and num_cpus:
@@ -193,6 +202,7 @@ class TorchWorker:
 
     def _on_new_train_epoch(self, loader):
         _data.set_sampler_epoch(loader, self.epochs)
+        self.committer.begin_epoch(loader)
         self.epochs += 1
 
     def _rewind_train_epoch(self):
@@ -206,12 +216,13 @@ class TorchWorker:
             self.timers.disable()
 
     @_guard_collectives
-    def train_epoch(self, num_steps=None, profile=False, info=None, iterator=None, progress=None):
+    def train_epoch(self, num_steps=None, profile=False, info=None, iterator=None, progress=None, commit=None):
         """Train ``num_steps`` batches (default: the rest of the epoch); returns ``{"epoch", **metrics}``.
 
         ``iterator`` (e.g. a Ray Data shard) replaces the registered loader for this call and
         counts as one epoch. ``progress`` (rank 0 with ``use_tqdm``) is a
         :class:`~raysgd.torch.progress.ProgressReporter` fed by the operator's per-batch hook.
+        ``commit`` (a :class:`~raysgd.torch.committer.CommitPlan`) commits between batches.
         """
         self._begin(profile)
         info = {**(info or {}), NUM_STEPS: num_steps, USE_FP16: self.operator.use_fp16, "epoch_idx": self.epochs}
@@ -221,6 +232,8 @@ class TorchWorker:
                 batches = iterator if num_steps is None else itertools.islice(iterator, num_steps)
             else:
                 batches = self._train_iter.take(num_steps)
+            batches = self.committer.batches(self, batches, commit if iterator is None else None,
+                                             lambda: self.operator._train_loader)
             reporting = contextlib.nullcontext() if progress is None else progress.attach(
                 self.operator, num_steps, iterator if iterator is not None else self.operator._train_loader)
             fresh = self._train_iter.fresh_after_error() if iterator is None else contextlib.nullcontext()
@@ -245,35 +258,26 @@ class TorchWorker:
 
     # ----------------------------------------------------------------- state
     def state_dict(self):
-        """``{epoch, global_step, operator, models, optimizers[, schedulers][, amp_*]}``; models unwrapped."""
-        op = self.operator
-        state = {
-            "epoch": self.epochs,
-            "global_step": op.global_step,
-            "operator": op.state_dict(),
-            "models": [model.state_dict() for model in op._get_original_models()],
-            "optimizers": [opt.state_dict() for opt in op._get_optimizers()],
-        }
-        if op._schedulers:
-            state["schedulers"] = [sched.state_dict() for sched in op._schedulers]
-        state.update(op.precision.state_dict())
+        """This worker's state (see :mod:`raysgd.torch.state`), with its own random streams as ``rng[0]``."""
+        state = {**_state.capture(self.operator, self.epochs), _state.RNG: [_state.rng_state()]}
+        if self._train_iter.mid_epoch:  # train(num_steps=...) stopped inside an epoch: say where
+            cursor = self.committer.cursor_now(self.epochs, self.operator._train_loader)
+            if cursor is not None:
+                state[_state.CURSOR] = cursor
         return state
 
     def load_state_dict(self, state):
-        """Load a :meth:`state_dict` (a new epoch starts at the next train call)."""
-        op = self.operator
-        for model, model_state in zip(op._get_original_models(), state["models"]):
-            model.load_state_dict(model_state)
-        for opt, opt_state in zip(op._get_optimizers(), state["optimizers"]):
-            opt.load_state_dict(opt_state)
-        for sched, sched_state in zip(op._schedulers or (), state.get("schedulers", ())):
-            sched.load_state_dict(sched_state)
-        op.precision.load_state_dict(state)
-        self.epochs = state["epoch"]
-        op.global_step = state.get("global_step", op.global_step)
+        """Load a state (a snapshot, a checkpoint or a commit); a new epoch starts at the next train call.
+
+        A commit's ``cursor`` makes that epoch resume where the commit was taken, with this rank's
+        random streams from it (applied once the epoch's iterator exists, as in the original run).
+        """
+        epoch = _state.restore(self.operator, state)
+        cursor = state.get(_state.CURSOR)
+        self.epochs = cursor["epoch"] - 1 if cursor else epoch
+        self.committer.load(cursor, _state.rank_rng(state, self.world_rank))
         self._train_iter.reset()
         self._val_iter.reset()
-        op.load_state_dict(state["operator"])
 
     def state_stream(self):
         """:meth:`state_dict` as ``torch.save`` bytes."""
@@ -297,7 +301,7 @@ class TorchWorker:
         return fn(self.operator)
 
     def update_scheduler(self, metric):
-        schedulers = self.operator._get_schedulers()
+        schedulers = self.operator._state_parts()["schedulers"]
         if not schedulers:
             raise TypeError("update_scheduler needs registered schedulers: pass register(schedulers=...) in setup()")
         for scheduler in schedulers:

@@ -1,0 +1,91 @@
+"""Where commits live: a 0-CPU actor on the driver's node holding the latest complete commit of the call.
+
+Layer 4, beside :mod:`raysgd.torch.worker_group` and :mod:`raysgd.torch.mailbox` (the modules that touch
+actor handles). Workers push their records to it (each ``put`` returns once the bytes are in the
+actor's memory, so a commit never depends on an object owned by a worker that may die); it survives
+the loss of any worker node. The driver reads the latest complete commit after a failure.
+
+Example:
+    >>> # store = CommitStore(); store.begin(1); store.put((1, 10), 0, 1, blob); store.latest(1) -> ((1, 10), {0: blob})
+"""
+import io
+import logging
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+logger = logging.getLogger(__name__)
+
+
+class _StoreActor:
+    def __init__(self):
+        self._call = None
+        self._pending = {}  # key -> (world_size, {rank: blob})
+        self._complete = None  # (key, {rank: blob})
+
+    def begin(self, call_id):
+        if self._call is None or call_id > self._call:
+            self._call, self._pending, self._complete = call_id, {}, None
+
+    def put(self, key, rank, world_size, blob):
+        self.begin(key[0])  # a worker's record may arrive before the driver's begin: calls only move forward
+        if key[0] != self._call:
+            return False  # a late record of a finished call
+        size, records = self._pending.setdefault(tuple(key), (world_size, {}))
+        if size != world_size:  # a record of an older attempt at another size under the same key
+            self._pending[tuple(key)] = (world_size, {})
+            size, records = self._pending[tuple(key)]
+        records[rank] = blob
+        if len(records) == size and (self._complete is None or tuple(key) >= self._complete[0]):
+            self._complete = (tuple(key), records)
+            self._pending = {k: v for k, v in self._pending.items() if k > tuple(key)}
+        return True
+
+    def latest(self, call_id):
+        if self._complete is None or self._complete[0][0] != call_id:
+            return None
+        return self._complete
+
+    def count(self):
+        return 0 if self._complete is None else 1
+
+
+class CommitStore:
+    """The driver's end of the commits (and, pickled to a worker, the sending end).
+
+    Example:
+        >>> # store = CommitStore(); plan = CommitPlan(store, every_n=10, ...); store.latest_state(call_id)
+    """
+
+    def __init__(self):
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self._actor = ray.remote(num_cpus=0)(_StoreActor).options(
+            scheduling_strategy=here).remote()
+
+    def begin(self, call_id):
+        """Start a new call: older commits are dropped (they are not restart points any more). Does not wait."""
+        self._actor.begin.remote(call_id)
+
+    def put(self, key, rank, world_size, blob, timeout_s=600):
+        """Store one rank's record (blocking until the store holds it)."""
+        return ray.get(self._actor.put.remote(tuple(key), rank, world_size, blob), timeout=timeout_s)
+
+    def latest(self, call_id, timeout_s=60):
+        """``(key, {rank: blob})`` of the call's latest complete commit, or None."""
+        return ray.get(self._actor.latest.remote(call_id), timeout=timeout_s)
+
+    def latest_records(self, call_id, timeout_s=60):
+        """``(key, {rank: record})`` with the records loaded (on CPU), or None."""
+        found = self.latest(call_id, timeout_s)
+        if found is None:
+            return None
+        key, blobs = found
+        return key, {rank: torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
+                     for rank, blob in blobs.items()}
+
+    def close(self):
+        try:
+            ray.kill(self._actor, no_restart=True)
+        except Exception as err:  # noqa: BLE001 (already gone with the cluster)
+            logger.debug("commit store: %s", err)

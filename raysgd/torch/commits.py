@@ -1,0 +1,144 @@
+"""The trainer's side of commits: one store per trainer, a plan per attempt, the restart point after a failure.
+
+Layer 5 helper of :mod:`raysgd.torch.torch_trainer`. Commits are taken by the workers
+(:mod:`raysgd.torch.committer`) and kept in a store next to the driver (:mod:`raysgd.torch.commit_store`).
+After a failure the call resumes from the latest complete commit, on however many workers fit; the
+metrics of the committed part are merged with those of the rest, so the call reports the whole epoch.
+
+Example:
+    >>> policy = CommitPolicy(every_n=0)
+    >>> policy.enabled
+    False
+"""
+import logging
+
+from raysgd.torch import checkpoint, constants
+from raysgd.torch import state as _state
+from raysgd.torch.commit_store import CommitStore
+from raysgd.torch.committer import CommitPlan
+from raysgd.torch.reduction import merge_partials
+
+logger = logging.getLogger(__name__)
+
+
+def commit_interval_s():
+    """``SGD_COMMIT_INTERVAL_S`` (seconds between commits when ``commit_every_n_steps=None``)."""
+    return constants._env_float("SGD_COMMIT_INTERVAL_S", constants.SGD_COMMIT_INTERVAL_S)
+
+
+def check_every_n(value, caller="TorchTrainer"):
+    """``commit_every_n_steps``: None (time-based), 0 (off) or a positive int."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{caller}: commit_every_n_steps expects None (about every SGD_COMMIT_INTERVAL_S "
+                         f"seconds), 0 (off) or an int > 0; got {value!r}")
+    return value
+
+
+class CommitPolicy:
+    """Commits of one trainer: the store (made on first use), the call's attempts and their merged metrics.
+
+    Example:
+        >>> # policy.begin_call(); kwargs["commit"] = policy.plan(); ...; state = policy.restart_state()
+    """
+
+    def __init__(self, every_n):
+        self.every_n = check_every_n(every_n)
+        self._store = None
+        self._call = 0
+        self._attempt = 0
+        self._carried = {0: None}
+        self.last_key = None  # the key of the commit the last resume started from
+        self.active = False  # whether the running call commits
+        self._num_steps = None
+
+    @property
+    def enabled(self):
+        return self.every_n != 0
+
+    def prepare(self):
+        """Start the store now (its process starts while the workers do), so that a failure never waits for it."""
+        if self.enabled and self._store is None:
+            self._store = CommitStore()
+
+    def begin_call(self, trains=True, replay=False):
+        """A new call (``trains``: a ``train()`` call); returns whether it commits.
+
+        ``replay``: its input has no data cursor (Ray Data), so it takes no commits and a failure
+        replays it from its start (logged). The commits of the previous call are no restart point any more.
+        """
+        if trains and replay and self.enabled:
+            logger.warning("train(dataset=...) takes no commits: a failure replays this call from its start.")
+        self.active = bool(trains) and not replay and self.enabled
+        if not self.active:
+            return False
+        if self._store is None:
+            self._store = CommitStore()
+        self._call += 1
+        self._attempt, self._carried, self.last_key = 0, {0: None}, None
+        self._store.begin(self._call)
+        return True
+
+    def with_plan(self, kwargs):
+        """The call's keyword arguments, with this attempt's :class:`CommitPlan` when the call commits."""
+        if not self.active:
+            return kwargs
+        self._num_steps = kwargs.get("num_steps") if self._attempt == 0 else self._num_steps
+        return {**kwargs, "commit": self.plan()}
+
+    def plan(self):
+        """The :class:`CommitPlan` of the current attempt (sent to every worker with the call)."""
+        return CommitPlan(self._store, self.every_n or None, commit_interval_s(), self._call, self._attempt)
+
+    def restart_state(self, kwargs):
+        """The state of the call's latest complete commit (with its ``cursor``), or None when there is none.
+
+        Advances to the next attempt; the committed metrics are carried into it, and ``kwargs["num_steps"]``
+        is cut by the steps already committed.
+        """
+        if not self.active:
+            return None
+        found = self._store.latest_records(self._call)
+        self._attempt += 1
+        if found is None:
+            self._carried[self._attempt] = None
+            kwargs["num_steps"] = self._num_steps
+            return None
+        key, records = found
+        state = _state.assemble_commit(records)
+        made_in = state[_state.CURSOR].get("attempt", 0)
+        self._carried[self._attempt] = merge_partials(self._carried.get(made_in), state[_state.METERS]) \
+            if any(m is not None for m in state[_state.METERS]) else self._carried.get(made_in)
+        self.last_key = key
+        kwargs["num_steps"] = remaining_steps(self._num_steps, state)
+        logger.info("Resuming from the commit at step %d of the call (cursor %d)", key[1],
+                    state[_state.CURSOR]["consumed"])
+        return state
+
+    def finish(self, stats):
+        """The per-worker metrics of the whole call: the committed parts merged into the last attempt's."""
+        if not self.active:
+            return stats
+        carried = self._carried.get(self._attempt)
+        return merge_partials(carried, stats) if carried else stats
+
+    def latest_state(self):
+        """The latest complete commit of the running or last call as a state dict, or None."""
+        found = self._store.latest_records(self._call) if self._store is not None else None
+        return _state.assemble_commit(found[1]) if found else None
+
+    def latest_bytes(self):
+        """:meth:`latest_state` as ``torch.save`` bytes (for a persistent checkpoint), or None."""
+        state = self.latest_state()
+        return checkpoint.state_to_bytes(state) if state is not None else None
+
+    def close(self):
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+
+def remaining_steps(num_steps, state):
+    """``num_steps`` of a call resumed from ``state``'s commit: those already committed are not run again."""
+    if num_steps is None or state is None:
+        return num_steps
+    return max(0, num_steps - state[_state.CURSOR].get("call_steps", 0))

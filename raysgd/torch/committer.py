@@ -1,0 +1,203 @@
+"""Taking commits inside an epoch: count the batches a worker pulls, commit between two of them, resume.
+
+Layer 3 (torch and layers 0-2, no Ray). The worker wraps the batches it hands to the operator with
+:meth:`Committer.batches`; the operator's loop (the default one or a custom one) finishes a batch
+before it pulls the next, so a commit taken at the pull holds a consistent state. The training loop
+pays a host copy of the state; ``torch.save`` and the transfer run in a background thread.
+
+When to commit: every ``every_n`` steps of the epoch, or, for a time interval, every ``n`` steps
+where ``n`` is agreed once by all ranks (one ``all_reduce`` of the measured step time, max) after
+:data:`PROBE_STEPS` steps. Every rank commits at the same step, so the commit is one global point.
+
+Each rank sends ``{"rng", "meters", "cursor"}`` and rank 0 also ``"state"`` (models, optimizers...) to
+the plan's ``sink`` (an object with ``put(key, rank, world_size, blob)``; the trainer's store). A
+commit is complete once every rank of the group has put its record under the same key.
+
+Example:
+    >>> steps_between(every_n=10, interval_s=30, step_s=None)
+    10
+    >>> steps_between(every_n=None, interval_s=30, step_s=0.5)
+    60
+"""
+import io
+import logging
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from raysgd.torch import data as _data
+from raysgd.torch import state as _state
+
+logger = logging.getLogger(__name__)
+
+#: Steps measured before a time-based cadence is agreed.
+PROBE_STEPS = 5
+#: This process's latest commit timings (for benchmarks): ``in_loop_s`` (the host copy the loop waits for,
+#: including a wait for the previous commit), ``latency_s`` (from the copy's start until the store holds it),
+#: ``bytes`` and ``count``.
+STATS = {"in_loop_s": None, "latency_s": None, "bytes": None, "count": 0}
+
+
+def steps_between(every_n, interval_s, step_s):
+    """Steps between commits: ``every_n`` when given, else ``interval_s`` over the step time (None: unknown yet)."""
+    if every_n:
+        return int(every_n)
+    if step_s is None:
+        return None
+    return max(1, int(round(interval_s / max(step_s, 1e-6))))
+
+
+class CommitPlan:
+    """How one ``train()`` call commits; built by the trainer and sent with the call to every worker.
+
+    Args:
+        sink: where the records go (``put(key, rank, world_size, blob)``; blocking).
+        every_n: commit every that many steps; None: about every ``interval_s`` seconds.
+        call_id, attempt: identify the call and the attempt within it (keys and merging of metrics).
+    """
+
+    def __init__(self, sink, every_n, interval_s, call_id, attempt=0):
+        self.sink, self.every_n, self.interval_s = sink, every_n, interval_s
+        self.call_id, self.attempt = call_id, attempt
+
+
+def _cursor_of(loader, batches_taken):
+    """The global cursor after ``batches_taken`` batches of ``loader``: its sampler's, or ``raysgd.torch.data``'s."""
+    sampler = getattr(loader, "sampler", None)
+    if hasattr(sampler, "position_after") and getattr(loader, "batch_size", None):
+        return int(sampler.position_after(batches_taken, loader.batch_size))
+    if hasattr(_data, "loader_cursor"):
+        return _data.loader_cursor(loader, batches_taken)
+    return None
+
+
+def set_start(loader, consumed):
+    """Start ``loader``'s epoch at global cursor ``consumed``; False when the loader cannot (no cursor)."""
+    sampler = getattr(loader, "sampler", None)
+    if hasattr(sampler, "set_start"):
+        sampler.set_start(consumed)
+        return True
+    if hasattr(_data, "set_sampler_start"):
+        return _data.set_sampler_start(loader, consumed) is not False
+    return False
+
+
+class Committer:
+    """One worker's commit bookkeeping: step counters, the agreed cadence, the background sender, resume."""
+
+    def __init__(self):
+        self.epoch_steps = 0  # batches of the running epoch (counting those before a resume)
+        self.iter_batches = 0  # batches pulled from the running epoch's iterator
+        self.call_steps = 0
+        self.resume = None  # {"cursor", "rng"} of a loaded commit, applied at the next epoch start
+        self._cadence = None
+        self._probe = []
+        self._thread = None
+        self._warned = False
+        self.sent = 0
+
+    # ----------------------------------------------------------------- epochs
+    def begin_epoch(self, loader):
+        """At a new epoch's start: apply a pending resume (start at its cursor) or start at 0."""
+        self.iter_batches = 0
+        if self.resume is not None:
+            cursor = self.resume["cursor"]
+            if set_start(loader, cursor["consumed"]):
+                self.epoch_steps = cursor["steps"]
+                return
+            logger.warning("The train loader has no data cursor (an iterable dataset or a custom loader): "
+                           "the epoch is replayed from its start.")
+        else:
+            set_start(loader, 0)
+        self.epoch_steps = 0
+
+    def after_iter(self):
+        """Just after the epoch's iterator was made (it draws from torch's stream): restore the commit's streams."""
+        if self.resume is not None:
+            _state.set_rng_state(self.resume["rng"])
+            self.resume = None
+
+    def cursor_now(self, epochs, loader):
+        """The cursor of an epoch stopped between calls (``train(num_steps=...)``), or None (none, or no cursor)."""
+        consumed = _cursor_of(loader, self.iter_batches) if loader is not None else None
+        if consumed is None:
+            return None
+        return {"epoch": epochs, "consumed": int(consumed), "steps": self.epoch_steps, "call_steps": 0}
+
+    def load(self, cursor, rng):
+        """Remember a loaded commit: the next epoch starts at its cursor with its random streams."""
+        self.resume = {"cursor": dict(cursor), "rng": rng} if cursor else None
+        if cursor is None and rng is not None:
+            _state.set_rng_state(rng)
+
+    # ----------------------------------------------------------------- the wrapped batches
+    def batches(self, worker, batches, plan, loader_of):
+        """Yield ``batches``; between two of them count the step and commit when due (``plan`` may be None)."""
+        self.call_steps = self.resume["cursor"].get("call_steps", 0) if self.resume else 0
+        for batch in batches:
+            started = time.monotonic()
+            yield batch
+            self.epoch_steps += 1
+            self.iter_batches += 1
+            self.call_steps += 1
+            if plan is None:
+                continue
+            if len(self._probe) < PROBE_STEPS and plan.every_n is None:
+                self._probe.append(time.monotonic() - started)
+            cadence = self._agree(worker, plan)
+            if cadence and self.epoch_steps % cadence == 0:
+                self._commit(worker, plan, loader_of())
+
+    def _agree(self, worker, plan):
+        if plan.every_n is not None:
+            return steps_between(plan.every_n, None, None)
+        if self._cadence is None and len(self._probe) >= PROBE_STEPS:
+            step_s = torch.tensor([sum(self._probe) / len(self._probe)], dtype=torch.float64)
+            if worker.world_size > 1:
+                device = worker.operator.device if worker.backend == "nccl" else "cpu"
+                step_s = step_s.to(device)
+                dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
+            self._cadence = steps_between(None, plan.interval_s, float(step_s.item()))
+            logger.info("Commits every %d steps (about %.0f s)", self._cadence, plan.interval_s)
+        return self._cadence
+
+    # ----------------------------------------------------------------- taking and sending
+    def _commit(self, worker, plan, loader):
+        consumed = _cursor_of(loader, self.iter_batches) if loader is not None else None
+        if consumed is None:
+            if not self._warned:
+                logger.warning("No commit inside this epoch: its input has no data cursor (iterable dataset, Ray "
+                               "Data or a loader without a sharding sampler); a failure replays the epoch.")
+                self._warned = True
+            return
+        started = time.perf_counter()
+        op = worker.operator
+        record = {"rng": _state.rng_state(), "meters": op._partial_metrics(),
+                  "cursor": {"epoch": worker.epochs, "consumed": int(consumed), "steps": self.epoch_steps,
+                             "call_steps": self.call_steps, "attempt": plan.attempt}}
+        if worker.world_rank == 0:
+            record["state"] = _state.capture(op, worker.epochs, copy=True)
+        self.flush()  # at most one commit in flight: a slow sink slows training rather than piling up
+        key = (plan.call_id, self.call_steps)
+        self._thread = threading.Thread(target=self._send, args=(plan.sink, key, worker.world_rank,
+                                                                 worker.world_size, record, started), daemon=True)
+        self._thread.start()
+        STATS["in_loop_s"] = time.perf_counter() - started
+
+    def _send(self, sink, key, rank, world_size, record, started):
+        try:
+            buffer = io.BytesIO()
+            torch.save(record, buffer)
+            sink.put(key, rank, world_size, buffer.getvalue())
+            self.sent += 1
+            STATS.update(latency_s=time.perf_counter() - started, bytes=buffer.tell(), count=STATS["count"] + 1)
+        except Exception as err:  # noqa: BLE001 (a lost commit only costs recomputation)
+            logger.warning("Commit %s of rank %d was not stored: %s", key, rank, err)
+
+    def flush(self, timeout_s=None):
+        """Wait for the commit in flight (if any) to be stored."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None

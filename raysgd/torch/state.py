@@ -1,0 +1,165 @@
+"""The one home of the training state: build it from a worker's operator and restore it, in one format.
+
+Layer 2 (torch, numpy, layers 0-1). Snapshots, commits, ``save``/``load`` and Tune checkpoints all go
+through :func:`capture` and :func:`restore`. The operator owns what is its own and hands it over
+through ``TrainingOperator._state_parts()``; nobody else reads its private attributes.
+
+The state is a dict that ``torch.load(weights_only=True)`` accepts (tensors, numbers, strings, lists,
+dicts; random states converted to tensors and lists)::
+
+    {"epoch", "global_step", "operator", "models", "optimizers"[, "schedulers"][, "amp_*"],
+     "rng": [one dict per rank],                  # optional: torch CPU/CUDA, numpy, Python random
+     "cursor": {"epoch", "consumed", "steps", "call_steps"},  # optional: a commit inside an epoch
+     "meters": [one partial summary per rank]}    # optional: the committed part of the epoch's metrics
+
+Old checkpoints without the optional keys still load.
+
+Example:
+    >>> import torch
+    >>> rng = rng_state()
+    >>> a = torch.rand(1)
+    >>> set_rng_state(rng)
+    >>> bool(torch.rand(1) == a)
+    True
+"""
+import collections
+import logging
+import random
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: Keys a commit adds to the state (absent in snapshots of a finished call and in old checkpoints).
+CURSOR, RNG, METERS = "cursor", "rng", "meters"
+
+
+def host_copy(value):
+    """A deep copy of ``value`` with every tensor copied to host memory (the only cost a commit puts in the loop).
+
+    Example:
+        >>> import torch
+        >>> t = torch.ones(2)
+        >>> c = host_copy({"a": [t]})
+        >>> c["a"][0] is t, bool((c["a"][0] == t).all())
+        (False, True)
+    """
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        items = [(key, host_copy(item)) for key, item in value.items()]
+        return type(value)(items) if type(value) in (dict, collections.OrderedDict) else dict(items)
+    if isinstance(value, list):
+        return [host_copy(item) for item in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(host_copy(item) for item in value)
+    return value
+
+
+# ----------------------------------------------------------------- random streams
+def rng_state():
+    """Every random stream of this process as weights_only-safe values: torch CPU and CUDA, numpy, Python."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "python": [version, list(internal), gauss_next],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    """Restore what :func:`rng_state` returned (streams it lacks are left alone)."""
+    if not state:
+        return
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].cpu())
+    if "numpy" in state:
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "python" in state:
+        version, internal, gauss_next = state["python"]
+        random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        states = state["cuda"]
+        for index in range(min(len(states), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(states[index].cpu(), index)
+
+
+# ----------------------------------------------------------------- build and restore
+def capture(operator, epoch, copy=False):
+    """The state of one worker's operator: ``{epoch, global_step, operator, models, optimizers, ...}``.
+
+    Models are unwrapped (no DDP prefix). With ``copy`` every tensor is a host copy, so the result
+    stays valid while training goes on (a commit serialises it in the background).
+    """
+    parts = operator._state_parts()
+    state = {
+        "epoch": epoch,
+        "global_step": operator.global_step,
+        "operator": operator.state_dict(),
+        "models": [model.state_dict() for model in parts["models"]],
+        "optimizers": [optimizer.state_dict() for optimizer in parts["optimizers"]],
+    }
+    if parts["schedulers"]:
+        state["schedulers"] = [scheduler.state_dict() for scheduler in parts["schedulers"]]
+    state.update(parts["precision"].state_dict())
+    return host_copy(state) if copy else state
+
+
+def _check_count(kind, registered, stored):
+    if len(registered) != len(stored):
+        raise ValueError(f"load_state_dict: the state holds {len(stored)} {kind} but {len(registered)} "
+                         f"{'is' if len(registered) == 1 else 'are'} registered; a partial load would be silently "
+                         f"wrong (was the checkpoint written by a different operator?)")
+
+
+def restore(operator, state):
+    """Load :func:`capture`'s state into ``operator``; returns the stored epoch.
+
+    The number of models, optimizers and schedulers must match what the operator registered: a
+    mismatch raises ``ValueError`` naming both counts (nothing is loaded then).
+
+    Example:
+        >>> # epoch = restore(worker.operator, state)
+    """
+    parts = operator._state_parts()
+    schedulers = parts["schedulers"] or []
+    _check_count("models", parts["models"], state["models"])
+    _check_count("optimizers", parts["optimizers"], state["optimizers"])
+    if "schedulers" in state or schedulers:
+        _check_count("schedulers", schedulers, state.get("schedulers", []))
+    for model, model_state in zip(parts["models"], state["models"]):
+        model.load_state_dict(model_state)
+    for optimizer, optimizer_state in zip(parts["optimizers"], state["optimizers"]):
+        optimizer.load_state_dict(optimizer_state)
+    for scheduler, scheduler_state in zip(schedulers, state.get("schedulers", [])):
+        scheduler.load_state_dict(scheduler_state)
+    parts["precision"].load_state_dict(state)
+    operator.global_step = state.get("global_step", operator.global_step)
+    operator.load_state_dict(state["operator"])
+    return state["epoch"]
+
+
+def rank_rng(state, rank):
+    """This rank's random streams from a state with per-rank ``rng`` (None when it has none for ``rank``)."""
+    streams = state.get(RNG) or []
+    return streams[rank] if rank < len(streams) else None
+
+
+def assemble_commit(records):
+    """One state from the per-rank commit records ``{rank: record}`` (rank 0's holds the full state).
+
+    Each record is ``{"state" (rank 0 only), "rng", "meters", "cursor"}``; the result is a state as
+    the module docstring describes, with ``rng`` and ``meters`` in rank order.
+    """
+    ranks = sorted(records)
+    full = dict(records[0]["state"])
+    full[RNG] = [records[rank]["rng"] for rank in ranks]
+    full[METERS] = [records[rank]["meters"] for rank in ranks]
+    full[CURSOR] = dict(records[0]["cursor"])
+    return full

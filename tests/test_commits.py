@@ -1,0 +1,163 @@
+"""Commits inside an epoch: exactly-once resume after a real kill, bit-exact at the same size, bounded recompute."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import assert_released
+from helpers import CountingOperator, LinearOperator, seeding_hook
+from raysgd.torch import checkpoint, constants
+
+pytestmark = pytest.mark.usefixtures("ray_4cpus")
+
+N, BATCH, EVERY = 96, 4, 3  # 2 workers: 12 steps an epoch, a commit every 3
+
+
+@pytest.fixture
+def trainers(trainer_factory):
+    defaults = {"training_operator_cls": CountingOperator, "num_workers": 2, "timeout_s": 20,
+                "commit_every_n_steps": EVERY, "initialization_hook": seeding_hook}
+    return lambda **kwargs: trainer_factory(**{**defaults, **kwargs})
+
+
+def kill_after_commit(trainer, marker, min_steps, timeout_s=60):
+    """Once a worker waits at the fault (its pid in ``marker``) and a commit of >= ``min_steps`` is stored, SIGKILL it."""
+
+    def watch():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if os.path.exists(marker) and open(marker).read():
+                commit = trainer.latest_commit() if min_steps is not None else None
+                if min_steps is None or (commit is not None and commit["cursor"]["steps"] >= min_steps):
+                    os.kill(int(open(marker).read()), signal.SIGKILL)
+                    return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def counts(trainer):
+    return trainer.state_dict()["models"][0]["p"]
+
+
+def executed(log):
+    return len(open(log).read().splitlines()) if os.path.exists(log) else 0
+
+
+def test_fault_free_epoch_trains_every_sample_once_and_commits(trainers, tmp_path):
+    trainer = trainers(config={"n": N, "batch_size": BATCH})
+    stats = trainer.train()
+    assert stats["num_samples"] == N
+    assert torch.equal(counts(trainer), torch.ones(N))
+    commit = trainer.latest_commit()
+    assert commit["cursor"]["steps"] == 12 and commit["cursor"]["consumed"] == N
+    assert len(commit["rng"]) == 2 and len(commit["meters"]) == 2  # every rank contributed
+
+
+def test_kill_after_a_commit_resumes_exactly_once_and_bit_exact(trainers, tmp_path):
+    config = {"n": N, "batch_size": BATCH}
+    clean = trainers(config=dict(config, log=str(tmp_path / "clean.log")))
+    expected = [clean.train() for _ in range(2)]
+    expected_state = clean.state_dict()
+    clean.shutdown()
+
+    log, marker = str(tmp_path / "faulty.log"), str(tmp_path / "fault")
+    faulty = trainers(config=dict(config, log=log, fault={"step": 8, "rank": 1, "marker": marker}))
+    kill_after_commit(faulty, marker, min_steps=6)
+    first = faulty.train()
+    assert os.path.exists(marker) and faulty.num_failures == 1
+    assert first["num_samples"] == N  # the whole epoch, each batch once
+    assert first["train_loss"] == pytest.approx(expected[0]["train_loss"], rel=1e-9)
+    assert torch.equal(counts(faulty), torch.ones(N))
+    # at most one commit interval recomputed (steps 6 and 7 on both ranks), not the epoch (2 x 8)
+    assert executed(log) <= 24 + 2 * EVERY, executed(log)
+    faulty.train()
+    got = faulty.state_dict()
+    assert got["epoch"] == expected_state["epoch"] == 2 and got["global_step"] == expected_state["global_step"]
+    for key, value in expected_state["models"][0].items():
+        assert torch.equal(got["models"][0][key], value), key  # dropout streams included
+    for index, buffers in expected_state["optimizers"][0]["state"].items():
+        assert torch.equal(got["optimizers"][0]["state"][index]["momentum_buffer"], buffers["momentum_buffer"])
+    assert torch.equal(got["rng"][0]["torch"], expected_state["rng"][0]["torch"])
+
+
+def test_commits_off_replays_the_call_from_its_start(trainers, tmp_path):
+    log, marker = str(tmp_path / "log"), str(tmp_path / "fault")
+    trainer = trainers(commit_every_n_steps=0, add_dist_sampler=False,  # and a user's own cursor sampler
+                       config={"n": N, "batch_size": BATCH, "log": log, "own_sampler": True,
+                                                      "fault": {"step": 8, "rank": 1, "marker": marker}})
+    kill_after_commit(trainer, marker, min_steps=None)
+    stats = trainer.train()
+    assert stats["num_samples"] == N and torch.equal(counts(trainer), torch.ones(N))
+    assert trainer.latest_commit() is None
+    assert executed(log) >= 24 + 2 * 8  # the epoch was replayed from its start
+
+
+# ----------------------------------------------------------------- snapshot rules (issue 11, items 2 and 8)
+class BestScore(LinearOperator):
+    """Keeps a best score that a custom validate() changes (operator state)."""
+
+    def setup(self, config):
+        super().setup(config)
+        self.best = 0.0
+
+    def validate(self, val_iterator, info=None):
+        self.best += 1.0
+        return super().validate(val_iterator, info)
+
+    def state_dict(self):
+        return {"best": self.best}
+
+    def load_state_dict(self, state_dict):
+        self.best = state_dict["best"]
+
+    def train_batch(self, batch, batch_info):
+        marker = self.config.get("raise_marker")
+        if marker and self.world_rank == 1 and not os.path.exists(marker):
+            open(marker, "w").close()
+            raise ValueError("a user bug")
+        return super().train_batch(batch, batch_info)
+
+
+def test_save_and_state_dict_hold_the_current_state_after_validate_and_local_changes(trainer_factory, tmp_path):
+    trainer = trainer_factory(training_operator_cls=BestScore, num_workers=1, use_local=True, timeout_s=20)
+    trainer.train()
+    trainer.validate()
+    trainer.validate()
+    path = trainer.save(tmp_path / "ckpt")
+    assert checkpoint.load_state(path)["operator"] == {"best": 2.0}
+    trainer.get_local_operator().best = 7.0
+    assert trainer.state_dict()["operator"] == {"best": 7.0}
+    trainer.get_local_operator().model.weight.data.fill_(3.0)
+    assert float(trainer.state_dict()["models"][0]["weight"]) == 3.0
+
+
+def test_a_lost_worker_never_makes_the_trainer_unusable(trainer_factory, tmp_path):
+    trainer = trainer_factory(training_operator_cls=BestScore, num_workers=2, timeout_s=20,
+                              config={"raise_marker": str(tmp_path / "raised")})
+    with pytest.raises(ValueError, match="a user bug"):  # user error, no retries: the group is torn down
+        trainer.train(max_retries=0)
+    assert trainer.train()["num_samples"] == 200
+    with pytest.raises(RuntimeError, match="worker was lost"):
+        trainer.apply_all_workers(lambda: os._exit(1) if torch.distributed.get_rank() == 1 else None)
+    assert trainer.train()["num_samples"] == 200  # restarted from the last restart point
+    assert trainer.state_dict()["epoch"] == 2  # nothing trained was lost
+
+
+# ----------------------------------------------------------------- elastic range
+def test_a_range_starts_with_what_fits_and_an_unplaceable_minimum_is_a_clear_error(trainer_factory, monkeypatch):
+    assert_released()  # the previous test's workers are gone: all 4 CPUs are free
+    trainer = trainer_factory(training_operator_cls=LinearOperator, num_workers=(1, 4), num_cpus_per_worker=2,
+                              timeout_s=20)
+    assert trainer.worker_group.num_workers == 2  # 4 CPUs: two workers fit now; no wait for four
+    assert trainer.train()["num_samples"] == 200
+    trainer.shutdown()
+    monkeypatch.setattr(constants, "SGD_PLACEMENT_GROUP_TIMEOUT_S", 2)
+    with pytest.raises(TimeoutError, match=r"minimum of 3 workers.*free resources"):
+        trainer_factory(training_operator_cls=LinearOperator, num_workers=(3, 4), num_cpus_per_worker=2)
+    assert_released()

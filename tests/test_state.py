@@ -1,0 +1,94 @@
+"""The one home of the training state, in-process (no Ray): counts checked, weights_only-safe, RNG streams."""
+import io
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import LinearOperator
+from raysgd.torch import checkpoint, state
+from raysgd.torch.worker import TorchWorker
+
+
+@pytest.fixture
+def worker():
+    worker = TorchWorker(LinearOperator, {"lr": 0.1}, is_local=True)
+    worker.setup_operator()
+    worker.train_epoch()
+    return worker
+
+
+@pytest.mark.parametrize("kind", ["models", "optimizers", "schedulers"])
+def test_a_state_with_another_number_of_components_is_refused_naming_both_counts(worker, kind):
+    saved = worker.state_dict()
+    before = [p.clone() for p in worker.operator.model.parameters()]
+    if kind == "schedulers":
+        saved["schedulers"] = [{}]
+        match = "holds 1 schedulers but 0 are registered"
+    else:
+        saved[kind] = saved[kind] * 2
+        match = f"holds 2 {kind} but 1 is registered"
+    saved["models"][0] = {name: value + 1 for name, value in saved["models"][0].items()}
+    with pytest.raises(ValueError, match=match):
+        worker.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(before, worker.operator.model.parameters()))  # nothing loaded
+
+
+def test_the_state_and_a_commit_load_with_weights_only(worker, tmp_path):
+    np.random.seed(3)
+    saved = worker.state_dict()
+    commit = state.assemble_commit({0: {"state": saved, "rng": state.rng_state(), "meters": {"num_samples": 4},
+                                        "cursor": {"epoch": 1, "consumed": 4, "steps": 1, "call_steps": 1}}})
+    path = checkpoint.save_state(commit, tmp_path / "commit")
+    loaded = checkpoint.load_state(path, weights_only=True)
+    assert loaded["cursor"]["consumed"] == 4 and len(loaded["rng"]) == 1
+    buffer = io.BytesIO()
+    torch.save(state.rng_state(), buffer)
+    torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+
+
+def test_old_checkpoints_without_the_new_keys_still_load(worker):
+    saved = worker.state_dict()
+    old = {key: value for key, value in saved.items() if key not in ("rng", "global_step")}
+    worker.load_state_dict(old)
+    assert worker.epochs == saved["epoch"]
+
+
+def test_every_random_stream_is_restored():
+    saved = state.rng_state()
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    state.set_rng_state(saved)
+    got = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1]) and got[2] == expected[2]
+
+
+@pytest.mark.parametrize("own_sampler", [False, True], ids=["data-cursor", "own-sampler"])
+def test_a_loaded_commit_resumes_the_epoch_at_its_cursor(own_sampler):
+    from helpers import CountingOperator
+
+    worker = TorchWorker(CountingOperator, {"n": 12, "batch_size": 2, "own_sampler": own_sampler}, is_local=True,
+                         add_dist_sampler=not own_sampler)
+    worker.setup_operator()
+    saved = worker.state_dict()
+    commit = {**saved, "cursor": {"epoch": 1, "consumed": 6, "steps": 3, "call_steps": 3}, "rng": [None]}
+    worker.load_state_dict(commit)
+    stats = worker.train_epoch()
+    assert stats["epoch"] == 1 and stats["num_samples"] == 6
+    p = worker.operator.model.p.detach()
+    assert int(p.sum()) == 6 and set(p.tolist()) <= {0.0, 1.0}  # only the 6 samples after the cursor
+
+
+def test_a_state_taken_between_calls_inside_an_epoch_resumes_there():
+    from helpers import CountingOperator
+
+    worker = TorchWorker(CountingOperator, {"n": 12, "batch_size": 2}, is_local=True)
+    worker.setup_operator()
+    worker.train_epoch(num_steps=2)
+    saved = worker.state_dict()
+    assert saved["cursor"]["consumed"] == 4 and saved["cursor"]["epoch"] == 1
+    fresh = TorchWorker(CountingOperator, {"n": 12, "batch_size": 2}, is_local=True)
+    fresh.setup_operator()
+    fresh.load_state_dict(saved)
+    assert fresh.train_epoch()["num_samples"] == 8
+    assert torch.equal(fresh.operator.model.p.detach(), torch.ones(12))
