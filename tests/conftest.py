@@ -1,4 +1,5 @@
-"""Shared fixtures: one real local Ray cluster per test module, and clean-up checks."""
+"""Shared fixtures: one real local Ray cluster per test module, multi-node clusters, and clean-up checks."""
+import contextlib
 import os
 
 import pytest
@@ -24,6 +25,36 @@ def start_ray(num_cpus, runtime_env=None, **kwargs):
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env or worker_env(),
              **kwargs)
     return ray
+
+
+#: Node deaths noticed in about 2 s (Ray's default health check takes much longer).
+FAST_HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
+
+
+@contextlib.contextmanager
+def local_cluster(head_node_args, nodes, runtime_env=None):
+    """A real multi-node ``ray.cluster_utils.Cluster`` on this machine, Ray attached: yields ``(cluster, nodes)``."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={**head_node_args, "_system_config": FAST_HEALTH_CHECK})
+    try:
+        added = [cluster.add_node(**node) for node in nodes]
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, runtime_env=runtime_env or worker_env())
+        yield cluster, added
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """A 0-CPU head and two 1-CPU worker nodes: ``(cluster, [node_a, node_b])``."""
+    with local_cluster({"num_cpus": 0}, [{"num_cpus": 1}, {"num_cpus": 1}]) as made:
+        yield made
 
 
 @pytest.fixture(scope="module")

@@ -5,31 +5,15 @@ import time
 import pytest
 import ray
 import torch
-from ray.cluster_utils import Cluster
 
-from conftest import worker_env
 from helpers import CountingOperator
 from raysgd import TorchTrainer
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4}})
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, runtime_env=worker_env())
-    yield cluster, nodes
-    ray.shutdown()
-    cluster.shutdown()
-
-
-def test_lost_node_continues_the_epoch_from_the_commit_on_one_worker(cluster, tmp_path):
-    cluster, nodes = cluster
+def test_lost_node_continues_the_epoch_from_the_commit_on_one_worker(two_node_cluster, tmp_path):
+    cluster, nodes = two_node_cluster
     n, marker = 96, tmp_path / "fault"
     config = {"n": n, "batch_size": 4, "fault": {"step": 8, "rank": 1, "marker": str(marker)}}
     trainer = TorchTrainer(training_operator_cls=CountingOperator, num_workers=2, config=config, timeout_s=15,

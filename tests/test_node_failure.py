@@ -7,31 +7,15 @@ import time
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 
-from conftest import worker_env
 from helpers import FaultyOperator
 from raysgd import TorchTrainer
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4}})
-    nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, runtime_env=worker_env())
-    yield cluster, nodes
-    ray.shutdown()
-    cluster.shutdown()
-
-
-def test_lost_node_shrinks_then_the_pool_grows_back(cluster, tmp_path, monkeypatch):
-    cluster, nodes = cluster
+def test_lost_node_shrinks_then_the_pool_grows_back(two_node_cluster, tmp_path, monkeypatch):
+    cluster, nodes = two_node_cluster
     monkeypatch.setenv("SGD_RESIZE_COOLDOWN_S", "3")
     config = {"data_size": 400, "batch_size": 10, "batch_sleep": 0.05,  # rank 1 waits at batch 5 for its node's end
               "fault": {"rank": 1, "batch": 5, "kind": "sleep", "seconds": 300, "marker": str(tmp_path / "at-batch-5")}}

@@ -12,10 +12,8 @@ import threading
 import time
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
-from conftest import worker_env
+from conftest import local_cluster, worker_env
 
 tune = pytest.importorskip("ray.tune", reason="needs ray[tune]")
 
@@ -28,19 +26,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster():
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"trainable_node": 1},
-        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4}})
-    workers_node = cluster.add_node(num_cpus=2, resources={"worker_node": 2})
-    cluster.wait_for_nodes()
     env = worker_env()
     env["env_vars"]["SGD_PLACEMENT_GROUP_TIMEOUT_S"] = "2"
-    ray.init(address=cluster.address, runtime_env=env)
-    yield cluster, workers_node
-    ray.shutdown()
-    cluster.shutdown()
+    with local_cluster({"num_cpus": 1, "resources": {"trainable_node": 1}},
+                       [{"num_cpus": 2, "resources": {"worker_node": 2}}], runtime_env=env) as (made, nodes):
+        yield made, nodes[0]
 
 
 def test_placement_watch_policy():

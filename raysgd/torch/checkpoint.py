@@ -89,16 +89,32 @@ def load_state(path, weights_only=True):
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path!r} does not exist")
+    return read_state(path, f"checkpoint {path!r}", weights_only=weights_only,
+                      trust_hint="if you trust the file, load it with weights_only=False")
+
+
+def read_state(source, name, *, weights_only=True, trust_hint, damaged=CheckpointError):
+    """``torch.load`` of a trainer state (a path or a binary file object) onto the CPU, with clear errors.
+
+    A safe load (``weights_only=True``) that meets other objects raises :class:`CheckpointError` naming
+    ``name`` and ending with ``trust_hint``; a damaged or foreign file raises ``damaged`` (a
+    :class:`CheckpointError` class).
+
+    Example:
+        >>> import io
+        >>> buffer = io.BytesIO(state_to_bytes({"epoch": 1, "models": [], "optimizers": []}))
+        >>> read_state(buffer, "my state", trust_hint="")["epoch"]
+        1
+    """
     try:
-        state = torch.load(path, map_location="cpu", weights_only=weights_only)
+        state = torch.load(source, map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as err:
         if weights_only and "weights_only" in str(err):
-            raise CheckpointError(
-                f"checkpoint {path!r} holds objects that a safe load (weights_only=True) refuses; if you trust "
-                f"the file, load it with weights_only=False. Detail: {str(err).splitlines()[0]}") from err
-        raise CheckpointError(f"checkpoint {path!r} is corrupted or truncated: {err}") from err
+            raise CheckpointError(f"{name} holds objects that a safe load (weights_only=True) refuses; {trust_hint}. "
+                                  f"Detail: {str(err).splitlines()[0]}") from err
+        raise damaged(f"{name} is corrupted or truncated: {err}") from err
     except (RuntimeError, EOFError, OSError, ValueError, AttributeError, ImportError) as err:
-        raise CheckpointError(f"checkpoint {path!r} is corrupted or truncated: {type(err).__name__}: {err}") from err
+        raise damaged(f"{name} is corrupted or truncated: {type(err).__name__}: {err}") from err
     if not isinstance(state, dict) or any(key not in state for key in _REQUIRED):
-        raise CheckpointError(f"{path!r} is not a raysgd checkpoint: expected a dict with keys {_REQUIRED}")
+        raise damaged(f"{name} is not a raysgd checkpoint: expected a dict with keys {_REQUIRED}")
     return state

@@ -31,14 +31,13 @@ import io
 import json
 import logging
 import os
-import pickle
 import time
 import zlib
 
 import pyarrow
 import pyarrow.fs as pafs
-import torch
 
+from raysgd.torch import checkpoint
 from raysgd.torch.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -47,7 +46,6 @@ STATE_FILE = "trainer.checkpoint"
 MARKER_FILE = "checkpoint.json"
 PREFIX = "checkpoint_"
 FORMAT = 1
-_REQUIRED = ("epoch", "models", "optimizers")
 
 
 class DamagedCheckpoint(CheckpointError):
@@ -84,20 +82,9 @@ def _join(*parts):
 
 def check_state_bytes(stream, name="checkpoint"):
     """Safely load trainer-state bytes (``weights_only=True``); a :class:`CheckpointError` names what is wrong."""
-    try:
-        state = torch.load(io.BytesIO(stream), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        if "weights_only" in str(err):
-            raise CheckpointError(
-                f"{name} holds objects that a safe load (weights_only=True) refuses: make the operator's "
-                f"state_dict() return tensors, numbers, strings and containers, or start with resume=False. "
-                f"Detail: {str(err).splitlines()[0]}") from err
-        raise DamagedCheckpoint(f"{name} is corrupted: {err}") from err
-    except (RuntimeError, EOFError, OSError, ValueError, AttributeError, ImportError) as err:
-        raise DamagedCheckpoint(f"{name} is corrupted: {type(err).__name__}: {err}") from err
-    if not isinstance(state, dict) or any(key not in state for key in _REQUIRED):
-        raise DamagedCheckpoint(f"{name} is not a raysgd trainer state: expected a dict with keys {_REQUIRED}")
-    return state
+    return checkpoint.read_state(io.BytesIO(stream), name, damaged=DamagedCheckpoint,
+                                 trust_hint="make the operator's state_dict() return tensors, numbers, strings "
+                                            "and containers, or start with resume=False")
 
 
 def write_checkpoint_dir(filesystem, directory, stream, meta=None):

@@ -16,7 +16,6 @@ Example:
     ({'epoch': 1, 'seen': 2}, {'epoch': 2, 'seen': 2})
 """
 import contextlib
-import copy  # noqa: F401 (kept for merges: other code here may use it)
 import datetime
 import functools
 import importlib

@@ -187,6 +187,14 @@ class WorkerGroup:
             if error is None and first_success is None:
                 first_success = time.monotonic()
 
+        def file_ready(refs):
+            for ref in refs:
+                rank = pending.pop(ref)
+                try:
+                    file(rank, ray.get(ref), None)
+                except RayError as err:
+                    file(rank, None, err)
+
         def poll_local():
             for rank, call in list(local.items()):
                 if call.done():
@@ -214,13 +222,7 @@ class WorkerGroup:
                                   f"{min(results)} did (timeout_s={self._timeout_s})")
             poll_local()
             if pending:
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=_LOCAL_TICK_S if local else _TICK_S)
-                for ref in ready:
-                    rank = pending.pop(ref)
-                    try:
-                        file(rank, ray.get(ref), None)
-                    except RayError as err:
-                        file(rank, None, err)
+                file_ready(ray.wait(list(pending), num_returns=1, timeout=_LOCAL_TICK_S if local else _TICK_S)[0])
             elif local:
                 next(iter(local.values())).wait(_TICK_S)
             poll_local()
@@ -231,12 +233,7 @@ class WorkerGroup:
             # for the real cause, so that the error names the rank that died rather than its victim.
             # A user error found meanwhile is kept: it is the cause (see below).
             ready = ray.wait(list(pending), num_returns=len(pending), timeout=_CAUSE_GRACE_S)[0] if pending else []
-            for ref in ready:
-                rank = pending.pop(ref)
-                try:
-                    file(rank, ray.get(ref), None)
-                except RayError as err:
-                    file(rank, None, err)
+            file_ready(ready)
             for call in local.values():
                 call.wait(0 if ready else _CAUSE_GRACE_S)
             poll_local()
