@@ -116,6 +116,12 @@ class Tracker:
 def begin(operator):
     """The operator's :class:`Tracker` for a new ``train_epoch`` (no micro-batch pending: a failed call left none)."""
     found = operator.__dict__["_accumulation"] = Tracker(operator.accumulation_steps)
+    custom = getattr(type(operator).train_batch, "__qualname__", "") != "TrainingOperator.train_batch"
+    if found.steps > 1 and custom and not operator.__dict__.get("_accumulation_warned"):
+        operator.__dict__["_accumulation_warned"] = True
+        logger.warning("fixed_worker_batch: %s.train_batch must honour batch_info['micro_step'] and ['step_now'] "
+                       "(see TrainingOperator.accumulate); %d micro-batches make one optimizer step.",
+                       type(operator).__name__, found.steps)
     return found
 
 
