@@ -1,4 +1,6 @@
 """fixed_worker_batch: the same global batch at every size, by accumulating micro-batches under DDP's no_sync."""
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -82,6 +84,22 @@ def test_two_workers_skip_the_allreduce_on_inner_steps_and_commit_on_step_bounda
     check_parameters(trainer, epochs=2)
     commit = trainer.latest_commit()
     assert commit["cursor"]["steps"] == 8  # never between the micro-batches of one step (9 would be)
+
+
+def test_a_commit_taken_on_two_workers_resumes_on_one_with_the_same_global_batch(trainer_factory):
+    first, _ = run(trainer_factory, cpus_per_worker=1, epochs=0, commit_every_n_steps=4)  # 2 workers: k=2
+    first.train(num_steps=4)  # 2 optimizer steps; a commit after the 4th micro-batch (16 samples)
+    deadline = time.monotonic() + 30  # the commit is stored in the background
+    while (commit := first.latest_commit()) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert commit is not None and commit["cursor"]["consumed"] == 16
+    first.shutdown()
+    second, _ = run(trainer_factory, cpus_per_worker=2, epochs=0, commit_every_n_steps=0)  # 1 worker: k=4
+    second.load_state_dict(commit)
+    assert second.train()["num_samples"] == N - 16  # the rest of epoch 0, exactly once
+    assert second.train()["num_samples"] == N
+    assert second.apply_all_operators(lambda op: (op.accumulation_steps, op.global_step)) == [(4, 10)]
+    check_parameters(second, epochs=2)
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
