@@ -26,6 +26,7 @@ LAYERS = {
     "raysgd.torch.cursor": 1,  # the data cursor: which stream positions each rank reads
     "raysgd.torch.evaluation": 1,  # validation without collectives per batch
     "raysgd.torch.model_copy": 1, "raysgd.torch.operator_precision": 2,
+    "raysgd.torch.accumulation": 1,  # fixed_worker_batch: micro-batches per optimizer step, no_sync
     "raysgd.torch.async_writer": 0, "raysgd.torch.storage": 1, "raysgd.torch.durable": 5,  # durable runs
     "raysgd.compat": 7, "raysgd.legacy": 7,  # package glue: the 1.x import mapping and its runner
     "raysgd": 7, "raysgd.torch": 7,  # the packages' public names

@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from raysgd.torch import accumulation as _accumulation
 from raysgd.torch import data as _data
 from raysgd.torch import state as _state
 
@@ -96,6 +97,7 @@ class Committer:
         self._probe = []
         self._thread = None
         self._warned = False
+        self._due = False  # a commit is due at the next optimizer-step boundary
         self.sent = 0
 
     # ----------------------------------------------------------------- epochs
@@ -147,7 +149,9 @@ class Committer:
             if len(self._probe) < PROBE_STEPS and plan.every_n is None:
                 self._probe.append(time.monotonic() - started)
             cadence = self._agree(worker, plan)
-            if cadence and self.epoch_steps % cadence == 0:
+            self._due = self._due or bool(cadence and self.epoch_steps % cadence == 0)
+            if self._due and _accumulation.at_step_boundary(worker.operator):  # grads aren't state: no mid-step commit
+                self._due = False
                 self._commit(worker, plan, loader_of())
 
     def _agree(self, worker, plan):

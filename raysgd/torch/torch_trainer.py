@@ -20,8 +20,8 @@ import types
 
 import ray
 
-from raysgd.torch import (arguments, checkpoint, commits, constants, durable, elastic, progress, ray_data,
-                          recovery, results)
+from raysgd.torch import (accumulation, arguments, checkpoint, commits, constants, durable, elastic, progress,
+                          ray_data, recovery, results)
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
@@ -55,7 +55,7 @@ class TorchTrainer:
                  num_cpus_per_worker=1, use_gpu="auto", backend="auto", wrap_ddp=True, timeout_s=1800,
                  use_fp16=False, use_tqdm=False, add_dist_sampler=True, scheduler_step_freq=None,
                  use_local=False, logdir=None, placement_strategy="SPREAD", commit_every_n_steps=None,
-                 storage_path=None, num_to_keep=2, resume=True, **deprecated):
+                 storage_path=None, num_to_keep=2, resume=True, fixed_worker_batch=False, **deprecated):
         arguments.check_deprecated(deprecated)
         use_gpu, backend = arguments.check_arguments(
             training_operator_cls=training_operator_cls, initialization_hook=initialization_hook, config=config,
@@ -68,6 +68,7 @@ class TorchTrainer:
         self._requested_config = dict(config or {})
         self.min_replicas, self.max_replicas = arguments.worker_range(num_workers)
         arguments.split_batch_size(self._requested_config, self.max_replicas)  # checks BATCH_SIZE's value
+        self._fixed_worker_batch = accumulation.check(fixed_worker_batch, config, self.max_replicas, use_fp16)
         self._config = dict(self._requested_config)
         self.num_cpus_per_worker = num_cpus_per_worker
         self.use_gpu = use_gpu
@@ -126,7 +127,8 @@ class TorchTrainer:
 
     def _start_workers(self, num_workers, pg_timeout_s=None):
         """Start ``num_workers`` workers with the batch size divided among them; returns the count."""
-        worker_config, effective = arguments.split_batch_size(self._requested_config, num_workers)
+        split = accumulation.fixed_split(self.max_replicas) if self._fixed_worker_batch else arguments.split_batch_size
+        worker_config, effective = split(self._requested_config, num_workers)
         self._config = dict(self._requested_config)
         if effective is not None:
             self._config[BATCH_SIZE] = effective

@@ -22,6 +22,7 @@ import logging
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from raysgd.torch import accumulation as _accumulation
 from raysgd.torch import data as _data
 from raysgd.torch.constants import SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH
 from raysgd.torch.operator_precision import PrecisionHelpers
@@ -151,14 +152,17 @@ class TrainingOperator(PrecisionHelpers):
         info = dict(info or {})
         self._set_mode(training=True)
         meters = self._running_meters = AverageMeterCollection()
+        accumulation = _accumulation.begin(self)  # micro-batches per optimizer step (1 unless fixed_worker_batch)
         for batch_idx, batch in enumerate(iterator):
-            batch_info = {"batch_idx": batch_idx, "global_step": self.global_step, **info}
+            batch_info = {"batch_idx": batch_idx, "global_step": self.global_step, **accumulation.next_info(), **info}
             metrics = dict(self.train_batch(batch, batch_info))
-            if self._scheduler_step_freq == SCHEDULER_STEP_BATCH:
-                self._step_schedulers()
+            accumulation.done(batch_info)
+            if batch_info["step_now"]:
+                self._after_optimizer_step()
             meters.update(metrics, n=metrics.pop(NUM_SAMPLES, 1))
-            self.global_step += 1
             self._report_progress(batch_idx, metrics, info)
+        if _accumulation.flush(self):  # an optimizer step left partial by the end of the epoch or call
+            self._after_optimizer_step()
         if self._scheduler_step_freq == SCHEDULER_STEP_EPOCH:
             self._step_schedulers()
         self._running_meters = None
@@ -172,14 +176,18 @@ class TrainingOperator(PrecisionHelpers):
         optimizer = self._component("optimizer", "_optimizers")
         criterion = self._component("criterion", "_criterion")
         *features, target = _data.to_device(batch, self._device if self._use_gpu else None)
-        with self.timers.record("fwd"), self.autocast():
-            output = model(*features)
-            loss = criterion(output, target)
-        with self.timers.record("grad"):
-            optimizer.zero_grad()
-            self.backward(loss, optimizer)
-        with self.timers.record("apply"):
-            self.step(optimizer)
+        step_now = batch_info.get("step_now", True)
+        with self.accumulate(step_now):
+            with self.timers.record("fwd"), self.autocast():
+                output = model(*features)
+                loss = criterion(output, target)
+            with self.timers.record("grad"):
+                if _accumulation.zero_grad_now(batch_info):
+                    optimizer.zero_grad()
+                self.backward(_accumulation.scale_loss(self, loss), optimizer)
+        if step_now:
+            with self.timers.record("apply"):
+                self.step(optimizer)
         return {"train_loss": loss.detach(), NUM_SAMPLES: target.size(0)}
 
     def validate(self, val_iterator, info=None):
@@ -237,6 +245,23 @@ class TrainingOperator(PrecisionHelpers):
             models.append(own)
         for model in models:
             model.train(training)
+
+    def accumulate(self, step_now=True):
+        """Context for a micro-batch's forward and backward: every DDP model's ``no_sync()`` unless ``step_now``
+        (see :mod:`raysgd.torch.accumulation` and README "Global batch" for custom ``train_batch`` code). Example:
+            >>> # with self.accumulate(batch_info["step_now"]): loss = ...; self.backward(loss / k, optimizer)
+        """
+        return _accumulation.no_sync(self, step_now)
+
+    @property
+    def accumulation_steps(self):
+        """Micro-batches per optimizer step: ``max_workers / num_workers`` with ``fixed_worker_batch=True``, else 1."""
+        return int(self._config.get(_accumulation.ACCUMULATION_STEPS, 1))
+
+    def _after_optimizer_step(self):
+        if self._scheduler_step_freq == SCHEDULER_STEP_BATCH:
+            self._step_schedulers()
+        self.global_step += 1
 
     def _step_schedulers(self):
         for scheduler in self._schedulers or ():

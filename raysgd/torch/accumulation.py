@@ -1,0 +1,168 @@
+"""Gradient accumulation for a fixed global batch: micro-batches per optimizer step, ``no_sync``, the partial flush.
+
+Layer 1 (torch and layer 0). With ``TorchTrainer(fixed_worker_batch=True)`` every worker trains on
+``BATCH_SIZE / max_workers`` samples per micro-batch at every size, and with ``n`` workers one optimizer
+step accumulates ``k = round(max_workers / n)`` micro-batches, so that the optimizer sees the same global
+batch whatever the size. The trainer puts ``k`` in the worker config under :data:`ACCUMULATION_STEPS`; the
+operator reads it as ``operator.accumulation_steps``. Inner micro-batches run under every DDP model's
+``no_sync()`` (no allreduce); the last one synchronises and steps.
+
+Example:
+    >>> steps_for(num_workers=1, max_workers=4), steps_for(3, 4)
+    (4, 1)
+    >>> split_fixed({"*batch_size": 8}, num_workers=1, max_workers=2)
+    ({'*batch_size': 4, '*accumulation_steps': 2}, 8)
+"""
+import contextlib
+import logging
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from raysgd.utils import BATCH_SIZE
+
+logger = logging.getLogger(__name__)
+
+#: Worker-config key holding the micro-batches per optimizer step (absent: 1).
+ACCUMULATION_STEPS = "*accumulation_steps"
+
+
+def steps_for(num_workers, max_workers):
+    """Micro-batches per optimizer step at ``num_workers`` of ``max_workers``: ``max / n`` rounded to nearest, >= 1."""
+    return max(1, (max_workers + num_workers // 2) // num_workers)
+
+
+def check(fixed_worker_batch, config, max_workers, use_fp16):
+    """Check ``fixed_worker_batch`` and what it needs, before any actor starts; returns it.
+
+    Example:
+        >>> check(True, {"*batch_size": 5}, 2, False)
+        Traceback (most recent call last):
+        ValueError: TorchTrainer: config[BATCH_SIZE] expects a multiple of the maximum number of workers (2) with fixed_worker_batch=True; got 5
+    """
+    if not isinstance(fixed_worker_batch, bool):
+        raise TypeError(f"TorchTrainer: fixed_worker_batch expects True or False; got {fixed_worker_batch!r}")
+    if not fixed_worker_batch:
+        return False
+    if use_fp16 == "apex":
+        raise ValueError("TorchTrainer: fixed_worker_batch=True expects use_fp16 False, True or 'bf16' (apex's "
+                         "loss scaling is not accumulation-aware here); got use_fp16='apex'")
+    total = (config or {}).get(BATCH_SIZE)
+    if total is not None and (not isinstance(total, int) or isinstance(total, bool) or total <= 0
+                              or total % max_workers):
+        raise ValueError(f"TorchTrainer: config[BATCH_SIZE] expects a multiple of the maximum number of workers "
+                         f"({max_workers}) with fixed_worker_batch=True; got {total!r}")
+    return True
+
+
+def split_fixed(config, num_workers, max_workers):
+    """``(worker_config, effective_global)``: ``BATCH_SIZE / max_workers`` per worker and ``k`` micro-batches.
+
+    Without ``BATCH_SIZE`` the loaders' own batch size is the fixed per-worker batch; the effective
+    global size is then None. When ``max_workers`` is no multiple of ``num_workers`` the global batch
+    differs from the requested one (logged).
+    """
+    steps = steps_for(num_workers, max_workers)
+    if steps * num_workers != max_workers:
+        logger.warning("fixed_worker_batch: %d workers of at most %d accumulate %d micro-batches per step, a global "
+                       "batch %d/%d of the requested one.", num_workers, max_workers, steps, steps * num_workers,
+                       max_workers)
+    worker_config = dict(config)
+    worker_config[ACCUMULATION_STEPS] = steps
+    if BATCH_SIZE not in config:
+        return worker_config, None
+    per_worker = config[BATCH_SIZE] // max_workers
+    worker_config[BATCH_SIZE] = per_worker
+    return worker_config, per_worker * num_workers * steps
+
+
+def fixed_split(max_workers):
+    """:func:`split_fixed` for ``max_workers``, called like ``arguments.split_batch_size(config, num_workers)``."""
+    return lambda config, num_workers: split_fixed(config, num_workers, max_workers)
+
+
+def ddp_models(operator):
+    """The operator's DDP-wrapped registered models (and ``operator.model`` if it is one)."""
+    models = [m for m in getattr(operator, "_models", None) or () if isinstance(m, DistributedDataParallel)]
+    own = getattr(operator, "model", None)
+    if isinstance(own, DistributedDataParallel) and all(own is not m for m in models):
+        models.append(own)
+    return models
+
+
+def no_sync(operator, step_now):
+    """A context: nothing when ``step_now``, else every DDP model's ``no_sync()`` (forward and backward inside)."""
+    stack = contextlib.ExitStack()
+    if not step_now:
+        for model in ddp_models(operator):
+            stack.enter_context(model.no_sync())
+    return stack
+
+
+class Tracker:
+    """Where the running optimizer step is: ``pending`` micro-batches accumulated since the last step."""
+
+    def __init__(self, steps):
+        self.steps, self.pending = steps, 0
+
+    def next_info(self):
+        """``micro_step`` (0 .. k-1) and ``step_now`` (this micro-batch ends the optimizer step) of the next batch."""
+        return {"micro_step": self.pending, "step_now": self.pending + 1 >= self.steps}
+
+    def done(self, info):
+        self.pending = 0 if info["step_now"] else self.pending + 1
+
+
+def begin(operator):
+    """The operator's :class:`Tracker` for a new ``train_epoch`` (no micro-batch pending: a failed call left none)."""
+    found = operator.__dict__["_accumulation"] = Tracker(operator.accumulation_steps)
+    custom = getattr(type(operator).train_batch, "__qualname__", "") != "TrainingOperator.train_batch"
+    if found.steps > 1 and custom and not operator.__dict__.get("_accumulation_warned"):
+        operator.__dict__["_accumulation_warned"] = True
+        logger.warning("fixed_worker_batch: %s.train_batch must honour batch_info['micro_step'] and ['step_now'] "
+                       "(see TrainingOperator.accumulate); %d micro-batches make one optimizer step.",
+                       type(operator).__name__, found.steps)
+    return found
+
+
+def at_step_boundary(operator):
+    """True unless micro-batches wait for their optimizer step (a commit must not land there: grads aren't state)."""
+    found = operator.__dict__.get("_accumulation")
+    return found is None or found.pending == 0
+
+
+def flush(operator):
+    """Step an optimizer step left partial at the end of an epoch or call; True when it stepped.
+
+    Its last micro-batch skipped the allreduce, so the gradients are averaged across ranks here,
+    then rescaled from ``1/k`` to ``1/m`` for the ``m`` micro-batches that ran.
+    """
+    found = operator.__dict__.get("_accumulation")
+    if found is None or found.pending == 0:
+        return False
+    scale = found.steps / found.pending
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    synced = {id(p) for m in ddp_models(operator) for p in m.parameters()}
+    for optimizer in operator._optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if distributed and id(param) in synced:
+                    dist.all_reduce(param.grad)
+                    param.grad.div_(dist.get_world_size())
+                param.grad.mul_(scale)
+    operator.step(*operator._optimizers)
+    found.pending = 0
+    return True
+
+
+def zero_grad_now(info):
+    """Whether a ``train_batch`` should zero the gradients: at the first micro-batch of a step."""
+    return info.get("micro_step", 0) == 0
+
+
+def scale_loss(operator, loss):
+    """A micro-batch's loss scaled by ``1 / accumulation_steps`` (unchanged at 1: bit-identical to no accumulation)."""
+    steps = operator.accumulation_steps
+    return loss if steps == 1 else loss / steps
