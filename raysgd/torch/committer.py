@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from raysgd.torch import data as _data
+from raysgd.torch import preemption
 from raysgd.torch import state as _state
 
 logger = logging.getLogger(__name__)
@@ -136,19 +137,27 @@ class Committer:
     def batches(self, worker, batches, plan, loader_of):
         """Yield ``batches``; between two of them count the step and commit when due (``plan`` may be None)."""
         self.call_steps = self.resume["cursor"].get("call_steps", 0) if self.resume else 0
-        for batch in batches:
-            started = time.monotonic()
-            yield batch
-            self.epoch_steps += 1
-            self.iter_batches += 1
-            self.call_steps += 1
-            if plan is None:
-                continue
-            if len(self._probe) < PROBE_STEPS and plan.every_n is None:
-                self._probe.append(time.monotonic() - started)
-            cadence = self._agree(worker, plan)
-            if cadence and self.epoch_steps % cadence == 0:
-                self._commit(worker, plan, loader_of())
+        preemption.set_active(plan is not None)  # a SIGTERM now commits at the next step (raysgd.torch.preemption)
+        try:
+            for batch in batches:
+                started = time.monotonic()
+                yield batch
+                self.epoch_steps += 1
+                self.iter_batches += 1
+                self.call_steps += 1
+                if plan is None:
+                    continue
+                if len(self._probe) < PROBE_STEPS and plan.every_n is None:
+                    self._probe.append(time.monotonic() - started)
+                if preemption.agree(worker):
+                    self._commit(worker, plan, loader_of())
+                    self.flush()
+                    preemption.leave(worker, self.call_steps)
+                cadence = self._agree(worker, plan)
+                if cadence and self.epoch_steps % cadence == 0:
+                    self._commit(worker, plan, loader_of())
+        finally:
+            preemption.set_active(False)
 
     def _agree(self, worker, plan):
         if plan.every_n is not None:
