@@ -1,4 +1,5 @@
 """Preemption: a real SIGTERM to a worker mid-epoch commits at the agreed step; the epoch resumes from it."""
+import io
 import os
 import signal
 import threading
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from helpers import CountingOperator, seeding_hook
+from raysgd.torch import storage
 
 pytestmark = pytest.mark.usefixtures("ray_4cpus")
 
@@ -42,8 +44,10 @@ def test_sigterm_mid_epoch_commits_at_once_and_loses_no_step(trainer_factory, tm
     log, marker = str(tmp_path / "batches.log"), str(tmp_path / "pid")
     config = {"n": N, "batch_size": BATCH, "log": log,
               "fault": {"step": STEP, "rank": 1, "marker": marker, "until_sigterm": True}}
+    path = str(tmp_path / "run")
     trainer = trainer_factory(training_operator_cls=CountingOperator, num_workers=2, timeout_s=30, config=config,
-                              commit_every_n_steps=1000, initialization_hook=seeding_hook)
+                              commit_every_n_steps=1000, initialization_hook=seeding_hook, storage_path=path,
+                              num_to_keep=3)
     pids = trainer.apply_all_workers(os.getpid)
     watcher = sigterm_at_marker(marker)
     stats = trainer.train()
@@ -58,8 +62,14 @@ def test_sigterm_mid_epoch_commits_at_once_and_loses_no_step(trainer_factory, tm
     assert torch.equal(trainer.state_dict()["models"][0]["p"], torch.ones(N))  # every sample trained once
     executed = len(open(log).read().splitlines())
     assert executed <= 2 * (12 + 1), executed  # at most about one step per rank recomputed (here none)
-    commit = trainer.latest_commit()  # the only commit: taken at the end of the signalled step
-    assert commit is not None and commit["cursor"]["steps"] == STEP + 1
+    commit = trainer.latest_commit()  # the only commit: agreed at the boundary after the signalled step's next
+    assert commit is not None and commit["cursor"]["steps"] == STEP + 2
+    trainer.shutdown()  # waits for the uploads: the preemption commit, then the end of train()
+    store = storage.CheckpointStorage(path, num_to_keep=3)
+    written = [storage.read_checkpoint_dir(store.filesystem, d) for _, d in store.list()]
+    assert [marker["reason"] for _, marker in written] == ["preemption", "train"]
+    state = torch.load(io.BytesIO(written[0][0]), weights_only=True)  # a safe load resumes at the cursor
+    assert state["cursor"]["steps"] == STEP + 2 and state["cursor"]["consumed"] == 2 * BATCH * (STEP + 2)
 
 
 def test_sigterm_to_an_idle_worker_exits_it(trainer_factory):

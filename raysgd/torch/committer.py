@@ -138,6 +138,7 @@ class Committer:
         """Yield ``batches``; between two of them count the step and commit when due (``plan`` may be None)."""
         self.call_steps = self.resume["cursor"].get("call_steps", 0) if self.resume else 0
         preemption.set_active(plan is not None)  # a SIGTERM now commits at the next step (raysgd.torch.preemption)
+        check_every = preemption.check_every()
         try:
             for batch in batches:
                 started = time.monotonic()
@@ -149,15 +150,22 @@ class Committer:
                     continue
                 if len(self._probe) < PROBE_STEPS and plan.every_n is None:
                     self._probe.append(time.monotonic() - started)
-                if preemption.agree(worker):
-                    self._commit(worker, plan, loader_of())
-                    self.flush()
-                    preemption.leave(worker, self.call_steps)
+                if self.call_steps % check_every == 0 and preemption.agree(worker):
+                    self._preempted(worker, plan, loader_of())
                 cadence = self._agree(worker, plan)
                 if cadence and self.epoch_steps % cadence == 0:
                     self._commit(worker, plan, loader_of())
+            if plan is not None and preemption.agree(worker, last=True):  # a signal during the last step
+                self._preempted(worker, plan, loader_of())
         finally:
+            preemption.drop_pending()
             preemption.set_active(False)
+
+    def _preempted(self, worker, plan, loader):
+        """A rank got SIGTERM: every rank commits here, waits until the store holds it, and ends the call."""
+        self._commit(worker, plan, loader)
+        self.flush()
+        preemption.leave(worker, self.call_steps)
 
     def _agree(self, worker, plan):
         if plan.every_n is not None:

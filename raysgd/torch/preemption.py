@@ -4,10 +4,11 @@ Layer 3 helper of :mod:`raysgd.torch.committer` (torch, no Ray). :func:`install`
 ``__init__``, which Ray runs on the process's main thread (the only thread where Python can set a
 signal handler; training calls run in another thread because of the ``"control"`` concurrency group).
 The handler only sets a flag. At each step boundary of a committing ``train()`` call the ranks agree
-whether any of them was signalled (:func:`agree`: one ``all_reduce`` MAX of a CPU int on a gloo group,
-no GPU sync); if so every rank commits at that step and waits until its record is stored, then the
+whether any of them was signalled (:func:`agree`: one asynchronous ``all_reduce`` MAX of a CPU int on a
+gloo group, no GPU sync, read at the next boundary); if so every rank commits at that step and waits until its record is stored, then the
 signalled rank hands the signal to Ray's own handler (the process exits as Ray would have) and every
-rank raises :class:`~raysgd.torch.errors.CollectiveError`, so the trainer recovers from that commit.
+rank raises :class:`~raysgd.torch.errors.CollectiveError`, so the trainer recovers from that commit (and,
+with a ``storage_path``, writes it there: :meth:`raysgd.torch.durable.DurableRun.on_recovery`).
 
 A SIGTERM outside a committing call (an idle worker, or commits off) goes to Ray's handler at once. A
 signalled worker that reaches no step boundary within ``SGD_PREEMPT_GRACE_S`` seconds (default 20)
@@ -16,6 +17,9 @@ exits anyway; the latest regular commit then applies, as after a SIGKILL.
 Example:
     >>> requested()
     False
+    >>> from raysgd.torch.errors import WorkerFailure
+    >>> was_preempted(WorkerFailure("ended", {1: f"{MARK}; committed at step 6 of the call"}))
+    True
 """
 import logging
 import os
@@ -31,7 +35,14 @@ from raysgd.torch.errors import CollectiveError
 
 logger = logging.getLogger(__name__)
 
-_STATE = {"requested": False, "exit_now": False, "active": False, "previous": None, "group": None}
+#: In the message of each rank's error after a preemption commit (see :func:`was_preempted`).
+MARK = "preempted (SIGTERM)"
+_STATE = {"requested": False, "exit_now": False, "active": False, "previous": None, "group": None, "pending": None}
+
+
+def check_every():
+    """``SGD_PREEMPT_CHECK_STEPS``: step boundaries between two agreements (default 1: every step)."""
+    return max(1, int(constants._env_float("SGD_PREEMPT_CHECK_STEPS", 1)))
 
 
 def grace_s():
@@ -96,12 +107,36 @@ def _gloo_group(worker):
     return _STATE["group"]
 
 
-def agree(worker):
-    """Whether any rank was signalled (one all_reduce MAX of a CPU int; every rank must call it)."""
+def agree(worker, last=False):
+    """Whether any rank was signalled, as agreed one step late; every rank calls it at every step boundary.
+
+    Each call starts an asynchronous ``all_reduce`` (MAX) of this rank's flag and returns the result of
+    the previous call's, which finished during the step in between: the training loop does not wait for
+    the network. ``last=True`` (after the call's last batch) waits for the one it starts.
+    """
     flag = torch.tensor([1 if _STATE["requested"] else 0], dtype=torch.int32)
-    if worker.world_size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_gloo_group(worker))
-    return bool(flag.item())
+    if worker.world_size == 1:
+        return bool(flag.item())
+    previous = _STATE["pending"]
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_gloo_group(worker), async_op=True)
+    _STATE["pending"] = (work, flag)
+    if previous is not None:
+        previous[0].wait()
+    if last:
+        drop_pending()
+        work.wait()
+        return bool(flag.item())
+    return previous is not None and bool(previous[1].item())
+
+
+def drop_pending():
+    """Forget an agreement still in flight (the call ended with an error: its process group is going away)."""
+    _STATE["pending"] = None
+
+
+def was_preempted(failure):
+    """Whether a :class:`~raysgd.torch.errors.WorkerFailure` ended a call at a preemption commit."""
+    return any(MARK in str(cause) for cause in getattr(failure, "causes", {}).values())
 
 
 def leave(worker, step):
@@ -109,8 +144,8 @@ def leave(worker, step):
     signalled = _STATE["requested"]
     if signalled:
         threading.Thread(target=_leave_now, daemon=True).start()
-        message = f"preempted (SIGTERM); committed at step {step} of the call"
+        message = f"{MARK}; committed at step {step} of the call"
     else:
-        message = f"a peer was preempted (SIGTERM); committed at step {step} of the call"
+        message = f"a peer was {MARK}; committed at step {step} of the call"
     logger.warning("Rank %d: %s", worker.world_rank, message)
     raise CollectiveError(worker.world_rank, message)
