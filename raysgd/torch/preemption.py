@@ -102,9 +102,10 @@ def _leave_now():
 def _gloo_group(worker):
     if worker.backend == "gloo":
         return None  # the default group is already on CPU
-    if _STATE["group"] is None:  # every rank reaches the first step boundary together: a collective call
-        _STATE["group"] = dist.new_group(backend="gloo")
-    return _STATE["group"]
+    world = dist.group.WORLD
+    if _STATE["group"] is None or _STATE["group"][0] is not world:  # new (or re-formed) process group
+        _STATE["group"] = (world, dist.new_group(backend="gloo"))  # every rank is at the same boundary
+    return _STATE["group"][1]
 
 
 def agree(worker, last=False):
