@@ -68,12 +68,20 @@ def requested():
 
 
 def set_active(active):
-    """Mark the span of a committing ``train()`` call (a SIGTERM outside it exits at once)."""
+    """Mark the span of a committing ``train()`` call (a SIGTERM outside it exits at once).
+
+    A rank signalled too late for the call's last agreement exits when the call ends.
+    """
     _STATE["active"] = bool(active)
+    if not active and _STATE["requested"] and not _STATE["exit_now"]:
+        _STATE["exit_now"] = True
+        threading.Thread(target=_leave_now, daemon=True).start()
 
 
 def _exit(signum, frame):
     previous = _STATE["previous"]
+    if previous is signal.SIG_IGN:
+        return
     if callable(previous):
         previous(signum, frame)  # Ray's: raises SystemExit in the main thread, the actor exits
     sys.exit(1)
@@ -144,6 +152,7 @@ def leave(worker, step):
     """After the preemption commit is stored: the signalled rank exits; every rank ends the call."""
     signalled = _STATE["requested"]
     if signalled:
+        _STATE["exit_now"] = True
         threading.Thread(target=_leave_now, daemon=True).start()
         message = f"{MARK}; committed at step {step} of the call"
     else:
