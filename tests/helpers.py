@@ -137,7 +137,8 @@ class CountingOperator(TrainingOperator):
 
     config: ``n`` samples, ``batch_size`` per worker, ``own_sampler`` (a :class:`CursorSampler`), ``log`` (a file each executed batch appends a line
     to), ``fault`` (``{"step", "marker", "rank"}``: that rank writes its pid to ``marker`` at that global
-    step, then waits to be killed, once), ``batch_sleep``.
+    step, then waits to be killed, once; with ``"until_sigterm": True`` it waits for a SIGTERM instead and
+    trains on), ``batch_sleep``.
     """
 
     def setup(self, config):
@@ -164,7 +165,14 @@ class CountingOperator(TrainingOperator):
                 and not os.path.exists(fault["marker"]):
             with open(fault["marker"], "w") as handle:
                 handle.write(str(os.getpid()))
-            time.sleep(120)  # the test kills this process once the commit it waits for is stored
+            if fault.get("until_sigterm"):  # the test sends SIGTERM: finish this step once it arrived
+                from raysgd.torch import preemption
+
+                deadline = time.monotonic() + 60
+                while not preemption.requested() and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            else:
+                time.sleep(120)  # the test kills this process once the commit it waits for is stored
         if self.config.get("log"):
             with open(self.config["log"], "a") as handle:
                 handle.write(f"{self.world_rank} {self.global_step}\n")

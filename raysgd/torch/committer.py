@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from raysgd.torch import accumulation as _accumulation
 from raysgd.torch import data as _data
+from raysgd.torch import preemption
 from raysgd.torch import state as _state
 
 logger = logging.getLogger(__name__)
@@ -138,21 +139,39 @@ class Committer:
     def batches(self, worker, batches, plan, loader_of):
         """Yield ``batches``; between two of them count the step and commit when due (``plan`` may be None)."""
         self.call_steps = self.resume["cursor"].get("call_steps", 0) if self.resume else 0
-        for batch in batches:
-            started = time.monotonic()
-            yield batch
-            self.epoch_steps += 1
-            self.iter_batches += 1
-            self.call_steps += 1
-            if plan is None:
-                continue
-            if len(self._probe) < PROBE_STEPS and plan.every_n is None:
-                self._probe.append(time.monotonic() - started)
-            cadence = self._agree(worker, plan)
-            self._due = self._due or bool(cadence and self.epoch_steps % cadence == 0)
-            if self._due and _accumulation.at_step_boundary(worker.operator):  # grads aren't state: no mid-step commit
-                self._due = False
-                self._commit(worker, plan, loader_of())
+        preemption.set_active(plan is not None)  # a SIGTERM now commits at the next step (raysgd.torch.preemption)
+        check_every = preemption.check_every()
+        try:
+            for batch in batches:
+                started = time.monotonic()
+                yield batch
+                self.epoch_steps += 1
+                self.iter_batches += 1
+                self.call_steps += 1
+                if plan is None:
+                    continue
+                if len(self._probe) < PROBE_STEPS and plan.every_n is None:
+                    self._probe.append(time.monotonic() - started)
+                boundary = _accumulation.at_step_boundary(worker.operator)  # grads aren't state: no mid-step commit
+                if boundary and self.call_steps % check_every == 0 and preemption.agree(worker):
+                    self._preempted(worker, plan, loader_of())
+                cadence = self._agree(worker, plan)
+                self._due = self._due or bool(cadence and self.epoch_steps % cadence == 0)
+                if self._due and boundary:
+                    self._due = False
+                    self._commit(worker, plan, loader_of())
+            if plan is not None and _accumulation.at_step_boundary(worker.operator) \
+                    and preemption.agree(worker, last=True):  # a signal during the last step
+                self._preempted(worker, plan, loader_of())
+        finally:
+            preemption.drop_pending()
+            preemption.set_active(False)
+
+    def _preempted(self, worker, plan, loader):
+        """A rank got SIGTERM: every rank commits here, waits until the store holds it, and ends the call."""
+        self._commit(worker, plan, loader)
+        self.flush()
+        preemption.leave(worker, self.call_steps)
 
     def _agree(self, worker, plan):
         if plan.every_n is not None:

@@ -3,7 +3,8 @@
 Helper of layer 5 (:mod:`raysgd.torch.torch_trainer`). ``TorchTrainer(storage_path=..., num_to_keep=2,
 resume=True)`` opens a :class:`DurableRun`; it checks the arguments before any actor starts, starts
 reading the newest complete checkpoint while the workers start (:meth:`DurableRun.restore`), and
-uploads the state bytes the trainer hands it at the end of every ``train()`` and at ``save()`` on a
+uploads the state bytes the trainer hands it at the end of every ``train()``, at ``save()`` and, after a
+worker's preemption, the commit it took (:meth:`DurableRun.on_recovery`), on a
 background thread (:class:`~raysgd.torch.async_writer.AsyncWriter`: one upload in flight, the newest
 waiting one wins). The storage format is :mod:`raysgd.torch.storage`'s.
 
@@ -22,7 +23,7 @@ Example:
 import logging
 import threading
 
-from raysgd.torch import async_writer
+from raysgd.torch import async_writer, checkpoint, preemption
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ class NoStorage:
 
     def on_save(self, state, stream):
         return state
+
+    def on_recovery(self, failure, state):
+        pass
 
     def flush(self, timeout_s=None):
         pass
@@ -151,6 +155,11 @@ class DurableRun:
         """At ``save()``: checkpoint ``state`` (whose bytes ``stream`` gives) to storage too; returns ``state``."""
         self.submit(stream, reason="save", epoch=state["epoch"])
         return state
+
+    def on_recovery(self, failure, state):
+        """Recovering from ``failure``: checkpoint ``state`` (the commit resumed from) when a worker was preempted."""
+        if state is not None and preemption.was_preempted(failure):
+            self.submit(lambda: checkpoint.state_to_bytes(state), reason="preemption", epoch=state.get("epoch"))
 
     def flush(self, timeout_s=None):
         """Wait until every submitted checkpoint is durable (raises a failed write's error)."""

@@ -216,6 +216,7 @@ class TorchTrainer:
                                attempt + 1, max_retries)
                 try:
                     resumed = self._commits.restart_state(kwargs)  # the latest commit, or None
+                    self._durable.on_recovery(failure, resumed)  # a preemption commit goes to storage_path too
                     self._resize_worker_group(resumed if resumed is not None else state)
                     self._snapshot = state  # a commit is a restart point inside this call only
                 except recovery.RestartGaveUp as err:

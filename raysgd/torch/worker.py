@@ -31,6 +31,7 @@ from raysgd.torch import checkpoint
 from raysgd.torch import data as _data
 from raysgd.torch import evaluation
 from raysgd.torch import model_copy
+from raysgd.torch import preemption
 from raysgd.torch import state as _state
 from raysgd.torch.committer import Committer
 from raysgd.torch.constants import NUM_STEPS, USE_FP16
@@ -144,6 +145,8 @@ class TorchWorker:
         self._val_iter = _PersistentIterator(self._validation_loader, lambda loader: None)
         if not is_local and num_cpus:
             torch.set_num_threads(max(1, int(num_cpus)))
+        if not is_local:
+            preemption.install()  # Ray runs __init__ on the main thread: SIGTERM commits first
         if world_size > 1:
             importlib.import_module("torch._dynamo")  # the first DDP wrap imports it: pay at start-up
 

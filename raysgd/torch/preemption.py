@@ -1,0 +1,161 @@
+"""Preemption: a SIGTERM to a worker process becomes a commit at a step every rank agrees on, then an exit.
+
+Layer 3 helper of :mod:`raysgd.torch.committer` (torch, no Ray). :func:`install` runs in the actor's
+``__init__``, which Ray runs on the process's main thread (the only thread where Python can set a
+signal handler; training calls run in another thread because of the ``"control"`` concurrency group).
+The handler only sets a flag. At each step boundary of a committing ``train()`` call the ranks agree
+whether any of them was signalled (:func:`agree`: one asynchronous ``all_reduce`` MAX of a CPU int on a
+gloo group, no GPU sync, read at the next boundary); if so every rank commits at that step and waits until its record is stored, then the
+signalled rank hands the signal to Ray's own handler (the process exits as Ray would have) and every
+rank raises :class:`~raysgd.torch.errors.CollectiveError`, so the trainer recovers from that commit (and,
+with a ``storage_path``, writes it there: :meth:`raysgd.torch.durable.DurableRun.on_recovery`).
+
+A SIGTERM outside a committing call (an idle worker, or commits off) goes to Ray's handler at once. A
+signalled worker that reaches no step boundary within ``SGD_PREEMPT_GRACE_S`` seconds (default 20)
+exits anyway; the latest regular commit then applies, as after a SIGKILL.
+
+Example:
+    >>> requested()
+    False
+    >>> from raysgd.torch.errors import WorkerFailure
+    >>> was_preempted(WorkerFailure("ended", {1: f"{MARK}; committed at step 6 of the call"}))
+    True
+"""
+import logging
+import os
+import signal
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+from raysgd.torch import constants
+from raysgd.torch.errors import CollectiveError
+
+logger = logging.getLogger(__name__)
+
+#: In the message of each rank's error after a preemption commit (see :func:`was_preempted`).
+MARK = "preempted (SIGTERM)"
+_STATE = {"requested": False, "exit_now": False, "active": False, "previous": None, "group": None, "pending": None}
+
+
+def check_every():
+    """``SGD_PREEMPT_CHECK_STEPS``: step boundaries between two agreements (default 1: every step)."""
+    return max(1, int(constants._env_float("SGD_PREEMPT_CHECK_STEPS", 1)))
+
+
+def grace_s():
+    """``SGD_PREEMPT_GRACE_S``: how long a signalled worker waits for a step boundary before it exits."""
+    return constants._env_float("SGD_PREEMPT_GRACE_S", 20.0)
+
+
+def install():
+    """Route SIGTERM through :func:`_on_sigterm`; False (nothing done) off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is _on_sigterm:
+        return True
+    _STATE["previous"] = previous
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    return True
+
+
+def requested():
+    """Whether this process was sent SIGTERM and has not left yet."""
+    return _STATE["requested"]
+
+
+def set_active(active):
+    """Mark the span of a committing ``train()`` call (a SIGTERM outside it exits at once).
+
+    A rank signalled too late for the call's last agreement exits when the call ends.
+    """
+    _STATE["active"] = bool(active)
+    if not active and _STATE["requested"] and not _STATE["exit_now"]:
+        _STATE["exit_now"] = True
+        threading.Thread(target=_leave_now, daemon=True).start()
+
+
+def _exit(signum, frame):
+    previous = _STATE["previous"]
+    if previous is signal.SIG_IGN:
+        return
+    if callable(previous):
+        previous(signum, frame)  # Ray's: raises SystemExit in the main thread, the actor exits
+    sys.exit(1)
+
+
+def _on_sigterm(signum, frame):
+    if _STATE["exit_now"] or not _STATE["active"]:
+        _STATE["exit_now"] = True
+        _exit(signum, frame)
+        return
+    if _STATE["requested"]:
+        return
+    _STATE["requested"] = True
+    logger.warning("SIGTERM: committing at the next step boundary, then exiting (within %.0f s)", grace_s())
+    timer = threading.Timer(grace_s(), _leave_now)
+    timer.daemon = True
+    timer.start()
+
+
+def _leave_now():
+    """Exit through the signal handler (Ray's, in the main thread)."""
+    _STATE["exit_now"] = True
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _gloo_group(worker):
+    if worker.backend == "gloo":
+        return None  # the default group is already on CPU
+    world = dist.group.WORLD
+    if _STATE["group"] is None or _STATE["group"][0] is not world:  # new (or re-formed) process group
+        _STATE["group"] = (world, dist.new_group(backend="gloo"))  # every rank is at the same boundary
+    return _STATE["group"][1]
+
+
+def agree(worker, last=False):
+    """Whether any rank was signalled, as agreed one step late; every rank calls it at every step boundary.
+
+    Each call starts an asynchronous ``all_reduce`` (MAX) of this rank's flag and returns the result of
+    the previous call's, which finished during the step in between: the training loop does not wait for
+    the network. ``last=True`` (after the call's last batch) waits for the one it starts.
+    """
+    flag = torch.tensor([1 if _STATE["requested"] else 0], dtype=torch.int32)
+    if worker.world_size == 1:
+        return bool(flag.item())
+    previous = _STATE["pending"]
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_gloo_group(worker), async_op=True)
+    _STATE["pending"] = (work, flag)
+    if previous is not None:
+        previous[0].wait()
+    if last:
+        drop_pending()
+        work.wait()
+        return bool(flag.item())
+    return previous is not None and bool(previous[1].item())
+
+
+def drop_pending():
+    """Forget an agreement still in flight (the call ended with an error: its process group is going away)."""
+    _STATE["pending"] = None
+
+
+def was_preempted(failure):
+    """Whether a :class:`~raysgd.torch.errors.WorkerFailure` ended a call at a preemption commit."""
+    return any(MARK in str(cause) for cause in getattr(failure, "causes", {}).values())
+
+
+def leave(worker, step):
+    """After the preemption commit is stored: the signalled rank exits; every rank ends the call."""
+    signalled = _STATE["requested"]
+    if signalled:
+        _STATE["exit_now"] = True
+        threading.Thread(target=_leave_now, daemon=True).start()
+        message = f"{MARK}; committed at step {step} of the call"
+    else:
+        message = f"a peer was {MARK}; committed at step {step} of the call"
+    logger.warning("Rank %d: %s", worker.world_rank, message)
+    raise CollectiveError(worker.world_rank, message)

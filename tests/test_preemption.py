@@ -1,0 +1,86 @@
+"""Preemption: a real SIGTERM to a worker mid-epoch commits at the agreed step; the epoch resumes from it."""
+import io
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from helpers import CountingOperator, seeding_hook
+from raysgd.torch import storage
+
+pytestmark = pytest.mark.usefixtures("ray_4cpus")
+
+N, BATCH, STEP = 96, 4, 5  # 2 workers: 12 steps an epoch; rank 1 is signalled during step 5
+
+
+def sigterm_at_marker(marker, timeout_s=60):
+    """Once the signalled rank wrote its pid to ``marker`` (it then waits for the signal), SIGTERM it."""
+
+    def watch():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if os.path.exists(marker) and open(marker).read():
+                os.kill(int(open(marker).read()), signal.SIGTERM)
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_sigterm_mid_epoch_commits_at_once_and_loses_no_step(trainer_factory, tmp_path):
+    log, marker = str(tmp_path / "batches.log"), str(tmp_path / "pid")
+    config = {"n": N, "batch_size": BATCH, "log": log,
+              "fault": {"step": STEP, "rank": 1, "marker": marker, "until_sigterm": True}}
+    path = str(tmp_path / "run")
+    trainer = trainer_factory(training_operator_cls=CountingOperator, num_workers=2, timeout_s=30, config=config,
+                              commit_every_n_steps=1000, initialization_hook=seeding_hook, storage_path=path,
+                              num_to_keep=3)
+    pids = trainer.apply_all_workers(os.getpid)
+    watcher = sigterm_at_marker(marker)
+    stats = trainer.train()
+    watcher.join(5)
+    assert trainer.num_failures == 1
+    assert int(open(marker).read()) == pids[1]
+    deadline = time.monotonic() + 30
+    while alive(pids[1]) and time.monotonic() < deadline:  # the signalled process exits after its commit
+        time.sleep(0.1)
+    assert not alive(pids[1])
+    assert stats["num_samples"] == N
+    assert torch.equal(trainer.state_dict()["models"][0]["p"], torch.ones(N))  # every sample trained once
+    executed = len(open(log).read().splitlines())
+    assert executed <= 2 * (12 + 1), executed  # at most about one step per rank recomputed (here none)
+    commit = trainer.latest_commit()  # the only commit: agreed at the boundary after the signalled step's next
+    assert commit is not None and commit["cursor"]["steps"] == STEP + 2
+    trainer.shutdown()  # waits for the uploads: the preemption commit, then the end of train()
+    store = storage.CheckpointStorage(path, num_to_keep=3)
+    written = [storage.read_checkpoint_dir(store.filesystem, d) for _, d in store.list()]
+    assert [marker["reason"] for _, marker in written] == ["preemption", "train"]
+    state = torch.load(io.BytesIO(written[0][0]), weights_only=True)  # a safe load resumes at the cursor
+    assert state["cursor"]["steps"] == STEP + 2 and state["cursor"]["consumed"] == 2 * BATCH * (STEP + 2)
+
+
+def test_sigterm_to_an_idle_worker_exits_it(trainer_factory):
+    trainer = trainer_factory(training_operator_cls=CountingOperator, num_workers=2, timeout_s=30,
+                              config={"n": N, "batch_size": BATCH}, commit_every_n_steps=1000)
+    pids = trainer.apply_all_workers(os.getpid)
+    os.kill(pids[1], signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while alive(pids[1]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pids[1])  # outside a train call Ray's own handling applies: the process exits
+    trainer.train()
+    assert trainer.num_failures == 1
+    assert torch.equal(trainer.state_dict()["models"][0]["p"], torch.ones(N))
