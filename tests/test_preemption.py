@@ -84,3 +84,22 @@ def test_sigterm_to_an_idle_worker_exits_it(trainer_factory):
     trainer.train()
     assert trainer.num_failures == 1
     assert torch.equal(trainer.state_dict()["models"][0]["p"], torch.ones(N))
+
+
+def test_an_agreement_left_by_an_aborted_call_is_never_read_by_the_next():
+    """Rank 0 under use_local lives on in the driver: a call that ended with an error must not hand its
+    in-flight agreement (on a process group that is gone) to the next call, whose first agreement would
+    then re-raise the old call's gloo error (seen as a second, spurious failure after a recovery)."""
+    from raysgd.torch import preemption
+
+    class DeadGroupWork:
+        def wait(self):
+            raise RuntimeError("Connection closed by peer (the old process group)")
+
+    preemption._STATE["pending"] = (DeadGroupWork(), torch.zeros(1, dtype=torch.int32))
+    try:
+        preemption.set_active(True)  # the next committing call starts
+        assert preemption._STATE["pending"] is None
+    finally:
+        preemption.set_active(False)
+        preemption._STATE["pending"] = None

@@ -73,6 +73,8 @@ def set_active(active):
     A rank signalled too late for the call's last agreement exits when the call ends.
     """
     _STATE["active"] = bool(active)
+    if active:  # an agreement belongs to one call: one left by an aborted call waits on a dead process group
+        _STATE["pending"] = None
     if not active and _STATE["requested"] and not _STATE["exit_now"]:
         _STATE["exit_now"] = True
         threading.Thread(target=_leave_now, daemon=True).start()

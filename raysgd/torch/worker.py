@@ -239,7 +239,7 @@ class TorchWorker:
             reporting = contextlib.nullcontext() if progress is None else progress.attach(
                 self.operator, num_steps, iterator if iterator is not None else self.operator._train_loader)
             fresh = self._train_iter.fresh_after_error() if iterator is None else contextlib.nullcontext()
-            with reporting, fresh:
+            with reporting, fresh, contextlib.closing(batches):  # its cleanup runs now, even after an error
                 stats = self.operator.train_epoch(batches, info)
         result = {"epoch": self.epochs, **stats}
         if profile:
