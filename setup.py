@@ -23,8 +23,9 @@ setup(
         "data": ["ray[data]>=2.9"],
         "lightning": ["pytorch-lightning>=2"],
         "storage": ["pyarrow>=9"],
+        "diagnostics": ["py-spy"],  # stacks of a rank that cannot answer (trainer.stack_traces, stuck-rank errors)
         "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "tqdm", "ray[tune]>=2.9", "tensorboardX",
-                 "matplotlib", "pandas", "pyarrow", "moto[server]",
+                 "matplotlib", "pandas", "pyarrow", "moto[server]", "py-spy",
                  "pytorch-lightning>=2", "lightning>=2"],  # both of Lightning's import names are tested
     },
     license="Apache-2.0",
