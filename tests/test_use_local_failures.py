@@ -1,6 +1,7 @@
 """use_local=True: the driver watches the remote ranks while rank 0 trains in its thread."""
 import _thread
 import os
+import signal
 import threading
 import time
 
@@ -52,7 +53,16 @@ def test_remote_death_is_recovered_within_seconds(local_trainer, tmp_path):
     assert trainer.worker_group.num_workers == 2 and dist.is_initialized()  # the driver's group was re-created
 
 
-def test_ctrl_c_stops_every_rank_and_the_next_train_restarts(local_trainer):
+@pytest.fixture
+def default_ctrl_c():
+    """Python's own SIGINT handler for the test: Ray Tune leaves its handler (which only logs "Stop signal
+    received") installed in a process that ran a Tune experiment, as earlier test modules in this one did."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_stops_every_rank_and_the_next_train_restarts(local_trainer, default_ctrl_c):
     trainer = local_trainer(config=dict(CONFIG, batch_sleep=0.2))
     threading.Timer(1.5, _thread.interrupt_main).start()
     with pytest.raises(KeyboardInterrupt):
