@@ -1,5 +1,6 @@
 """Operators shared by the Ray-level tests (importable by workers: tests/ is on their path via pickling by value)."""
 import os
+import threading
 import time
 
 import torch
@@ -184,3 +185,30 @@ class CountingOperator(TrainingOperator):
         loss.backward()
         self.optimizer.step()
         return {"train_loss": out.detach().pow(2).mean().item(), "num_samples": len(idx)}
+
+
+class DtypeRecorder(ClassifierOperator):
+    """Records the dtype of the first layer's output (the hidden activations) inside the forward pass."""
+
+    def setup(self, config):
+        super().setup(config)
+        self.seen_dtypes = set()
+        module = self.model.module if hasattr(self.model, "module") else self.model
+        module[0].register_forward_hook(lambda mod, inputs, output: self.seen_dtypes.add(str(output.dtype)))
+
+
+def signal_at_marker(marker, sig, ready=lambda: True, timeout_s=60):
+    """A daemon thread: once a worker wrote its pid to ``marker`` (it then waits at its fault) and ``ready()``
+    holds, send it ``sig``. Waits on the condition, not on a lucky schedule; gives up after ``timeout_s``."""
+
+    def watch():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if os.path.exists(marker) and open(marker).read() and ready():
+                os.kill(int(open(marker).read()), sig)
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread

@@ -1,14 +1,12 @@
 """Commits inside an epoch: exactly-once resume after a real kill, bit-exact at the same size, bounded recompute."""
 import os
 import signal
-import threading
-import time
 
 import pytest
 import torch
 
 from conftest import assert_released
-from helpers import CountingOperator, LinearOperator, seeding_hook
+from helpers import CountingOperator, LinearOperator, seeding_hook, signal_at_marker
 from raysgd.torch import checkpoint, constants
 
 pytestmark = pytest.mark.usefixtures("ray_4cpus")
@@ -26,19 +24,11 @@ def trainers(trainer_factory):
 def kill_after_commit(trainer, marker, min_steps, timeout_s=60):
     """Once a worker waits at the fault (its pid in ``marker``) and a commit of >= ``min_steps`` is stored, SIGKILL it."""
 
-    def watch():
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if os.path.exists(marker) and open(marker).read():
-                commit = trainer.latest_commit() if min_steps is not None else None
-                if min_steps is None or (commit is not None and commit["cursor"]["steps"] >= min_steps):
-                    os.kill(int(open(marker).read()), signal.SIGKILL)
-                    return
-            time.sleep(0.02)
+    def committed():
+        commit = trainer.latest_commit() if min_steps is not None else None
+        return min_steps is None or (commit is not None and commit["cursor"]["steps"] >= min_steps)
 
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
+    return signal_at_marker(marker, signal.SIGKILL, committed, timeout_s)
 
 
 def counts(trainer):

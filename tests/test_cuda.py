@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from conftest import start_ray
-from helpers import ClassifierOperator, FaultyOperator, LinearOperator
+from helpers import ClassifierOperator, DtypeRecorder, FaultyOperator, LinearOperator
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")]
@@ -28,16 +28,6 @@ def gpu_cluster():
 def gpu_trainer(gpu_cluster, trainer_factory):
     return lambda **kwargs: trainer_factory(**{"training_operator_cls": ClassifierOperator, "num_workers": 1,
                                                "timeout_s": 120, **kwargs})
-
-
-class DtypeRecorder(ClassifierOperator):
-    """Records the dtype of the first layer's output inside the forward pass."""
-
-    def setup(self, config):
-        super().setup(config)
-        self.seen_dtypes = set()
-        module = self.model.module if hasattr(self.model, "module") else self.model
-        module[0].register_forward_hook(lambda mod, inputs, output: self.seen_dtypes.add(str(output.dtype)))
 
 
 def set_scale(value):

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from helpers import ClassifierOperator
+from helpers import ClassifierOperator, DtypeRecorder
 from raysgd import TorchTrainer
 from raysgd.torch import precision as precision_module
 from raysgd.torch.precision import Precision
@@ -81,16 +81,6 @@ def test_fp16_on_cuda_scales_and_round_trips_the_scaler_state():
 
 
 # ----------------------------------------------------------------------------- on a real 2-worker trainer
-class DtypeRecorder(ClassifierOperator):
-    """Records the dtype of the hidden activations seen inside the forward pass."""
-
-    def setup(self, config):
-        super().setup(config)
-        self.seen_dtypes = set()
-        module = self.model.module if hasattr(self.model, "module") else self.model
-        module[0].register_forward_hook(lambda mod, inputs, output: self.seen_dtypes.add(str(output.dtype)))
-
-
 @pytest.fixture(scope="module")
 def cluster(ray_4cpus):
     return ray_4cpus

@@ -2,13 +2,12 @@
 import io
 import os
 import signal
-import threading
 import time
 
 import pytest
 import torch
 
-from helpers import CountingOperator, seeding_hook
+from helpers import CountingOperator, seeding_hook, signal_at_marker
 from raysgd.torch import storage
 
 pytestmark = pytest.mark.usefixtures("ray_4cpus")
@@ -18,18 +17,7 @@ N, BATCH, STEP = 96, 4, 5  # 2 workers: 12 steps an epoch; rank 1 is signalled d
 
 def sigterm_at_marker(marker, timeout_s=60):
     """Once the signalled rank wrote its pid to ``marker`` (it then waits for the signal), SIGTERM it."""
-
-    def watch():
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if os.path.exists(marker) and open(marker).read():
-                os.kill(int(open(marker).read()), signal.SIGTERM)
-                return
-            time.sleep(0.02)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
+    return signal_at_marker(marker, signal.SIGTERM, timeout_s=timeout_s)
 
 
 def alive(pid):
