@@ -139,7 +139,7 @@ class CountingOperator(TrainingOperator):
     config: ``n`` samples, ``batch_size`` per worker, ``own_sampler`` (a :class:`CursorSampler`), ``log`` (a file each executed batch appends a line
     to), ``fault`` (``{"step", "marker", "rank"}``: that rank writes its pid to ``marker`` at that global
     step, then waits to be killed, once; with ``"until_sigterm": True`` it waits for a SIGTERM instead and
-    trains on), ``batch_sleep``.
+    trains on, with ``"until_resize": True`` for the driver's request to grow), ``batch_sleep``.
     """
 
     def setup(self, config):
@@ -166,11 +166,13 @@ class CountingOperator(TrainingOperator):
                 and not os.path.exists(fault["marker"]):
             with open(fault["marker"], "w") as handle:
                 handle.write(str(os.getpid()))
-            if fault.get("until_sigterm"):  # the test sends SIGTERM: finish this step once it arrived
+            if fault.get("until_sigterm") or fault.get("until_resize"):  # finish this step once it arrived
                 from raysgd.torch import preemption
 
+                arrived = (lambda: preemption._STATE["resize"] is not None) if fault.get("until_resize") \
+                    else preemption.requested
                 deadline = time.monotonic() + 60
-                while not preemption.requested() and time.monotonic() < deadline:
+                while not arrived() and time.monotonic() < deadline:
                     time.sleep(0.01)
             else:
                 time.sleep(120)  # the test kills this process once the commit it waits for is stored

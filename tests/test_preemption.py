@@ -91,3 +91,29 @@ def test_an_agreement_left_by_an_aborted_call_is_never_read_by_the_next():
     finally:
         preemption.set_active(False)
         preemption._STATE["pending"] = None
+
+
+def test_a_resize_request_applies_to_its_own_call_and_attempt_and_sigterm_outranks_it():
+    """The driver's request to grow is an agreement level below SIGTERM; a late request (another call or
+    attempt) is never acted on; a call ended for a resize is told apart from a failure or a preemption."""
+    from types import SimpleNamespace
+
+    from raysgd.torch import preemption
+    from raysgd.torch.errors import WorkerFailure
+
+    one_rank = SimpleNamespace(world_size=1)
+    try:
+        preemption.request_resize(4, 1)
+        assert preemption.resize_wanted(4, 1)
+        assert not preemption.resize_wanted(4, 0) and not preemption.resize_wanted(5, 1)
+        assert preemption.agree(one_rank, resize=preemption.resize_wanted(4, 1)) == preemption.RESIZE
+        assert preemption.agree(one_rank, resize=preemption.resize_wanted(4, 2)) == preemption.GO_ON
+        preemption._STATE["requested"] = True
+        assert preemption.agree(one_rank, resize=True) == preemption.PREEMPT
+    finally:
+        preemption._STATE.update(requested=False, resize=None)
+    resized = {0: f"{preemption.RESIZE_MARK}; committed at step 7", 1: f"{preemption.RESIZE_MARK}; committed at step 7"}
+    assert preemption.was_resize(WorkerFailure("ended", resized))
+    assert not preemption.was_resize(WorkerFailure("ended", {**resized, 1: "worker process died"}))
+    assert not preemption.was_resize(WorkerFailure("ended", {}))
+    assert not preemption.was_preempted(WorkerFailure("ended", resized))

@@ -88,3 +88,48 @@ def test_non_retryable_errors_propagate_at_once():
     with pytest.raises(ValueError):
         recovery.restart_with_backoff(lambda n: (_ for _ in ()).throw(ValueError("user bug")), lambda: 1, tries=5,
                                       sleep=lambda s: None, retryable=(ConnectionError,))
+
+
+class _Group:
+    def __init__(self):
+        self.requests = []
+
+    def request_resize(self, call_id, attempt):
+        self.requests.append((call_id, attempt))
+
+
+def test_grow_watch_asks_once_only_when_more_fit_and_the_attempt_has_a_commit():
+    from raysgd.torch.elastic import GrowWatch
+
+    now, fit, committed, group = [0.0], [None], [None], _Group()
+    watch = GrowWatch(group, target=lambda: fit[0], committed=lambda: committed[0], check_s=2.0,
+                      clock=lambda: now[0])
+    for step in range(1, 4):  # nothing fits: no request
+        now[0] = 2.0 * step
+        watch.tick()
+    fit[0] = 3
+    now[0] = 8.0
+    watch.tick()
+    assert group.requests == [] and not watch.requested  # more fit, but no commit of this attempt yet
+    committed[0] = (7, 1)
+    now[0] = 9.0
+    watch.tick()
+    assert group.requests == []  # within check_s of the last check: not asked yet
+    now[0] = 10.0
+    watch.tick()
+    assert group.requests == [(7, 1)] and watch.requested and watch.size == 3
+    now[0] = 20.0
+    watch.tick()
+    assert group.requests == [(7, 1)]  # one request per attempt
+
+
+def test_a_failing_grow_check_only_delays_growing():
+    from raysgd.torch.elastic import GrowWatch
+
+    def broken():
+        raise ConnectionError("the GCS is restarting")
+
+    group = _Group()
+    watch = GrowWatch(group, target=broken, committed=lambda: (1, 0), check_s=0)
+    watch.tick()
+    assert group.requests == [] and not watch.requested

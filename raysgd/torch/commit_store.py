@@ -47,6 +47,9 @@ class _StoreActor:
             return None
         return self._complete
 
+    def latest_key(self, call_id):
+        return self._complete[0] if self._complete is not None and self._complete[0][0] == call_id else None
+
     def count(self):
         return 0 if self._complete is None else 1
 
@@ -74,6 +77,10 @@ class CommitStore:
     def latest(self, call_id, timeout_s=60):
         """``(key, {rank: blob})`` of the call's latest complete commit, or None."""
         return ray.get(self._actor.latest.remote(call_id), timeout=timeout_s)
+
+    def latest_key(self, call_id, timeout_s=60):
+        """The key ``(call_id, step)`` of the call's latest complete commit (its records stay in the store), or None."""
+        return ray.get(self._actor.latest_key.remote(call_id), timeout=timeout_s)
 
     def latest_records(self, call_id, timeout_s=60):
         """``(key, {rank: record})`` with the records loaded (on CPU), or None."""

@@ -114,6 +114,18 @@ class CommitPolicy:
                     state[_state.CURSOR]["consumed"])
         return state
 
+    def committed_this_attempt(self):
+        """``(call_id, attempt)`` when the running attempt has stored a complete commit of its own, else None.
+
+        The proof that every rank is inside the call with a data cursor: a resize request can be acted on.
+        """
+        if not self.active:
+            return None
+        key = self._store.latest_key(self._call)
+        if key is None or (self.last_key is not None and tuple(key) <= tuple(self.last_key)):
+            return None
+        return self._call, self._attempt
+
     def finish(self, stats):
         """The per-worker metrics of the whole call: the committed parts merged into the last attempt's."""
         if not self.active:

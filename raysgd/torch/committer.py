@@ -153,25 +153,32 @@ class Committer:
                 if len(self._probe) < PROBE_STEPS and plan.every_n is None:
                     self._probe.append(time.monotonic() - started)
                 boundary = _accumulation.at_step_boundary(worker.operator)  # grads aren't state: no mid-step commit
-                if boundary and self.call_steps % check_every == 0 and preemption.agree(worker):
-                    self._preempted(worker, plan, loader_of())
+                if boundary and self.call_steps % check_every == 0:
+                    self._maybe_stop(worker, plan, loader_of(), preemption.agree(worker, resize=self._resize(plan)))
                 cadence = self._agree(worker, plan)
                 self._due = self._due or bool(cadence and self.epoch_steps % cadence == 0)
                 if self._due and boundary:
                     self._due = False
                     self._commit(worker, plan, loader_of())
-            if plan is not None and _accumulation.at_step_boundary(worker.operator) \
-                    and preemption.agree(worker, last=True):  # a signal during the last step
-                self._preempted(worker, plan, loader_of())
+            if plan is not None and _accumulation.at_step_boundary(worker.operator):  # a signal in the last step
+                level = preemption.agree(worker, last=True)
+                self._maybe_stop(worker, plan, loader_of(), preemption.PREEMPT if level == preemption.PREEMPT else 0)
         finally:
             preemption.drop_pending()
             preemption.set_active(False)
 
-    def _preempted(self, worker, plan, loader):
-        """A rank got SIGTERM: every rank commits here, waits until the store holds it, and ends the call."""
+    @staticmethod
+    def _resize(plan):
+        return preemption.resize_wanted(plan.call_id, plan.attempt)
+
+    def _maybe_stop(self, worker, plan, loader, level):
+        """A rank got SIGTERM, or the driver asked to grow: every rank commits here, waits until the store
+        holds it, and ends the call (:func:`raysgd.torch.preemption.leave`)."""
+        if level == preemption.GO_ON:
+            return
         self._commit(worker, plan, loader)
         self.flush()
-        preemption.leave(worker, self.call_steps)
+        preemption.leave(worker, self.call_steps, level)
 
     def _agree(self, worker, plan):
         if plan.every_n is not None:

@@ -4,6 +4,10 @@ Layer 5 helper of :mod:`raysgd.torch.torch_trainer` (standard library and layers
 ``num_workers=(min, max)`` starts with as many workers as fit now between the two, and a restart
 never goes below ``min``; an int ``N`` keeps 1.x's meaning: ``N`` at start, down to 1 after a failure.
 
+During a committing ``train()`` call, :class:`GrowWatch` asks the workers to stop at their next
+commit point when more workers fit and the cooldown has passed; the call then goes on from that commit
+at the larger size, in the same epoch (the data cursor re-shards the rest).
+
 Example:
     >>> restart_sizes(4, low=2)
     [4, 3, 2]
@@ -15,7 +19,7 @@ import time
 
 import ray
 
-from raysgd.torch import recovery
+from raysgd.torch import constants, recovery
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +51,11 @@ def start_first_group(start, how_many_fit, low, high, is_range, timeout_s):
                            f"be placed within {timeout_s:.0f} s; free resources: {ray.available_resources()}") from err
 
 
-def scale_up_target(group, high, last_resize, cooldown_s):
-    """The larger group size to restart at now (resources returned, cooldown passed), or None to stay."""
+def scale_up_target(group, high, last_resize, cooldown_s, quiet=False):
+    """The larger group size to restart at now (resources returned, cooldown passed), or None to stay.
+
+    ``quiet``: the caller logs the decision itself.
+    """
     current = group.num_workers
     if current >= high:
         return None
@@ -57,5 +64,50 @@ def scale_up_target(group, high, last_resize, cooldown_s):
                  extra, time.monotonic() - last_resize)
     if not recovery.should_scale_up(current, high, extra, time.monotonic(), last_resize, cooldown_s):
         return None
-    logger.info("Scaling up from %d to %d workers", current, current + extra)
+    if not quiet:
+        logger.info("Scaling up from %d to %d workers", current, current + extra)
     return current + extra
+
+
+def grow_check_s():
+    """``SGD_GROW_CHECK_S``: seconds between two checks for room to grow while a call trains (default 2)."""
+    return constants._env_float("SGD_GROW_CHECK_S", 2.0)
+
+
+class GrowWatch:
+    """Called on every tick of a committing ``train()`` attempt: asks the group to stop at a commit point to grow.
+
+    ``target()`` returns the larger size to grow to now, or None (see :func:`scale_up_target`);
+    ``committed()`` returns ``(call_id, attempt)`` once the attempt stored a commit of its own, else None.
+    At most one request per attempt; ``target`` is remembered for the restart.
+
+    Example:
+        >>> watch = GrowWatch(group=None, target=lambda: 2, committed=lambda: (1, 0), check_s=0)
+        >>> watch.requested  # nothing asked before the first tick
+        False
+    """
+
+    def __init__(self, group, target, committed, check_s=None, clock=time.monotonic):
+        self._group, self._target, self._committed = group, target, committed
+        self._check_s = grow_check_s() if check_s is None else check_s
+        self._clock = clock
+        self._last = clock()
+        self.requested = False
+        self.size = None
+
+    def tick(self):
+        now = self._clock()
+        if self.requested or now - self._last < self._check_s:
+            return
+        self._last = now
+        try:
+            size = self._target()
+            attempt = self._committed() if size is not None else None
+        except Exception as err:  # noqa: BLE001 (a failed check only delays growing)
+            logger.debug("grow check failed: %s", err)
+            return
+        if attempt is None:
+            return
+        logger.info("More workers fit: stopping at the next commit point to grow to %d", size)
+        self._group.request_resize(*attempt)
+        self.requested, self.size = True, size

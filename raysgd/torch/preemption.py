@@ -1,4 +1,6 @@
-"""Preemption: a SIGTERM to a worker process becomes a commit at a step every rank agrees on, then an exit.
+"""Stopping a call at a commit point: a SIGTERM (preemption) or the driver's request to grow the group.
+
+A SIGTERM to a worker process becomes a commit at a step every rank agrees on, then an exit.
 
 Layer 3 helper of :mod:`raysgd.torch.committer` (torch, no Ray). :func:`install` runs in the actor's
 ``__init__``, which Ray runs on the process's main thread (the only thread where Python can set a
@@ -14,11 +16,18 @@ A SIGTERM outside a committing call (an idle worker, or commits off) goes to Ray
 signalled worker that reaches no step boundary within ``SGD_PREEMPT_GRACE_S`` seconds (default 20)
 exits anyway; the latest regular commit then applies, as after a SIGKILL.
 
+The driver's request to grow (:func:`request_resize`, sent while the call trains, when more workers
+fit) rides on the same agreement at a lower level: every rank commits at the agreed step and raises
+:class:`~raysgd.torch.errors.CollectiveError` marked :data:`RESIZE_MARK`; no process exits, and the
+trainer restarts at the larger size from that commit (:func:`was_resize`). SIGTERM wins over a resize.
+
 Example:
     >>> requested()
     False
     >>> from raysgd.torch.errors import WorkerFailure
     >>> was_preempted(WorkerFailure("ended", {1: f"{MARK}; committed at step 6 of the call"}))
+    True
+    >>> was_resize(WorkerFailure("ended", {0: f"{RESIZE_MARK}; committed at step 9 of the call"}))
     True
 """
 import logging
@@ -37,7 +46,12 @@ logger = logging.getLogger(__name__)
 
 #: In the message of each rank's error after a preemption commit (see :func:`was_preempted`).
 MARK = "preempted (SIGTERM)"
-_STATE = {"requested": False, "exit_now": False, "active": False, "previous": None, "group": None, "pending": None}
+#: In the message of each rank's error after a commit the driver asked for to grow (see :func:`was_resize`).
+RESIZE_MARK = "stopped at a commit point to grow the group"
+#: Agreement levels (the all-reduce takes the maximum): go on, stop to resize, stop for a SIGTERM.
+GO_ON, RESIZE, PREEMPT = 0, 1, 2
+_STATE = {"requested": False, "exit_now": False, "active": False, "previous": None, "group": None, "pending": None,
+          "resize": None}
 
 
 def check_every():
@@ -65,6 +79,20 @@ def install():
 def requested():
     """Whether this process was sent SIGTERM and has not left yet."""
     return _STATE["requested"]
+
+
+def request_resize(call_id, attempt):
+    """The driver asks this rank to stop attempt ``attempt`` of call ``call_id`` at the next agreed commit point.
+
+    A request for another call or attempt (one that arrived late) is never acted on; see :func:`resize_wanted`.
+    """
+    _STATE["resize"] = (call_id, attempt)
+    logger.info("The driver asks to stop call %s (attempt %s) at the next step boundary to grow", call_id, attempt)
+
+
+def resize_wanted(call_id, attempt):
+    """Whether :func:`request_resize` asked for this call and attempt."""
+    return _STATE["resize"] == (call_id, attempt)
 
 
 def set_active(active):
@@ -118,16 +146,17 @@ def _gloo_group(worker):
     return _STATE["group"][1]
 
 
-def agree(worker, last=False):
-    """Whether any rank was signalled, as agreed one step late; every rank calls it at every step boundary.
+def agree(worker, last=False, resize=False):
+    """The highest level any rank asks for (:data:`GO_ON`, :data:`RESIZE` or :data:`PREEMPT`), agreed one step
+    late; every rank calls it at every step boundary (``resize``: this rank was asked to stop for a resize).
 
     Each call starts an asynchronous ``all_reduce`` (MAX) of this rank's flag and returns the result of
     the previous call's, which finished during the step in between: the training loop does not wait for
     the network. ``last=True`` (after the call's last batch) waits for the one it starts.
     """
-    flag = torch.tensor([1 if _STATE["requested"] else 0], dtype=torch.int32)
+    flag = torch.tensor([PREEMPT if _STATE["requested"] else RESIZE if resize else GO_ON], dtype=torch.int32)
     if worker.world_size == 1:
-        return bool(flag.item())
+        return int(flag.item())
     previous = _STATE["pending"]
     work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_gloo_group(worker), async_op=True)
     _STATE["pending"] = (work, flag)
@@ -136,8 +165,8 @@ def agree(worker, last=False):
     if last:
         drop_pending()
         work.wait()
-        return bool(flag.item())
-    return previous is not None and bool(previous[1].item())
+        return int(flag.item())
+    return int(previous[1].item()) if previous is not None else GO_ON
 
 
 def drop_pending():
@@ -150,10 +179,19 @@ def was_preempted(failure):
     return any(MARK in str(cause) for cause in getattr(failure, "causes", {}).values())
 
 
-def leave(worker, step):
-    """After the preemption commit is stored: the signalled rank exits; every rank ends the call."""
+def was_resize(failure):
+    """Whether a :class:`~raysgd.torch.errors.WorkerFailure` ended a call at a commit the driver asked for."""
+    causes = getattr(failure, "causes", {}).values()
+    return bool(causes) and all(RESIZE_MARK in str(cause) for cause in causes)
+
+
+def leave(worker, step, level=PREEMPT):
+    """After the agreed commit is stored: a signalled rank exits; every rank ends the call."""
     signalled = _STATE["requested"]
-    if signalled:
+    if level == RESIZE and not signalled:
+        _STATE["resize"] = None
+        message = f"{RESIZE_MARK}; committed at step {step} of the call"
+    elif signalled:
         _STATE["exit_now"] = True
         threading.Thread(target=_leave_now, daemon=True).start()
         message = f"{MARK}; committed at step {step} of the call"

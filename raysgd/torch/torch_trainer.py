@@ -1,7 +1,8 @@
 """TorchTrainer: the driver-side API. Runs train/validate through the recovery loop and reduces metrics.
 
 Layer 5: imports layers 0-4. Argument checks live in :mod:`raysgd.torch.arguments`, the worker pool
-in :mod:`raysgd.torch.worker_group`, the retry policy in :mod:`raysgd.torch.recovery`.
+in :mod:`raysgd.torch.worker_group`, the retry policy in :mod:`raysgd.torch.recovery`, a call's
+attempts (retries, resuming from commits, growing) in :mod:`raysgd.torch.attempts`.
 
 Example:
     >>> import ray
@@ -20,7 +21,7 @@ import types
 
 import ray
 
-from raysgd.torch import (accumulation, arguments, checkpoint, commits, constants, durable, elastic, progress,
+from raysgd.torch import (accumulation, arguments, attempts, checkpoint, commits, constants, durable, elastic, progress,
                           ray_data, recovery, results)
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
@@ -194,54 +195,13 @@ class TorchTrainer:
         if target is not None:
             self._resize_worker_group(state, target=target)
 
-    def _with_recovery(self, method, max_retries, **kwargs):
-        """Run ``method`` on every worker; on a worker failure restart from the snapshot and retry."""
-        if not isinstance(max_retries, int) or max_retries < 0:
-            raise ValueError(f"max_retries expects an int >= 0; got {max_retries!r}")
-        self._ensure_workers()
-        state = self._take_snapshot()  # the restart point, even with max_retries=0 (for the next call)
-        self._maybe_scale_up(state)
-        self._commits.begin_call(method == "train_epoch", replay=kwargs.pop("replay", False))
-        for attempt in range(max_retries + 1):
-            try:
-                results = self.worker_group.run(method, **self._commits.with_plan(kwargs))
-                self._snapshot_stale = True  # train and validate (custom ones too) may change the state
-                return self._commits.finish(results)
-            except WorkerFailure as failure:
-                self._num_failures += 1
-                if attempt == max_retries:
-                    raise RuntimeError(f"Training run failed: {method} did not succeed after {max_retries} "
-                                       f"retries; the last failure is the cause.") from failure
-                logger.warning("%s failed (%s); restarting workers, retry %d of %d", method, failure,
-                               attempt + 1, max_retries)
-                try:
-                    resumed = self._commits.restart_state(kwargs)  # the latest commit, or None
-                    self._durable.on_recovery(failure, resumed)  # a preemption commit goes to storage_path too
-                    self._resize_worker_group(resumed if resumed is not None else state)
-                    self._snapshot = state  # a commit is a restart point inside this call only
-                except recovery.RestartGaveUp as err:
-                    raise RuntimeError(f"Training run failed: the workers could not be restarted ({err}).") \
-                        from failure
-            except Exception:
-                if method == "train_epoch":
-                    self._undo_partial_call(state)
-                raise
-        raise AssertionError("unreachable")
-
-    def _undo_partial_call(self, state):
-        """After user code raised mid-call, put the workers back to the call's starting state."""
-        try:  # a torn-down group restarts from the snapshot at the next call
-            if not self.worker_group.broken:
-                self.worker_group.run("load_state_stream", ray.put(state), deadline_s=self.timeout_s)
-        except Exception as err:  # noqa: BLE001 (the user's error is the one to raise)
-            logger.warning("Could not restore the state after a failed call: %s", err)
-
     # ----------------------------------------------------------------- train / validate
     def train(self, num_steps=None, profile=False, reduce_results=True, max_retries=3, info=None, dataset=None):
         """Train one epoch (or ``num_steps`` batches per worker) on every worker; returns the metrics.
 
-        A worker that dies or stops answering ends the attempt; the epoch is retried from the state
-        at the start of this call on as many workers as fit, at most ``max_retries`` times.
+        A worker that dies or stops answering ends the attempt; the call goes on from its latest commit
+        (or its start) on as many workers as fit, at most ``max_retries`` times. When more workers fit
+        meanwhile, the call grows at a commit point (see :mod:`raysgd.torch.attempts`).
         ``dataset`` (a ``ray.data.Dataset`` or :class:`~raysgd.torch.ray_data.DatasetInput`) replaces
         the registered train loader for this call: each worker reads its own streaming-split shard.
 
@@ -253,12 +213,11 @@ class TorchTrainer:
         reporter = self._progress.start(local=self.use_local) if self._progress is not None else None
         completed = False
         try:
-            stats = self._with_recovery("train_epoch", max_retries, num_steps=num_steps, profile=profile,
-                                        info=dict(info or {}), lockstep=True, replay=data is not None,
-                                        rank_kwargs=ray_data.rank_inputs(data, reporter, self._shards,
-                                                                         self.worker_group, self._requested_config,
-                                                                         self.timeout_s),
-                                        on_tick=self._progress.tick if reporter is not None else None)
+            call = dict(num_steps=num_steps, profile=profile, info=dict(info or {}), lockstep=True,
+                        replay=data is not None, on_tick=self._progress.tick if reporter is not None else None,
+                        rank_kwargs=ray_data.rank_inputs(data, reporter, self._shards, self.worker_group,
+                                                         self._requested_config, self.timeout_s))
+            stats = attempts.run_call(self, "train_epoch", max_retries, call)
             completed = True
         finally:
             if reporter is not None:
@@ -281,8 +240,8 @@ class TorchTrainer:
         Example:
             >>> trainer.validate()["val_loss"]  # doctest: +SKIP
         """
-        stats = self._with_recovery("validate", max_retries, num_steps=num_steps, profile=profile,
-                                    info=dict(info or {}), lockstep=True)
+        stats = attempts.run_call(self, "validate", max_retries, dict(num_steps=num_steps, profile=profile,
+                                                                        info=dict(info or {}), lockstep=True))
         return self._log_result("validate", stats, reduce_results)
 
     # ----------------------------------------------------------------- operators and models

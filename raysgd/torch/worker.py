@@ -299,6 +299,13 @@ class TorchWorker:
     def apply(self, fn):
         return fn()
 
+    def request_resize(self, call_id, attempt):
+        """The driver asks the running call to stop at the next agreed commit point (to grow the group).
+
+        Answered from the ``"control"`` concurrency group while a call trains (see :mod:`raysgd.torch.preemption`).
+        """
+        preemption.request_resize(call_id, attempt)
+
     def apply_operator(self, fn):
         return fn(self.operator)
 

@@ -61,6 +61,12 @@ class Handle:
             return self.runner.submit(run) if self.runner is not None else _Done(run)
         return getattr(self.actor, method).remote(*args, **kwargs)
 
+    def control(self, method, *args):
+        """Call ``method`` beside a running call: in the actor's ``"control"`` group, or at once for the local rank."""
+        if self.local is not None:
+            return _Done(lambda: getattr(self.local, method)(*args))
+        return getattr(self.actor, method).options(concurrency_group=diagnostics.CONTROL_GROUP).remote(*args)
+
     def stacks_request(self):
         """Text (the local rank's thread) or ``(ObjectRef, actor id)`` of the stacks its control thread takes."""
         if self.local is not None:

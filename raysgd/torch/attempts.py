@@ -1,0 +1,113 @@
+"""One ``train()`` or ``validate()`` call through its attempts: retry after a worker failure, resume from the
+call's latest commit, and grow the group at a commit point.
+
+Layer 5 helper of :mod:`raysgd.torch.torch_trainer` (layers 0-4): it drives the trainer's own pieces
+(the worker group, the snapshot, the commit policy, the durable run) and owns only the loop.
+
+- A :class:`~raysgd.torch.errors.WorkerFailure` counts as a failure (``num_failures``) and uses one of
+  ``max_retries``: the group restarts on as many workers as fit (never below the minimum) from the
+  call's latest commit, or from the snapshot taken at the call's start when there is none.
+- While a committing call trains below the largest size, :class:`~raysgd.torch.elastic.GrowWatch`
+  checks every ``SGD_GROW_CHECK_S`` seconds whether more workers fit (after the resize cooldown). If
+  so, the ranks stop at their next agreed commit point, and the same call goes on from that commit
+  at the larger size. A resize is not a failure: it uses no retry.
+- A user error ends the call; a ``train()`` puts the workers back to the call's starting state.
+
+Example:
+    >>> # stats = run_call(trainer, "train_epoch", max_retries=3, kwargs={"num_steps": None})
+    >>> run_call(None, "train_epoch", max_retries=-1, kwargs={})
+    Traceback (most recent call last):
+    ...
+    ValueError: max_retries expects an int >= 0; got -1
+"""
+import logging
+
+import ray
+
+from raysgd.torch import elastic, preemption, recovery
+from raysgd.torch.errors import WorkerFailure
+
+logger = logging.getLogger(__name__)
+
+
+def _grow_watch(trainer):
+    """A :class:`GrowWatch` for the next attempt, or None when it cannot grow (no commits, at the largest size)."""
+    commits, group = trainer._commits, trainer.worker_group
+    if not commits.active or group.num_workers >= trainer.max_replicas:
+        return None
+    target = lambda: elastic.scale_up_target(group, trainer.max_replicas, trainer._last_resize,  # noqa: E731
+                                             trainer._resize_cooldown_s, quiet=True)
+    return elastic.GrowWatch(group, target, commits.committed_this_attempt)
+
+
+def _ticks(on_tick, watch):
+    if watch is None:
+        return on_tick
+
+    def tick():
+        watch.tick()
+        if on_tick is not None:
+            on_tick()
+
+    return tick
+
+
+def run_call(trainer, method, max_retries, kwargs):
+    """Run ``method`` on every worker through its attempts (see the module docstring); returns per-worker stats."""
+    if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
+        raise ValueError(f"max_retries expects an int >= 0; got {max_retries!r}")
+    trainer._ensure_workers()
+    state = trainer._take_snapshot()  # the restart point, even with max_retries=0 (for the next call)
+    trainer._maybe_scale_up(state)
+    commits = trainer._commits
+    commits.begin_call(method == "train_epoch", replay=kwargs.pop("replay", False))
+    on_tick = kwargs.pop("on_tick", None)
+    retries = 0
+    while True:
+        watch = _grow_watch(trainer)
+        try:
+            results = trainer.worker_group.run(method, on_tick=_ticks(on_tick, watch), **commits.with_plan(kwargs))
+            trainer._snapshot_stale = True  # train and validate (custom ones too) may change the state
+            return commits.finish(results)
+        except WorkerFailure as failure:
+            if watch is not None and watch.requested and preemption.was_resize(failure):
+                _grow(trainer, state, kwargs, watch.size, failure)
+                continue
+            trainer._num_failures += 1
+            if retries == max_retries:
+                raise RuntimeError(f"Training run failed: {method} did not succeed after {max_retries} "
+                                   f"retries; the last failure is the cause.") from failure
+            retries += 1
+            logger.warning("%s failed (%s); restarting workers, retry %d of %d", method, failure, retries,
+                           max_retries)
+            _restart(trainer, state, kwargs, failure, None)
+        except Exception:
+            if method == "train_epoch":
+                undo_partial_call(trainer, state)
+            raise
+
+
+def _grow(trainer, state, kwargs, size, stop):
+    """The ranks stopped at the commit the driver asked for: restart at ``size`` from it (not a failure)."""
+    logger.info("Growing from %d to %d workers at the commit point", trainer.worker_group.num_workers, size)
+    _restart(trainer, state, kwargs, stop, size)
+
+
+def _restart(trainer, state, kwargs, failure, size):
+    try:
+        resumed = trainer._commits.restart_state(kwargs)  # the latest commit, or None
+        if size is None:
+            trainer._durable.on_recovery(failure, resumed)  # a preemption commit goes to storage_path too
+        trainer._resize_worker_group(resumed if resumed is not None else state, target=size)
+        trainer._snapshot = state  # a commit is a restart point inside this call only
+    except recovery.RestartGaveUp as err:
+        raise RuntimeError(f"Training run failed: the workers could not be restarted ({err}).") from failure
+
+
+def undo_partial_call(trainer, state):
+    """After user code raised mid-call, put the workers back to the call's starting state."""
+    try:  # a torn-down group restarts from the snapshot at the next call
+        if not trainer.worker_group.broken:
+            trainer.worker_group.run("load_state_stream", ray.put(state), deadline_s=trainer.timeout_s)
+    except Exception as err:  # noqa: BLE001 (the user's error is the one to raise)
+        logger.warning("Could not restore the state after a failed call: %s", err)
