@@ -64,6 +64,23 @@ def test_worker_killed_mid_epoch_recovers_the_full_epoch(trainers, tmp_path, how
     assert trainer.validate()["num_samples"] == 100
 
 
+@pytest.mark.parametrize("keep", ["1", "0"])
+def test_survivors_keep_their_processes_and_only_a_replacement_starts(trainers, tmp_path, monkeypatch, keep):
+    """Rank 1 dies mid-epoch: rank 0's call ends with its broken collective, and rank 0 joins the re-formed group
+    in the same process; rank 1's bundle (its node is alive) takes a new process. SGD_KEEP_SURVIVORS=0 restarts
+    both, as before."""
+    monkeypatch.setenv("SGD_KEEP_SURVIVORS", keep)
+    trainer = trainers(config=faulty(tmp_path, "exit"))
+    before = trainer.apply_all_workers(os.getpid)
+    stats = trainer.train()
+    after = trainer.apply_all_workers(os.getpid)
+    assert (tmp_path / "fault").exists() and trainer.num_failures == 1
+    assert stats["num_samples"] == 400 and trainer.worker_group.num_workers == 2
+    assert after[1] != before[1]  # the dead rank was replaced
+    assert (after[0] == before[0]) == (keep == "1")  # the survivor kept its process (or not, when turned off)
+    assert trainer.validate()["num_samples"] == 100
+
+
 def _final_state(trainer, inject_at_epoch=None, marker=None):
     for epoch in range(2):
         if epoch == inject_at_epoch:

@@ -126,24 +126,45 @@ class TorchTrainer:
         """How many worker failures ``train()`` has recovered from (or met) so far."""
         return self._num_failures
 
-    def _start_workers(self, num_workers, pg_timeout_s=None):
-        """Start ``num_workers`` workers with the batch size divided among them; returns the count."""
+    def _worker_config(self, num_workers):
+        """The config each of ``num_workers`` workers gets (the batch size divided among them)."""
         split = accumulation.fixed_split(self.max_replicas) if self._fixed_worker_batch else arguments.split_batch_size
         worker_config, effective = split(self._requested_config, num_workers)
         self._config = dict(self._requested_config)
         if effective is not None:
             self._config[BATCH_SIZE] = effective
-        return self.worker_group.start(num_workers, self.training_operator_cls, worker_config, pg_timeout_s,
-                                       initialization_hook=self.initialization_hook)
+        return worker_config
+
+    def _start_workers(self, num_workers, pg_timeout_s=None):
+        """Start ``num_workers`` workers with the batch size divided among them; returns the count."""
+        return self.worker_group.start(num_workers, self.training_operator_cls, self._worker_config(num_workers),
+                                       pg_timeout_s, initialization_hook=self.initialization_hook)
+
+    def _reform(self, state):
+        """Re-form the group from the last failure's survivors and load ``state``; the size, or None (restart all)."""
+        try:
+            started = self.worker_group.reform(self.training_operator_cls, self._worker_config, self.min_replicas,
+                                               initialization_hook=self.initialization_hook)
+            if started:
+                self.worker_group.run("load_state_stream", ray.put(state), deadline_s=self.timeout_s)
+            return started
+        except Exception as err:  # noqa: BLE001 (restarting every worker is the tried path)
+            logger.warning("Re-forming the group from its survivors failed (%s: %s); restarting every worker",
+                           type(err).__name__, err)
+            return None
 
     def _resize_worker_group(self, state, max_retries=None, target=None):
         """Tear the group down and start as many workers as fit (up to ``target``), loading ``state``.
 
         ``state`` is a trainer state dict or its bytes. Returns the number of workers started.
         """
-        target = target or self.max_replicas
         if isinstance(state, dict):
             state = checkpoint.state_to_bytes(state)
+        started = self._reform(state) if target is None else None  # a failure: survivors keep their processes
+        if started:
+            self._last_resize, self._snapshot = time.monotonic(), state
+            return started
+        target = target or self.max_replicas
         self.worker_group.shutdown(force=True)
 
         def try_start(n):

@@ -132,17 +132,13 @@ class TorchWorker:
         self.backend = backend
         self.world_size = world_size
         self.world_rank = 0
-        self.epochs = 0
         self.operator = None
         self.timers = TimerCollection()
         self.timers.disable()
         self._is_local = is_local
         self._options = dict(use_fp16=use_fp16, use_tqdm=use_tqdm, wrap_ddp=wrap_ddp,
                              add_dist_sampler=add_dist_sampler, scheduler_step_freq=scheduler_step_freq)
-        self.committer = Committer()
-        self._train_iter = _PersistentIterator(self._train_loader, self._on_new_train_epoch, self.committer.after_iter,
-                                               on_abandon=self._rewind_train_epoch)
-        self._val_iter = _PersistentIterator(self._validation_loader, lambda loader: None)
+        self._fresh_group_state()
         if not is_local and num_cpus:
             torch.set_num_threads(max(1, int(num_cpus)))
         if not is_local:
@@ -150,7 +146,26 @@ class TorchWorker:
         if world_size > 1:
             importlib.import_module("torch._dynamo")  # the first DDP wrap imports it: pay at start-up
 
+    def _fresh_group_state(self):
+        """What belongs to one group: the commit bookkeeping (an agreed cadence) and the persistent iterators."""
+        self.epochs = 0
+        self.committer = Committer()
+        self._train_iter = _PersistentIterator(self._train_loader, self._on_new_train_epoch, self.committer.after_iter,
+                                               on_abandon=self._rewind_train_epoch)
+        self._val_iter = _PersistentIterator(self._validation_loader, lambda loader: None)
+
     # ----------------------------------------------------------------- start-up
+    def rejoin(self, config, world_rank, world_size):
+        """A survivor of a failed group joins a re-formed one as ``world_rank`` of ``world_size``: leave the old
+        process group, drop the operator and the old group's call state; ``setup_process_group`` and
+        ``setup_operator`` follow, with ``config`` (its batch size split for the new size). The process, its
+        imports and its hook's effects stay."""
+        self.committer.flush(timeout_s=5.0)  # a commit still being sent belongs to the old group
+        self.shutdown()
+        self.operator, self.config = None, config
+        self.world_rank, self.world_size = world_rank, world_size  # setup_process_group sets them again (size > 1)
+        self._fresh_group_state()
+
     def run_hook(self, hook):
         """Run the trainer's ``initialization_hook`` in this process."""
         if hook is not None:

@@ -1,9 +1,9 @@
 """The worker pool: placement group, actors, rendezvous, fan-out under deadlines, failure detection, shutdown.
 
 Layer 4: the only module that touches Ray actor handles. A dead actor, a lost node or a collective
-that timed out ends the attempt at once as :class:`~raysgd.torch.errors.WorkerFailure` (the whole
-group is killed, since survivors may be stuck in a collective); an exception raised by user code is
-re-raised with its original type.
+that timed out ends the attempt at once as :class:`~raysgd.torch.errors.WorkerFailure`: ranks still
+stuck are killed, those whose call ended are kept for :meth:`WorkerGroup.reform`. An exception raised
+by user code is re-raised with its original type.
 
 Example:
     >>> # group = WorkerGroup(worker_options, num_cpus_per_worker=1, use_gpu=False, use_local=False, timeout_s=60)
@@ -15,7 +15,7 @@ import time
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
-from raysgd.torch import cluster_state, constants, diagnostics
+from raysgd.torch import cluster_state, constants, diagnostics, reform
 from raysgd.torch.errors import CollectiveError, WorkerFailure
 from raysgd.torch.local_runner import AbandonedCall, LocalCall, LocalRunner
 from raysgd.torch.placement import Placement
@@ -50,6 +50,7 @@ class WorkerGroup:
         self._timeout_s = timeout_s
         self._placement = Placement(num_cpus_per_worker, self._gpus, use_local, placement_strategy)
         self._handles = []
+        self._kept = []  # survivors of a failure, waiting for reform() (or the next start, which kills them)
         self._pg = None
         self._own_pg = False
         self._submitted = None
@@ -72,8 +73,10 @@ class WorkerGroup:
         return self._handles[0].local if self._handles and self._handles[0].local is not None else None
 
     def how_many_fit(self, limit, settle_s=0.0):
-        """How many workers fit now, at most ``limit`` (see :meth:`Placement.how_many_fit`)."""
-        return self._placement.how_many_fit(limit, settle_s)
+        """How many workers fit now, at most ``limit`` (:meth:`Placement.how_many_fit`), plus the group's own
+        placed bundles no worker uses (a lost node's, placed again): growing frees them."""
+        spare = reform.spare_bundles(self._pg, self._handles) if self._own_pg and not self.broken else 0
+        return min(limit, spare + self._placement.how_many_fit(max(0, limit - spare), settle_s))
 
     # ----------------------------------------------------------------- start-up
     def start(self, n, operator_cls, config, pg_timeout_s=None, initialization_hook=None):
@@ -83,6 +86,8 @@ class WorkerGroup:
         """
         if self._handles:
             raise RuntimeError("WorkerGroup.start called on a running group; shut it down first")
+        if self._kept:
+            self._kill_all()
         pg_timeout_s = constants.SGD_PLACEMENT_GROUP_TIMEOUT_S if pg_timeout_s is None else pg_timeout_s
         self.broken = False
         self.generation += 1
@@ -96,9 +101,45 @@ class WorkerGroup:
                 continue
             self._handles.append(start_actor(rank, self._pg, offset + rank, self._cpus, self._gpus, operator_cls,
                                              config, options))
-        deadline = self._timeout_s + 60
-        self.run("run_hook", initialization_hook, deadline_s=deadline,
+        self.run("run_hook", initialization_hook, deadline_s=self._timeout_s + 60,
                  on_tick=self._placement.watch.check if self._placement.watch is not None else None)
+        self._connect(n)
+        logger.info("Started %d worker(s)%s", n, " (rank 0 local)" if self._use_local else "")
+        return n
+
+    def reform(self, operator_cls, config_for, min_size, initialization_hook=None):
+        """Re-form the group from the survivors of the last failure (see :mod:`raysgd.torch.reform`); returns the
+        size, or None when the whole group must restart instead. ``config_for(n)``: the worker config at ``n``."""
+        kept = {h.bundle: h for h in self._kept}
+        new = reform.plan_in(self._pg, kept, min_size, self.how_many_fit) if kept and self._own_pg and \
+            self._pg is not None and (not self._use_local or 0 in kept) else None
+        if new is None:
+            self._kill_all()
+            return None
+        n, config, fresh = len(new), config_for(len(new)), set()
+        self._kept, self._handles, self.broken = [], [], False
+        self.generation += 1
+        for rank, (bundle, handle) in enumerate(new):
+            if handle is None:
+                handle = start_actor(rank, self._pg, bundle, self._cpus, self._gpus, operator_cls, config,
+                                     dict(self._worker_options, num_cpus=self._cpus, world_size=n))
+                fresh.add(rank)
+            handle.rank = rank
+            self._handles.append(handle)
+        local = self._handles[0] if self._handles[0].local is not None else None
+        if local is not None and (n > 1) != (local.runner is not None):  # rank 0's thread only beside others
+            if local.runner is not None:
+                local.runner.stop(_LOCAL_STOP_S)
+            local.runner = self._runner = LocalRunner() if n > 1 else None
+        self._collect({h.rank: h.call("run_hook", initialization_hook) if h.rank in fresh else h.call("rejoin", config, h.rank, n)
+                       for h in self._ordered()}, deadline_s=self._timeout_s + 60)
+        self._connect(n)
+        logger.info("Re-formed the group: %d worker(s), %d kept, %d new", n, n - len(fresh), len(fresh))
+        return n
+
+    def _connect(self, n):
+        """Rendezvous (the process group) and each rank's operator."""
+        deadline = self._timeout_s + 60
         local_ranks = [0] * n
         if n > 1:
             url = self._collect({0: self._handles[0].call("setup_address")}, deadline_s=deadline)[0]
@@ -107,8 +148,6 @@ class WorkerGroup:
             ips = self.run("node_ip", deadline_s=deadline)
             local_ranks = [ips[:rank].count(ip) for rank, ip in enumerate(ips)]
         self._collect({h.rank: h.call("setup_operator", local_ranks[h.rank]) for h in self._ordered()})
-        logger.info("Started %d worker(s)%s", n, " (rank 0 local)" if self._use_local else "")
-        return n
 
     # ----------------------------------------------------------------- calls
     def run(self, method, *args, deadline_s=None, on_tick=None, lockstep=False, rank_kwargs=None, **kwargs):
@@ -204,6 +243,15 @@ class WorkerGroup:
         def unanswered():
             return sorted([*pending.values(), *local])
 
+        def wait_rest(timeout_s):  # the calls still running get up to timeout_s to end
+            end = time.monotonic() + timeout_s
+            while (pending or local) and time.monotonic() < end:
+                if pending:
+                    file_ready(ray.wait(list(pending), num_returns=len(pending), timeout=_LOCAL_TICK_S)[0])
+                else:
+                    next(iter(local.values())).wait(_LOCAL_TICK_S)
+                poll_local()
+
         for rank, call in calls.items():
             if isinstance(call, _Done):
                 file(rank, call.value, call.error)
@@ -232,12 +280,10 @@ class WorkerGroup:
             # A survivor's collective often fails just before the dead peer is reported: wait a moment
             # for the real cause, so that the error names the rank that died rather than its victim.
             # A user error found meanwhile is kept: it is the cause (see below).
-            ready = ray.wait(list(pending), num_returns=len(pending), timeout=_CAUSE_GRACE_S)[0] if pending else []
-            file_ready(ready)
-            for call in local.values():
-                call.wait(0 if ready else _CAUSE_GRACE_S)
-            poll_local()
+            wait_rest(_CAUSE_GRACE_S)
         deaths = [c for c in failures.values() if not isinstance(c, CollectiveError)]
+        if deaths and self._can_keep():  # a survivor's call ends once its collective meets the dead peer
+            wait_rest(reform.survivor_grace_s())
         if user_error is not None and not deaths:  # collective errors are the user error's victims
             if unanswered() or failures:  # the others are stuck waiting for the failed rank
                 self._kill_all()
@@ -247,8 +293,9 @@ class WorkerGroup:
                 logger.warning("rank %d raised %r while another rank died; retrying for the death", user_error[2],
                                user_error[0])
                 failures.setdefault(user_error[2], user_error[0])
+            keep = [r for r in [*results, *failures] if self._can_keep() and reform.can_stay(failures.get(r))]
             return self._fail(failures, [] if deaths else unanswered(), (deaths or list(failures.values()))[0],
-                              "worker failure")
+                              "worker failure", keep)
         return [results[rank] for rank in sorted(results)]
 
     def _sort(self, rank, value, error, results, failures):
@@ -269,14 +316,17 @@ class WorkerGroup:
             return original, time.monotonic(), rank
         return error, time.monotonic(), rank
 
-    def _fail(self, failures, unresponsive, cause, message):
+    def _can_keep(self):
+        return self._own_pg and reform.enabled()
+
+    def _fail(self, failures, unresponsive, cause, message, keep=()):
         stacks = {}
         if unresponsive:  # where is everyone? taken before the kill, while they are stuck
             try:
                 stacks = self.stack_traces()
             except Exception as err:  # noqa: BLE001 (the failure matters more than its forensics)
                 stacks = {rank: f"no stack: {type(err).__name__}: {err}" for rank in unresponsive}
-        self._kill_all()
+        self._kill_all(keep)
         descriptions = {rank: _describe(err) for rank, err in failures.items()}
         failure = WorkerFailure(message, descriptions, unresponsive, stacks)
         logger.warning("Ending the attempt: %s", failure)
@@ -288,16 +338,15 @@ class WorkerGroup:
             handle.control("request_resize", call_id, attempt)
 
     def stack_traces(self, timeout_s=diagnostics.STACK_TIMEOUT_S):
-        """``{rank: text}``: every rank's Python stacks now (safe to call from another thread while a call runs).
-
-        Remote ranks answer from their ``"control"`` concurrency group; a rank that does not answer
-        within ``timeout_s`` is dumped with py-spy when it runs on this machine, else the text says why.
-        """
+        """``{rank: text}``: every rank's Python stacks now (callable from another thread while a call runs);
+        remote ranks answer from their ``"control"`` concurrency group, or py-spy dumps them (same machine)."""
         return diagnostics.gather_stacks({h.rank: h.stacks_request() for h in list(self._handles)}, timeout_s)
 
     # ----------------------------------------------------------------- teardown
-    def _kill_all(self):
-        handles, self._handles = self._handles, []
+    def _kill_all(self, keep=()):
+        """Kill every worker but the ranks in ``keep`` (kept for :meth:`reform`); the placement group stays for them."""
+        handles = [h for h in self._handles if h.rank not in keep] + self._kept
+        self._kept, self._handles = [h for h in self._handles if h.rank in keep], []
         self._submitted = None
         self.broken = True
         for handle in sorted(handles, key=lambda h: h.local is not None):  # remote ranks first: closing their
@@ -308,7 +357,8 @@ class WorkerGroup:
                 handle.kill()
             except Exception as err:  # noqa: BLE001 (already gone)
                 logger.debug("kill rank %d: %s", handle.rank, err)
-        self._remove_pg()
+        if not self._kept:
+            self._remove_pg()
 
     def _remove_pg(self):
         pg, self._pg = self._pg, None
@@ -322,7 +372,7 @@ class WorkerGroup:
         is killed and the placement group removed; it returns once Ray shows them released (bounded
         wait), so ``ray.available_resources()`` right after counts them free.
         """
-        actor_ids = [h.actor._actor_id.hex() for h in self._handles if h.actor is not None]
+        actor_ids = [h.actor._actor_id.hex() for h in self._handles + self._kept if h.actor is not None]
         pg = self._pg if self._own_pg else None
         before = ray.available_resources() if pg is not None else {}
         try:

@@ -51,8 +51,9 @@ class Handle:
     """A worker as the group sees it: ``call`` returns an ObjectRef (actor), or for the local rank a
     :class:`LocalCall` running in its thread (beside remote ranks) or a finished :class:`_Done` (alone)."""
 
-    def __init__(self, rank, actor=None, local=None, runner=None):
+    def __init__(self, rank, actor=None, local=None, runner=None, bundle=None):
         self.rank, self.actor, self.local, self.runner = rank, actor, local, runner
+        self.bundle = rank if bundle is None else bundle  # its bundle of the placement group (kept when re-ranked)
 
     def call(self, method, *args, **kwargs):
         if self.local is not None:  # resolve ObjectRef arguments as Ray does for actors
@@ -88,4 +89,4 @@ def start_actor(rank, pg, bundle_index, cpus, gpus, operator_cls, config, option
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index)
     actor = _remote_worker_cls().options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy,
                                          **_legacy_runtime_env()).remote(operator_cls, config, **options)
-    return Handle(rank, actor=actor)
+    return Handle(rank, actor=actor, bundle=bundle_index)

@@ -1,0 +1,99 @@
+"""Re-forming a group from the survivors of a failure: the processes that stay, the bundles that take a
+replacement, the new ranks.
+
+Layer 4 helper of :mod:`raysgd.torch.worker_group` (Ray and layers 0-3). When a worker dies, the ranks
+whose call ended cleanly (finished, or with a :class:`~raysgd.torch.errors.CollectiveError` because their
+peer vanished) keep their processes: they leave the old process group and join a new one, so only a
+replacement, if one is needed, pays the start-up of a worker process (``import torch``, ``torch._dynamo``).
+A replacement goes into the dead rank's bundle of the group's placement group when that bundle is still
+placed on a live node. A bundle lost with its node is not waited for: the group goes on without it, unless
+a fresh placement group could hold more workers (then the whole group restarts, as before), or fewer than
+the minimum would remain. ``SGD_KEEP_SURVIVORS=0`` turns re-forming off (every failure restarts every worker).
+
+Example:
+    >>> # bundles 0 and 1 on live nodes; rank 1 died, rank 0 survived: rank 1's bundle takes a replacement
+    >>> plan({0: "a", 1: "a"}, {"a"}, kept={0: "survivor"}, min_size=1, fit_elsewhere=0)
+    [(0, 'survivor'), (1, None)]
+    >>> # rank 1's node is gone and nothing fits elsewhere: go on with the survivor alone
+    >>> plan({0: "a"}, {"a"}, kept={0: "survivor"}, size=2, min_size=1, fit_elsewhere=0)
+    [(0, 'survivor')]
+    >>> plan({0: "a"}, {"a"}, kept={0: "survivor"}, size=2, min_size=1, fit_elsewhere=1) is None  # restart: 2 fit
+    True
+"""
+import logging
+
+import ray
+
+from raysgd.torch import constants
+from raysgd.torch import preemption
+from raysgd.torch.errors import CollectiveError
+
+logger = logging.getLogger(__name__)
+
+
+def enabled():
+    """``SGD_KEEP_SURVIVORS`` (default 1): whether survivors keep their processes after a failure."""
+    return constants._env_float("SGD_KEEP_SURVIVORS", 1) != 0
+
+
+def survivor_grace_s():
+    """``SGD_SURVIVOR_GRACE_S`` (default 2): how long a survivor's call gets to end with an error after a death."""
+    return constants._env_float("SGD_SURVIVOR_GRACE_S", 2.0)
+
+
+def can_stay(error):
+    """Whether a rank whose call ended with ``error`` (None: it finished) can join a re-formed group.
+
+    Its peer's loss broke its collective (a :class:`CollectiveError`), or it finished; a rank that was
+    sent SIGTERM is leaving, and any other error (a death, a user error) is no clean end.
+    """
+    if error is None:
+        return True
+    return isinstance(error, CollectiveError) and not error.message.startswith(preemption.MARK)
+
+
+def plan(bundles_to_node, alive_nodes, kept, min_size, fit_elsewhere, size=None):
+    """The new group as ``[(bundle, kept handle or None for a replacement), ...]`` in rank order, or None.
+
+    Args:
+        bundles_to_node: ``{bundle index: node id}`` of the placed bundles (``placement_group_table``).
+        alive_nodes: ids of the live nodes.
+        kept: ``{bundle index: handle}`` of the survivors.
+        min_size: the trainer's minimum; fewer gives None.
+        fit_elsewhere: how many workers fit outside the placement group now; when a lost bundle could be
+            replaced by a fresh placement group, None (restart the whole group instead, at a larger size).
+        size: the number of bundles (default: those in ``bundles_to_node`` and ``kept``).
+    """
+    size = size if size is not None else max([*bundles_to_node, *kept], default=-1) + 1
+    new, lost = [], 0
+    for bundle in range(size):
+        if bundle in kept:
+            new.append((bundle, kept[bundle]))
+        elif bundles_to_node.get(bundle) in alive_nodes:
+            new.append((bundle, None))
+        else:
+            lost += 1
+    if not kept or len(new) < min_size or (lost and fit_elsewhere > 0):
+        return None
+    return new
+
+
+def _alive_nodes():
+    return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+
+
+def plan_in(pg, kept, min_size, how_many_fit):
+    """:func:`plan` for placement group ``pg`` as Ray sees it now (``how_many_fit(n)``: workers that fit outside)."""
+    placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
+    alive, size = _alive_nodes(), len(pg.bundle_specs)
+    lost = sum(1 for b in range(size) if b not in kept and placed.get(b) not in alive)
+    return plan(placed, alive, kept, min_size, how_many_fit(lost) if lost else 0, size=size)
+
+
+def spare_bundles(pg, handles):
+    """How many bundles of ``pg`` are placed on a live node with no worker of ``handles`` in them."""
+    if pg is None or len(handles) >= len(pg.bundle_specs):
+        return 0
+    placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
+    used, alive = {h.bundle for h in handles}, _alive_nodes()
+    return sum(1 for b, node in placed.items() if b not in used and node in alive)
