@@ -142,12 +142,17 @@ def _commit_stats():
     return dict(committer.STATS)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def bench_args(doc, repeats_help):
+    """``--smoke-test``, ``--json`` and ``--repeats`` (default 3), the options of the benchmarks beside this one."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--smoke-test", action="store_true")
     parser.add_argument("--json")
-    parser.add_argument("--repeats", type=int, default=3, help="timed calls per setting (median)")
-    args = parser.parse_args()
+    parser.add_argument("--repeats", type=int, default=3, help=repeats_help)
+    return parser.parse_args()
+
+
+def main():
+    args = bench_args(__doc__, "timed calls per setting (median)")
     ray.init(address="local", num_cpus=4, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
                  [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])}})

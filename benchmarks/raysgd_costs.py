@@ -171,8 +171,14 @@ def _kill_when_signalled(path, pids, box):
     return thread
 
 
-def recovery_time(spec, repeats):
-    """SIGKILL rank 1 mid-epoch; seconds from the kill to the first batch trained by the restarted group."""
+def recovery_time(spec, repeats, keep_survivors=True):
+    """SIGKILL rank 1 mid-epoch; seconds from the kill to the first batch trained by the restarted group.
+
+    ``keep_survivors``: rank 0 keeps its process and only rank 1 is replaced (the default); False sets
+    ``SGD_KEEP_SURVIVORS=0``, so both processes restart (as before survivors were kept).
+    """
+    previous_keep = os.environ.get("SGD_KEEP_SURVIVORS")
+    os.environ["SGD_KEEP_SURVIVORS"] = "1" if keep_survivors else "0"
     sizes = workload_spec("mlp", spec["smoke"])
     batches = 40 if spec["smoke"] else 120
     handler = _LogTimes()
@@ -186,7 +192,7 @@ def recovery_time(spec, repeats):
     try:
         trainer.train(num_steps=5)
         for attempt in range(repeats):
-            path = os.path.join(spec["work_dir"], f"recovery-{attempt}.pid")
+            path = os.path.join(spec["work_dir"], f"recovery-{'kept' if keep_survivors else 'all'}-{attempt}.pid")
             trainer.apply_all_operators(lambda op, p=path: op.config.update(signal_path=p, signal_batch=batches // 4))
             pids = trainer.apply_all_workers(os.getpid)
             box = {}
@@ -198,8 +204,9 @@ def recovery_time(spec, repeats):
                 raise RuntimeError(f"the kill did not land mid-epoch (killed: {box}, failures "
                                    f"{failures} -> {trainer.num_failures})")
             setup, first, pid = trainer.apply_all_operators(lambda op: (op.setup_time, op.stamps[0], os.getpid()))[0]
-            if pid in pids:
-                raise RuntimeError("rank 0 was not restarted after the kill")
+            if (pid == pids[0]) != keep_survivors:
+                raise RuntimeError(f"rank 0 {'was' if pid != pids[0] else 'was not'} restarted after the kill "
+                                   f"(SGD_KEEP_SURVIVORS={os.environ['SGD_KEEP_SURVIVORS']})")
             t_kill = box["t_kill"]
             failed = min(t for t in handler.failed if t >= t_kill)
             restarted = min(t for t in handler.restarted if t >= failed)
@@ -210,9 +217,14 @@ def recovery_time(spec, repeats):
         trainer.shutdown()
         raysgd_logger.removeHandler(handler)
         raysgd_logger.setLevel(previous_level)
+        if previous_keep is None:
+            os.environ.pop("SGD_KEEP_SURVIVORS", None)
+        else:
+            os.environ["SGD_KEEP_SURVIVORS"] = previous_keep
     keys = ("recovery_s", "detect_s", "restart_s", "first_batch_s", "setup_done_s")
     summary = {key: _median([row[key] for row in rows]) for key in keys}
-    return dict(summary, repeats=repeats, attempts=rows, workers=2, model="mlp")
+    return dict(summary, repeats=repeats, attempts=rows, workers=2, model="mlp",
+                mode="rank 0 kept, rank 1 replaced" if keep_survivors else "both restarted (SGD_KEEP_SURVIVORS=0)")
 
 
 def measure_costs(spec):
@@ -229,6 +241,8 @@ def measure_costs(spec):
     if "recovery" in wanted:
         start = time.monotonic()
         out["recovery"] = recovery_time(spec, 1 if spec["smoke"] else 3)
+        if not spec["smoke"]:  # the comparison: every process restarted, as before survivors were kept
+            out["recovery_restart_all"] = recovery_time(spec, 3, keep_survivors=False)
         elapsed["recovery"] = time.monotonic() - start
     out["elapsed_s"] = elapsed
     return out

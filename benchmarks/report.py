@@ -126,12 +126,12 @@ def tables(result, fmt="simple"):
                       tabulate(rows, ["model", "state MB", "state_stream ms", "cost inside train() ms"],
                                tablefmt=fmt)))
     if costs.get("recovery"):
-        r = costs["recovery"]
-        rows = [[_fmt(r["recovery_s"]), _fmt(r["detect_s"]), _fmt(r["restart_s"]), _fmt(r["first_batch_s"]),
-                 r["repeats"]]]
+        rows = [[r.get("mode", ""), _fmt(r["recovery_s"]), _fmt(r["detect_s"]), _fmt(r["restart_s"]),
+                 _fmt(r["first_batch_s"]), r["repeats"]]
+                for r in (costs["recovery"], costs.get("recovery_restart_all")) if r]
         parts.append(("Recovery (SIGKILL of rank 1 mid-epoch, 2 workers, MLP; median)",
-                      tabulate(rows, ["kill -> next batch s", "detected s", "restart + load s", "first batch s",
-                                      "repeats"], tablefmt=fmt)))
+                      tabulate(rows, ["processes", "kill -> next batch s", "detected s", "restart + load s",
+                                      "first batch s", "repeats"], tablefmt=fmt)))
     gpu = result.get("gpu") or {}
     if gpu.get("rows"):
         rows = [[r["workload"], f"{r['image']}px x {r['batch_size']}", r["precision"], r["side"],

@@ -133,3 +133,28 @@ def test_a_failing_grow_check_only_delays_growing():
     watch = GrowWatch(group, target=broken, committed=lambda: (1, 0), check_s=0)
     watch.tick()
     assert group.requests == [] and not watch.requested
+
+
+def test_which_ranks_may_join_a_re_formed_group():
+    from raysgd.torch import preemption, reform
+    from raysgd.torch.errors import CollectiveError
+
+    assert reform.can_stay(None)  # its call finished
+    assert reform.can_stay(CollectiveError(0, "RuntimeError: Connection closed by peer"))  # its peer vanished
+    assert reform.can_stay(CollectiveError(0, f"a peer was {preemption.MARK}; committed at step 3 of the call"))
+    assert not reform.can_stay(CollectiveError(1, f"{preemption.MARK}; committed at step 3 of the call"))  # leaving
+    assert not reform.can_stay(RuntimeError("worker process died"))
+
+
+def test_a_re_formed_group_is_never_smaller_than_a_restart_or_the_minimum():
+    from raysgd.torch.reform import plan
+
+    kept = {0: "r0", 2: "r2"}
+    # bundle 1's node is alive: a replacement there, ranks in bundle order
+    assert plan({0: "a", 1: "b", 2: "c"}, {"a", "b", "c"}, kept, min_size=2, fit_elsewhere=0) == [
+        (0, "r0"), (1, None), (2, "r2")]
+    # bundle 1's node is gone: the two survivors go on, unless a fresh group could hold 3 or 2 is below the minimum
+    assert plan({0: "a", 2: "c"}, {"a", "c"}, kept, min_size=2, fit_elsewhere=0, size=3) == [(0, "r0"), (2, "r2")]
+    assert plan({0: "a", 2: "c"}, {"a", "c"}, kept, min_size=2, fit_elsewhere=1, size=3) is None
+    assert plan({0: "a", 2: "c"}, {"a", "c"}, kept, min_size=3, fit_elsewhere=0, size=3) is None
+    assert plan({0: "a"}, {"a"}, {}, min_size=1, fit_elsewhere=0) is None  # nobody survived

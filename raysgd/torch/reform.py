@@ -24,7 +24,7 @@ import logging
 
 import ray
 
-from raysgd.torch import constants
+from raysgd.torch import cluster_state, constants
 from raysgd.torch import preemption
 from raysgd.torch.errors import CollectiveError
 
@@ -78,14 +78,17 @@ def plan(bundles_to_node, alive_nodes, kept, min_size, fit_elsewhere, size=None)
     return new
 
 
-def _alive_nodes():
-    return {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+def _alive_nodes(skip_dying=False):
+    """Ids of the live nodes; with ``skip_dying``, without those whose raylet is already gone (Ray's health
+    check reports a lost node dead only after a few seconds, and a replacement placed there would be lost)."""
+    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    return alive - set(cluster_state.dying_nodes()) if skip_dying else alive
 
 
 def plan_in(pg, kept, min_size, how_many_fit):
     """:func:`plan` for placement group ``pg`` as Ray sees it now (``how_many_fit(n)``: workers that fit outside)."""
     placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
-    alive, size = _alive_nodes(), len(pg.bundle_specs)
+    alive, size = _alive_nodes(skip_dying=True), len(pg.bundle_specs)
     lost = sum(1 for b in range(size) if b not in kept and placed.get(b) not in alive)
     return plan(placed, alive, kept, min_size, how_many_fit(lost) if lost else 0, size=size)
 

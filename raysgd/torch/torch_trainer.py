@@ -163,6 +163,8 @@ class TorchTrainer:
         started = self._reform(state) if target is None else None  # a failure: survivors keep their processes
         if started:
             self._last_resize, self._snapshot = time.monotonic(), state
+            logger.info("Worker group restarted with %d of %d workers (survivors kept their processes)", started,
+                        self.max_replicas)
             return started
         target = target or self.max_replicas
         self.worker_group.shutdown(force=True)

@@ -1,0 +1,107 @@
+"""Time from a failure to training resumed: a killed worker process and a lost node, survivors kept or not.
+
+Run from the repository root (it starts its own multi-node cluster on this machine)::
+
+    PYTHONPATH=$PWD python benchmarks/recovery.py [--smoke-test] [--repeats N] [--json out.json]
+
+A ``ray.cluster_utils.Cluster`` with a 0-CPU head and two 1-CPU worker nodes; 2 workers (one per node) train
+the MLP of ``workloads.py`` with commits every 10 steps. Rank 1 stops at step 25 of the epoch; once the commit at
+step 20 is stored, the benchmark either SIGKILLs rank 1's process (its node lives on: its bundle takes a
+replacement) or removes rank 1's node (the group goes on without it). Each is run with survivors kept (the
+default) and with ``SGD_KEEP_SURVIVORS=0`` (every worker restarts, as before). The table gives the seconds from
+the kill to the first batch trained again (median of ``--repeats``) and the workers after recovery.
+"""
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+from commits import LoggingOperator, bench_args  # noqa: E402
+from raysgd import TorchTrainer  # noqa: E402
+from workloads import workload_spec  # noqa: E402
+
+FAST_HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
+DEADLINE_S = 300
+
+
+def _one(cluster, fault, keep, smoke, work_dir, run):
+    sizes = workload_spec("mlp", smoke)
+    steps, step = (40, 25) if smoke else (120, 25)
+    log, path = os.path.join(work_dir, f"log-{run}"), os.path.join(work_dir, f"fault-{run}")
+    os.environ["SGD_KEEP_SURVIVORS"] = "1" if keep else "0"
+    trainer = TorchTrainer(training_operator_cls=LoggingOperator, num_workers=2, timeout_s=60,
+                           commit_every_n_steps=10,
+                           config=dict(model="mlp", batch_size=sizes["batch_size"], log=log, fault_step=step,
+                                       fault_path=path, num_samples=2 * sizes["batch_size"] * steps))
+    try:
+        node_of_rank1 = trainer.apply_all_workers(lambda: ray.get_runtime_context().get_node_id())[1]
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(stats=trainer.train()), daemon=True)
+        thread.start()
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() < deadline and thread.is_alive():  # the stop at step 25, after the step-20 commit
+            if os.path.exists(path) and ((trainer.latest_commit() or {}).get("cursor", {}).get("steps", -1) >= 20):
+                break
+            time.sleep(0.01)
+        t_kill = time.time()
+        if fault == "process":
+            os.kill(int(open(path).read()), signal.SIGKILL)
+        else:
+            cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node_of_rank1),
+                                allow_graceful=False)
+        thread.join(timeout=DEADLINE_S)
+        if "stats" not in result:
+            raise RuntimeError(f"train() did not finish ({fault}, keep={keep})")
+        stamps = [float(line) for line in open(log).read().split()]
+        return {"kill_to_next_batch_s": min(t for t in stamps if t > t_kill) - t_kill,
+                "workers_after": trainer.worker_group.num_workers, "failures": trainer.num_failures,
+                "num_samples": result["stats"]["num_samples"]}
+    finally:
+        trainer.shutdown()
+        if fault == "node":
+            cluster.add_node(num_cpus=1)  # back to two worker nodes for the next run
+            cluster.wait_for_nodes()
+
+
+def main():
+    args = bench_args(__doc__, "runs per setting (median)")
+    repeats = 1 if args.smoke_test else args.repeats
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": FAST_HEALTH_CHECK})
+    rows = []
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
+            [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])}})
+        with tempfile.TemporaryDirectory() as work_dir:
+            for fault in ("process", "node"):
+                for keep in (True, False):
+                    runs = [_one(cluster, fault, keep, args.smoke_test, work_dir, f"{fault}-{keep}-{i}")
+                            for i in range(repeats)]
+                    times = sorted(r["kill_to_next_batch_s"] for r in runs)
+                    rows.append({"failure": "rank 1's process killed" if fault == "process" else "rank 1's node lost",
+                                 "survivors": "kept" if keep else "restarted (SGD_KEEP_SURVIVORS=0)",
+                                 "kill_to_next_batch_s": times[len(times) // 2],
+                                 "workers_after": runs[-1]["workers_after"], "repeats": repeats})
+    finally:
+        os.environ.pop("SGD_KEEP_SURVIVORS", None)
+        ray.shutdown()
+        cluster.shutdown()
+    print(tabulate(rows, headers="keys", floatfmt=".2f"))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(rows, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
