@@ -12,6 +12,7 @@ LAYERS = {
     "raysgd.torch.precision": 1, "raysgd.torch.data": 1, "raysgd.torch.checkpoint": 1,
     "raysgd.torch.training_operator": 2, "raysgd.torch.creator_operator": 2, "raysgd.torch.state": 2,
     "raysgd.torch.committer": 3, "raysgd.torch.preemption": 3, "raysgd.torch.commit_store": 4, "raysgd.torch.commits": 5, "raysgd.torch.elastic": 5, "raysgd.torch.attempts": 5,
+    "raysgd.torch.reform": 4,  # re-forming a group from the survivors of a failure
     "raysgd.torch.worker": 3, "raysgd.torch.recovery": 3,
     "raysgd.torch.worker_group": 4, "raysgd.torch.mailbox": 4,
     "raysgd.torch.local_runner": 3, "raysgd.torch.worker_handle": 4, "raysgd.torch.placement": 4,  # the group's helpers
