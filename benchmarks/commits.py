@@ -54,27 +54,35 @@ def _trainer(every, workers=2, operator=BenchOperator, **config):
                         commit_every_n_steps=every, config=config)
 
 
+SETTINGS = (("off", 0), ("every 100", 100), ("every 10", 10), ("default", None))
+
+
 def overhead(model, smoke, repeats):
-    """Steady-state samples/s for each commit setting (median over ``repeats`` calls of ``steps`` steps)."""
+    """Steady-state samples/s for each commit setting: one trainer, the settings interleaved call by call.
+
+    Each of ``repeats`` rounds runs one ``train(num_steps=steps)`` call per setting, in an order rotated every
+    round, switching the trainer's commit setting between calls (its ``CommitPolicy.every_n``); the median per
+    setting. One trainer and interleaving keep the machine's drift and the workers' placement out of the ratios.
+    """
     sizes = workload_spec(model, smoke)
     steps = 20 if smoke else (200 if model == "mlp" else 60)
-    rows = []
-    for label, every in (("off", 0), ("every 100", 100), ("every 10", 10), ("default", None)):
-        trainer = _trainer(every, model=model, batch_size=sizes["batch_size"],
-                           num_samples=2 * sizes["batch_size"] * steps * (repeats + 1))
-        try:
-            trainer.train(num_steps=max(5, steps // 4))  # warm-up (and the default's cadence probe)
-            rates = []
-            for _ in range(repeats):
+    trainer = _trainer(None, model=model, batch_size=sizes["batch_size"],
+                       num_samples=2 * sizes["batch_size"] * steps * (len(SETTINGS) * repeats + 1))
+    rates = {label: [] for label, _ in SETTINGS}
+    try:
+        trainer.train(num_steps=max(5, steps // 4))  # warm-up (and the default's cadence probe)
+        for round_ in range(repeats):
+            for label, every in SETTINGS[round_ % len(SETTINGS):] + SETTINGS[:round_ % len(SETTINGS)]:
+                trainer._commits.every_n = every
                 start = time.perf_counter()
                 trainer.train(num_steps=steps)
-                rates.append(2 * sizes["batch_size"] * steps / (time.perf_counter() - start))
-            rows.append({"model": model, "commits": label, "samples_per_s": sorted(rates)[len(rates) // 2]})
-        finally:
-            trainer.shutdown()
-    base = rows[0]["samples_per_s"]
+                rates[label].append(2 * sizes["batch_size"] * steps / (time.perf_counter() - start))
+    finally:
+        trainer.shutdown()
+    rows = [{"model": model, "commits": label, "samples_per_s": sorted(rates[label])[len(rates[label]) // 2]}
+            for label, _ in SETTINGS]
     for row in rows:
-        row["ratio_to_off"] = row["samples_per_s"] / base
+        row["ratio_to_off"] = row["samples_per_s"] / rows[0]["samples_per_s"]
     return rows
 
 
