@@ -70,6 +70,7 @@ def test_survivors_keep_their_processes_and_only_a_replacement_starts(trainers, 
     in the same process; rank 1's bundle (its node is alive) takes a new process. SGD_KEEP_SURVIVORS=0 restarts
     both, as before."""
     monkeypatch.setenv("SGD_KEEP_SURVIVORS", keep)
+    monkeypatch.setenv("SGD_SURVIVOR_GRACE_S", "30")  # however loaded the machine, rank 0's call ends in time
     trainer = trainers(config=faulty(tmp_path, "exit"))
     before = trainer.apply_all_workers(os.getpid)
     stats = trainer.train()
