@@ -20,15 +20,11 @@ Example:
     >>> plan({0: "a"}, {"a"}, kept={0: "survivor"}, size=2, min_size=1, fit_elsewhere=1) is None  # restart: 2 fit
     True
 """
-import logging
-
 import ray
 
 from raysgd.torch import cluster_state, constants
 from raysgd.torch import preemption
 from raysgd.torch.errors import CollectiveError
-
-logger = logging.getLogger(__name__)
 
 
 def enabled():
