@@ -7,9 +7,11 @@ dataset is given. It replaces RaySGD 1.12's MLDataset input, which Ray removed.
 worker ``i`` iterates split ``i`` for that call, so each row is seen once per call by exactly one
 worker (``equal=True`` keeps the batch counts equal, as DDP needs; it drops at most
 ``num_workers - 1`` rows when the count does not divide). ``num_steps`` stops each worker after
-that many batches; the next call starts a new pass over ``ds``. The split is kept and reused while
-the dataset and the workers stay the same; when a failure restarts the workers (possibly fewer),
-the retried epoch splits ``ds`` again among the workers there are.
+that many batches; the next call starts a new pass over ``ds`` on a new split (a reader still
+blocked on the stopped pass could otherwise take rows of the next pass from the shared split). The
+split is kept and reused while the dataset and the workers stay the same and each call reads a whole
+pass; when a failure restarts the workers (possibly fewer), the retried epoch splits ``ds`` again
+among the workers there are.
 
 What a batch looks like (``DatasetInput`` options):
 

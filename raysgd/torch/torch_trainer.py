@@ -245,8 +245,8 @@ class TorchTrainer:
         finally:
             if reporter is not None:
                 self._progress.finish(completed)
-            if data is not None and not completed:
-                self._shards.drop()  # the split may be stuck mid-epoch: split again next time
+            if data is not None and (not completed or num_steps is not None):
+                self._shards.drop()  # the split is mid-pass (stuck, or stopped by num_steps): split afresh next time
         return self._log_result("train", stats, reduce_results)
 
     def _log_result(self, phase, stats, reduce_results):
