@@ -21,8 +21,8 @@ import types
 
 import ray
 
-from raysgd.torch import (accumulation, arguments, attempts, checkpoint, commits, constants, durable, elastic, progress,
-                          ray_data, recovery, results)
+from raysgd.torch import (accumulation, arguments, attempts, checkpoint, commits, constants, durable, elastic,
+                          progress, ray_data, recovery, results)
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
@@ -154,7 +154,8 @@ class TorchTrainer:
             return None
 
     def _resize_worker_group(self, state, max_retries=None, target=None):
-        """Tear the group down and start as many workers as fit (up to ``target``), loading ``state``.
+        """Restart the group loading ``state``: after a failure (no ``target``) re-formed from its survivors when
+        it can be, else torn down and started with as many workers as fit (up to ``target``).
 
         ``state`` is a trainer state dict or its bytes. Returns the number of workers started.
         """
