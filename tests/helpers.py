@@ -1,5 +1,6 @@
 """Operators shared by the Ray-level tests (importable by workers: tests/ is on their path via pickling by value)."""
 import os
+import signal
 import threading
 import time
 
@@ -180,7 +181,7 @@ class CountingOperator(TrainingOperator):
             with open(self.config["log"], "a") as handle:
                 handle.write(f"{self.world_rank} {self.global_step}\n")
         time.sleep(self.config.get("batch_sleep", 0))
-        idx, features = batch
+        idx, features = (tensor.to(self.device) for tensor in batch)
         counts, out = self.model(idx, features)
         loss = -counts.sum() * self.world + 0.01 * out.pow(2).sum()  # DDP's mean over ranks becomes a sum
         self.optimizer.zero_grad()
@@ -214,3 +215,23 @@ def signal_at_marker(marker, sig, ready=lambda: True, timeout_s=60):
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread
+
+
+def kill_after_commit(trainer, marker, min_steps, timeout_s=60):
+    """Once a worker waits at the fault (its pid in ``marker``) and a commit of >= ``min_steps`` is stored, SIGKILL it."""
+
+    def committed():
+        commit = trainer.latest_commit() if min_steps is not None else None
+        return min_steps is None or (commit is not None and commit["cursor"]["steps"] >= min_steps)
+
+    return signal_at_marker(marker, signal.SIGKILL, committed, timeout_s)
+
+
+def counts(trainer):
+    """The CountingModel's ``p`` (how often each sample was trained), on the CPU."""
+    return trainer.state_dict()["models"][0]["p"].cpu()
+
+
+def executed(log):
+    """How many batches a CountingOperator with ``config["log"]`` ran."""
+    return len(open(log).read().splitlines()) if os.path.exists(log) else 0

@@ -1,12 +1,11 @@
 """Commits inside an epoch: exactly-once resume after a real kill, bit-exact at the same size, bounded recompute."""
 import os
-import signal
 
 import pytest
 import torch
 
 from conftest import assert_released
-from helpers import CountingOperator, LinearOperator, seeding_hook, signal_at_marker
+from helpers import CountingOperator, LinearOperator, counts, executed, kill_after_commit, seeding_hook
 from raysgd.torch import checkpoint, constants
 
 pytestmark = pytest.mark.usefixtures("ray_4cpus")
@@ -19,24 +18,6 @@ def trainers(trainer_factory):
     defaults = {"training_operator_cls": CountingOperator, "num_workers": 2, "timeout_s": 20,
                 "commit_every_n_steps": EVERY, "initialization_hook": seeding_hook}
     return lambda **kwargs: trainer_factory(**{**defaults, **kwargs})
-
-
-def kill_after_commit(trainer, marker, min_steps, timeout_s=60):
-    """Once a worker waits at the fault (its pid in ``marker``) and a commit of >= ``min_steps`` is stored, SIGKILL it."""
-
-    def committed():
-        commit = trainer.latest_commit() if min_steps is not None else None
-        return min_steps is None or (commit is not None and commit["cursor"]["steps"] >= min_steps)
-
-    return signal_at_marker(marker, signal.SIGKILL, committed, timeout_s)
-
-
-def counts(trainer):
-    return trainer.state_dict()["models"][0]["p"]
-
-
-def executed(log):
-    return len(open(log).read().splitlines()) if os.path.exists(log) else 0
 
 
 def test_fault_free_epoch_trains_every_sample_once_and_commits(trainers, tmp_path):

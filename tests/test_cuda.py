@@ -1,17 +1,20 @@
 """On a real GPU: device selection, nccl, use_local, fp16 with a GradScaler, bf16, state moving between devices.
 
 Every test here needs CUDA and skips without it (CI has no GPU). On the GPU device machine they run with
-``bash benchmarks/device/run_gpu_checks.sh tests`` (see benchmarks/README.md). A machine has one GPU and
-each worker takes a whole one, so multi-rank nccl cannot run here: every trainer has 1 worker.
+``bash benchmarks/device/run_gpu_checks.sh tests`` (see benchmarks/README.md). The machine has one GPU, so
+multi-rank nccl cannot run there: the nccl trainers have 1 worker, and the 2-rank tests (faults, commits)
+share the GPU with ``num_gpus_per_worker=0.5`` over gloo.
 """
 import math
+import os
 
 import pytest
 import torch
 import torch.nn as nn
 
 from conftest import start_ray
-from helpers import ClassifierOperator, DtypeRecorder, FaultyOperator, LinearOperator
+from helpers import (ClassifierOperator, CountingOperator, DtypeRecorder, FaultyOperator, LinearOperator, counts,
+                     executed, kill_after_commit, seeding_hook)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")]
@@ -122,3 +125,46 @@ def test_load_state_dict_lands_on_each_workers_device(gpu_trainer):
     for name, value in state["models"][0].items():
         assert torch.equal(loaded["models"][0][name].cpu(), value.cpu()), name
     target.train()  # the optimizer state moved too: a step works on the GPU
+
+
+def test_two_workers_share_the_gpu_and_a_killed_rank_is_replaced_with_the_scaler_kept(gpu_trainer, tmp_path):
+    fault = {"rank": 1, "batch": 3, "kind": "exit", "marker": str(tmp_path / "fault")}
+    trainer = gpu_trainer(training_operator_cls=FaultyOperator, num_workers=2, use_gpu=True, num_gpus_per_worker=0.5,
+                          use_fp16=True, config={"data_size": 200, "batch_size": 10, "fault": fault})
+    assert trainer.backend == "gloo" and devices_of(trainer) == [["cuda"], ["cuda"]]
+    trainer.apply_all_operators(set_scale(96.0))
+    before = trainer.apply_all_workers(os.getpid)
+    stats = trainer.train()
+    after = trainer.apply_all_workers(os.getpid)
+    assert (tmp_path / "fault").exists() and trainer.num_failures == 1
+    assert stats["num_samples"] == 200 and trainer.worker_group.num_workers == 2
+    assert after[0] == before[0] and after[1] != before[1]  # the survivor kept its process (and its CUDA context)
+    assert trainer.apply_all_operators(lambda op: op.precision.scaler.get_scale()) == [96.0, 96.0]
+    assert devices_of(trainer) == [["cuda"], ["cuda"]]
+    assert trainer.validate()["num_samples"] == 100
+
+
+def test_a_commit_on_the_gpu_resumes_exactly_once_and_bit_exact(gpu_trainer, tmp_path):
+    """CountingOperator's dropout draws from the CUDA generator: the commit must carry every rank's CUDA stream."""
+    n = 96
+    defaults = dict(training_operator_cls=CountingOperator, num_workers=2, use_gpu=True, num_gpus_per_worker=0.5,
+                    commit_every_n_steps=3, initialization_hook=seeding_hook)
+    clean = gpu_trainer(**defaults, config={"n": n, "batch_size": 4})
+    expected = [clean.train() for _ in range(2)]
+    expected_state = clean.state_dict()
+    clean.shutdown()
+
+    log, marker = str(tmp_path / "log"), str(tmp_path / "fault")
+    faulty = gpu_trainer(**defaults, config={"n": n, "batch_size": 4, "log": log,
+                                             "fault": {"step": 8, "rank": 1, "marker": marker}})
+    kill_after_commit(faulty, marker, min_steps=6)
+    first = faulty.train()
+    assert os.path.exists(marker) and faulty.num_failures == 1
+    assert first["num_samples"] == n and torch.equal(counts(faulty), torch.ones(n))
+    assert first["train_loss"] == pytest.approx(expected[0]["train_loss"], rel=1e-6)
+    assert executed(log) <= 24 + 2 * 3, executed(log)  # one commit interval recomputed, not the epoch
+    faulty.train()
+    got = faulty.state_dict()
+    assert got["global_step"] == expected_state["global_step"]
+    for key, value in expected_state["models"][0].items():
+        assert torch.equal(got["models"][0][key].cpu(), value.cpu()), key

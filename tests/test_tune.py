@@ -63,6 +63,12 @@ def test_resource_request_bundles():
     assert request.bundles == [{"CPU": 1}] + [{"CPU": 2}] * 3
     gpu = TorchTrainer.as_trainable(training_operator_cls=LinearOperator, use_gpu=True, num_cpus_per_worker=2)
     assert gpu.default_resource_request({}).bundles == [{"CPU": 1}, {"CPU": 2, "GPU": 1}]
+    shared = TorchTrainer.as_trainable(training_operator_cls=LinearOperator, use_gpu=True, num_workers=2,
+                                       num_gpus_per_worker=0.5)
+    assert shared.default_resource_request({}).bundles == [{"CPU": 1}] + [{"CPU": 1, "GPU": 0.5}] * 2
+    assert shared.default_resource_request({"num_gpus_per_worker": 0.25}).bundles[1] == {"CPU": 1, "GPU": 0.25}
+    with pytest.raises(ValueError, match="num_gpus_per_worker expects a fraction in"):
+        shared.default_resource_request({"num_gpus_per_worker": 2.5})
     # "auto" (the default) is resolved: on a machine and cluster without GPUs, no GPU is requested
     auto = TorchTrainer.as_trainable(training_operator_cls=LinearOperator)
     assert auto.default_resource_request({}).bundles == [{"CPU": 1}, {"CPU": 1}]

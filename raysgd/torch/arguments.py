@@ -60,13 +60,19 @@ def _expect(condition, name, expected, value, error=ValueError, caller="TorchTra
         raise error(f"{caller}: {name} expects {expected}; got {value!r}")
 
 
-def check_resources(num_workers, num_cpus_per_worker, use_gpu, use_local, caller="TorchTrainer"):
+def check_resources(num_workers, num_cpus_per_worker, use_gpu, use_local, caller="TorchTrainer",
+                    num_gpus_per_worker=1):
     """Check the arguments that size the workers (shared with the Tune resource request).
+
+    ``num_gpus_per_worker`` is a fraction in (0, 1) (several workers share one GPU) or a whole number >= 1.
 
     Example:
         >>> check_resources(0, 1, False, False, caller="as_trainable")
         Traceback (most recent call last):
         ValueError: as_trainable: num_workers expects an int >= 1; got 0
+        >>> check_resources(2, 1, True, False, num_gpus_per_worker=1.5)
+        Traceback (most recent call last):
+        ValueError: TorchTrainer: num_gpus_per_worker expects a fraction in (0, 1) or a whole number >= 1; got 1.5
     """
     worker_range(num_workers, caller)
     _expect(isinstance(num_cpus_per_worker, (int, float)) and not isinstance(num_cpus_per_worker, bool)
@@ -74,6 +80,23 @@ def check_resources(num_workers, num_cpus_per_worker, use_gpu, use_local, caller
     _expect(use_gpu == "auto" or isinstance(use_gpu, bool), "use_gpu", "True, False or 'auto'", use_gpu,
             caller=caller)
     _expect(isinstance(use_local, bool), "use_local", "True or False", use_local, TypeError, caller)
+    _expect(isinstance(num_gpus_per_worker, (int, float)) and not isinstance(num_gpus_per_worker, bool)
+            and (0 < num_gpus_per_worker < 1 or (num_gpus_per_worker >= 1 and num_gpus_per_worker % 1 == 0)),
+            "num_gpus_per_worker", "a fraction in (0, 1) or a whole number >= 1", num_gpus_per_worker, caller=caller)
+    _expect(use_gpu is not False or num_gpus_per_worker == 1, "num_gpus_per_worker",
+            "its default (1) when use_gpu=False", num_gpus_per_worker, caller=caller)
+
+
+def auto_backend(use_gpu, num_gpus_per_worker=1):
+    """The process-group backend ``backend="auto"`` means: nccl for whole GPUs, else gloo.
+
+    Workers holding a fraction of a GPU may share one device, which nccl refuses (one rank per GPU).
+
+    Example:
+        >>> auto_backend(True), auto_backend(True, 0.5), auto_backend(False)
+        ('nccl', 'gloo', 'gloo')
+    """
+    return "nccl" if use_gpu and num_gpus_per_worker >= 1 else "gloo"
 
 
 def worker_range(num_workers, caller="TorchTrainer"):
@@ -100,7 +123,7 @@ def worker_range(num_workers, caller="TorchTrainer"):
 
 def check_arguments(*, training_operator_cls, initialization_hook, config, num_workers, num_cpus_per_worker,
                     use_gpu, backend, wrap_ddp, timeout_s, use_fp16, use_tqdm, add_dist_sampler,
-                    scheduler_step_freq, use_local, placement_strategy="SPREAD"):
+                    scheduler_step_freq, use_local, placement_strategy="SPREAD", num_gpus_per_worker=1):
     """Validate every constructor argument; returns ``(use_gpu, backend)`` with ``"auto"`` resolved."""
     _expect(placement_strategy in PLACEMENT_STRATEGIES, "placement_strategy",
             "one of " + ", ".join(map(repr, PLACEMENT_STRATEGIES)), placement_strategy)
@@ -112,12 +135,15 @@ def check_arguments(*, training_operator_cls, initialization_hook, config, num_w
     seed = (config or {}).get(DATA_SEED)
     _expect(seed is None or (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)), "config[DATA_SEED]",
             "an int (the seed of the data order) or None", seed, TypeError)
-    check_resources(num_workers, num_cpus_per_worker, use_gpu, use_local)
+    check_resources(num_workers, num_cpus_per_worker, use_gpu, use_local, num_gpus_per_worker=num_gpus_per_worker)
     use_gpu = torch.cuda.is_available() if use_gpu == "auto" else use_gpu
     _expect(backend in ("auto", "gloo", "nccl"), "backend", "'auto', 'gloo' or 'nccl'", backend)
     if backend == "auto":
-        backend = "nccl" if use_gpu else "gloo"
+        backend = auto_backend(use_gpu, num_gpus_per_worker)
     _expect(not (backend == "nccl" and not use_gpu), "backend", "'gloo' when use_gpu is False (nccl needs GPUs)",
+            backend)
+    _expect(not (backend == "nccl" and num_gpus_per_worker < 1), "backend",
+            f"'gloo' with num_gpus_per_worker={num_gpus_per_worker} (workers sharing a GPU; nccl needs one per rank)",
             backend)
     _expect(isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool) and timeout_s > 0,
             "timeout_s", "a number of seconds > 0", timeout_s)

@@ -56,14 +56,15 @@ class TorchTrainer:
                  num_cpus_per_worker=1, use_gpu="auto", backend="auto", wrap_ddp=True, timeout_s=1800,
                  use_fp16=False, use_tqdm=False, add_dist_sampler=True, scheduler_step_freq=None,
                  use_local=False, logdir=None, placement_strategy="SPREAD", commit_every_n_steps=None,
-                 storage_path=None, num_to_keep=2, resume=True, fixed_worker_batch=False, **deprecated):
+                 storage_path=None, num_to_keep=2, resume=True, fixed_worker_batch=False, num_gpus_per_worker=1,
+                 **deprecated):
         arguments.check_deprecated(deprecated)
         use_gpu, backend = arguments.check_arguments(
             training_operator_cls=training_operator_cls, initialization_hook=initialization_hook, config=config,
             num_workers=num_workers, num_cpus_per_worker=num_cpus_per_worker, use_gpu=use_gpu, backend=backend,
             wrap_ddp=wrap_ddp, timeout_s=timeout_s, use_fp16=use_fp16, use_tqdm=use_tqdm,
             add_dist_sampler=add_dist_sampler, scheduler_step_freq=scheduler_step_freq, use_local=use_local,
-            placement_strategy=placement_strategy)
+            placement_strategy=placement_strategy, num_gpus_per_worker=num_gpus_per_worker)
         self.training_operator_cls = training_operator_cls
         self.initialization_hook = initialization_hook
         self._requested_config = dict(config or {})
@@ -71,7 +72,7 @@ class TorchTrainer:
         arguments.split_batch_size(self._requested_config, self.max_replicas)  # checks BATCH_SIZE's value
         self._fixed_worker_batch = accumulation.check(fixed_worker_batch, config, self.max_replicas, use_fp16)
         self._config = dict(self._requested_config)
-        self.num_cpus_per_worker = num_cpus_per_worker
+        self.num_cpus_per_worker, self.num_gpus_per_worker = num_cpus_per_worker, num_gpus_per_worker
         self.use_gpu = use_gpu
         self.backend = backend
         self.timeout_s = timeout_s
@@ -96,12 +97,12 @@ class TorchTrainer:
             address = os.environ.get("RAY_ADDRESS", "local")
             logger.info("Ray is not initialized: starting it (address=%r)", address)
             ray.init(address=address)
-        if use_gpu and ray.cluster_resources().get("GPU", 0) < 1:
+        if use_gpu and ray.cluster_resources().get("GPU", 0) < min(1, num_gpus_per_worker):
             raise ValueError(f"TorchTrainer(use_gpu=True) needs GPUs, but the Ray cluster has none: "
                              f"{ray.cluster_resources()}")
         self.worker_group = WorkerGroup(self._worker_options, num_cpus_per_worker=num_cpus_per_worker,
-                                        use_gpu=use_gpu, use_local=use_local, timeout_s=timeout_s,
-                                        placement_strategy=placement_strategy)
+                                        num_gpus=num_gpus_per_worker if use_gpu else 0, use_local=use_local,
+                                        timeout_s=timeout_s, placement_strategy=placement_strategy)
         try:
             elastic.start_first_group(self._start_workers, self.worker_group.how_many_fit, self.min_replicas,
                                       self.max_replicas, isinstance(num_workers, tuple),

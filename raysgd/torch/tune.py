@@ -47,8 +47,9 @@ CHECKPOINT_FILE = "trainer.checkpoint"
 #: Its completion marker (the format of ``storage_path`` checkpoints, :mod:`raysgd.torch.storage`).
 MARKER_FILE = "checkpoint.json"
 #: Keys that shape the resource request; read from the Tune config first, then from ``as_trainable``'s kwargs.
-RESOURCE_KEYS = ("num_workers", "num_cpus_per_worker", "use_gpu", "use_local")
-_DEFAULTS = {"num_workers": 1, "num_cpus_per_worker": 1, "use_gpu": "auto", "use_local": False}
+RESOURCE_KEYS = ("num_workers", "num_cpus_per_worker", "use_gpu", "use_local", "num_gpus_per_worker")
+_DEFAULTS = {"num_workers": 1, "num_cpus_per_worker": 1, "use_gpu": "auto", "use_local": False,
+             "num_gpus_per_worker": 1}
 
 
 def merge_dicts(first, second):
@@ -79,17 +80,17 @@ def _gpus_available():
 
 
 def resolve_resources(tune_config, trainer_kwargs):
-    """``{num_workers, num_cpus_per_worker, use_gpu, use_local}`` for one trial, checked, ``"auto"`` resolved.
+    """The :data:`RESOURCE_KEYS` of one trial, checked, ``"auto"`` resolved.
 
     Each value comes from the Tune config, else ``trainer_kwargs``, else TorchTrainer's default.
 
     Example:
         >>> resolve_resources({"num_workers": 3}, {"num_workers": 2, "use_gpu": False})
-        {'num_workers': 3, 'num_cpus_per_worker': 1, 'use_gpu': False, 'use_local': False}
+        {'num_workers': 3, 'num_cpus_per_worker': 1, 'use_gpu': False, 'use_local': False, 'num_gpus_per_worker': 1}
     """
     tune_config = tune_config or {}
     values = {key: tune_config.get(key, trainer_kwargs.get(key, _DEFAULTS[key])) for key in RESOURCE_KEYS}
-    arguments.check_resources(*(values[k] for k in RESOURCE_KEYS), caller="as_trainable")
+    arguments.check_resources(**values, caller="as_trainable")
     use_gpu = values["use_gpu"]
     values["use_gpu"] = _gpus_available() if use_gpu == "auto" else use_gpu
     return values
@@ -103,10 +104,13 @@ def resource_bundles(resources):
     Example:
         >>> resource_bundles({"num_workers": 2, "num_cpus_per_worker": 2, "use_gpu": False, "use_local": False})
         [{'CPU': 1}, {'CPU': 2}, {'CPU': 2}]
+        >>> resource_bundles({"num_workers": 2, "num_cpus_per_worker": 1, "use_gpu": True, "use_local": True,
+        ...                   "num_gpus_per_worker": 0.5})
+        [{'CPU': 1, 'GPU': 0.5}, {'CPU': 1, 'GPU': 0.5}]
     """
     worker = {"CPU": resources["num_cpus_per_worker"]}
     if resources["use_gpu"]:
-        worker["GPU"] = 1
+        worker["GPU"] = resources.get("num_gpus_per_worker", 1)
     head = [] if resources["use_local"] else [{"CPU": 1}]
     return head + [dict(worker) for _ in range(arguments.worker_range(resources["num_workers"])[1])]
 

@@ -200,6 +200,10 @@ class TorchWorker:
             index = 0 if not self._is_local else torch.cuda.current_device()
             torch.cuda.set_device(index)
             return torch.device("cuda", index)
+        if self.use_gpu:
+            logger.warning("use_gpu=True, but rank %d's torch sees no CUDA device (CUDA_VISIBLE_DEVICES=%r, torch "
+                           "%s): it trains on the CPU", self.world_rank, os.environ.get("CUDA_VISIBLE_DEVICES"),
+                           torch.__version__)
         return torch.device("cpu")
 
     @_guard_collectives

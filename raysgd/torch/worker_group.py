@@ -6,7 +6,7 @@ stuck are killed, those whose call ended are kept for :meth:`WorkerGroup.reform`
 by user code is re-raised with its original type.
 
 Example:
-    >>> # group = WorkerGroup(worker_options, num_cpus_per_worker=1, use_gpu=False, use_local=False, timeout_s=60)
+    >>> # group = WorkerGroup(worker_options, num_cpus_per_worker=1, num_gpus=0, use_local=False, timeout_s=60)
     >>> # group.start(2, operator_cls, config); group.run("train_epoch"); group.shutdown()
 """
 import logging
@@ -35,17 +35,17 @@ class WorkerGroup:
 
     Args:
         worker_options: keyword arguments for every :class:`TorchWorker` (backend, fp16, ...).
-        num_cpus_per_worker, use_gpu: resources of each worker.
+        num_cpus_per_worker, num_gpus: resources of each worker (``num_gpus`` may be a fraction of one GPU).
         use_local: run rank 0 in this process.
         timeout_s: process-group timeout; also how long the rest may lag once one worker finished.
         placement_strategy: of the placement group this group creates (not used inside a Tune trial).
     """
 
-    def __init__(self, worker_options, *, num_cpus_per_worker=1, use_gpu=False, use_local=False, timeout_s=1800,
+    def __init__(self, worker_options, *, num_cpus_per_worker=1, num_gpus=0, use_local=False, timeout_s=1800,
                  placement_strategy="SPREAD"):
         self._worker_options = worker_options
         self._cpus = num_cpus_per_worker
-        self._gpus = 1 if use_gpu else 0
+        self._gpus = num_gpus
         self._use_local = use_local
         self._timeout_s = timeout_s
         self._placement = Placement(num_cpus_per_worker, self._gpus, use_local, placement_strategy)
