@@ -235,3 +235,29 @@ def counts(trainer):
 def executed(log):
     """How many batches a CountingOperator with ``config["log"]`` ran."""
     return len(open(log).read().splitlines()) if os.path.exists(log) else 0
+
+
+def device_step(trainer, info):
+    """An ``override_tune_step`` reporting, besides the metrics, each worker's device and the trainer's backend."""
+    stats = {**trainer.train(), **trainer.validate()}
+    return {**stats, "devices": ",".join(trainer.apply_all_operators(lambda op: str(op.device))),
+            "backend": trainer.backend}
+
+
+def tune_two_workers_on_one_gpu(storage_path):
+    """One Tune trial of 2 workers holding half a GPU each, 2 iterations with checkpoints; returns its result."""
+    from ray import tune  # noqa: PLC0415
+
+    from raysgd import TorchTrainer  # noqa: PLC0415
+
+    trainable = TorchTrainer.as_trainable(training_operator_cls=ClassifierOperator, num_workers=2, use_gpu=True,
+                                          num_gpus_per_worker=0.5, override_tune_step=device_step, timeout_s=120)
+    assert trainable.default_resource_request({}).bundles == [{"CPU": 1}] + [{"CPU": 1, "GPU": 0.5}] * 2
+    tuner = tune.Tuner(trainable, run_config=tune.RunConfig(
+        storage_path=str(storage_path), stop={"training_iteration": 2}, verbose=0,
+        checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=1, num_to_keep=1)))
+    results = tuner.fit()
+    assert not results.errors, results.errors
+    (result,) = results
+    assert result.metrics["training_iteration"] == 2 and result.checkpoint is not None
+    return result

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from conftest import start_ray
 from helpers import (ClassifierOperator, CountingOperator, DtypeRecorder, FaultyOperator, LinearOperator, counts,
-                     executed, kill_after_commit, seeding_hook)
+                     executed, kill_after_commit, seeding_hook, tune_two_workers_on_one_gpu)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device)")]
@@ -168,3 +168,10 @@ def test_a_commit_on_the_gpu_resumes_exactly_once_and_bit_exact(gpu_trainer, tmp
     assert got["global_step"] == expected_state["global_step"]
     for key, value in expected_state["models"][0].items():
         assert torch.equal(got["models"][0][key].cpu(), value.cpu()), key
+
+
+def test_a_tune_trial_trains_two_workers_on_the_gpu(gpu_cluster, tmp_path):
+    pytest.importorskip("ray.tune", reason="needs ray[tune] (on the device: pydantic, carried in .whl/)")
+    result = tune_two_workers_on_one_gpu(tmp_path)
+    assert result.metrics["devices"] == "cuda:0,cuda:0" and result.metrics["backend"] == "gloo"
+    assert math.isfinite(result.metrics["val_loss"]) and 0 <= result.metrics["val_accuracy"] <= 1

@@ -12,12 +12,12 @@ import ray
 import torch
 
 from conftest import start_ray
-from helpers import LinearOperator
+from helpers import LinearOperator, tune_two_workers_on_one_gpu
 
 
 @pytest.fixture(scope="module")
 def one_gpu_cluster():
-    cluster = start_ray(2, num_gpus=1)
+    cluster = start_ray(4, num_gpus=1)  # 4 logical CPUs: a Tune trial's bundle and two workers
     yield cluster
     cluster.shutdown()
 
@@ -44,7 +44,7 @@ def test_two_workers_share_one_gpu_over_gloo(one_gpu_cluster, trainer_factory):
 
 
 def test_the_elastic_range_counts_fractions_of_the_gpu(one_gpu_cluster, trainer_factory):
-    # 4 workers of half a CPU fit the 2 CPUs; the one GPU holds only 2 workers of 0.5 GPU
+    # 8 workers of half a CPU fit the 4 CPUs; the one GPU holds only 2 workers of 0.5 GPU
     trainer = trainer_factory(training_operator_cls=LinearOperator, num_workers=(1, 4), use_gpu=True,
                               num_gpus_per_worker=0.5, num_cpus_per_worker=0.5)
     assert trainer.worker_group.num_workers == 2
@@ -60,3 +60,10 @@ def test_a_worker_without_cuda_warns_that_it_trains_on_the_cpu(one_gpu_cluster, 
     assert any("sees no CUDA device" in r.getMessage() and "trains on the CPU" in r.getMessage()
                for r in caplog.records)
     assert trainer.train()["num_samples"] == 200
+
+
+def test_a_tune_trial_puts_two_workers_on_one_gpu(one_gpu_cluster, tmp_path):
+    pytest.importorskip("ray.tune", reason="needs ray[tune]")
+    result = tune_two_workers_on_one_gpu(tmp_path)
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert result.metrics["devices"] == f"{device},{device}" and result.metrics["backend"] == "gloo"

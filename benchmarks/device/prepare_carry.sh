@@ -17,12 +17,20 @@ RAY_VERSION="${RAY_VERSION:-2.58.0}"
 LIMIT_MIB="${LIMIT_MIB:-55}"
 # Ray's Requires-Dist (no extras): click, filelock, jsonschema, msgpack, packaging, protobuf, pyyaml,
 # requests. The device image has all but jsonschema; jsonschema needs attrs (there), referencing,
-# jsonschema-specifications and rpds-py (a compiled wheel). The versions are the ones the project's venv uses.
+# jsonschema-specifications and rpds-py (a compiled wheel). `import ray.tune` also needs pydantic (ray.train
+# v2), which the image lacks: pydantic, pydantic-core (compiled), annotated-types and typing-inspection
+# (typing-extensions is there). The versions are the ones the project's venv uses. Checked on this machine
+# with Python 3.12 (pyenv) and only the image's packages: `import ray, ray.tune`, ray.init and fractional-GPU
+# placement groups work from the installed wheels.
 EXTRA=(
   "jsonschema==4.26.0"
   "jsonschema-specifications==2025.9.1"
   "referencing==0.37.0"
   "rpds-py==2026.9.1"
+  "pydantic==2.14.3"
+  "pydantic-core==2.50.4"
+  "annotated-types==0.8.0"
+  "typing-inspection==0.4.5"
 )
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
