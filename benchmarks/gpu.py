@@ -38,11 +38,11 @@ from raysgd import TrainingOperator
 from sides import write_json
 from workloads import make_model, make_optimizer, pin_threads, steady_rate, timed_steps
 
-WORKLOADS = {
-    "resnet50": {"model": "resnet50", "batch_size": 128, "image": 224, "classes": 1000, "warmup": 10, "steps": 30,
-                 "windows": 3, "target": 0.97},
+WORKLOADS = {  # the quick one first: a run cut short by the device's time limit still has its rows
     "cifar-resnet18": {"model": "cifar-resnet18", "batch_size": 256, "image": 32, "classes": 10, "warmup": 20,
                        "steps": 100, "windows": 3, "target": 0.95},
+    "resnet50": {"model": "resnet50", "batch_size": 128, "image": 224, "classes": 1000, "warmup": 10, "steps": 30,
+                 "windows": 3, "target": 0.97},
 }
 SMOKE = {"batch_size": 2, "image": 32, "warmup": 1, "steps": 2, "windows": 1}
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -151,8 +151,11 @@ def raysgd_loops(sizes, precision, device, threads):
         trainer.shutdown()
 
 
-def measure(workloads, precisions, smoke, threads, bench_dir):
-    """Every (workload, precision, side) row: images/s, and each raysgd side's ratio to the plain loop."""
+def measure(workloads, precisions, smoke, threads, bench_dir, on_rows=None):
+    """Every (workload, precision, side) row: images/s, and each raysgd side's ratio to the plain loop.
+
+    ``on_rows(rows)``, if given, is called with the rows so far after each (workload, precision).
+    """
     import ray  # noqa: PLC0415
 
     cuda = torch.cuda.is_available()
@@ -175,6 +178,8 @@ def measure(workloads, precisions, smoke, threads, bench_dir):
                     rows.append(dict(workload=workload, precision=precision, side=side, batch_size=sizes["batch_size"],
                                      image=sizes["image"], images_per_s=rate[side],
                                      ratio=rate[side] / rate["plain"], target=sizes["target"]))
+                if on_rows is not None:
+                    on_rows(rows)
     finally:
         ray.shutdown()
     return rows
@@ -194,17 +199,22 @@ def table(record):
     return "\n".join(lines)
 
 
-def run(workloads, precisions, smoke, threads, bench_dir):
+def _summarised(record, rows):
+    ratios = [r["ratio"] for r in rows if r["side"] == "raysgd"]
+    return dict(record, rows=list(rows), median_ratio=statistics.median(ratios) if ratios else None)
+
+
+def run(workloads, precisions, smoke, threads, bench_dir, partial=None):
+    """The record of one run. ``partial(record)``, if given, gets the record so far after each (workload,
+    precision), so a run stopped by a time limit still leaves its finished rows."""
     import ray  # noqa: PLC0415
 
     cuda = torch.cuda.is_available()
     record = dict(status="measured" if cuda and not smoke else ("smoke" if cuda else "cpu-check"),
                   device=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__,
                   ray=ray.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    record["rows"] = measure(workloads, precisions, smoke, threads, bench_dir)
-    ratios = [r["ratio"] for r in record["rows"] if r["side"] == "raysgd"]
-    record["median_ratio"] = statistics.median(ratios) if ratios else None
-    return record
+    on_rows = None if partial is None else (lambda rows: partial(_summarised(dict(record, status="partial"), rows)))
+    return _summarised(record, measure(workloads, precisions, smoke, threads, bench_dir, on_rows))
 
 
 def main(argv):
@@ -235,7 +245,13 @@ def main(argv):
         print("gpu.py: skipped: CUDA is not available on this machine (--smoke-test runs the code on the CPU)")
         return 0
     pin_threads(args.threads)
-    record = run(workloads, precisions, args.smoke_test, args.threads, bench_dir)
+
+    def partial(record):  # each finished (workload, precision): its rows printed, the JSON so far written
+        print(table(dict(record, rows=record["rows"][-len(SIDES):])), flush=True)
+        if args.json:
+            write_json(args.json, record)
+
+    record = run(workloads, precisions, args.smoke_test, args.threads, bench_dir, partial)
     print(table(record), flush=True)
     if args.json:
         write_json(args.json, record)

@@ -6,8 +6,9 @@
 #     run(command="bash benchmarks/device/run_gpu_checks.sh tests", carry=[".whl"], timeout_s=600)
 #     run(command="bash benchmarks/device/run_gpu_checks.sh bench", carry=[".whl"], timeout_s=600)
 # Parts: env (versions and nvidia-smi only), tests, bench, all (default: env + tests + bench; over 10 minutes).
-# TESTS overrides which tests run (default: every test marked for CUDA in the files below); TEST_TIMEOUT and
-# BENCH_TIMEOUT (seconds) bound each part so that the logs come back before the call's limit.
+# TESTS overrides which tests run (default: every test marked for CUDA in the files below); GPU_ARGS adds
+# options to gpu.py; TEST_TIMEOUT and BENCH_TIMEOUT (seconds) bound each part so that the logs come back
+# before the call's limit.
 set -uo pipefail
 
 PART="${1:-all}"
@@ -35,7 +36,11 @@ if [ "$PART" = tests ] || [ "$PART" = all ]; then
 fi
 
 if [ "$PART" = bench ] || [ "$PART" = all ]; then
-  timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/gpu.py --threads 8 --json "$OUT/gpu.json" 2>&1 | tee "$OUT/gpu.log"
+  # GPU_ARGS narrows the run (e.g. "--workloads resnet50" in a second call); gpu.py prints each finished
+  # (workload, precision) and rewrites gpu.json as it goes, so a run cut short keeps what it measured.
+  # shellcheck disable=SC2086
+  timeout "${BENCH_TIMEOUT:-540}" python3 benchmarks/gpu.py --threads 8 --json "$OUT/gpu.json" ${GPU_ARGS:-} 2>&1 \
+    | tee "$OUT/gpu.log"
   status=$((status | PIPESTATUS[0]))
 fi
 exit "$status"
