@@ -31,7 +31,10 @@ class LinearOperator(TrainingOperator):
 
 
 class ClassifierOperator(TrainingOperator):
-    """A small MLP classifier on fixed random data (val_accuracy is meaningful)."""
+    """A small MLP classifier on fixed random data (val_accuracy is meaningful).
+
+    ``config["compile"]``: registered as ``torch.compile(model, **config["compile"])`` (a dict of its options).
+    """
 
     def setup(self, config):
         generator = torch.Generator().manual_seed(1)
@@ -39,6 +42,8 @@ class ClassifierOperator(TrainingOperator):
         y = (x[:, 0] + x[:, 1] > 0).long()
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+        if config.get("compile") is not None:
+            model = torch.compile(model, **config["compile"])
         self.model, self.optimizer, self.criterion = self.register(
             models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.CrossEntropyLoss(),
             **config.get("register_args", {}))

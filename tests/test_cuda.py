@@ -175,3 +175,21 @@ def test_a_tune_trial_trains_two_workers_on_the_gpu(gpu_cluster, tmp_path):
     result = tune_two_workers_on_one_gpu(tmp_path)
     assert result.metrics["devices"] == "cuda:0,cuda:0" and result.metrics["backend"] == "gloo"
     assert math.isfinite(result.metrics["val_loss"]) and 0 <= result.metrics["val_accuracy"] <= 1
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_torch_compile_with_inductor_trains_and_saves_the_plain_model(gpu_trainer, num_workers):
+    """The default backend (inductor, Triton kernels); 2 workers share the GPU, compiled outside DDP."""
+    shared = {"num_gpus_per_worker": 0.5} if num_workers == 2 else {}
+    trainer = gpu_trainer(use_gpu=True, num_workers=num_workers, config={"compile": {}}, **shared)
+    first = trainer.train()["train_loss"]
+    for _ in range(3):
+        last = trainer.train()["train_loss"]
+    assert last < first
+    names = trainer.apply_all_operators(lambda op: type(op.model).__name__)
+    assert names == ["OptimizedModule"] * num_workers
+    state = trainer.state_dict()
+    assert not any(key.startswith("_orig_mod.") for key in state["models"][0])
+    model = trainer.get_model(to_cpu=True)
+    assert isinstance(model, nn.Sequential) and {p.device.type for p in model.parameters()} == {"cpu"}
+    assert 0 <= trainer.validate()["val_accuracy"] <= 1

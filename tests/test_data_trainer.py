@@ -33,6 +33,8 @@ class Recording(TrainingOperator):
     def setup(self, config):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(2, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+        if config.get("compile"):  # trained as compile(DDP(model)): the DDP inside must still be found
+            model = torch.compile(model, backend="eager")
         self.model, self.optimizer, self.criterion = self.register(
             models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.05), criterion=nn.CrossEntropyLoss())
         dataset = IndexDataset(config.get("size", 60))
@@ -96,10 +98,12 @@ def test_the_loaders_own_samplers_are_sharded_across_two_workers(make_trainer):
     assert sorted(again[0] + again[1]) == train_idx and again != trained
 
 
-@pytest.mark.parametrize("val_size, val_batch, drop_last", [(2, 4, False), (5, 2, True)],
-                         ids=["fewer-samples-than-workers", "drop_last"])
-def test_a_rank_without_validation_batches_hangs_nobody(make_trainer, val_size, val_batch, drop_last):
-    config = {"train_idx": list(range(24)), "val_size": val_size, "val_batch": val_batch, "val_drop_last": drop_last}
+@pytest.mark.parametrize("val_size, val_batch, drop_last, compiled",
+                         [(2, 4, False, False), (5, 2, True, False), (2, 4, False, True)],
+                         ids=["fewer-samples-than-workers", "drop_last", "torch.compile"])
+def test_a_rank_without_validation_batches_hangs_nobody(make_trainer, val_size, val_batch, drop_last, compiled):
+    config = {"train_idx": list(range(24)), "val_size": val_size, "val_batch": val_batch, "val_drop_last": drop_last,
+              "compile": compiled}
     trainer = make_trainer(config, num_workers=3, timeout_s=15)
     trainer.train()  # the next forward would broadcast BatchNorm's buffers
     per_rank = trainer.validate(reduce_results=False)

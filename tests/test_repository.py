@@ -38,7 +38,7 @@ DOCTESTED = ["raysgd.utils", "raysgd.torch.recovery", "raysgd.torch.reduction", 
              "raysgd.torch.cursor", "raysgd.torch.evaluation",
              "raysgd.torch.model_copy", "raysgd.data.dataset", "raysgd.data.examples.mlp_identity",
              "raysgd.torch.state", "raysgd.torch.committer", "raysgd.torch.commits", "raysgd.torch.elastic", "raysgd.torch.attempts",
-             "raysgd.torch.reform",
+             "raysgd.torch.reform", "raysgd.torch.compiled",
              "raysgd.torch.operator_precision"]
 
 

@@ -17,8 +17,8 @@ import contextlib
 import logging
 
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
+from raysgd.torch.compiled import find_ddp
 from raysgd.utils import BATCH_SIZE
 
 logger = logging.getLogger(__name__)
@@ -83,9 +83,9 @@ def fixed_split(max_workers):
 
 def ddp_models(operator):
     """The operator's DDP-wrapped registered models (and ``operator.model`` if it is one)."""
-    models = [m for m in getattr(operator, "_models", None) or () if isinstance(m, DistributedDataParallel)]
-    own = getattr(operator, "model", None)
-    if isinstance(own, DistributedDataParallel) and all(own is not m for m in models):
+    models = [find_ddp(m) for m in getattr(operator, "_models", None) or () if find_ddp(m) is not None]
+    own = find_ddp(getattr(operator, "model", None))  # a torch.compile'd DDP counts as the DDP inside
+    if own is not None and all(own is not m for m in models):
         models.append(own)
     return models
 

@@ -1,6 +1,6 @@
 """Validation that issues no collective per batch, so ranks with different batch counts (or none) never hang.
 
-Layer 1: imports torch only.
+Layer 1: imports torch and layer 0.
 
 ``DistributedDataParallel`` broadcasts its buffers (BatchNorm's running statistics) from rank 0 at
 the start of a forward pass whenever the previous forward ran with gradients, so the first validation
@@ -21,13 +21,15 @@ import contextlib
 import logging
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
+
+from raysgd.torch.compiled import find_ddp
 
 logger = logging.getLogger(__name__)
 
 
 def ddp_modules(*owners):
-    """Every ``DistributedDataParallel`` among ``owners``, their attributes, and lists/tuples in those.
+    """Every ``DistributedDataParallel`` among ``owners``, their attributes, and lists/tuples in those (a
+    ``torch.compile``'d DDP counts as the DDP it wraps).
 
     Example:
         >>> class Op:
@@ -39,9 +41,10 @@ def ddp_modules(*owners):
     found = []
 
     def visit(value):
-        if isinstance(value, DistributedDataParallel):
-            if not any(value is seen for seen in found):
-                found.append(value)
+        ddp = find_ddp(value) if isinstance(value, torch.nn.Module) else None  # also inside torch.compile
+        if ddp is not None:
+            if not any(ddp is seen for seen in found):
+                found.append(ddp)
         elif isinstance(value, (list, tuple)):
             for item in value:
                 visit(item)

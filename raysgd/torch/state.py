@@ -29,6 +29,8 @@ import random
 import numpy as np
 import torch
 
+from raysgd.torch import compiled as _compiled
+
 logger = logging.getLogger(__name__)
 
 #: Keys a commit adds to the state (absent in snapshots of a finished call and in old checkpoints).
@@ -134,7 +136,7 @@ def restore(operator, state):
     if "schedulers" in state or schedulers:
         _check_count("schedulers", schedulers, state.get("schedulers", []))
     for model, model_state in zip(parts["models"], state["models"]):
-        model.load_state_dict(model_state)
+        _compiled.load_model_state(model, model_state)  # strict; also a checkpoint with torch.compile's prefix
     for optimizer, optimizer_state in zip(parts["optimizers"], state["optimizers"]):
         optimizer.load_state_dict(optimizer_state)
     for scheduler, scheduler_state in zip(schedulers, state.get("schedulers", [])):

@@ -23,6 +23,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from raysgd.torch import accumulation as _accumulation
+from raysgd.torch import compiled as _compiled
 from raysgd.torch import data as _data
 from raysgd.torch.constants import SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH
 from raysgd.torch.operator_precision import PrecisionHelpers
@@ -117,11 +118,12 @@ class TrainingOperator(PrecisionHelpers):
         if criterion is not None and hasattr(criterion, "to"):
             criterion = criterion.to(self._device)
         model_list, optim_list = self._precision.initialize(model_list, optim_list, apex_args)
-        self._original_models = model_list
+        self._original_models = [_compiled.original(m) for m in model_list]  # torch.compile'd: the plain module
         self._optimizers = optim_list
         self._criterion = criterion
         if self._wrap_ddp:
-            self._models = [DistributedDataParallel(m, device_ids=self.device_ids, **ddp_args) for m in model_list]
+            self._models = [_compiled.wrap_ddp(m, lambda inner: DistributedDataParallel(
+                inner, device_ids=self.device_ids, **ddp_args)) for m in model_list]
         else:
             self._models = list(model_list)
         self._registered = True

@@ -1,0 +1,109 @@
+"""torch.compile'd models: trained as compile(DDP(model)), saved and returned as the plain module.
+
+The ``"eager"`` backend runs dynamo's capture and the compiled-module wrappers without a C++ compiler (the
+CPU's inductor backend needs one), and computes with the same kernels as the plain model, so the results
+can be compared exactly. On the GPU, ``tests/test_cuda.py`` compiles with the default backend.
+"""
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from helpers import LinearOperator
+from raysgd.torch import compiled
+
+pytestmark = pytest.mark.usefixtures("ray_2cpus")
+
+
+class CompiledLinear(LinearOperator):
+    """LinearOperator whose model is ``torch.compile(model, backend="eager")`` when ``config["compile"]``."""
+
+    def setup(self, config):
+        super().setup(config)
+        if config.get("compile"):  # register again: what users write is register(models=torch.compile(model))
+            model = torch.compile(compiled.original(self.model), backend="eager")
+            optimizer = torch.optim.SGD(model.parameters(), lr=config.get("lr", 1e-2), momentum=0.9)
+        else:
+            model = compiled.original(self.model)
+            optimizer = torch.optim.SGD(model.parameters(), lr=config.get("lr", 1e-2), momentum=0.9)
+        self.model, self.optimizer, self.criterion = self.register(models=model, optimizers=optimizer,
+                                                                   criterion=nn.MSELoss())
+
+
+def kinds(op):
+    """What trains (outer wrapper, and what it wraps) and what is saved."""
+    inner = compiled.compiled_inner(op.model)
+    return (type(op.model).__name__, type(inner).__name__ if inner is not None else None,
+            type(op._get_original_models()[0]).__name__)
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_compiled_model_trains_exactly_like_the_plain_one_and_saves_plain_keys(trainer_factory, num_workers):
+    results = {}
+    for compile_it in (False, True):
+        trainer = trainer_factory(training_operator_cls=CompiledLinear, num_workers=num_workers,
+                                  config={"compile": compile_it, "data_size": 64})
+        losses = [trainer.train()["train_loss"] for _ in range(2)]
+        results[compile_it] = (losses, trainer.state_dict(), trainer.apply_all_operators(kinds)[0])
+        trainer.shutdown()
+    (plain_losses, plain_state, _), (losses, state_, trained) = results[False], results[True]
+    if num_workers == 2:  # compiled outside DDP, as PyTorch advises: compile(DDP(plain))
+        assert trained == ("OptimizedModule", "DistributedDataParallel", "Linear")
+    else:
+        assert trained == ("OptimizedModule", "Linear", "Linear")
+    assert list(state_["models"][0]) == ["weight", "bias"]  # no "_orig_mod." prefix
+    assert losses == plain_losses
+    for key, value in plain_state["models"][0].items():
+        assert torch.equal(state_["models"][0][key], value), key
+    assert torch.equal(state_["optimizers"][0]["state"][0]["momentum_buffer"],
+                       plain_state["optimizers"][0]["state"][0]["momentum_buffer"])
+
+
+def test_checkpoints_move_between_compiled_and_plain_models(trainer_factory, tmp_path):
+    source = trainer_factory(training_operator_cls=CompiledLinear, config={"compile": True})
+    source.train()
+    source.save(str(tmp_path / "compiled.ckpt"))
+    assert type(source.get_model()) is nn.Linear and type(source.get_model(to_cpu=True)) is nn.Linear
+    expected = source.state_dict()["models"][0]
+    source.shutdown()  # two CPUs: one trainer at a time
+    plain = trainer_factory(training_operator_cls=CompiledLinear, config={"compile": False})
+    plain.load(str(tmp_path / "compiled.ckpt"))
+    assert all(torch.equal(plain.state_dict()["models"][0][k], v) for k, v in expected.items())
+    plain.shutdown()
+    # a checkpoint whose model keys carry the prefix (torch.save of a compiled model's state_dict) loads too
+    old = torch.load(str(tmp_path / "compiled.ckpt"), weights_only=True)
+    old["models"] = [{"_orig_mod." + k: v + 1 for k, v in old["models"][0].items()}]
+    torch.save(old, str(tmp_path / "prefixed.ckpt"))
+    again = trainer_factory(training_operator_cls=CompiledLinear, config={"compile": True})
+    again.load(str(tmp_path / "prefixed.ckpt"))
+    assert all(torch.equal(again.state_dict()["models"][0][k], v + 1) for k, v in expected.items())
+    assert again.train()["num_samples"] == 200  # the compiled model trains on the loaded weights
+
+
+def test_a_mismatched_checkpoint_still_fails_loudly():
+    model = nn.Linear(1, 1)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        compiled.load_model_state(model, {"_orig_mod.other.weight": torch.ones(1, 1)})
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        compiled.load_model_state(model, {"weight": torch.ones(1, 1), "bias": torch.ones(1), "extra": torch.ones(1)})
+
+
+def test_unwrapping_goes_through_compile_and_ddp_in_any_order(tmp_path):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("this process already has a default process group (a use_local trainer is alive)")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        plain = nn.Linear(1, 1)
+        ddp = DistributedDataParallel(plain)
+        outer = torch.compile(ddp, backend="eager")
+        inner = DistributedDataParallel(torch.compile(plain, backend="eager"))
+        for wrapped in (ddp, outer, inner):
+            assert compiled.original(wrapped) is plain
+        assert compiled.find_ddp(outer) is ddp and compiled.find_ddp(inner) is inner
+        assert compiled.find_ddp(plain) is None and compiled.find_ddp(torch.compile(plain, backend="eager")) is None
+        rewrapped = compiled.wrap_ddp(torch.compile(plain, backend="eager"), DistributedDataParallel)
+        assert compiled.find_ddp(rewrapped).module is plain and compiled.compiled_inner(rewrapped) is not None
+    finally:
+        dist.destroy_process_group()
