@@ -14,11 +14,14 @@ from raysgd.utils import BATCH_SIZE
 
 
 class LinearOperator(TrainingOperator):
-    """Linear regression on LinearDataset(2, 5); config: lr, batch_size or BATCH_SIZE, data_size, val_size."""
+    """Linear regression on LinearDataset(2, 5); config: lr, momentum, batch_size or BATCH_SIZE, data_size,
+    val_size, compile (registered as ``torch.compile(model, **config["compile"])``)."""
 
     def setup(self, config):
         torch.manual_seed(config.get("seed", 0))
         model = nn.Linear(1, 1)
+        if config.get("compile") is not None:
+            model = torch.compile(model, **config["compile"])
         optimizer = torch.optim.SGD(model.parameters(), lr=config.get("lr", 1e-2),
                                     momentum=config.get("momentum", 0.0))
         self.model, self.optimizer, self.criterion = self.register(models=model, optimizers=optimizer,

@@ -15,19 +15,9 @@ from raysgd.torch import compiled
 pytestmark = pytest.mark.usefixtures("ray_2cpus")
 
 
-class CompiledLinear(LinearOperator):
-    """LinearOperator whose model is ``torch.compile(model, backend="eager")`` when ``config["compile"]``."""
-
-    def setup(self, config):
-        super().setup(config)
-        if config.get("compile"):  # register again: what users write is register(models=torch.compile(model))
-            model = torch.compile(compiled.original(self.model), backend="eager")
-            optimizer = torch.optim.SGD(model.parameters(), lr=config.get("lr", 1e-2), momentum=0.9)
-        else:
-            model = compiled.original(self.model)
-            optimizer = torch.optim.SGD(model.parameters(), lr=config.get("lr", 1e-2), momentum=0.9)
-        self.model, self.optimizer, self.criterion = self.register(models=model, optimizers=optimizer,
-                                                                   criterion=nn.MSELoss())
+#: What users write: register(models=torch.compile(model, backend="eager")); momentum gives optimizer state.
+COMPILED = {"compile": {"backend": "eager"}, "momentum": 0.9}
+PLAIN = {"momentum": 0.9}
 
 
 def kinds(op):
@@ -41,8 +31,8 @@ def kinds(op):
 def test_a_compiled_model_trains_exactly_like_the_plain_one_and_saves_plain_keys(trainer_factory, num_workers):
     results = {}
     for compile_it in (False, True):
-        trainer = trainer_factory(training_operator_cls=CompiledLinear, num_workers=num_workers,
-                                  config={"compile": compile_it, "data_size": 64})
+        trainer = trainer_factory(training_operator_cls=LinearOperator, num_workers=num_workers,
+                                  config={**(COMPILED if compile_it else PLAIN), "data_size": 64})
         losses = [trainer.train()["train_loss"] for _ in range(2)]
         results[compile_it] = (losses, trainer.state_dict(), trainer.apply_all_operators(kinds)[0])
         trainer.shutdown()
@@ -60,13 +50,13 @@ def test_a_compiled_model_trains_exactly_like_the_plain_one_and_saves_plain_keys
 
 
 def test_checkpoints_move_between_compiled_and_plain_models(trainer_factory, tmp_path):
-    source = trainer_factory(training_operator_cls=CompiledLinear, config={"compile": True})
+    source = trainer_factory(training_operator_cls=LinearOperator, config=COMPILED)
     source.train()
     source.save(str(tmp_path / "compiled.ckpt"))
     assert type(source.get_model()) is nn.Linear and type(source.get_model(to_cpu=True)) is nn.Linear
     expected = source.state_dict()["models"][0]
     source.shutdown()  # two CPUs: one trainer at a time
-    plain = trainer_factory(training_operator_cls=CompiledLinear, config={"compile": False})
+    plain = trainer_factory(training_operator_cls=LinearOperator, config=PLAIN)
     plain.load(str(tmp_path / "compiled.ckpt"))
     assert all(torch.equal(plain.state_dict()["models"][0][k], v) for k, v in expected.items())
     plain.shutdown()
@@ -74,7 +64,7 @@ def test_checkpoints_move_between_compiled_and_plain_models(trainer_factory, tmp
     old = torch.load(str(tmp_path / "compiled.ckpt"), weights_only=True)
     old["models"] = [{"_orig_mod." + k: v + 1 for k, v in old["models"][0].items()}]
     torch.save(old, str(tmp_path / "prefixed.ckpt"))
-    again = trainer_factory(training_operator_cls=CompiledLinear, config={"compile": True})
+    again = trainer_factory(training_operator_cls=LinearOperator, config=COMPILED)
     again.load(str(tmp_path / "prefixed.ckpt"))
     assert all(torch.equal(again.state_dict()["models"][0][k], v + 1) for k, v in expected.items())
     assert again.train()["num_samples"] == 200  # the compiled model trains on the loaded weights

@@ -83,7 +83,7 @@ def fixed_split(max_workers):
 
 def ddp_models(operator):
     """The operator's DDP-wrapped registered models (and ``operator.model`` if it is one)."""
-    models = [find_ddp(m) for m in getattr(operator, "_models", None) or () if find_ddp(m) is not None]
+    models = [ddp for ddp in map(find_ddp, getattr(operator, "_models", None) or ()) if ddp is not None]
     own = find_ddp(getattr(operator, "model", None))  # a torch.compile'd DDP counts as the DDP inside
     if own is not None and all(own is not m for m in models):
         models.append(own)
