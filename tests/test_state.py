@@ -92,3 +92,25 @@ def test_a_state_taken_between_calls_inside_an_epoch_resumes_there():
     fresh.load_state_dict(saved)
     assert fresh.train_epoch()["num_samples"] == 8
     assert torch.equal(fresh.operator.model.p.detach(), torch.ones(12))
+
+
+def test_a_state_taken_at_the_exact_end_of_an_epoch_resumes_into_the_next_epoch():
+    """``train(num_steps=k)`` that ended on an epoch's last batch leaves a cursor at the epoch's end: the resumed
+    worker's next call must go on into the next epoch, as the uninterrupted one does (it used to train nothing)."""
+    from helpers import CountingOperator
+
+    def make():
+        worker = TorchWorker(CountingOperator, {"n": 12, "batch_size": 2}, is_local=True)
+        worker.setup_operator()
+        return worker
+
+    clean = make()
+    clean.train_epoch(num_steps=6)  # exactly epoch 1's 6 batches
+    saved = checkpoint.state_from_bytes(checkpoint.state_to_bytes(clean.state_dict()))
+    assert saved["cursor"]["consumed"] == 12
+    resumed = make()
+    resumed.load_state_dict(saved)
+    expected, got = clean.train_epoch(num_steps=2), resumed.train_epoch(num_steps=2)
+    assert got["epoch"] == expected["epoch"] == 2 and got["num_samples"] == expected["num_samples"] == 4
+    assert torch.equal(resumed.operator.model.p.detach(), clean.operator.model.p.detach())
+    assert resumed.operator.global_step == clean.operator.global_step == 8

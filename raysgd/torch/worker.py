@@ -65,11 +65,12 @@ class _PersistentIterator:
     one ran out; ``on_new_epoch`` is called just before.
     """
 
-    def __init__(self, get_loader, on_new_epoch, after_iter=None, on_abandon=None):
+    def __init__(self, get_loader, on_new_epoch, after_iter=None, on_abandon=None, resuming=None):
         self._get_loader = get_loader
         self._on_new_epoch = on_new_epoch
         self._after_iter = after_iter or (lambda: None)
         self._on_abandon = on_abandon
+        self._resuming = resuming or (lambda: False)  # the next epoch starts at a loaded cursor
         self._iterator = None
 
     def reset(self):
@@ -107,6 +108,7 @@ class _PersistentIterator:
         taken = 0
         while taken < num_steps:
             fresh = self._iterator is None
+            resumed = fresh and self._resuming()  # a cursor at the epoch's end resumes an empty rest
             iterator = self._current()
             yielded = 0
             for batch in iterator:
@@ -116,7 +118,7 @@ class _PersistentIterator:
                 if taken >= num_steps:
                     return
             self._iterator = None
-            if fresh and yielded == 0:
+            if fresh and yielded == 0 and not resumed:
                 return  # an empty loader: stop instead of looping forever
 
 
@@ -151,7 +153,8 @@ class TorchWorker:
         self.epochs = 0
         self.committer = Committer()
         self._train_iter = _PersistentIterator(self._train_loader, self._on_new_train_epoch, self.committer.after_iter,
-                                               on_abandon=self._rewind_train_epoch)
+                                               on_abandon=self._rewind_train_epoch,
+                                               resuming=lambda: self.committer.resume is not None)
         self._val_iter = _PersistentIterator(self._validation_loader, lambda loader: None)
 
     # ----------------------------------------------------------------- start-up
