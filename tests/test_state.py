@@ -114,3 +114,51 @@ def test_a_state_taken_at_the_exact_end_of_an_epoch_resumes_into_the_next_epoch(
     assert got["epoch"] == expected["epoch"] == 2 and got["num_samples"] == expected["num_samples"] == 4
     assert torch.equal(resumed.operator.model.p.detach(), clean.operator.model.p.detach())
     assert resumed.operator.global_step == clean.operator.global_step == 8
+
+
+class _Sink:
+    """A commit sink in this process: the keys of the records the worker's committer stored, in order."""
+
+    def __init__(self):
+        self.keys = []
+
+    def put(self, key, rank, world_size, blob):
+        self.keys.append(tuple(key))
+
+
+@pytest.mark.parametrize("same_call", [False, True], ids=["another-call", "retry-of-this-call"])
+def test_a_loaded_commit_continues_the_step_count_only_of_its_own_call(same_call):
+    """A commit of another call (``load_state_dict(latest_commit())``, a durable resume) starts the new call's
+    step count at 0, so a retry of ``train(num_steps=k)`` still trains all k steps; a retry inside the same call
+    goes on counting. Commit keys carry the attempt, so records of two attempts never complete one commit."""
+    from helpers import CountingOperator
+    from raysgd.torch.committer import CommitPlan
+
+    worker = TorchWorker(CountingOperator, {"n": 24, "batch_size": 2}, is_local=True)
+    worker.setup_operator()
+    saved = worker.state_dict()
+    plan = CommitPlan(_Sink(), every_n=1, interval_s=30, call_id=1, attempt=1, run_id="this-run")
+    tag = plan.call_tag if same_call else "another-run/1"
+    commit = {**saved, "cursor": {"epoch": 1, "consumed": 12, "steps": 6, "call_steps": 6, "call": tag},
+              "rng": [None]}
+    worker.load_state_dict(commit)
+    worker.train_epoch(num_steps=2, commit=plan)
+    worker.committer.flush(timeout_s=30)
+    first = 7 if same_call else 1
+    assert plan.sink.keys == [(1, 1, first), (1, 1, first + 1)]
+    assert worker.operator.global_step == 2 and int(worker.operator.model.p.detach().sum()) == 4
+
+
+def test_the_commit_store_completes_a_commit_from_one_attempt_only():
+    from raysgd.torch.commit_store import _StoreActor
+
+    store = _StoreActor()
+    store.begin(1)
+    store.put((1, 0, 15), 0, 2, b"rank 0, attempt 0")  # rank 1 died before storing step 15
+    store.put((1, 1, 15), 1, 2, b"rank 1, attempt 1")  # the retry (from step 10) reaches step 15 again
+    assert store.latest(1) is None
+    store.put((1, 1, 15), 0, 2, b"rank 0, attempt 1")
+    assert store.latest(1) == ((1, 1, 15), {0: b"rank 0, attempt 1", 1: b"rank 1, attempt 1"})
+    store.put((1, 0, 20), 1, 2, b"late")  # a late record of the old attempt completes nothing newer
+    store.put((1, 0, 20), 0, 2, b"late")
+    assert store.latest_key(1) == (1, 1, 15)

@@ -6,7 +6,7 @@ actor's memory, so a commit never depends on an object owned by a worker that ma
 the loss of any worker node. The driver reads the latest complete commit after a failure.
 
 Example:
-    >>> # store = CommitStore(); store.begin(1); store.put((1, 10), 0, 1, blob); store.latest(1) -> ((1, 10), {0: blob})
+    >>> # store = CommitStore(); store.begin(1); store.put((1, 0, 10), 0, 1, blob); store.latest(1) -> ((1, 0, 10), {0: blob})
 """
 import io
 import logging
@@ -32,10 +32,7 @@ class _StoreActor:
         self.begin(key[0])  # a worker's record may arrive before the driver's begin: calls only move forward
         if key[0] != self._call:
             return False  # a late record of a finished call
-        size, records = self._pending.setdefault(tuple(key), (world_size, {}))
-        if size != world_size:  # a record of an older attempt at another size under the same key
-            self._pending[tuple(key)] = (world_size, {})
-            size, records = self._pending[tuple(key)]
+        size, records = self._pending.setdefault(tuple(key), (world_size, {}))  # one attempt: one size
         records[rank] = blob
         if len(records) == size and (self._complete is None or tuple(key) >= self._complete[0]):
             self._complete = (tuple(key), records)
@@ -79,7 +76,10 @@ class CommitStore:
         return ray.get(self._actor.latest.remote(call_id), timeout=timeout_s)
 
     def latest_key(self, call_id, timeout_s=60):
-        """The key ``(call_id, step)`` of the call's latest complete commit (its records stay in the store), or None."""
+        """The key ``(call_id, attempt, step)`` of the call's latest complete commit (its records stay), or None.
+
+        Keys order by attempt first: a later attempt's commit supersedes a late-completing one of an older attempt.
+        """
         return ray.get(self._actor.latest_key.remote(call_id), timeout=timeout_s)
 
     def latest_records(self, call_id, timeout_s=60):

@@ -11,6 +11,7 @@ Example:
     False
 """
 import logging
+import uuid
 
 from raysgd.torch import checkpoint, constants
 from raysgd.torch import state as _state
@@ -47,9 +48,9 @@ class CommitPolicy:
         self._call = 0
         self._attempt = 0
         self._carried = {0: None}
-        self.last_key = None  # the key of the commit the last resume started from
         self.active = False  # whether the running call commits
         self._num_steps = None
+        self._run_id = uuid.uuid4().hex[:12]  # tags this trainer's commits (a loaded commit of another run)
 
     @property
     def enabled(self):
@@ -74,7 +75,7 @@ class CommitPolicy:
         if self._store is None:
             self._store = CommitStore()
         self._call += 1
-        self._attempt, self._carried, self.last_key = 0, {0: None}, None
+        self._attempt, self._carried = 0, {0: None}
         self._store.begin(self._call)
         return True
 
@@ -87,7 +88,8 @@ class CommitPolicy:
 
     def plan(self):
         """The :class:`CommitPlan` of the current attempt (sent to every worker with the call)."""
-        return CommitPlan(self._store, self.every_n or None, commit_interval_s(), self._call, self._attempt)
+        return CommitPlan(self._store, self.every_n or None, commit_interval_s(), self._call, self._attempt,
+                          run_id=self._run_id)
 
     def restart_state(self, kwargs):
         """The state of the call's latest complete commit (with its ``cursor``), or None when there is none.
@@ -108,9 +110,8 @@ class CommitPolicy:
         made_in = state[_state.CURSOR].get("attempt", 0)
         self._carried[self._attempt] = merge_partials(self._carried.get(made_in), state[_state.METERS]) \
             if any(m is not None for m in state[_state.METERS]) else self._carried.get(made_in)
-        self.last_key = key
         kwargs["num_steps"] = remaining_steps(self._num_steps, state)
-        logger.info("Resuming from the commit at step %d of the call (cursor %d)", key[1],
+        logger.info("Resuming from the commit at step %d of the call (cursor %d)", key[-1],
                     state[_state.CURSOR]["consumed"])
         return state
 
@@ -122,7 +123,7 @@ class CommitPolicy:
         if not self.active:
             return None
         key = self._store.latest_key(self._call)
-        if key is None or (self.last_key is not None and tuple(key) <= tuple(self.last_key)):
+        if key is None or key[1] != self._attempt:  # keys are (call, attempt, step)
             return None
         return self._call, self._attempt
 

@@ -60,9 +60,16 @@ class CommitPlan:
         call_id, attempt: identify the call and the attempt within it (keys and merging of metrics).
     """
 
-    def __init__(self, sink, every_n, interval_s, call_id, attempt=0):
+    def __init__(self, sink, every_n, interval_s, call_id, attempt=0, run_id=""):
         self.sink, self.every_n, self.interval_s = sink, every_n, interval_s
         self.call_id, self.attempt = call_id, attempt
+        self.call_tag = f"{run_id}/{call_id}"  # which trainer's which call a commit's cursor belongs to
+
+    def continues(self, cursor):
+        """Whether a loaded commit's ``cursor`` was taken in this very call (a retry or a resize inside it), so
+        its ``call_steps`` go on; a commit of another call or trainer (``load_state_dict``, a durable resume)
+        starts the call's step count at 0."""
+        return cursor is not None and cursor.get("call") == self.call_tag
 
 
 def _cursor_of(loader, batches_taken):
@@ -138,7 +145,8 @@ class Committer:
     # ----------------------------------------------------------------- the wrapped batches
     def batches(self, worker, batches, plan, loader_of):
         """Yield ``batches``; between two of them count the step and commit when due (``plan`` may be None)."""
-        self.call_steps = self.resume["cursor"].get("call_steps", 0) if self.resume else 0
+        cursor = self.resume["cursor"] if self.resume else None
+        self.call_steps = cursor.get("call_steps", 0) if plan is not None and plan.continues(cursor) else 0
         preemption.set_active(plan is not None)  # a SIGTERM now commits at the next step (raysgd.torch.preemption)
         check_every = preemption.check_every()
         try:
@@ -206,11 +214,11 @@ class Committer:
         op = worker.operator
         record = {"rng": _state.rng_state(), "meters": op._partial_metrics(),
                   "cursor": {"epoch": worker.epochs, "consumed": int(consumed), "steps": self.epoch_steps,
-                             "call_steps": self.call_steps, "attempt": plan.attempt}}
+                             "call_steps": self.call_steps, "attempt": plan.attempt, "call": plan.call_tag}}
         if worker.world_rank == 0:
             record["state"] = _state.capture(op, worker.epochs, copy=True)
         self.flush()  # at most one commit in flight: a slow sink slows training rather than piling up
-        key = (plan.call_id, self.call_steps)
+        key = (plan.call_id, plan.attempt, self.call_steps)  # records of one attempt only complete a commit
         self._thread = threading.Thread(target=self._send, args=(plan.sink, key, worker.world_rank,
                                                                  worker.world_size, record, started), daemon=True)
         self._thread.start()
