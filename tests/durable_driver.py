@@ -41,7 +41,8 @@ def main():
              runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
     trainer = TorchTrainer(training_operator_cls=LinearOperator, num_workers=2, storage_path=args.storage,
                            logdir=args.logdir, timeout_s=60,
-                           config={"lr": 0.05, "momentum": 0.9, "shuffle": True, "batch_size": 8, "data_size": 64})
+                           config={"lr": 0.05, "momentum": 0.9, "shuffle": True, "batch_size": 8, "data_size": 64,
+                                   "input_dropout": 0.3})  # random draws every batch; validate() between
     while True:
         epoch = trainer.train()["epoch"]
         trainer.validate()

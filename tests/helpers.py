@@ -15,7 +15,14 @@ from raysgd.utils import BATCH_SIZE
 
 class LinearOperator(TrainingOperator):
     """Linear regression on LinearDataset(2, 5); config: lr, momentum, batch_size or BATCH_SIZE, data_size,
-    val_size, compile (registered as ``torch.compile(model, **config["compile"])``)."""
+    val_size, compile (registered as ``torch.compile(model, **config["compile"])``), input_dropout (dropout on
+    the inputs in training: every batch draws from each rank's own torch stream, as a model's dropout does)."""
+
+    def train_batch(self, batch, batch_info):
+        if self.config.get("input_dropout"):
+            features, target = batch
+            batch = (nn.functional.dropout(features, self.config["input_dropout"]), target)
+        return super().train_batch(batch, batch_info)
 
     def setup(self, config):
         torch.manual_seed(config.get("seed", 0))

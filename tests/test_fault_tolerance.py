@@ -92,10 +92,13 @@ def _final_state(trainer, inject_at_epoch=None, marker=None):
 
 
 def test_recovered_state_is_bit_identical_to_a_fault_free_run(trainers, tmp_path):
-    clean = trainers(config=CONFIG, initialization_hook=seeding_hook)
+    # Input dropout draws from every rank's torch stream: the retry (from the call-start snapshot, no commit yet)
+    # must put each rank's stream back, the replacement's and the survivor's.
+    config = dict(CONFIG, input_dropout=0.3)
+    clean = trainers(config=config, initialization_hook=seeding_hook)
     expected = _final_state(clean)
     clean.shutdown()
-    recovered = trainers(config=CONFIG, initialization_hook=seeding_hook)
+    recovered = trainers(config=config, initialization_hook=seeding_hook)
     got = _final_state(recovered, inject_at_epoch=1, marker=str(tmp_path / "fault"))
     assert recovered.num_failures == 1 and (tmp_path / "fault").exists()
     assert got["epoch"] == expected["epoch"] == 2

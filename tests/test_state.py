@@ -162,3 +162,18 @@ def test_the_commit_store_completes_a_commit_from_one_attempt_only():
     store.put((1, 0, 20), 1, 2, b"late")  # a late record of the old attempt completes nothing newer
     store.put((1, 0, 20), 0, 2, b"late")
     assert store.latest_key(1) == (1, 1, 15)
+
+
+def test_states_compare_with_equals_and_older_tensor_random_states_still_load(worker):
+    """1.x's tests compare two trainer states with ``==`` (a Linear(1, 1) model's tensors compare as booleans);
+    the random streams are bytes and lists, so they do too. States written with tensor streams still load."""
+    first = checkpoint.state_from_bytes(checkpoint.state_to_bytes(worker.state_dict()))
+    assert first == checkpoint.state_from_bytes(checkpoint.state_to_bytes(worker.state_dict()))
+    streams = state.rng_state()
+    expected = (torch.rand(2), np.random.rand(2))
+    older = dict(streams, torch=torch.frombuffer(bytearray(streams["torch"]), dtype=torch.uint8),
+                 numpy=[streams["numpy"][0], torch.tensor(streams["numpy"][1], dtype=torch.int64),
+                        *streams["numpy"][2:]])
+    state.set_rng_state(older)
+    got = (torch.rand(2), np.random.rand(2))
+    assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])

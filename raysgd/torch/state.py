@@ -5,7 +5,7 @@ through :func:`capture` and :func:`restore`. The operator owns what is its own a
 through ``TrainingOperator._state_parts()``; nobody else reads its private attributes.
 
 The state is a dict that ``torch.load(weights_only=True)`` accepts (tensors, numbers, strings, lists,
-dicts; random states converted to tensors and lists)::
+dicts; random states as bytes and lists, so two states compare with ``==`` where their tensors do)::
 
     {"epoch", "global_step", "operator", "models", "optimizers"[, "schedulers"][, "amp_*"],
      "rng": [one dict per rank],                  # optional: torch CPU/CUDA, numpy, Python random
@@ -60,36 +60,71 @@ def host_copy(value):
 
 
 # ----------------------------------------------------------------- random streams
+def _as_bytes(tensor):
+    return bytes(tensor.cpu().numpy())
+
+
+def _as_tensor(value):
+    """A generator state as the uint8 tensor torch wants: from bytes (this format) or a tensor (older states)."""
+    return torch.frombuffer(bytearray(value), dtype=torch.uint8) if isinstance(value, bytes) else value.cpu()
+
+
 def rng_state():
-    """Every random stream of this process as weights_only-safe values: torch CPU and CUDA, numpy, Python."""
+    """Every random stream of this process as plain weights_only-safe values that compare with ``==``: torch CPU
+    and CUDA (bytes), numpy and Python (lists of ints)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss_next = random.getstate()
     state = {
-        "torch": torch.get_rng_state(),
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": _as_bytes(torch.get_rng_state()),
+        "numpy": [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
         "python": [version, list(internal), gauss_next],
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [_as_bytes(t) for t in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state):
-    """Restore what :func:`rng_state` returned (streams it lacks are left alone)."""
+    """Restore what :func:`rng_state` returned, also in the older tensor form (streams it lacks are left alone)."""
     if not state:
         return
     if "torch" in state:
-        torch.set_rng_state(state["torch"].cpu())
+        torch.set_rng_state(_as_tensor(state["torch"]))
     if "numpy" in state:
         kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, cached))
+        keys = keys.cpu().numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+        np.random.set_state((kind, keys.astype(np.uint32), pos, has_gauss, cached))
     if "python" in state:
         version, internal, gauss_next = state["python"]
         random.setstate((version, tuple(internal), gauss_next))
     if "cuda" in state and torch.cuda.is_available():
         states = state["cuda"]
         for index in range(min(len(states), torch.cuda.device_count())):
-            torch.cuda.set_rng_state(states[index].cpu(), index)
+            torch.cuda.set_rng_state(_as_tensor(states[index]), index)
+
+
+class preserved_rng:  # noqa: N801 (used as a context manager, like torch.random.fork_rng)
+    """Leave every random stream of this process as it was on entry (e.g. around validation, whose data loader
+    draws a seed from torch's stream, so that validating never changes what training draws next).
+
+    Example:
+        >>> import torch
+        >>> before = rng_state()
+        >>> a = torch.rand(1)
+        >>> set_rng_state(before)
+        >>> with preserved_rng():
+        ...     _ = torch.rand(5)  # drawn, then the stream is put back
+        >>> bool(torch.rand(1) == a)
+        True
+    """
+
+    def __enter__(self):
+        self._saved = rng_state()
+        return self
+
+    def __exit__(self, *exc):
+        set_rng_state(self._saved)
+        return False
 
 
 # ----------------------------------------------------------------- build and restore

@@ -208,9 +208,12 @@ class TorchTrainer:
             self._resize_worker_group(self._snapshot)
 
     def _take_snapshot(self):
-        """Rank 0's current state bytes (any live rank's if rank 0 is gone: DDP replicas hold the same state)."""
+        """Rank 0's current state bytes (any live rank's if rank 0 is gone: DDP replicas hold the same state), with
+        every rank's random streams, so a retry from it puts each rank's streams back (dropout draws the same)."""
         if self._snapshot is None or self._snapshot_stale:
-            self._snapshot = self.worker_group.first_answer("state_stream", deadline_s=self.timeout_s)
+            rngs = self.worker_group.answers("rng_state", deadline_s=self.timeout_s) \
+                if self.worker_group.num_workers > 1 else None
+            self._snapshot = self.worker_group.first_answer("state_stream", rngs, deadline_s=self.timeout_s)
             self._snapshot_stale = False
         return self._snapshot
 

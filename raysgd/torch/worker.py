@@ -273,7 +273,7 @@ class TorchWorker:
         """Validate on ``num_steps`` batches (default: the rest of the validation set); returns metrics."""
         self._begin(profile)
         self.operator._get_validation_loader()  # a clear error before anything else
-        with self.timers.record("validation"), self._val_iter.fresh_after_error(), \
+        with self.timers.record("validation"), self._val_iter.fresh_after_error(), _state.preserved_rng(), \
                 evaluation.quiet_forward(evaluation.ddp_modules(self.operator)):  # no collective per batch
             stats = self.operator.validate(self._val_iter.take(num_steps), dict(info or {}))
         if profile:
@@ -281,9 +281,12 @@ class TorchWorker:
         return stats
 
     # ----------------------------------------------------------------- state
-    def state_dict(self):
-        """This worker's state (see :mod:`raysgd.torch.state`), with its own random streams as ``rng[0]``."""
-        state = {**_state.capture(self.operator, self.epochs), _state.RNG: [_state.rng_state()]}
+    def state_dict(self, rngs=None):
+        """This worker's state (see :mod:`raysgd.torch.state`) with the random streams of every rank: ``rngs``
+        (``{rank: rng_state}`` the driver gathered) in rank order, this rank's own in its place."""
+        streams = {**(rngs or {}), self.world_rank: _state.rng_state()}
+        ordered = [streams.get(rank) for rank in range(max(streams) + 1)]
+        state = {**_state.capture(self.operator, self.epochs), _state.RNG: ordered}
         if self._train_iter.mid_epoch:  # train(num_steps=...) stopped inside an epoch: say where
             cursor = self.committer.cursor_now(self.epochs, self.operator._train_loader)
             if cursor is not None:
@@ -303,9 +306,13 @@ class TorchWorker:
         self._train_iter.reset()
         self._val_iter.reset()
 
-    def state_stream(self):
+    def state_stream(self, rngs=None):
         """:meth:`state_dict` as ``torch.save`` bytes."""
-        return checkpoint.state_to_bytes(self.state_dict())
+        return checkpoint.state_to_bytes(self.state_dict(rngs))
+
+    def rng_state(self):
+        """This process's random streams (see :func:`raysgd.torch.state.rng_state`)."""
+        return _state.rng_state()
 
     def load_state_stream(self, stream):
         """Load :meth:`state_stream` bytes onto this worker's own device."""

@@ -13,7 +13,7 @@ import logging
 import time
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from raysgd.torch import cluster_state, constants, diagnostics, reform
 from raysgd.torch.errors import CollectiveError, WorkerFailure
@@ -178,19 +178,19 @@ class WorkerGroup:
         self._drain_submitted()
         lost = {}
         for handle in self._handles:
-            call = handle.call(method, *args, **kwargs)
-            if isinstance(call, LocalCall) and not call.wait(deadline_s):
-                lost[handle.rank] = GetTimeoutError(f"rank 0 did not answer within {deadline_s} s")
-                continue
-            if isinstance(call, (_Done, LocalCall)):
-                if call.error is not None:
-                    raise call.error
-                return call.value
-            try:
-                return ray.get(call, timeout=deadline_s)
-            except (RayActorError, GetTimeoutError) as err:
-                lost[handle.rank] = err
+            value, error = handle.answer(handle.call(method, *args, **kwargs), deadline_s)
+            if error is None:
+                return value
+            lost[handle.rank] = error
         raise WorkerFailure(f"no worker answered {method}", {r: _describe(e) for r, e in lost.items()})
+
+    def answers(self, method, *args, deadline_s=None, **kwargs):
+        """``{rank: result}`` of ``method`` from every rank that answers (sent to all at once); like
+        :meth:`first_answer`, dead or silent ranks are left out, not torn down."""
+        self._drain_submitted()
+        calls = [(handle, handle.call(method, *args, **kwargs)) for handle in self._handles]
+        found = {handle.rank: handle.answer(call, deadline_s) for handle, call in calls}
+        return {rank: value for rank, (value, error) in found.items() if error is None}
 
     def _ordered(self):
         if self.broken:

@@ -15,9 +15,11 @@ import os
 import threading
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raysgd.torch import constants, diagnostics
+from raysgd.torch.local_runner import LocalCall
 from raysgd.torch.worker import TorchWorker
 
 _RemoteWorker = None
@@ -61,6 +63,20 @@ class Handle:
             run = lambda: getattr(self.local, method)(*args, **kwargs)  # noqa: E731
             return self.runner.submit(run) if self.runner is not None else _Done(run)
         return getattr(self.actor, method).remote(*args, **kwargs)
+
+    def answer(self, call, deadline_s):
+        """``(value, None)`` of a ``call`` of this worker, or ``(None, error)`` when it is dead or silent past
+        ``deadline_s``; an error raised by the method itself (user code) is raised here."""
+        if isinstance(call, LocalCall) and not call.wait(deadline_s):
+            return None, GetTimeoutError(f"rank {self.rank} did not answer within {deadline_s} s")
+        if isinstance(call, (_Done, LocalCall)):
+            if call.error is not None:
+                raise call.error
+            return call.value, None
+        try:
+            return ray.get(call, timeout=deadline_s), None
+        except (RayActorError, GetTimeoutError) as err:
+            return None, err
 
     def control(self, method, *args):
         """Call ``method`` beside a running call: in the actor's ``"control"`` group, or at once for the local rank."""
