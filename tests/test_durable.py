@@ -1,6 +1,9 @@
 """Durable runs on a real cluster: automatic checkpoints in storage_path, resume, fallback, S3, Tune's format."""
 import logging
 import os
+import shutil
+import threading
+import time
 
 import pytest
 import torch
@@ -8,6 +11,7 @@ import torch
 from conftest import assert_released
 from helpers import LinearOperator
 from raysgd.torch import storage
+from raysgd.torch.errors import CheckpointError
 from raysgd.torch.results import read_results
 from s3_server import moto_s3
 
@@ -111,3 +115,47 @@ def test_tune_checkpoint_has_the_storage_format(ray_2cpus, trainer_factory, tmp_
         handle.truncate(100)
     with pytest.raises(storage.DamagedCheckpoint, match="damaged"):
         trainable.load_checkpoint(str(tmp_path))
+
+
+def test_shutdown_raises_a_failed_upload_and_load_takes_a_checkpoint_directory(ray_2cpus, trainer_factory,
+                                                                                  tmp_path):
+    run = tmp_path / "run"
+    trainer = trainer_factory(training_operator_cls=LinearOperator, config=CONFIG, storage_path=str(run),
+                              use_local=True)
+    trainer.train()
+    trainer._durable.flush(timeout_s=60)
+    stored = storage.CheckpointStorage(str(run), 2).list()[-1][1]
+    expected = weights(trainer)
+    trainer.load(stored)  # a checkpoint directory (it used to say that the directory "does not exist")
+    assert_same(weights(trainer), expected)
+    with pytest.raises(CheckpointError, match="is a directory without checkpoint.json"):
+        trainer.load(str(tmp_path))
+    for entry in run.iterdir():  # the storage is gone under the run: a file where its folder was
+        shutil.rmtree(entry)
+    run.rmdir()
+    run.write_text("not a folder")
+    trainer.train()  # its checkpoint upload fails on the writer thread
+    with pytest.raises(CheckpointError, match="asynchronous checkpoint write failed") as info:
+        trainer.shutdown()  # it used to log a warning and return
+    causes, error = [], info.value
+    while error is not None:
+        causes.append(error)
+        error = error.__cause__
+    assert any(isinstance(cause, NotADirectoryError) for cause in causes), causes  # the storage's own error
+    assert_released()
+
+
+def test_closing_a_durable_run_gives_up_on_a_stuck_upload_at_its_deadline(tmp_path, monkeypatch):
+    """A storage write that never returns (a hung network mount, which cannot be made here: a blocked write
+    stands in for it) ends ``close()`` with a TimeoutError naming the checkpoint, after SGD_CHECKPOINT_FLUSH_S."""
+    from raysgd.torch import durable
+
+    run, release = durable.open_run(str(tmp_path / "run")), threading.Event()
+    run.storage.write = lambda stream, meta: release.wait(60)
+    run.submit(b"state", epoch=3)
+    monkeypatch.setenv("SGD_CHECKPOINT_FLUSH_S", "0.5")
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="checkpoint of epoch 3"):
+        run.close()
+    assert time.monotonic() - start < 10
+    release.set()

@@ -87,6 +87,9 @@ def load_state(path, weights_only=True):
     whose operator state needs arbitrary pickled objects.
     """
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise CheckpointError(f"checkpoint file {path!r} is a directory: pass the file save() wrote (a checkpoint "
+                              f"directory of storage_path or Tune loads with TorchTrainer.load)")
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path!r} does not exist")
     return read_state(path, f"checkpoint {path!r}", weights_only=weights_only,

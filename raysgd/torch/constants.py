@@ -49,3 +49,5 @@ SGD_MAX_RESTART_TRIES = int(_env_float("SGD_MAX_RESTART_TRIES", 10))
 SGD_BACKOFF_CAP_S = _env_float("SGD_BACKOFF_CAP_S", 60)
 #: Seconds of training between two commits inside an epoch (``TorchTrainer(commit_every_n_steps=None)``).
 SGD_COMMIT_INTERVAL_S = _env_float("SGD_COMMIT_INTERVAL_S", 30)
+#: How long ``TorchTrainer.shutdown()`` waits for the last ``storage_path`` checkpoint to be stored.
+SGD_CHECKPOINT_FLUSH_S = _env_float("SGD_CHECKPOINT_FLUSH_S", 600)

@@ -23,7 +23,7 @@ Example:
 import logging
 import threading
 
-from raysgd.torch import async_writer, checkpoint, preemption
+from raysgd.torch import async_writer, checkpoint, constants, preemption
 
 logger = logging.getLogger(__name__)
 
@@ -166,5 +166,7 @@ class DurableRun:
         self._writer.flush(timeout_s)
 
     def close(self, timeout_s=None):
-        """Flush, then stop the writer thread."""
-        self._writer.close(timeout_s)
+        """Flush (waiting at most ``timeout_s``, default ``SGD_CHECKPOINT_FLUSH_S``), then stop the writer thread.
+        A write still running then raises ``TimeoutError`` naming it; a failed one its ``CheckpointError``."""
+        self._writer.close(constants._env_float("SGD_CHECKPOINT_FLUSH_S", constants.SGD_CHECKPOINT_FLUSH_S)
+                           if timeout_s is None else timeout_s)

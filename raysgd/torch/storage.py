@@ -117,6 +117,28 @@ def read_marker(filesystem, directory):
     return marker
 
 
+def read_path(path, weights_only=True):
+    """What ``TorchTrainer.load(path)`` loads: the state in a file :func:`raysgd.torch.checkpoint.save_state` wrote
+    (a dict), or the bytes of a checkpoint directory (``storage_path``'s ``checkpoint_000007/``, a Tune
+    checkpoint, or such a directory's URI), checked against its marker.
+
+    Example:
+        >>> read_path("/tmp")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        raysgd.torch.errors.CheckpointError: checkpoint path '/tmp' is a directory without checkpoint.json ...
+    """
+    text = os.fspath(path)
+    if "://" in text or os.path.isfile(os.path.join(text, MARKER_FILE)):
+        return read_checkpoint_dir(*resolve(text))[0]
+    if os.path.isdir(text):
+        if os.path.isfile(os.path.join(text, STATE_FILE)):  # a directory holding a file save() wrote
+            return checkpoint.load_state(os.path.join(text, STATE_FILE), weights_only=weights_only)
+        raise CheckpointError(f"checkpoint path {text!r} is a directory without {MARKER_FILE} or {STATE_FILE}: "
+                              f"pass the file save() wrote, or a checkpoint directory of storage_path or Tune")
+    return checkpoint.load_state(text, weights_only=weights_only)
+
+
 def read_checkpoint_dir(filesystem, directory):
     """``(stream, marker)`` of a complete checkpoint directory, checked against its marker and loaded safely."""
     marker = read_marker(filesystem, directory)

@@ -22,7 +22,7 @@ import types
 import ray
 
 from raysgd.torch import (accumulation, arguments, attempts, checkpoint, commits, constants, durable, elastic,
-                          progress, ray_data, recovery, results)
+                          progress, ray_data, recovery, results, storage)
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
@@ -97,22 +97,21 @@ class TorchTrainer:
             address = os.environ.get("RAY_ADDRESS", "local")
             logger.info("Ray is not initialized: starting it (address=%r)", address)
             ray.init(address=address)
-        if use_gpu and ray.cluster_resources().get("GPU", 0) < min(1, num_gpus_per_worker):
-            raise ValueError(f"TorchTrainer(use_gpu=True) needs GPUs, but the Ray cluster has none: "
-                             f"{ray.cluster_resources()}")
-        self.worker_group = WorkerGroup(self._worker_options, num_cpus_per_worker=num_cpus_per_worker,
-                                        num_gpus=num_gpus_per_worker if use_gpu else 0, use_local=use_local,
-                                        timeout_s=timeout_s, placement_strategy=placement_strategy)
         try:
+            if use_gpu and ray.cluster_resources().get("GPU", 0) < min(1, num_gpus_per_worker):
+                raise ValueError(f"TorchTrainer(use_gpu=True) needs GPUs, but the Ray cluster has none: "
+                                 f"{ray.cluster_resources()}")
+            self.worker_group = WorkerGroup(self._worker_options, num_cpus_per_worker=num_cpus_per_worker,
+                                            num_gpus=num_gpus_per_worker if use_gpu else 0, use_local=use_local,
+                                            timeout_s=timeout_s, placement_strategy=placement_strategy)
             elastic.start_first_group(self._start_workers, self.worker_group.how_many_fit, self.min_replicas,
                                       self.max_replicas, isinstance(num_workers, tuple),
                                       constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
             self._durable.resume(self.load_state_dict, timeout_s)  # from storage_path's newest checkpoint
-        except WorkerFailure as err:
-            self.worker_group.shutdown(force=True)
-            raise RuntimeError("Worker startup failed: a worker died while starting (see the cause).") from err
-        except BaseException:
-            self.worker_group.shutdown(force=True)
+        except BaseException as err:
+            self._close_quietly()  # the workers, and the threads of the result log and the durable run
+            if isinstance(err, WorkerFailure):
+                raise RuntimeError("Worker startup failed: a worker died while starting (see the cause).") from err
             raise
         self._commits.prepare()  # the store's process starts now, not when a failure needs it
 
@@ -357,16 +356,19 @@ class TorchTrainer:
         return checkpoint.save_state(self._durable.on_save(self.state_dict(), self._take_snapshot), checkpoint_path)
 
     def load(self, checkpoint_path, weights_only=True):
-        """Load a file written by :meth:`save` (``weights_only=False`` only for trusted files; see README)."""
-        self.load_state_dict(checkpoint.load_state(checkpoint_path, weights_only=weights_only))
+        """Load a file written by :meth:`save` (``weights_only=False`` only for trusted files; see README), or a
+        checkpoint directory of ``storage_path`` or Tune (a local path or a URI such as ``s3://bucket/run/...``)."""
+        self.load_state_dict(storage.read_path(checkpoint_path, weights_only=weights_only))
 
     def restore(self, *args):
         """Removed in 1.x: always raises ``DeprecationWarning`` pointing at :meth:`load`."""
         raise DeprecationWarning("TorchTrainer.restore() is deprecated: use TorchTrainer.load(checkpoint).")
 
     def shutdown(self, force=False):
-        """Stop the workers and release their resources; the trainer cannot be used afterwards."""
+        """Stop the workers and release their resources; the trainer cannot be used afterwards. Waits for the last
+        ``storage_path`` upload (at most ``SGD_CHECKPOINT_FLUSH_S``) and then raises its failure, if any."""
         group, self.worker_group = self.__dict__.get("worker_group"), _ShutDownGroup()
+        upload_error = None
         try:
             if isinstance(group, WorkerGroup):
                 group.shutdown(force=force)  # returns once Ray shows the resources free (bounded)
@@ -378,6 +380,15 @@ class TorchTrainer:
                         extra.close()
                 except Exception as err:  # noqa: BLE001 (close the others anyway)
                     logger.warning("Closing %s at shutdown failed: %s", name, err)
+                    upload_error = err if name == "_durable" else upload_error
+        if upload_error is not None:
+            raise upload_error
+
+    def _close_quietly(self):
+        try:  # after a failed start: the start's error is the one to raise
+            self.shutdown(force=True)
+        except Exception as err:  # noqa: BLE001
+            logger.warning("Closing the trainer after a failed start: %s", err)
 
     @classmethod
     def as_trainable(cls, *args, override_tune_step=None, **kwargs):
