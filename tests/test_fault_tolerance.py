@@ -175,3 +175,17 @@ def test_load_of_a_damaged_checkpoint_names_the_file(trainers, tmp_path):
     open(path, "wb").write(data[:100])
     with pytest.raises(CheckpointError, match="model.ckpt"):
         trainer.load(path)
+
+
+def test_every_worker_lost_between_calls_restarts_from_the_last_restart_point(trainers):
+    """Both workers die while the driver is between calls: the next call restarts them from the snapshot taken at
+    the start of the last call (it used to raise WorkerFailure at every call, for good)."""
+    trainer = trainers(config=dict(CONFIG, data_size=40))
+    trainer.train()
+    assert trainer.train()["epoch"] == 2  # the snapshot: the state at the start of this call (epoch 1)
+    for actor in trainer.worker_group.remote_workers:
+        ray.kill(actor)
+    stats = trainer.train()
+    assert trainer.num_failures == 1 and trainer.worker_group.num_workers == 2
+    assert stats["epoch"] == 2 and stats["num_samples"] == 40  # epoch 2 was lost with the workers: trained again
+    assert trainer.get_model() is not None and trainer.validate()["num_samples"] == 100

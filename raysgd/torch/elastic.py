@@ -19,7 +19,8 @@ import time
 
 import ray
 
-from raysgd.torch import constants, recovery
+from raysgd.torch import checkpoint, constants, recovery
+from raysgd.torch.errors import WorkerFailure
 
 logger = logging.getLogger(__name__)
 
@@ -111,3 +112,62 @@ class GrowWatch:
         logger.info("More workers fit: stopping at the next commit point to grow to %d", size)
         self._group.request_resize(*attempt)
         self.requested, self.size = True, size
+
+
+def _reform(trainer, state):
+    """Re-form the group from the last failure's survivors and load ``state``; the size, or None (restart all)."""
+    group = trainer.worker_group
+    try:
+        started = group.reform(trainer.training_operator_cls, trainer._worker_config, trainer.min_replicas,
+                               initialization_hook=trainer.initialization_hook)
+        if started:
+            group.run("load_state_stream", ray.put(state), deadline_s=trainer.timeout_s)
+        return started
+    except Exception as err:  # noqa: BLE001 (restarting every worker is the tried path)
+        logger.warning("Re-forming the group from its survivors failed (%s: %s); restarting every worker",
+                       type(err).__name__, err)
+        return None
+
+
+def restart_group(trainer, state, max_retries=None, target=None):
+    """Restart ``trainer``'s group loading ``state``: after a failure (no ``target``) re-formed from its survivors
+    when it can be, else torn down and started with as many workers as fit (up to ``target``, never below the
+    minimum; capped exponential backoff while none fit). ``state`` is a state dict or its bytes; it becomes the
+    trainer's snapshot. Returns the number of workers started."""
+    state = checkpoint.state_to_bytes(state) if isinstance(state, dict) else state
+    group = trainer.worker_group
+    started = _reform(trainer, state) if target is None else None  # a failure: survivors keep their processes
+    if started:
+        trainer._snapshot = state
+        logger.info("Worker group restarted with %d of %d workers (survivors kept their processes)", started,
+                    trainer.max_replicas)
+        return started
+    target = target or trainer.max_replicas
+    group.shutdown(force=True)
+
+    def try_start(n):
+        try:
+            for size in restart_sizes(n, trainer.min_replicas):  # the resource view can lag a lost node
+                try:
+                    trainer._start_workers(size, pg_timeout_s=min(constants.SGD_PLACEMENT_GROUP_TIMEOUT_S, 10))
+                    break
+                except TimeoutError:
+                    if size == trainer.min_replicas:
+                        raise
+            group.run("load_state_stream", ray.put(state), deadline_s=trainer.timeout_s)
+        except BaseException:
+            group.shutdown(force=True)
+            raise
+        return size
+
+    def retry_cleanup_fit():
+        group.shutdown(force=True)
+        fit = group.how_many_fit(target, settle_s=2.0)
+        return fit if fit >= trainer.min_replicas else 0  # never below the minimum: wait (backoff)
+
+    started = recovery.restart_with_backoff(
+        try_start, retry_cleanup_fit, tries=max_retries or constants.SGD_MAX_RESTART_TRIES,
+        cap_s=constants.SGD_BACKOFF_CAP_S, retryable=(WorkerFailure, TimeoutError))
+    trainer._snapshot = state
+    logger.info("Worker group restarted with %d of %d workers", started, trainer.max_replicas)
+    return started

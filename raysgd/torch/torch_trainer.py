@@ -22,7 +22,7 @@ import types
 import ray
 
 from raysgd.torch import (accumulation, arguments, attempts, checkpoint, commits, constants, durable, elastic,
-                          progress, ray_data, recovery, results, storage)
+                          progress, ray_data, results, storage)
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
@@ -140,62 +140,10 @@ class TorchTrainer:
         return self.worker_group.start(num_workers, self.training_operator_cls, self._worker_config(num_workers),
                                        pg_timeout_s, initialization_hook=self.initialization_hook)
 
-    def _reform(self, state):
-        """Re-form the group from the last failure's survivors and load ``state``; the size, or None (restart all)."""
-        try:
-            started = self.worker_group.reform(self.training_operator_cls, self._worker_config, self.min_replicas,
-                                               initialization_hook=self.initialization_hook)
-            if started:
-                self.worker_group.run("load_state_stream", ray.put(state), deadline_s=self.timeout_s)
-            return started
-        except Exception as err:  # noqa: BLE001 (restarting every worker is the tried path)
-            logger.warning("Re-forming the group from its survivors failed (%s: %s); restarting every worker",
-                           type(err).__name__, err)
-            return None
-
     def _resize_worker_group(self, state, max_retries=None, target=None):
-        """Restart the group loading ``state``: after a failure (no ``target``) re-formed from its survivors when
-        it can be, else torn down and started with as many workers as fit (up to ``target``).
-
-        ``state`` is a trainer state dict or its bytes. Returns the number of workers started.
-        """
-        if isinstance(state, dict):
-            state = checkpoint.state_to_bytes(state)
-        started = self._reform(state) if target is None else None  # a failure: survivors keep their processes
-        if started:
-            self._last_resize, self._snapshot = time.monotonic(), state
-            logger.info("Worker group restarted with %d of %d workers (survivors kept their processes)", started,
-                        self.max_replicas)
-            return started
-        target = target or self.max_replicas
-        self.worker_group.shutdown(force=True)
-
-        def try_start(n):
-            try:
-                for size in elastic.restart_sizes(n, self.min_replicas):  # the resource view can lag a lost node
-                    try:
-                        self._start_workers(size, pg_timeout_s=min(constants.SGD_PLACEMENT_GROUP_TIMEOUT_S, 10))
-                        break
-                    except TimeoutError:
-                        if size == self.min_replicas:
-                            raise
-                self.worker_group.run("load_state_stream", ray.put(state), deadline_s=self.timeout_s)
-            except BaseException:
-                self.worker_group.shutdown(force=True)
-                raise
-            return size
-
-        def retry_cleanup_fit():
-            self.worker_group.shutdown(force=True)
-            fit = self.worker_group.how_many_fit(target, settle_s=2.0)
-            return fit if fit >= self.min_replicas else 0  # never below the minimum: wait (backoff)
-
-        started = recovery.restart_with_backoff(
-            try_start, retry_cleanup_fit, tries=max_retries or constants.SGD_MAX_RESTART_TRIES,
-            cap_s=constants.SGD_BACKOFF_CAP_S, retryable=(WorkerFailure, TimeoutError))
+        """Restart the group loading ``state`` (see :func:`raysgd.torch.elastic.restart_group`); returns its size."""
+        started = elastic.restart_group(self, state, max_retries=max_retries, target=target)
         self._last_resize = time.monotonic()
-        self._snapshot = state
-        logger.info("Worker group restarted with %d of %d workers", started, self.max_replicas)
         return started
 
     def _ensure_workers(self):
@@ -206,13 +154,27 @@ class TorchTrainer:
                 raise RuntimeError("The workers were lost and no state snapshot exists to restart them from.")
             self._resize_worker_group(self._snapshot)
 
+    def _first_answer(self, method, *args):
+        """``first_answer`` of the group; when every worker was lost between calls, they restart from the last
+        restart point (what they trained since is lost: logged, counted as a failure) and are asked again."""
+        try:
+            return self.worker_group.first_answer(method, *args, deadline_s=self.timeout_s)
+        except WorkerFailure as failure:
+            if not self.worker_group.broken or self._snapshot is None:
+                raise
+            self._num_failures += 1
+            logger.warning("Every worker was lost between calls (%s); restarting them from the state at the start "
+                           "of the last call: what they trained since is lost", failure)
+            self._ensure_workers()
+            return self.worker_group.first_answer(method, *args, deadline_s=self.timeout_s)
+
     def _take_snapshot(self):
         """Rank 0's current state bytes (any live rank's if rank 0 is gone: DDP replicas hold the same state), with
         every rank's random streams, so a retry from it puts each rank's streams back (dropout draws the same)."""
         if self._snapshot is None or self._snapshot_stale:
             rngs = self.worker_group.answers("rng_state", deadline_s=self.timeout_s) \
                 if self.worker_group.num_workers > 1 else None
-            self._snapshot = self.worker_group.first_answer("state_stream", rngs, deadline_s=self.timeout_s)
+            self._snapshot = self._first_answer("state_stream", rngs)
             self._snapshot_stale = False
         return self._snapshot
 
@@ -302,7 +264,7 @@ class TorchTrainer:
         With ``to_cpu=True`` they are CPU copies; the workers' own models never move.
         """
         self._ensure_workers()
-        models = self.worker_group.first_answer("get_models", to_cpu, deadline_s=self.timeout_s)
+        models = self._first_answer("get_models", to_cpu)
         return models[0] if len(models) == 1 else models
 
     def stack_traces(self, timeout_s=5.0):

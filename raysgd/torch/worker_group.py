@@ -182,6 +182,7 @@ class WorkerGroup:
             if error is None:
                 return value
             lost[handle.rank] = error
+        self.broken = True  # every rank is gone: the next call restarts the group
         raise WorkerFailure(f"no worker answered {method}", {r: _describe(e) for r, e in lost.items()})
 
     def answers(self, method, *args, deadline_s=None, **kwargs):
