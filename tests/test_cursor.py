@@ -113,6 +113,17 @@ def test_exact_shards_are_unpadded():
         assert max(map(len, read)) - min(map(len, read)) <= 1
 
 
+def test_exact_shards_with_drop_last_keep_one_processs_full_batches():
+    for total, world_size, start, batch_size in itertools.product(range(0, 14), range(1, 5), range(0, 4), range(1, 5)):
+        if start > total:
+            continue
+        read = [list(shard_positions(total, start, r, world_size, batch_size=batch_size, drop_last=True))
+                for r in range(world_size)]
+        kept = start + (total - start) // batch_size * batch_size  # one process drops only its partial batch
+        assert sorted(itertools.chain(*read)) == list(range(start, kept)), (total, world_size, start, batch_size)
+        assert max(map(len, read)) - min(map(len, read)) <= 1
+
+
 def test_a_cursor_reshards_what_is_left_over_a_new_world_size():
     base = SubsetRandomSampler(list(range(100, 157)))  # 57 indices
     stream = draw_stream(base, 11, 4)

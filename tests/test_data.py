@@ -1,5 +1,6 @@
 """Rebuilding DataLoaders with a shard of their own sampler (raysgd.torch.data), and batches moved to a device."""
 import collections
+import itertools
 import multiprocessing
 
 import numpy as np
@@ -110,6 +111,18 @@ def test_what_is_not_sharded_passes_through():
     assert own.sampler.epoch == 4
     no_batching = data.shard_loader(DataLoader(DATASET, batch_size=None), 1, 2, training=False)
     assert [int(x[0]) for x in no_batching][:3] == [1, 3, 5]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_validation_drop_last_drops_one_processs_partial_batch(shuffle):
+    loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=4, drop_last=True, shuffle=shuffle)
+    kept = sorted(draw_stream(loader.sampler, 0, 0)[:8])  # what one process validates
+    for world_size in (1, 2, 3, 4):
+        shards = [data.shard_loader(loader, r, world_size, training=False) for r in range(world_size)]
+        assert sorted(itertools.chain(*map(indices, shards))) == kept, world_size
+        assert not any(shard.drop_last for shard in shards)
+    training = [data.shard_loader(loader, r, 3, training=True) for r in range(3)]  # lockstep: unchanged
+    assert [len(indices(shard)) for shard in training] == [0, 0, 0] and training[0].drop_last
 
 
 Pair = collections.namedtuple("Pair", "features target")

@@ -26,7 +26,9 @@ because DDP steps together). Let ``R`` be the positions left and ``t = R mod (W 
   the only case where exactly-once does not hold, and no fixed batch size can avoid it.
 
 Validation (``lockstep=False``) is exact: ``start + r, start + r + W, ...`` up to the end, unpadded,
-so ranks may differ by one item (and by one batch).
+so ranks may differ by one item (and by one batch). With ``drop_last`` the end is where one process
+stops: after the last full batch, ``start + (R // b) * b`` (each rank's loader then keeps its partial
+batch), so N ranks validate exactly what one process validates.
 
 Example:
     >>> list(shard_positions(10, 0, rank=1, world_size=3))
@@ -136,8 +138,9 @@ def draw_stream(base, seed, epoch):
 def shard_positions(total, start, rank, world_size, *, batch_size=1, drop_last=False, lockstep=False):
     """The stream positions rank ``rank`` of ``world_size`` reads, from cursor ``start`` of ``total``.
 
-    ``lockstep=False`` (validation): exact, unpadded. ``lockstep=True`` (training): every rank gets the
-    same number of batches of ``batch_size``; see the module docstring for how the tail is dealt.
+    ``lockstep=False`` (validation): exact, unpadded (``drop_last``: up to one process's last full batch).
+    ``lockstep=True`` (training): every rank gets the same number of batches of ``batch_size``; see the
+    module docstring for how the tail is dealt.
 
     Example:
         >>> [list(shard_positions(5, 0, r, 2, batch_size=1, lockstep=True)) for r in (0, 1)]
@@ -146,11 +149,13 @@ def shard_positions(total, start, rank, world_size, *, batch_size=1, drop_last=F
         [[0, 2, 4, 6], [1, 3, 5]]
         >>> [list(shard_positions(10, 1, r, 2, batch_size=2, drop_last=True, lockstep=True)) for r in (0, 1)]
         [[1, 3, 5, 7], [2, 4, 6, 8]]
+        >>> [list(shard_positions(10, 0, r, 3, batch_size=4, drop_last=True)) for r in (0, 1, 2)]
+        [[0, 3, 6], [1, 4, 7], [2, 5]]
     """
     _check_shard_args(total, start, rank, world_size, batch_size)
-    if not lockstep:
-        return range(start + rank, total, world_size)
     left = total - start
+    if not lockstep:  # exact; drop_last ends where one process would (after its last full batch)
+        return range(start + rank, start + left // batch_size * batch_size if drop_last else total, world_size)
     per_round = world_size * batch_size
     if drop_last:
         return range(start + rank, start + (left // per_round) * per_round, world_size)

@@ -6,7 +6,7 @@ A map-style ``DataLoader`` is rebuilt with every setting it had, its sampler (or
 ``batch_sampler``) wrapped in a :class:`~raysgd.torch.cursor.ShardSampler`: each rank reads every
 ``world_size``-th position of the sampler's stream for the epoch, so a ``SubsetRandomSampler`` over
 the training indices stays exactly those indices. Training shards keep DDP in lockstep; validation
-shards are exact.
+shards are exact (``drop_last`` drops one process's partial batch, not each rank's).
 
 Example:
     >>> import torch
@@ -78,8 +78,9 @@ def shard_loader(loader, rank, world_size, training, seed=None):
     # batch_size=None turns automatic batching off: each index is a batch.
     shard = ShardSampler(loader.sampler, rank, world_size, seed=seed, batch_size=loader.batch_size or 1,
                          drop_last=loader.drop_last, lockstep=training)
-    return DataLoader(loader.dataset, sampler=shard, batch_size=loader.batch_size, drop_last=loader.drop_last,
-                      shuffle=False, **kwargs)
+    # Validation drops one process's partial batch in the shard (exact); a rank's own partial batch is kept.
+    return DataLoader(loader.dataset, sampler=shard, batch_size=loader.batch_size,
+                      drop_last=loader.drop_last and training, shuffle=False, **kwargs)
 
 
 def shard_sampler(loader):
