@@ -49,3 +49,6 @@ SGD_MAX_RESTART_TRIES = int(_env_float("SGD_MAX_RESTART_TRIES", 10))
 SGD_BACKOFF_CAP_S = _env_float("SGD_BACKOFF_CAP_S", 60)
 #: Seconds of training between two commits inside an epoch (``TorchTrainer(commit_every_n_steps=None)``).
 SGD_COMMIT_INTERVAL_S = _env_float("SGD_COMMIT_INTERVAL_S", 30)
+#: The longest epoch stream (sampler positions) drawn whole for the data cursor; a longer sampler, or one with
+#: no length whose stream does not end, is sharded lazily without a cursor (``raysgd.torch.data.shard_loader``).
+SGD_MAX_CURSOR_POSITIONS = int(_env_float("SGD_MAX_CURSOR_POSITIONS", 2**24))
