@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import (BatchSampler, RandomSampler, Sampler, SequentialSampler, SubsetRandomSampler,
                               WeightedRandomSampler)
 
+from raysgd.torch import cursor
 from raysgd.torch.cursor import ShardSampler, draw_stream, epoch_seed, shard_positions
 
 
@@ -111,6 +112,43 @@ def test_exact_shards_are_unpadded():
         read = [list(shard_positions(total, start, r, world_size)) for r in range(world_size)]
         assert sorted(itertools.chain(*read)) == list(range(start, total))
         assert max(map(len, read)) - min(map(len, read)) <= 1
+
+
+def test_exact_shards_with_drop_last_keep_one_processs_full_batches():
+    for total, world_size, start, batch_size in itertools.product(range(0, 14), range(1, 5), range(0, 4), range(1, 5)):
+        if start > total:
+            continue
+        read = [list(shard_positions(total, start, r, world_size, batch_size=batch_size, drop_last=True))
+                for r in range(world_size)]
+        kept = start + (total - start) // batch_size * batch_size  # one process drops only its partial batch
+        assert sorted(itertools.chain(*read)) == list(range(start, kept)), (total, world_size, start, batch_size)
+        assert max(map(len, read)) - min(map(len, read)) <= 1
+
+
+class Endless(Sampler):
+    def __iter__(self):
+        return itertools.count()
+
+
+def test_a_stream_longer_than_the_limit_is_refused_not_drawn_forever():
+    with pytest.raises(ValueError, match="more than 100 positions"):
+        draw_stream(Endless(), 0, 0, limit=100)
+    assert draw_stream(SequentialSampler(range(100)), 0, 0, limit=100) == list(range(100))
+
+
+def test_lazy_shards_of_a_sized_stream_read_what_exact_shards_read():
+    for total, world_size, batch_size in itertools.product(range(0, 14), range(1, 5), range(1, 4)):
+        for drop_last, lockstep in itertools.product((False, True), repeat=2):
+            base = SubsetRandomSampler(list(range(total)))
+            kwargs = {"seed": 5, "batch_size": batch_size, "drop_last": drop_last, "lockstep": lockstep}
+            exact = [list(shard) for shard in shards(base, world_size, **kwargs)]
+            lazy = [cursor.StreamShardSampler(base, r, world_size, **kwargs) for r in range(world_size)]
+            assert [list(shard) for shard in lazy] == exact, (total, world_size, batch_size, drop_last, lockstep)
+            assert [len(shard) for shard in lazy] == [len(r) for r in exact]
+    endless = [cursor.StreamShardSampler(Endless(), r, 3, lockstep=True) for r in range(3)]
+    assert [list(itertools.islice(shard, 4)) for shard in endless] == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
+    with pytest.raises(TypeError, match="no length"):
+        len(endless[0])
 
 
 def test_a_cursor_reshards_what_is_left_over_a_new_world_size():

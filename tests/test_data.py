@@ -1,11 +1,12 @@
 """Rebuilding DataLoaders with a shard of their own sampler (raysgd.torch.data), and batches moved to a device."""
 import collections
+import itertools
 import multiprocessing
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler,
+from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler,
                               SubsetRandomSampler, TensorDataset)
 
 from raysgd.torch import data
@@ -110,6 +111,87 @@ def test_what_is_not_sharded_passes_through():
     assert own.sampler.epoch == 4
     no_batching = data.shard_loader(DataLoader(DATASET, batch_size=None), 1, 2, training=False)
     assert [int(x[0]) for x in no_batching][:3] == [1, 3, 5]
+
+
+DRAW_LIMIT = 50_000  # far more than a few batches, and than the probe of a sampler with no length
+
+
+class Endless(Sampler):
+    """Endless indices from its own generator and no length, like detectron2's TrainingSampler.
+
+    It fails the test (instead of hanging it) once drawn ``DRAW_LIMIT`` deep: the stream is being materialised.
+    """
+
+    def __init__(self, size):
+        self.size = size
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(0)
+        for drawn in itertools.count(1):
+            if drawn > DRAW_LIMIT:
+                raise RuntimeError(f"Endless was drawn {DRAW_LIMIT} indices deep for a few batches")
+            yield int(torch.randint(self.size, (1,), generator=generator))
+
+
+class HugeRandom(RandomSampler):
+    """``RandomSampler(replacement=True, num_samples=10**9)``, failing the test once drawn ``DRAW_LIMIT`` deep."""
+
+    def __init__(self, dataset):
+        super().__init__(dataset, replacement=True, num_samples=10**9)
+
+    def __iter__(self):
+        for drawn, index in enumerate(super().__iter__(), 1):
+            if drawn > DRAW_LIMIT:
+                raise RuntimeError(f"HugeRandom was drawn {DRAW_LIMIT} indices deep for a few batches")
+            yield index
+
+
+class FiniteNoLength(Sampler):
+    """A finite user sampler with no ``__len__``: it keeps the data cursor."""
+
+    def __iter__(self):
+        return iter(range(39, -1, -2))
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "validate"])
+@pytest.mark.parametrize("make", [lambda: Endless(40), lambda: HugeRandom(DATASET)], ids=["endless", "huge"])
+def test_an_endless_or_huge_sampler_is_sharded_lazily_without_a_cursor(make, training):
+    def first(loader, batches):
+        return [int(i) for batch in itertools.islice(loader, batches) for i in batch[0]]
+
+    one = data.shard_loader(DataLoader(DATASET, batch_size=4, sampler=make()), 0, 1, training=training)
+    stream = first(one, 6)  # one worker reads the sampler's own (seeded) stream
+    assert len(stream) == 24
+    ranks = [data.shard_loader(DataLoader(DATASET, batch_size=4, sampler=make()), r, 2, training=training)
+             for r in range(2)]
+    assert [first(shard, 3) for shard in ranks] == [stream[0::2], stream[1::2]]  # every second position
+    before = torch.get_rng_state()
+    assert list(itertools.islice(ranks[1].sampler, 12)) == stream[1::2]
+    assert torch.equal(before, torch.get_rng_state())  # drawing the shard leaves the process's stream alone
+    for shard in (one, *ranks):  # no data cursor: commits inside such an epoch are skipped
+        assert data.loader_cursor(shard, 1) is None and not data.set_sampler_start(shard, 4)
+    data.set_sampler_epoch(one, 1)
+    assert len(first(one, 6)) == 24
+
+
+def test_a_finite_sampler_without_a_length_keeps_the_cursor():
+    shards = [data.shard_loader(DataLoader(DATASET, batch_size=4, sampler=FiniteNoLength()), r, 2, training=True)
+              for r in range(2)]
+    assert sorted(indices(shards[0]) + indices(shards[1])) == list(range(1, 40, 2))
+    assert data.loader_cursor(shards[0], 1) == 8 and data.set_sampler_start(shards[1], 8)
+    assert indices(shards[1]) == [21, 17, 13, 9, 5, 1]  # positions 9, 11, ..., 19 of 39, 37, ..., 1
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_validation_drop_last_drops_one_processs_partial_batch(shuffle):
+    loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=4, drop_last=True, shuffle=shuffle)
+    kept = sorted(draw_stream(loader.sampler, 0, 0)[:8])  # what one process validates
+    for world_size in (1, 2, 3, 4):
+        shards = [data.shard_loader(loader, r, world_size, training=False) for r in range(world_size)]
+        assert sorted(itertools.chain(*map(indices, shards))) == kept, world_size
+        assert not any(shard.drop_last for shard in shards)
+    training = [data.shard_loader(loader, r, 3, training=True) for r in range(3)]  # lockstep: unchanged
+    assert [len(indices(shard)) for shard in training] == [0, 0, 0] and training[0].drop_last
 
 
 Pair = collections.namedtuple("Pair", "features target")

@@ -1,8 +1,11 @@
 """Data on real workers: custom samplers sharded, validation on ranks with no batches, iterators after errors."""
+import itertools
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, Dataset, SubsetRandomSampler
+from torch.utils.data import DataLoader, Dataset, Sampler, SubsetRandomSampler
 
 from raysgd import TrainingOperator
 from raysgd.utils import DATA_SEED
@@ -23,10 +26,28 @@ class IndexDataset(Dataset):
         return torch.tensor([float(index), float(index % 2)]), index % 2
 
 
+class Endless(Sampler):
+    """Endless indices from its own generator and no length, like detectron2's TrainingSampler.
+
+    It raises (failing the test instead of hanging it) once drawn 50,000 deep: it is being materialised.
+    """
+
+    def __init__(self, size):
+        self.size = size
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(0)
+        for drawn in itertools.count(1):
+            if drawn > 50_000:
+                raise RuntimeError("Endless was drawn 50,000 indices deep for a few batches")
+            yield int(torch.randint(self.size, (1,), generator=generator))
+
+
 class Recording(TrainingOperator):
     """A BatchNorm classifier that records the indices each rank trains and validates on.
 
-    config: size, train_idx / val_idx (SubsetRandomSampler) or val_size (plain validation loader),
+    config: size, train_idx (SubsetRandomSampler) or endless (an Endless sampler), val_idx (SubsetRandomSampler)
+    or val_size (plain validation loader),
     val_batch, val_drop_last, fail_at ({"phase": ..., "batch": ...}: raise ValueError there).
     """
 
@@ -38,7 +59,8 @@ class Recording(TrainingOperator):
         self.model, self.optimizer, self.criterion = self.register(
             models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.05), criterion=nn.CrossEntropyLoss())
         dataset = IndexDataset(config.get("size", 60))
-        train = DataLoader(dataset, batch_size=4, sampler=SubsetRandomSampler(config["train_idx"]))
+        sampler = Endless(len(dataset)) if config.get("endless") else SubsetRandomSampler(config["train_idx"])
+        train = DataLoader(dataset, batch_size=4, sampler=sampler)
         if "val_idx" in config:
             val = DataLoader(dataset, batch_size=4, sampler=SubsetRandomSampler(config["val_idx"]))
         else:
@@ -99,7 +121,7 @@ def test_the_loaders_own_samplers_are_sharded_across_two_workers(make_trainer):
 
 
 @pytest.mark.parametrize("val_size, val_batch, drop_last, compiled",
-                         [(2, 4, False, False), (5, 2, True, False), (2, 4, False, True)],
+                         [(2, 4, False, False), (3, 2, True, False), (2, 4, False, True)],
                          ids=["fewer-samples-than-workers", "drop_last", "torch.compile"])
 def test_a_rank_without_validation_batches_hangs_nobody(make_trainer, val_size, val_batch, drop_last, compiled):
     config = {"train_idx": list(range(24)), "val_size": val_size, "val_batch": val_batch, "val_drop_last": drop_last,
@@ -112,16 +134,25 @@ def test_a_rank_without_validation_batches_hangs_nobody(make_trainer, val_size, 
     val = trainer.validate()
     model = trainer.get_model().eval()
     dataset = IndexDataset(val_size)
-    used = 2 if drop_last else val_size  # rank 2's single sample is dropped with its partial batch
-    kept = [dataset[i] for i in ([0, 3, 1, 4][:used] if drop_last else range(val_size))]
+    kept = [dataset[i] for i in range(2)]  # drop_last: one process's full batch [0, 1] of 3 samples, sharded
     with torch.no_grad():
         losses = nn.CrossEntropyLoss(reduction="none")(model(torch.stack([x for x, _ in kept])),
                                                        torch.tensor([y for _, y in kept]))
-    expected_samples = 4 if drop_last else 2
-    assert val["num_samples"] == expected_samples
-    if not drop_last:  # one sample per rank: the mean over ranks is the mean over samples
-        assert val["val_loss"] == pytest.approx(losses.mean().item(), rel=1e-5)
+    assert val["num_samples"] == 2
+    assert val["val_loss"] == pytest.approx(losses.mean().item(), rel=1e-5)  # exactly one process's metric
     assert trainer.num_failures == 0
+
+
+def test_an_endless_sampler_trains_num_steps_lazily_sharded(make_trainer, caplog):
+    stream = list(itertools.islice(iter(Endless(60)), 80))
+    trainer = make_trainer({"endless": True, "val_size": 8}, num_workers=2, use_local=True, commit_every_n_steps=2)
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.committer"):
+        stats = trainer.train(num_steps=5)
+    assert stats["num_samples"] == 40 and trainer.num_failures == 0
+    assert "no data cursor" in caplog.text  # commits inside such an epoch are skipped, with a warning
+    assert [s["train"] for s in trainer.apply_all_operators(take_seen)] == [stream[0:40:2], stream[1:40:2]]
+    trainer.train(num_steps=5)  # the same endless epoch goes on
+    assert [s["train"] for s in trainer.apply_all_operators(take_seen)] == [stream[40:80:2], stream[41:80:2]]
 
 
 def test_after_a_user_error_the_next_call_starts_a_fresh_iterator(make_trainer):

@@ -26,7 +26,14 @@ because DDP steps together). Let ``R`` be the positions left and ``t = R mod (W 
   the only case where exactly-once does not hold, and no fixed batch size can avoid it.
 
 Validation (``lockstep=False``) is exact: ``start + r, start + r + W, ...`` up to the end, unpadded,
-so ranks may differ by one item (and by one batch).
+so ranks may differ by one item (and by one batch). With ``drop_last`` the end is where one process
+stops: after the last full batch, ``start + (R // b) * b`` (each rank's loader then keeps its partial
+batch), so N ranks validate exactly what one process validates.
+
+An epoch's stream is drawn whole only up to ``SGD_MAX_CURSOR_POSITIONS`` positions
+(:mod:`raysgd.torch.constants`). An endless sampler (no length, e.g. detectron2's ``TrainingSampler``)
+or a longer one is read by a :class:`StreamShardSampler` instead: lazily, rank ``r`` taking positions
+``r, r + W, ...`` as the stream goes, with no cursor (see :func:`raysgd.torch.data.shard_loader`).
 
 Example:
     >>> list(shard_positions(10, 0, rank=1, world_size=3))
@@ -42,13 +49,17 @@ Example:
 """
 import contextlib
 import hashlib
+import itertools
 import logging
 import random
 
 import torch
 from torch.utils.data import Sampler
 
+from raysgd.torch.constants import SGD_MAX_CURSOR_POSITIONS
+
 logger = logging.getLogger(__name__)
+_END = object()
 
 
 def epoch_seed(seed, epoch):
@@ -106,18 +117,9 @@ def _generator_holders(base):
     return holders
 
 
-def draw_stream(base, seed, epoch):
-    """The list ``base`` yields in ``epoch``: a deterministic function of ``(seed, epoch)``.
-
-    A ``generator`` attribute of ``base`` (or of its inner ``sampler``) is replaced by a fresh generator
-    seeded from ``(seed, epoch)`` during the draw, the global streams are isolated the same way, and
-    ``base.set_epoch(epoch)`` is called first when ``base`` has it.
-
-    Example:
-        >>> from torch.utils.data import RandomSampler
-        >>> draw_stream(RandomSampler(range(6)), 1, 0) == draw_stream(RandomSampler(range(6)), 1, 0)
-        True
-    """
+@contextlib.contextmanager
+def _seeded(base, seed, epoch):
+    """Inside: ``base``'s generators and the global streams seeded from ``(seed, epoch)``; all put back after."""
     derived = epoch_seed(seed, epoch)
     if hasattr(base, "set_epoch"):
         base.set_epoch(epoch)
@@ -127,17 +129,62 @@ def draw_stream(base, seed, epoch):
         for holder in holders:
             holder.generator = torch.Generator().manual_seed(derived)
         with isolated_random_streams(derived):
-            return list(iter(base))
+            yield
     finally:
         for holder, generator in zip(holders, saved):
             holder.generator = generator
 
 
+class StreamTooLong(ValueError):
+    """Raised by :func:`draw_stream` for a stream longer than its ``limit``.
+
+    Example:
+        >>> issubclass(StreamTooLong, ValueError)
+        True
+    """
+
+
+def draw_stream(base, seed, epoch, limit=None):
+    """The list ``base`` yields in ``epoch``: a deterministic function of ``(seed, epoch)``.
+
+    A ``generator`` attribute of ``base`` (or of its inner ``sampler``) is replaced by a fresh generator
+    seeded from ``(seed, epoch)`` during the draw, the global streams are isolated the same way, and
+    ``base.set_epoch(epoch)`` is called first when ``base`` has it. A stream longer than ``limit``
+    (default ``SGD_MAX_CURSOR_POSITIONS``) raises :class:`StreamTooLong` after ``limit + 1`` positions.
+
+    Example:
+        >>> from torch.utils.data import RandomSampler
+        >>> draw_stream(RandomSampler(range(6)), 1, 0) == draw_stream(RandomSampler(range(6)), 1, 0)
+        True
+    """
+    limit = SGD_MAX_CURSOR_POSITIONS if limit is None else limit
+    with _seeded(base, seed, epoch):
+        stream = list(itertools.islice(iter(base), limit + 1))
+    if len(stream) > limit:
+        raise StreamTooLong(f"{type(base).__name__} yielded more than {limit} positions in epoch {epoch}: the "
+                            f"data cursor draws an epoch whole, up to SGD_MAX_CURSOR_POSITIONS={SGD_MAX_CURSOR_POSITIONS}")
+    return stream
+
+
+def stream_length(base):
+    """``len(base)``, or None when ``base`` has no length (an endless sampler, a generator-like one).
+
+    Example:
+        >>> stream_length(range(3)), stream_length(iter(range(3)))
+        (3, None)
+    """
+    try:
+        return len(base)
+    except (TypeError, NotImplementedError):
+        return None
+
+
 def shard_positions(total, start, rank, world_size, *, batch_size=1, drop_last=False, lockstep=False):
     """The stream positions rank ``rank`` of ``world_size`` reads, from cursor ``start`` of ``total``.
 
-    ``lockstep=False`` (validation): exact, unpadded. ``lockstep=True`` (training): every rank gets the
-    same number of batches of ``batch_size``; see the module docstring for how the tail is dealt.
+    ``lockstep=False`` (validation): exact, unpadded (``drop_last``: up to one process's last full batch).
+    ``lockstep=True`` (training): every rank gets the same number of batches of ``batch_size``; see the
+    module docstring for how the tail is dealt.
 
     Example:
         >>> [list(shard_positions(5, 0, r, 2, batch_size=1, lockstep=True)) for r in (0, 1)]
@@ -146,19 +193,25 @@ def shard_positions(total, start, rank, world_size, *, batch_size=1, drop_last=F
         [[0, 2, 4, 6], [1, 3, 5]]
         >>> [list(shard_positions(10, 1, r, 2, batch_size=2, drop_last=True, lockstep=True)) for r in (0, 1)]
         [[1, 3, 5, 7], [2, 4, 6, 8]]
+        >>> [list(shard_positions(10, 0, r, 3, batch_size=4, drop_last=True)) for r in (0, 1, 2)]
+        [[0, 3, 6], [1, 4, 7], [2, 5]]
     """
     _check_shard_args(total, start, rank, world_size, batch_size)
-    if not lockstep:
-        return range(start + rank, total, world_size)
+    positions, pad = _plan(total, start, rank, world_size, batch_size, drop_last, lockstep)
+    return positions if pad is None else [*positions, pad]
+
+
+def _plan(total, start, rank, world_size, batch_size, drop_last, lockstep):
+    """``(positions, pad)``: a range of positions, then one more (``pad``, earlier in the stream) or None."""
     left = total - start
+    if not lockstep:  # exact; drop_last ends where one process would (after its last full batch)
+        return range(start + rank, start + left // batch_size * batch_size if drop_last else total, world_size), None
     per_round = world_size * batch_size
     if drop_last:
-        return range(start + rank, start + (left // per_round) * per_round, world_size)
-    positions = range(start + rank, total, world_size)
+        return range(start + rank, start + (left // per_round) * per_round, world_size), None
     tail = left % per_round
-    if 0 < tail < world_size and rank >= tail:
-        return [*positions, start + (rank - tail) % left]
-    return positions
+    pad = start + (rank - tail) % left if 0 < tail < world_size and rank >= tail else None
+    return range(start + rank, total, world_size), pad
 
 
 def _check_shard_args(total, start, rank, world_size, batch_size):
@@ -268,3 +321,78 @@ class ShardSampler(Sampler):
     def __repr__(self):
         return (f"ShardSampler(rank={self.rank}, world_size={self.world_size}, epoch={self.epoch}, "
                 f"start={self.start}, base={type(self.base).__name__})")
+
+
+class StreamShardSampler(Sampler):
+    """This rank's share of an endless or very long sampler's stream, read lazily: no data cursor.
+
+    The stream is ``base`` iterated with its generators and the global streams seeded from
+    ``(seed, epoch)`` while it sets up (its first position); rank ``r`` of ``W`` takes positions
+    ``r, r + W, ...`` as they come, so memory stays bounded and the first batch comes at once. With a
+    length, the tail is dealt as :func:`shard_positions` deals it (``batch_size``, ``drop_last``,
+    ``lockstep``); without one the stream is taken to be endless (a stream that ends may leave ranks one
+    batch apart). It has no ``set_start``/``position_after``: commits inside its epochs are skipped.
+
+    Example:
+        >>> import itertools
+        >>> class Endless(Sampler):
+        ...     def __iter__(self):
+        ...         return itertools.count()
+        >>> list(itertools.islice(StreamShardSampler(Endless(), rank=1, world_size=3), 4))
+        [1, 4, 7, 10]
+    """
+
+    def __init__(self, base, rank, world_size, *, seed=0, batch_size=1, drop_last=False, lockstep=False):
+        _check_shard_args(0, 0, rank, world_size, batch_size)
+        self.base, self.rank, self.world_size, self.seed = base, rank, world_size, int(seed)
+        self.batch_size, self.drop_last, self.lockstep = batch_size, bool(drop_last), bool(lockstep)
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        """Seed the next pass from ``epoch``."""
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise ValueError(f"StreamShardSampler.set_epoch expects an int >= 0; got {epoch!r}")
+        self.epoch = epoch
+
+    def _plan(self):
+        total = stream_length(self.base)
+        if total is None:
+            return None
+        return _plan(total, 0, self.rank, self.world_size, self.batch_size, self.drop_last, self.lockstep)
+
+    def __iter__(self):
+        with _seeded(self.base, self.seed, self.epoch):  # samplers make their generator on the first position
+            stream = iter(self.base)
+            first = next(stream, _END)
+        if first is _END:
+            return iter(())
+        stream = itertools.chain([first], stream)
+        plan = self._plan()
+        if plan is None:
+            return itertools.islice(stream, self.rank, None, self.world_size)
+        return _walk(stream, *plan)
+
+    def __len__(self):
+        plan = self._plan()
+        if plan is None:
+            raise TypeError(f"this shard has no length: its sampler {type(self.base).__name__} has none")
+        return len(plan[0]) + (plan[1] is not None)
+
+    def __repr__(self):
+        return (f"StreamShardSampler(rank={self.rank}, world_size={self.world_size}, epoch={self.epoch}, "
+                f"base={type(self.base).__name__})")
+
+
+def _walk(stream, positions, pad):
+    """Yield the items of ``stream`` at ``positions`` (a range), then the one at ``pad`` (or None); lazily."""
+    last = max(positions[-1] if positions else -1, -1 if pad is None else pad)
+    padded = _END
+    for position, item in enumerate(stream):
+        if position == pad:
+            padded = item
+        if position in positions:
+            yield item
+        if position >= last:
+            break
+    if padded is not _END:
+        yield padded

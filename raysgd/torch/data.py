@@ -6,7 +6,10 @@ A map-style ``DataLoader`` is rebuilt with every setting it had, its sampler (or
 ``batch_sampler``) wrapped in a :class:`~raysgd.torch.cursor.ShardSampler`: each rank reads every
 ``world_size``-th position of the sampler's stream for the epoch, so a ``SubsetRandomSampler`` over
 the training indices stays exactly those indices. Training shards keep DDP in lockstep; validation
-shards are exact.
+shards are exact (``drop_last`` drops one process's partial batch, not each rank's).
+
+A sampler whose epoch cannot be drawn whole (endless, or longer than ``SGD_MAX_CURSOR_POSITIONS``) is
+wrapped in a :class:`~raysgd.torch.cursor.StreamShardSampler` instead: read lazily, with no data cursor.
 
 Example:
     >>> import torch
@@ -25,9 +28,14 @@ import numbers
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-from raysgd.torch.cursor import ShardSampler
+from raysgd.torch.constants import SGD_MAX_CURSOR_POSITIONS
+from raysgd.torch.cursor import ShardSampler, StreamShardSampler, StreamTooLong, draw_stream, stream_length
 
 logger = logging.getLogger(__name__)
+
+# A sampler with no length whose stream does not end within this many positions per dataset sample (or
+# _PROBE_FLOOR) is taken to be endless: it is sharded lazily, without a cursor.
+_PROBE_FACTOR, _PROBE_FLOOR = 4, 1024
 
 # DataLoader settings carried over when a loader is rebuilt (batch_size and drop_last are set apart).
 _COPIED = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
@@ -59,7 +67,16 @@ def shard_loader(loader, rank, world_size, training, seed=None):
 
     Passed through: anything that is not a ``DataLoader``, iterable-style datasets, and loaders whose
     sampler is already a ``DistributedSampler`` (sharded by the user). ``training`` keeps every rank at
-    the same batch count; validation shards are exact. ``seed``: see :func:`resolve_seed`.
+    the same batch count; validation shards are exact. ``seed``: see :func:`resolve_seed`. A sampler
+    that is endless or longer than ``SGD_MAX_CURSOR_POSITIONS`` is sharded lazily, without a cursor.
+
+    Example:
+        >>> import itertools
+        >>> from torch.utils.data import RandomSampler
+        >>> huge = DataLoader(range(8), batch_size=2, sampler=RandomSampler(range(8), True, 10**12))
+        >>> shard = shard_loader(huge, rank=0, world_size=2, training=True)
+        >>> len(next(iter(shard))), loader_cursor(shard, 1)  # the first batch at once; no cursor
+        (2, None)
     """
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return loader
@@ -73,27 +90,59 @@ def shard_loader(loader, rank, world_size, training, seed=None):
     else:
         kwargs.pop("persistent_workers", None)
     if loader.batch_size is None and loader.batch_sampler is not None:  # a custom batch_sampler: shard batches
-        shard = ShardSampler(loader.batch_sampler, rank, world_size, seed=seed, batch_size=1, lockstep=training)
+        kind = _sharding(loader.batch_sampler, loader.dataset, seed, rank)
+        shard = kind(loader.batch_sampler, rank, world_size, seed=seed, batch_size=1, lockstep=training)
         return DataLoader(loader.dataset, batch_sampler=shard, **kwargs)
     # batch_size=None turns automatic batching off: each index is a batch.
-    shard = ShardSampler(loader.sampler, rank, world_size, seed=seed, batch_size=loader.batch_size or 1,
-                         drop_last=loader.drop_last, lockstep=training)
-    return DataLoader(loader.dataset, sampler=shard, batch_size=loader.batch_size, drop_last=loader.drop_last,
-                      shuffle=False, **kwargs)
+    kind = _sharding(loader.sampler, loader.dataset, seed, rank)
+    shard = kind(loader.sampler, rank, world_size, seed=seed, batch_size=loader.batch_size or 1,
+                 drop_last=loader.drop_last, lockstep=training)
+    # Validation drops one process's partial batch in the shard (exact); a rank's own partial batch is kept.
+    return DataLoader(loader.dataset, sampler=shard, batch_size=loader.batch_size,
+                      drop_last=loader.drop_last and training, shuffle=False, **kwargs)
 
 
-def shard_sampler(loader):
-    """The :class:`~raysgd.torch.cursor.ShardSampler` of a loader built by :func:`shard_loader`, else None."""
+def _sharding(base, dataset, seed, rank):
+    """:class:`ShardSampler` when ``base``'s epoch can be drawn whole (the cursor), else :class:`StreamShardSampler`.
+
+    A length decides; without one, epoch 0 is drawn up to a bound: a stream that ends within it is
+    finite (the draw is cheap, as every epoch's draw is), one that goes on is taken to be endless.
+    """
+    length = stream_length(base)
+    if length is not None and length <= SGD_MAX_CURSOR_POSITIONS:
+        return ShardSampler
+    if length is None:
+        probe = min(SGD_MAX_CURSOR_POSITIONS, max(_PROBE_FACTOR * (stream_length(dataset) or 0), _PROBE_FLOOR))
+        try:
+            draw_stream(base, seed, 0, limit=probe)
+            return ShardSampler
+        except StreamTooLong:
+            why = f"has no length and yields more than {probe} positions (endless?)"
+    else:
+        why = f"has {length} positions, more than SGD_MAX_CURSOR_POSITIONS={SGD_MAX_CURSOR_POSITIONS}"
+    if rank == 0:
+        logger.warning("The DataLoader's sampler %s %s: it is sharded lazily, without a data cursor, so no commit "
+                       "is taken inside its epochs and a failure replays the epoch.", type(base).__name__, why)
+    return StreamShardSampler
+
+
+def shard_sampler(loader, kinds=(ShardSampler,)):
+    """The :class:`~raysgd.torch.cursor.ShardSampler` (one of ``kinds``) of a loader built by :func:`shard_loader`.
+
+    None when the loader has none (it was passed through, or is read lazily without a cursor).
+    """
     for name in ("batch_sampler", "sampler"):
         sampler = getattr(loader, name, None)
-        if isinstance(sampler, ShardSampler):
+        if isinstance(sampler, kinds):
             return sampler
     return None
 
 
 def set_sampler_epoch(loader, epoch):
     """Call ``set_epoch(epoch)`` on the loader's shard sampler, or its own sampler when it has one."""
-    sampler = shard_sampler(loader) or getattr(loader, "sampler", None)
+    sampler = shard_sampler(loader, (ShardSampler, StreamShardSampler))
+    if sampler is None:  # not "or": a sampler's truth is its length, which may be 0 or unknown
+        sampler = getattr(loader, "sampler", None)
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(epoch)
 
