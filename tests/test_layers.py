@@ -10,6 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "raysgd"
 LAYERS = {
     "raysgd.utils": 0, "raysgd.torch.constants": 0, "raysgd.torch.errors": 0, "raysgd.torch.reduction": 0,
     "raysgd.torch.precision": 1, "raysgd.torch.data": 1, "raysgd.torch.checkpoint": 1,
+    "raysgd.torch.registration": 1,  # checking what setup() passes to register()
     "raysgd.torch.training_operator": 2, "raysgd.torch.creator_operator": 2, "raysgd.torch.state": 2,
     "raysgd.torch.committer": 3, "raysgd.torch.preemption": 3, "raysgd.torch.commit_store": 4, "raysgd.torch.commits": 5, "raysgd.torch.elastic": 5, "raysgd.torch.attempts": 5,
     "raysgd.torch.reform": 4,  # re-forming a group from the survivors of a failure

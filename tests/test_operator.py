@@ -193,6 +193,19 @@ def test_schedulers_step_per_epoch_or_batch_or_manually():
     assert lrs("manual", metrics=[1.0, 2.0]) == 0.5  # the second metric is worse: plateau
 
 
+@pytest.mark.parametrize("freq", ["epoch", "batch"])
+def test_plateau_scheduler_stepped_without_a_metric_is_refused_at_register(freq):
+    class Plateau(LinearOperator):
+        def setup(self, config):
+            super().setup(config)
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(self.optimizer)
+            self.register(models=self.model, optimizers=self.optimizer, schedulers=[sched])
+
+    with pytest.raises(ValueError, match=rf"ReduceLROnPlateau.*scheduler_step_freq='{freq}'.*"
+                                         r"scheduler_step_freq=\"manual\".*update_scheduler\(metric\)"):
+        make_worker(Plateau, scheduler_step_freq=freq)
+
+
 def test_default_loop_needs_a_model():
     class NoModel(TrainingOperator):
         def setup(self, config):

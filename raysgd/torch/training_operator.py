@@ -25,34 +25,13 @@ from torch.nn.parallel import DistributedDataParallel
 from raysgd.torch import accumulation as _accumulation
 from raysgd.torch import compiled as _compiled
 from raysgd.torch import data as _data
+from raysgd.torch import registration as _registration
 from raysgd.torch.constants import SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH
 from raysgd.torch.operator_precision import PrecisionHelpers
 from raysgd.torch.precision import LegacyAmp, Precision
 from raysgd.utils import DATA_SEED, NUM_SAMPLES, AverageMeterCollection, TimerCollection
 
 logger = logging.getLogger(__name__)
-
-
-def _as_list(value, kind, item_type):
-    """``(items, restore)``: the items as a list, and a function giving back the caller's container shape."""
-    if isinstance(value, item_type):
-        items, restore = [value], (lambda xs: xs[0])
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
-        restore = tuple if isinstance(value, tuple) else list
-    else:
-        raise TypeError(f"register({kind}=...) expects a {item_type.__name__} or a list/tuple of them; "
-                        f"got {type(value).__name__}")
-    for item in items:
-        if not isinstance(item, item_type):
-            raise TypeError(f"register({kind}=...) expects {item_type.__name__} items; got {type(item).__name__}")
-    return items, restore
-
-
-def _check_dict(name, value):
-    if value is not None and not isinstance(value, dict):
-        raise ValueError(f"register({name}=...) expects a dict of keyword arguments; got {value!r}")
-    return value or {}
 
 
 class TrainingOperator(PrecisionHelpers):
@@ -107,13 +86,11 @@ class TrainingOperator(PrecisionHelpers):
             >>> # self.model, self.optimizer, self.criterion = self.register(
             >>> #     models=model, optimizers=optimizer, criterion=torch.nn.MSELoss())
         """
-        ddp_args = _check_dict("ddp_args", ddp_args)
-        apex_args = _check_dict("apex_args", apex_args)
-        model_list, model_shape = _as_list(models, "models", torch.nn.Module)
-        optim_list, optim_shape = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
-        if schedulers is not None and not self._scheduler_step_freq:
-            raise ValueError("register(schedulers=...) needs TorchTrainer(scheduler_step_freq=...) set to "
-                             "'batch', 'epoch' or 'manual'; got scheduler_step_freq=None")
+        ddp_args = _registration.check_dict("ddp_args", ddp_args)
+        apex_args = _registration.check_dict("apex_args", apex_args)
+        model_list, model_shape = _registration.as_list(models, "models", torch.nn.Module)
+        optim_list, optim_shape = _registration.as_list(optimizers, "optimizers", torch.optim.Optimizer)
+        sched_list = _registration.check_schedulers(schedulers, self._scheduler_step_freq)
         model_list = [model.to(self._device) for model in model_list]
         if criterion is not None and hasattr(criterion, "to"):
             criterion = criterion.to(self._device)
@@ -131,7 +108,6 @@ class TrainingOperator(PrecisionHelpers):
         if criterion is not None:
             returns.append(criterion)
         if schedulers is not None:
-            sched_list = list(schedulers) if isinstance(schedulers, (list, tuple)) else [schedulers]
             self._schedulers = sched_list
             returns.append(schedulers if not isinstance(schedulers, (list, tuple)) else type(schedulers)(sched_list))
         return tuple(returns)
