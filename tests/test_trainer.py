@@ -201,6 +201,25 @@ def test_custom_ddp_wrapper_with_wrap_ddp_false(make_trainer):
     assert wrapped.apply_all_operators(lambda op: type(op.model).__name__) == ["DistributedDataParallel"] * 2
 
 
+def test_self_model_passed_to_register_trains_the_ddp_wrapper(make_trainer):
+    """setup() keeps ``self.model`` (the plain module) and ignores register's return: still synchronised."""
+    class KeepsOwnModel(TrainingOperator):
+        def setup(self, config):
+            torch.manual_seed(0)
+            self.model = nn.Linear(1, 1)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+            self.criterion = nn.MSELoss()
+            self.register(models=self.model, optimizers=self.optimizer, criterion=self.criterion)
+            x = torch.randn(64, 1, generator=torch.Generator().manual_seed(1))
+            self.register_data(train_loader=DataLoader(TensorDataset(x, 3 * x + 1), batch_size=8))
+
+    trainer = make_trainer(training_operator_cls=KeepsOwnModel, num_workers=2, use_local=True)
+    trainer.train()
+    assert trainer.apply_all_operators(lambda op: type(op.model).__name__) == ["Linear"] * 2  # as the user set it
+    params = trainer.apply_all_operators(parameters_of)
+    assert torch.equal(params[0], params[1])  # gradients were averaged: the replicas stayed identical
+
+
 def test_update_scheduler_manual(make_trainer):
     class Plateau(LinearOperator):
         def setup(self, config):

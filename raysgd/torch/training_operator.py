@@ -91,6 +91,7 @@ class TrainingOperator(PrecisionHelpers):
         model_list, model_shape = _registration.as_list(models, "models", torch.nn.Module)
         optim_list, optim_shape = _registration.as_list(optimizers, "optimizers", torch.optim.Optimizer)
         sched_list = _registration.check_schedulers(schedulers, self._scheduler_step_freq)
+        self._given_models = list(model_list)  # the caller's objects: self.model may still be one of them
         model_list = [model.to(self._device) for model in model_list]
         if criterion is not None and hasattr(criterion, "to"):
             criterion = criterion.to(self._device)
@@ -203,9 +204,15 @@ class TrainingOperator(PrecisionHelpers):
 
     # ----------------------------------------------------------------- internals
     def _component(self, attr, registered):
-        """``self.<attr>`` if the user set it, else the single registered component of that kind."""
+        """``self.<attr>`` if the user set it, else the single registered component of that kind.
+
+        A ``self.model`` that is a module given to ``register`` (its return value not kept) is its registered
+        (DDP-wrapped) form: the plain module would train without synchronising gradients."""
         value = getattr(self, attr, None)
         if value is not None:
+            for index, given in enumerate(getattr(self, "_given_models", ()) if attr == "model" else ()):
+                if value is given or value is self._original_models[index]:
+                    return self._models[index]
             return value
         items = getattr(self, registered, None)
         if registered == "_criterion" and items is not None:
