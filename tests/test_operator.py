@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers import ClassifierOperator
 from raysgd.torch import TrainingOperator
 from raysgd.torch.examples import train_example as ex
 from raysgd.torch.training_operator import get_test_metrics_operator, get_test_operator
@@ -204,6 +205,30 @@ def test_plateau_scheduler_stepped_without_a_metric_is_refused_at_register(freq)
     with pytest.raises(ValueError, match=rf"ReduceLROnPlateau.*scheduler_step_freq='{freq}'.*"
                                          r"scheduler_step_freq=\"manual\".*update_scheduler\(metric\)"):
         make_worker(Plateau, scheduler_step_freq=freq)
+
+
+def test_default_validation_skips_accuracy_for_multi_output_regression():
+    class MultiOutput(TrainingOperator):
+        def setup(self, config):
+            torch.manual_seed(0)
+            model = nn.Linear(3, 2)
+            self.model, self.optimizer, self.criterion = self.register(
+                models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.MSELoss())
+            x, y = torch.randn(10, 3), torch.randn(10, config["k"])
+            loader = DataLoader(TensorDataset(x, y if config["k"] > 1 else y.view(-1)), batch_size=4)
+            self.model_x, self.model_y = x, y
+            self.register_data(train_loader=loader, validation_loader=loader)
+
+    worker = make_worker(MultiOutput, {"k": 2})  # (N, 2) float targets: regression, no accuracy
+    stats = worker.validate()
+    op = worker.operator
+    with torch.no_grad():
+        expected = nn.functional.mse_loss(op.model(op.model_x), op.model_y).item()
+    assert stats[NUM_SAMPLES] == 10 and stats["val_loss"] == pytest.approx(expected, rel=1e-5)
+    assert stats["val_accuracy"] == 0.0
+
+    val = make_worker(ClassifierOperator).validate()  # class-index targets still get their accuracy
+    assert 0.5 < val["val_accuracy"] <= 1.0
 
 
 def test_default_loop_needs_a_model():

@@ -189,8 +189,8 @@ class TrainingOperator(PrecisionHelpers):
             output = model(*features)
             loss = criterion(output, target)
         num_samples = target.size(0)
-        accuracy = 0.0
-        if output.dim() > 1 and output.size(0) == num_samples:
+        accuracy = 0.0  # only for (N, C) scores and N class indices: a regression target (N, k) gets none
+        if output.dim() == 2 and output.size(0) == target.numel() == num_samples and not target.is_floating_point():
             correct = (output.argmax(dim=1) == target.view(-1).to(output.device)).sum()
             accuracy = correct.double() / max(num_samples, 1)  # stays on the device: no sync per batch
         return {"val_loss": loss.detach(), "val_accuracy": accuracy, NUM_SAMPLES: num_samples}
