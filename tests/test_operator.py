@@ -325,6 +325,25 @@ def test_from_creators_checks_the_loader_count():
         make_worker(Op)
 
 
+def test_from_creators_takes_one_loader_over_an_iterable_dataset():
+    class Stream(torch.utils.data.IterableDataset):  # no __len__: bool(DataLoader) would raise
+        def __iter__(self):
+            return iter([(torch.tensor([float(i)]), torch.tensor([2.0 * i])) for i in range(32)])
+
+    Op = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator,  # noqa: N806
+                                        lambda config: DataLoader(Stream(), batch_size=8), loss_creator=nn.MSELoss)
+    worker = make_worker(Op)
+    assert worker.train_epoch()[NUM_SAMPLES] == 32
+    Empty = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator,  # noqa: N806
+                                           lambda config: DataLoader(TensorDataset(torch.ones(0, 1)), batch_size=2))
+    assert make_worker(Empty).operator._train_loader is not None  # an empty map-style loader is a loader too
+    for bad in (None, ()):
+        NoLoader = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator,  # noqa: N806
+                                                  lambda config, bad=bad: bad)
+        with pytest.raises(ValueError, match="data_creator must return"):
+            make_worker(NoLoader)
+
+
 def test_metrics_operator_helper_reports_what_1_12_did():
     # 1.12: each batch's score divided by that batch's num_samples, the default loop's metrics kept.
     config = {"scores": [1.0, 3.0] + [0.0] * 6, "val_scores": [2.0, 4.0, 12.0], "key": "score"}
