@@ -382,3 +382,12 @@ class TorchTrainer:
         from raysgd.torch.tune import make_trainable  # noqa: PLC0415 (Tune stays optional)
 
         return make_trainable(cls, *args, override_tune_step=override_tune_step, **kwargs)
+
+
+def __getattr__(name):
+    """``BaseTorchTrainable``, where 1.x defined it; :mod:`raysgd.torch.tune` imports Ray Tune, so on first use."""
+    if name == "BaseTorchTrainable":
+        from raysgd.torch.tune import BaseTorchTrainable  # noqa: PLC0415 (Tune stays optional until used)
+
+        return BaseTorchTrainable
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
