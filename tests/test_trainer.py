@@ -160,6 +160,17 @@ def test_num_steps_profile_and_unreduced_results(make_trainer):
     assert "profile" in trainer.validate(num_steps=1, profile=True)
 
 
+def test_num_steps_is_checked_in_the_driver_before_any_work(make_trainer):
+    trainer = make_trainer(num_workers=1, use_local=True, config={"data_size": 64})
+    for call in (trainer.train, trainer.validate):
+        for bad, error in ((-1, ValueError), (2.5, TypeError), ("2", TypeError), (True, TypeError)):
+            with pytest.raises(error, match=rf"num_steps expects None or an int >= 0.*; got {bad!r}"):
+                call(num_steps=bad)
+    assert trainer.state_dict()["global_step"] == 0  # nothing ran
+    assert trainer.train(num_steps=0)["num_samples"] == 0  # 0 is allowed: no batch (1.x's islice(0))
+    assert trainer.train(num_steps=2)["num_samples"] == 32 and trainer.state_dict()["global_step"] == 2
+
+
 def test_custom_loops_and_info(make_trainer):
     def custom(op, iterator, info):
         return {"batches": len(list(iterator)), "marker": info.get("marker"), "rank": op.world_rank}

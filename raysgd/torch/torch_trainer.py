@@ -234,6 +234,7 @@ class TorchTrainer:
             >>> stats = trainer.train(profile=True)  # doctest: +SKIP
             >>> stats["train_loss"], stats["num_samples"], stats["profile"]["mean_fwd_s"]  # doctest: +SKIP
         """
+        num_steps = attempts.check_num_steps(num_steps)  # before any work: None, or an int >= 0 (0: no batch)
         data = ray_data.as_input(dataset, self.training_operator_cls, num_steps) if dataset is not None else None
         reporter = self._progress.start(local=self.use_local) if self._progress is not None else None
         completed = False
@@ -265,6 +266,7 @@ class TorchTrainer:
         Example:
             >>> trainer.validate()["val_loss"]  # doctest: +SKIP
         """
+        num_steps = attempts.check_num_steps(num_steps)
         stats = attempts.run_call(self, "validate", max_retries, dict(num_steps=num_steps, profile=profile,
                                                                         info=dict(info or {}), lockstep=True))
         return self._log_result("validate", stats, reduce_results)
