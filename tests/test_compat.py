@@ -76,6 +76,24 @@ def test_public_names_and_pickling(installed):
     assert b"raysgd.torch.training_operator" in payload and b"ray.util.sgd" not in payload
 
 
+def test_1x_names_behind_mapped_module_paths(installed):
+    from ray.util.sgd.torch.torch_trainer import BaseTorchTrainable, TorchTrainer
+    from ray.util.sgd.torch.training_operator import CreatorOperator, TrainingOperator
+    from ray.util.sgd.torch.worker_group import RESIZE_COOLDOWN_S
+    from ray.util.sgd.utils import check_for_failure
+
+    from raysgd.torch import constants, tune
+
+    assert BaseTorchTrainable is tune.BaseTorchTrainable and TorchTrainer is raysgd.TorchTrainer
+    assert issubclass(CreatorOperator, TrainingOperator) and CreatorOperator is raysgd.torch.CreatorOperator
+    assert RESIZE_COOLDOWN_S == constants.RESIZE_COOLDOWN_S == 10  # 1.x's value (SGD_RESIZE_COOLDOWN_S not set)
+    assert callable(check_for_failure) and check_for_failure.__doc__
+    for module, name in (("ray.util.sgd.utils", "no_such_name"), ("ray.util.sgd.torch.torch_trainer", "nope"),
+                         ("ray.util.sgd.torch.training_operator", "nope")):
+        with pytest.raises(AttributeError, match=name):
+            getattr(importlib.import_module(module), name)
+
+
 @pytest.mark.parametrize("name", sorted(compat.GONE) + ["ray.util.sgd.torch.torch_dataset.TorchMLDataset"])
 def test_removed_paths_say_what_replaces_them(installed, name):
     with pytest.raises(ModuleNotFoundError, match="is gone in raysgd") as info:
@@ -174,3 +192,30 @@ def test_mapping_reaches_workers_of_a_running_cluster(ray_2cpus):
         trainer.shutdown()
         compat.uninstall()
     assert_released()
+
+
+def test_check_for_failure_waits_and_reports_dead_actors_as_1x(ray_2cpus):
+    """1.x's ``check_for_failure(remote_values)``: True when every call succeeded, False when an actor died;
+    an exception raised by the called code propagates."""
+    from raysgd.utils import check_for_failure
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def ok(self, seconds=0.0):
+            import time
+
+            time.sleep(seconds)
+            return 1
+
+        def die(self):
+            os._exit(1)
+
+        def fail(self):
+            raise KeyError("user code")
+
+    worker = Worker.remote()
+    assert check_for_failure([worker.ok.remote(0.5), worker.ok.remote(), ray.put(3)]) is True
+    assert check_for_failure([]) is True
+    with pytest.raises(KeyError, match="user code"):
+        check_for_failure([worker.fail.remote()])
+    assert check_for_failure([worker.ok.remote(), worker.die.remote()]) is False

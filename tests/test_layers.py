@@ -10,11 +10,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "raysgd"
 LAYERS = {
     "raysgd.utils": 0, "raysgd.torch.constants": 0, "raysgd.torch.errors": 0, "raysgd.torch.reduction": 0,
     "raysgd.torch.precision": 1, "raysgd.torch.data": 1, "raysgd.torch.checkpoint": 1,
+    "raysgd.torch.registration": 1,  # checking what setup() passes to register()
     "raysgd.torch.training_operator": 2, "raysgd.torch.creator_operator": 2, "raysgd.torch.state": 2,
     "raysgd.torch.committer": 3, "raysgd.torch.preemption": 3, "raysgd.torch.commit_store": 4, "raysgd.torch.commits": 5, "raysgd.torch.elastic": 5, "raysgd.torch.attempts": 5,
     "raysgd.torch.reform": 4,  # re-forming a group from the survivors of a failure
     "raysgd.torch.worker": 3, "raysgd.torch.recovery": 3,
     "raysgd.torch.worker_group": 4, "raysgd.torch.mailbox": 4,
+    "raysgd.torch.failures": 4,  # reading failed worker calls (and 1.x's check_for_failure)
     "raysgd.torch.local_runner": 3, "raysgd.torch.worker_handle": 4, "raysgd.torch.placement": 4,  # the group's helpers
     "raysgd.torch.trial_placement": 4,
     "raysgd.torch.cluster_state": 4, "raysgd.torch.diagnostics": 4,
@@ -40,7 +42,8 @@ THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex"
                6: {"ray", "torch", "numpy", "pytorch_lightning", "lightning"}, 7: set()}
 # Lazy imports kept for 1.x's API: TorchTrainer.as_trainable builds the Tune class on first use.
 UPWARD_EXCEPTIONS = {("raysgd.torch.torch_trainer", "raysgd.torch.tune"),
-                     ("raysgd.torch.training_operator", "raysgd.torch.lightning_operator")}  # from_ptl, lazily
+                     ("raysgd.torch.training_operator", "raysgd.torch.lightning_operator"),  # from_ptl, lazily
+                     ("raysgd.utils", "raysgd.torch.failures")}  # 1.x's raysgd.utils.check_for_failure, lazily
 PURE = {"raysgd.torch.recovery": set(), "raysgd.torch.errors": {"torch"}, "raysgd.torch.constants": set(),
         "raysgd.torch.async_writer": set(), "raysgd.torch.storage": {"torch", "pyarrow"}, "raysgd.torch.durable": set()}
 

@@ -4,6 +4,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers import ClassifierOperator
 from raysgd.torch import TrainingOperator
 from raysgd.torch.examples import train_example as ex
 from raysgd.torch.training_operator import get_test_metrics_operator, get_test_operator
@@ -193,6 +194,43 @@ def test_schedulers_step_per_epoch_or_batch_or_manually():
     assert lrs("manual", metrics=[1.0, 2.0]) == 0.5  # the second metric is worse: plateau
 
 
+@pytest.mark.parametrize("freq", ["epoch", "batch"])
+def test_plateau_scheduler_stepped_without_a_metric_is_refused_at_register(freq):
+    class Plateau(LinearOperator):
+        def setup(self, config):
+            super().setup(config)
+            sched = torch.optim.lr_scheduler.ReduceLROnPlateau(self.optimizer)
+            self.register(models=self.model, optimizers=self.optimizer, schedulers=[sched])
+
+    with pytest.raises(ValueError, match=rf"ReduceLROnPlateau.*scheduler_step_freq='{freq}'.*"
+                                         r"scheduler_step_freq=\"manual\".*update_scheduler\(metric\)"):
+        make_worker(Plateau, scheduler_step_freq=freq)
+
+
+def test_default_validation_skips_accuracy_for_multi_output_regression():
+    class MultiOutput(TrainingOperator):
+        def setup(self, config):
+            torch.manual_seed(0)
+            model = nn.Linear(3, 2)
+            self.model, self.optimizer, self.criterion = self.register(
+                models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1), criterion=nn.MSELoss())
+            x, y = torch.randn(10, 3), torch.randn(10, config["k"])
+            loader = DataLoader(TensorDataset(x, y if config["k"] > 1 else y.view(-1)), batch_size=4)
+            self.model_x, self.model_y = x, y
+            self.register_data(train_loader=loader, validation_loader=loader)
+
+    worker = make_worker(MultiOutput, {"k": 2})  # (N, 2) float targets: regression, no accuracy
+    stats = worker.validate()
+    op = worker.operator
+    with torch.no_grad():
+        expected = nn.functional.mse_loss(op.model(op.model_x), op.model_y).item()
+    assert stats[NUM_SAMPLES] == 10 and stats["val_loss"] == pytest.approx(expected, rel=1e-5)
+    assert stats["val_accuracy"] == 0.0
+
+    val = make_worker(ClassifierOperator).validate()  # class-index targets still get their accuracy
+    assert 0.5 < val["val_accuracy"] <= 1.0
+
+
 def test_default_loop_needs_a_model():
     class NoModel(TrainingOperator):
         def setup(self, config):
@@ -285,6 +323,25 @@ def test_from_creators_checks_the_loader_count():
                                         data_creator=lambda config: (1, 2, 3))
     with pytest.raises(ValueError, match="3 loaders"):
         make_worker(Op)
+
+
+def test_from_creators_takes_one_loader_over_an_iterable_dataset():
+    class Stream(torch.utils.data.IterableDataset):  # no __len__: bool(DataLoader) would raise
+        def __iter__(self):
+            return iter([(torch.tensor([float(i)]), torch.tensor([2.0 * i])) for i in range(32)])
+
+    Op = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator,  # noqa: N806
+                                        lambda config: DataLoader(Stream(), batch_size=8), loss_creator=nn.MSELoss)
+    worker = make_worker(Op)
+    assert worker.train_epoch()[NUM_SAMPLES] == 32
+    Empty = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator,  # noqa: N806
+                                           lambda config: DataLoader(TensorDataset(torch.ones(0, 1)), batch_size=2))
+    assert make_worker(Empty).operator._train_loader is not None  # an empty map-style loader is a loader too
+    for bad in (None, ()):
+        NoLoader = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator,  # noqa: N806
+                                                  lambda config, bad=bad: bad)
+        with pytest.raises(ValueError, match="data_creator must return"):
+            make_worker(NoLoader)
 
 
 def test_metrics_operator_helper_reports_what_1_12_did():

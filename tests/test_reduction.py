@@ -51,3 +51,32 @@ def test_a_nan_metric_is_logged_once_per_call_naming_the_ranks(caplog):
     with caplog.at_level("WARNING", logger="raysgd.torch.reduction"):
         reduce_worker_stats([{"num_samples": 8, "loss": 1.0}, {"num_samples": 8, "loss": 3.0}])
     assert not caplog.records
+
+
+def test_one_element_tensors_and_arrays_are_reduced_as_numbers():
+    """A custom train_epoch/validate returning ``total / n`` (a 0-d tensor) or a tensor ``num_samples``."""
+    import numpy as np
+    import torch
+
+    out = reduce_worker_stats([{"score": torch.tensor(3.0), "num_samples": 4},
+                               {"score": torch.tensor(4.0), "num_samples": 4}])
+    assert out == {"num_samples": 8, "score": pytest.approx(3.5)} and isinstance(out["score"], float)
+    out = reduce_worker_stats([{"score": 3.0, "num_samples": torch.tensor(6)},
+                               {"score": 4.0, "num_samples": torch.tensor([2])}])
+    assert out == {"score": pytest.approx(3.25), "num_samples": 8} and isinstance(out["num_samples"], int)
+    out = reduce_worker_stats([{"score": np.array(3.0), "acc": np.array([0.5]), "num_samples": np.array(4)},
+                               {"score": np.array(4.0), "acc": np.array([1.0]), "num_samples": np.array(4)}])
+    assert out == {"num_samples": 8, "score": pytest.approx(3.5), "acc": pytest.approx(0.75)}
+    same = reduce_worker_stats([{"epoch": torch.tensor(2), "flag": torch.tensor(True)}] * 2)
+    assert same == {"epoch": 2, "flag": True} and type(same["epoch"]) is int
+    vector = torch.tensor([1.0, 2.0])  # not one number: rank 0's, as any non-number
+    assert reduce_worker_stats([{"v": vector}, {"v": torch.tensor([3.0, 4.0])}])["v"] is vector
+
+
+def test_merge_partial_counts_tensor_samples():
+    from raysgd.torch.reduction import merge_partial
+    import torch
+
+    merged = merge_partial({"num_samples": torch.tensor(30), "loss": torch.tensor(1.0)},
+                           {"num_samples": 10, "loss": torch.tensor(3.0)})
+    assert merged == {"num_samples": 40, "loss": pytest.approx(1.5)}

@@ -160,6 +160,17 @@ def test_num_steps_profile_and_unreduced_results(make_trainer):
     assert "profile" in trainer.validate(num_steps=1, profile=True)
 
 
+def test_num_steps_is_checked_in_the_driver_before_any_work(make_trainer):
+    trainer = make_trainer(num_workers=1, use_local=True, config={"data_size": 64})
+    for call in (trainer.train, trainer.validate):
+        for bad, error in ((-1, ValueError), (2.5, TypeError), ("2", TypeError), (True, TypeError)):
+            with pytest.raises(error, match=rf"num_steps expects None or an int >= 0.*; got {bad!r}"):
+                call(num_steps=bad)
+    assert trainer.state_dict()["global_step"] == 0  # nothing ran
+    assert trainer.train(num_steps=0)["num_samples"] == 0  # 0 is allowed: no batch (1.x's islice(0))
+    assert trainer.train(num_steps=2)["num_samples"] == 32 and trainer.state_dict()["global_step"] == 2
+
+
 def test_custom_loops_and_info(make_trainer):
     def custom(op, iterator, info):
         return {"batches": len(list(iterator)), "marker": info.get("marker"), "rank": op.world_rank}
@@ -199,6 +210,25 @@ def test_custom_ddp_wrapper_with_wrap_ddp_false(make_trainer):
     assert trainer.train()["wrapped"] == "Linear"
     wrapped = make_trainer(training_operator_cls=LinearOperator, num_workers=2)
     assert wrapped.apply_all_operators(lambda op: type(op.model).__name__) == ["DistributedDataParallel"] * 2
+
+
+def test_self_model_passed_to_register_trains_the_ddp_wrapper(make_trainer):
+    """setup() keeps ``self.model`` (the plain module) and ignores register's return: still synchronised."""
+    class KeepsOwnModel(TrainingOperator):
+        def setup(self, config):
+            torch.manual_seed(0)
+            self.model = nn.Linear(1, 1)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+            self.criterion = nn.MSELoss()
+            self.register(models=self.model, optimizers=self.optimizer, criterion=self.criterion)
+            x = torch.randn(64, 1, generator=torch.Generator().manual_seed(1))
+            self.register_data(train_loader=DataLoader(TensorDataset(x, 3 * x + 1), batch_size=8))
+
+    trainer = make_trainer(training_operator_cls=KeepsOwnModel, num_workers=2, use_local=True)
+    trainer.train()
+    assert trainer.apply_all_operators(lambda op: type(op.model).__name__) == ["Linear"] * 2  # as the user set it
+    params = trainer.apply_all_operators(parameters_of)
+    assert torch.equal(params[0], params[1])  # gradients were averaged: the replicas stayed identical
 
 
 def test_update_scheduler_manual(make_trainer):

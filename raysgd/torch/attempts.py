@@ -21,6 +21,7 @@ Example:
     ValueError: max_retries expects an int >= 0; got -1
 """
 import logging
+import numbers
 
 import ray
 
@@ -50,6 +51,25 @@ def _ticks(on_tick, watch):
             on_tick()
 
     return tick
+
+
+def check_num_steps(num_steps):
+    """``train()``/``validate()``'s ``num_steps`` as an int, or None (the rest of the epoch); 0 runs no batch.
+
+    Example:
+        >>> check_num_steps(2.5)
+        Traceback (most recent call last):
+        ...
+        TypeError: num_steps expects None or an int >= 0 (batches per worker); got 2.5 (float)
+    """
+    if num_steps is None:
+        return None
+    expected = "num_steps expects None or an int >= 0 (batches per worker)"
+    if isinstance(num_steps, bool) or not isinstance(num_steps, numbers.Integral):
+        raise TypeError(f"{expected}; got {num_steps!r} ({type(num_steps).__name__})")
+    if num_steps < 0:
+        raise ValueError(f"{expected}; got {num_steps!r}")
+    return int(num_steps)
 
 
 def run_call(trainer, method, max_retries, kwargs):

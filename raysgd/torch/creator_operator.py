@@ -40,7 +40,7 @@ class CreatorOperator(TrainingOperator):
                 loaders = self._data_creator(config)
         else:
             loaders = self._data_creator(config)
-        if not loaders:
+        if loaders is None or (isinstance(loaders, (list, tuple)) and not loaders):  # bool(DataLoader) calls len()
             raise ValueError(f"data_creator must return a loader or (train_loader[, val_loader]); got {loaders!r}")
         if isinstance(loaders, (list, tuple)):
             if len(loaders) > 2:

@@ -1,7 +1,8 @@
 """Reducing the per-worker metric dicts of one call into one dict.
 
 Layer 0 (numpy only). ``num_samples`` is summed; ``last_*``, ``batch_count`` and ``epoch`` are
-averaged over workers; every other number is averaged weighted by each worker's ``num_samples``;
+averaged over workers; every other number is averaged weighted by each worker's ``num_samples``.
+One-element tensors and numpy arrays (a custom loop's ``total / n``) count as the numbers they hold;
 NaN or missing values are left out (1.12's nanmean); non-numbers (e.g. ``profile``) come from rank 0.
 A NaN (a diverging rank) is logged, one warning per call naming each metric's ranks.
 
@@ -14,7 +15,7 @@ import numbers
 
 import numpy as np
 
-from raysgd.utils import BATCH_COUNT, NUM_SAMPLES
+from raysgd.utils import BATCH_COUNT, NUM_SAMPLES, to_host
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +26,20 @@ def _is_number(value):
     return isinstance(value, numbers.Number) and not isinstance(value, bool)
 
 
+def _as_numbers(metrics):
+    """``metrics`` with one-element tensors and numpy arrays as Python numbers (``to_host``), others as given."""
+    if not metrics:
+        return metrics
+    values = to_host(metrics.values())  # one device read per worker dict, not one per metric
+    values = [v.item() if isinstance(v, np.ndarray) and v.size == 1 else v for v in values]
+    return dict(zip(metrics.keys(), values))
+
+
 def reduce_worker_stats(stats):
     """Reduce a list of per-worker dicts (rank order) as the module docstring says."""
     if not stats:
         return {}
+    stats = [_as_numbers(s) for s in stats]
     samples = [s.get(NUM_SAMPLES) for s in stats]
     reduced = {}
     if any(_is_number(n) for n in samples):
@@ -78,6 +89,7 @@ def merge_partial(earlier, later):
         return later
     if not later:
         return earlier
+    earlier, later = _as_numbers(earlier), _as_numbers(later)
     n1, n2 = earlier.get(NUM_SAMPLES, 0) or 0, later.get(NUM_SAMPLES, 0) or 0
     merged = dict(earlier)
     for key, value in later.items():

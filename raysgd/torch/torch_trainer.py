@@ -198,6 +198,7 @@ class TorchTrainer:
             >>> stats = trainer.train(profile=True)  # doctest: +SKIP
             >>> stats["train_loss"], stats["num_samples"], stats["profile"]["mean_fwd_s"]  # doctest: +SKIP
         """
+        num_steps = attempts.check_num_steps(num_steps)  # before any work: None, or an int >= 0 (0: no batch)
         data = ray_data.as_input(dataset, self.training_operator_cls, num_steps) if dataset is not None else None
         reporter = self._progress.start(local=self.use_local) if self._progress is not None else None
         completed = False
@@ -229,6 +230,7 @@ class TorchTrainer:
         Example:
             >>> trainer.validate()["val_loss"]  # doctest: +SKIP
         """
+        num_steps = attempts.check_num_steps(num_steps)
         stats = attempts.run_call(self, "validate", max_retries, dict(num_steps=num_steps, profile=profile,
                                                                         info=dict(info or {}), lockstep=True))
         return self._log_result("validate", stats, reduce_results)
@@ -358,3 +360,12 @@ class TorchTrainer:
         from raysgd.torch.tune import make_trainable  # noqa: PLC0415 (Tune stays optional)
 
         return make_trainable(cls, *args, override_tune_step=override_tune_step, **kwargs)
+
+
+def __getattr__(name):
+    """``BaseTorchTrainable``, where 1.x defined it; :mod:`raysgd.torch.tune` imports Ray Tune, so on first use."""
+    if name == "BaseTorchTrainable":
+        from raysgd.torch.tune import BaseTorchTrainable  # noqa: PLC0415 (Tune stays optional until used)
+
+        return BaseTorchTrainable
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

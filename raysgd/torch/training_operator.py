@@ -25,34 +25,13 @@ from torch.nn.parallel import DistributedDataParallel
 from raysgd.torch import accumulation as _accumulation
 from raysgd.torch import compiled as _compiled
 from raysgd.torch import data as _data
+from raysgd.torch import registration as _registration
 from raysgd.torch.constants import SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH
 from raysgd.torch.operator_precision import PrecisionHelpers
 from raysgd.torch.precision import LegacyAmp, Precision
 from raysgd.utils import DATA_SEED, NUM_SAMPLES, AverageMeterCollection, TimerCollection
 
 logger = logging.getLogger(__name__)
-
-
-def _as_list(value, kind, item_type):
-    """``(items, restore)``: the items as a list, and a function giving back the caller's container shape."""
-    if isinstance(value, item_type):
-        items, restore = [value], (lambda xs: xs[0])
-    elif isinstance(value, (list, tuple)):
-        items = list(value)
-        restore = tuple if isinstance(value, tuple) else list
-    else:
-        raise TypeError(f"register({kind}=...) expects a {item_type.__name__} or a list/tuple of them; "
-                        f"got {type(value).__name__}")
-    for item in items:
-        if not isinstance(item, item_type):
-            raise TypeError(f"register({kind}=...) expects {item_type.__name__} items; got {type(item).__name__}")
-    return items, restore
-
-
-def _check_dict(name, value):
-    if value is not None and not isinstance(value, dict):
-        raise ValueError(f"register({name}=...) expects a dict of keyword arguments; got {value!r}")
-    return value or {}
 
 
 class TrainingOperator(PrecisionHelpers):
@@ -107,13 +86,12 @@ class TrainingOperator(PrecisionHelpers):
             >>> # self.model, self.optimizer, self.criterion = self.register(
             >>> #     models=model, optimizers=optimizer, criterion=torch.nn.MSELoss())
         """
-        ddp_args = _check_dict("ddp_args", ddp_args)
-        apex_args = _check_dict("apex_args", apex_args)
-        model_list, model_shape = _as_list(models, "models", torch.nn.Module)
-        optim_list, optim_shape = _as_list(optimizers, "optimizers", torch.optim.Optimizer)
-        if schedulers is not None and not self._scheduler_step_freq:
-            raise ValueError("register(schedulers=...) needs TorchTrainer(scheduler_step_freq=...) set to "
-                             "'batch', 'epoch' or 'manual'; got scheduler_step_freq=None")
+        ddp_args = _registration.check_dict("ddp_args", ddp_args)
+        apex_args = _registration.check_dict("apex_args", apex_args)
+        model_list, model_shape = _registration.as_list(models, "models", torch.nn.Module)
+        optim_list, optim_shape = _registration.as_list(optimizers, "optimizers", torch.optim.Optimizer)
+        sched_list = _registration.check_schedulers(schedulers, self._scheduler_step_freq)
+        self._given_models = list(model_list)  # the caller's objects: self.model may still be one of them
         model_list = [model.to(self._device) for model in model_list]
         if criterion is not None and hasattr(criterion, "to"):
             criterion = criterion.to(self._device)
@@ -131,7 +109,6 @@ class TrainingOperator(PrecisionHelpers):
         if criterion is not None:
             returns.append(criterion)
         if schedulers is not None:
-            sched_list = list(schedulers) if isinstance(schedulers, (list, tuple)) else [schedulers]
             self._schedulers = sched_list
             returns.append(schedulers if not isinstance(schedulers, (list, tuple)) else type(schedulers)(sched_list))
         return tuple(returns)
@@ -212,8 +189,8 @@ class TrainingOperator(PrecisionHelpers):
             output = model(*features)
             loss = criterion(output, target)
         num_samples = target.size(0)
-        accuracy = 0.0
-        if output.dim() > 1 and output.size(0) == num_samples:
+        accuracy = 0.0  # only for (N, C) scores and N class indices: a regression target (N, k) gets none
+        if output.dim() == 2 and output.size(0) == target.numel() == num_samples and not target.is_floating_point():
             correct = (output.argmax(dim=1) == target.view(-1).to(output.device)).sum()
             accuracy = correct.double() / max(num_samples, 1)  # stays on the device: no sync per batch
         return {"val_loss": loss.detach(), "val_accuracy": accuracy, NUM_SAMPLES: num_samples}
@@ -227,9 +204,15 @@ class TrainingOperator(PrecisionHelpers):
 
     # ----------------------------------------------------------------- internals
     def _component(self, attr, registered):
-        """``self.<attr>`` if the user set it, else the single registered component of that kind."""
+        """``self.<attr>`` if the user set it, else the single registered component of that kind.
+
+        A ``self.model`` that is a module given to ``register`` (its return value not kept) is its registered
+        (DDP-wrapped) form: the plain module would train without synchronising gradients."""
         value = getattr(self, attr, None)
         if value is not None:
+            for index, given in enumerate(getattr(self, "_given_models", ()) if attr == "model" else ()):
+                if value is given or value is self._original_models[index]:
+                    return self._models[index]
             return value
         items = getattr(self, registered, None)
         if registered == "_criterion" and items is not None:
@@ -385,15 +368,10 @@ class TrainingOperator(PrecisionHelpers):
         return from_ptl(lightning_module_cls, train_dataloader, val_dataloader, **options)
 
 
-def get_test_operator(operator_cls):
-    """Test helper (1.x): an operator whose train/validate run ``config["custom_func"]`` or return ``{"done": 1}``."""
-    from raysgd.torch.creator_operator import get_test_operator as impl  # noqa: PLC0415
+def __getattr__(name):
+    """1.x's names in this module, defined in :mod:`raysgd.torch.creator_operator` (which imports this one)."""
+    if name in ("CreatorOperator", "get_test_operator", "get_test_metrics_operator"):
+        from raysgd.torch import creator_operator  # noqa: PLC0415 (cycle)
 
-    return impl(operator_cls)
-
-
-def get_test_metrics_operator(operator_cls):
-    """Test helper (1.x): an operator reporting ``config["scores"]`` / ``config["val_scores"]`` under ``config["key"]``."""
-    from raysgd.torch.creator_operator import get_test_metrics_operator as impl  # noqa: PLC0415
-
-    return impl(operator_cls)
+        return getattr(creator_operator, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,6 +17,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from raysgd.torch import cluster_state, constants, diagnostics, reform
 from raysgd.torch.errors import CollectiveError, WorkerFailure
+from raysgd.torch.failures import describe
 from raysgd.torch.local_runner import AbandonedCall, LocalCall, LocalRunner
 from raysgd.torch.placement import Placement
 from raysgd.torch.worker import TorchWorker
@@ -29,6 +30,8 @@ _USER_ERROR_GRACE_S = 2.0
 _CAUSE_GRACE_S = 1.0
 _LOCAL_TICK_S = 0.05  # how often a local rank 0's thread is checked while remote ranks are watched
 _LOCAL_STOP_S = 10.0  # how long rank 0's call gets to end once its peers were killed
+#: 1.x's name for the default scale-up cooldown (set ``SGD_RESIZE_COOLDOWN_S`` to change it).
+RESIZE_COOLDOWN_S = constants.RESIZE_COOLDOWN_S
 
 class WorkerGroup:
     """``num_workers`` replicas: rank 0 optionally in the driver, the rest Ray actors in one placement group.
@@ -183,7 +186,7 @@ class WorkerGroup:
                 return value
             lost[handle.rank] = error
         self.broken = True  # every rank is gone: the next call restarts the group
-        raise WorkerFailure(f"no worker answered {method}", {r: _describe(e) for r, e in lost.items()})
+        raise WorkerFailure(f"no worker answered {method}", {r: describe(e) for r, e in lost.items()})
 
     def answers(self, method, *args, deadline_s=None, **kwargs):
         """``{rank: result}`` of ``method`` from every rank that answers (sent to all at once); like
@@ -328,7 +331,7 @@ class WorkerGroup:
             except Exception as err:  # noqa: BLE001 (the failure matters more than its forensics)
                 stacks = {rank: f"no stack: {type(err).__name__}: {err}" for rank in unresponsive}
         self._kill_all(keep)
-        descriptions = {rank: _describe(err) for rank, err in failures.items()}
+        descriptions = {rank: describe(err) for rank, err in failures.items()}
         failure = WorkerFailure(message, descriptions, unresponsive, stacks)
         logger.warning("Ending the attempt: %s", failure)
         raise failure from (cause if isinstance(cause, BaseException) else None)  # a timeout's cause is text
@@ -391,10 +394,3 @@ class WorkerGroup:
                     {key: before.get(key, 0) + amount for key, amount in held.items()},
                     timeout_s=constants.SGD_SHUTDOWN_TIMEOUT_S)
 
-
-def _describe(err):
-    if isinstance(err, CollectiveError):
-        return err.message
-    if isinstance(err, RayActorError):
-        return "worker process died (" + str(err).splitlines()[0][:200] + ")"
-    return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"

@@ -1,0 +1,67 @@
+"""Checking what an operator's ``setup()`` passes to ``register()``, before anything is trained.
+
+Layer 1: imports torch and layer 0. :meth:`~raysgd.torch.training_operator.TrainingOperator.register`
+calls these; each error names the argument, what was expected and what was given.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Linear(1, 1)
+    >>> items, restore = as_list((model,), "models", torch.nn.Module)
+    >>> items == [model], type(restore(items)).__name__
+    (True, 'tuple')
+    >>> plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(torch.optim.SGD(model.parameters(), lr=0.1))
+    >>> check_schedulers([plateau], "manual") == [plateau]
+    True
+    >>> check_schedulers(plateau, "epoch")
+    Traceback (most recent call last):
+    ...
+    ValueError: register(schedulers=...): ReduceLROnPlateau.step() needs a metric, ...
+"""
+import torch
+
+from raysgd.torch.constants import SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH
+
+
+def as_list(value, kind, item_type):
+    """``(items, restore)``: the items as a list, and a function giving back the caller's container shape."""
+    if isinstance(value, item_type):
+        items, restore = [value], (lambda xs: xs[0])
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+        restore = tuple if isinstance(value, tuple) else list
+    else:
+        raise TypeError(f"register({kind}=...) expects a {item_type.__name__} or a list/tuple of them; "
+                        f"got {type(value).__name__}")
+    for item in items:
+        if not isinstance(item, item_type):
+            raise TypeError(f"register({kind}=...) expects {item_type.__name__} items; got {type(item).__name__}")
+    return items, restore
+
+
+def check_dict(name, value):
+    """``value`` (a dict of keyword arguments, or None) as a dict."""
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"register({name}=...) expects a dict of keyword arguments; got {value!r}")
+    return value or {}
+
+
+def check_schedulers(schedulers, step_freq):
+    """The schedulers as a list (None when none), refusing those the trainer could not step.
+
+    A scheduler needs ``scheduler_step_freq``; a ``ReduceLROnPlateau`` needs a metric at each step, which
+    only ``"manual"`` (``trainer.update_scheduler(metric)``) gives: stepped per batch or epoch, it would fail
+    only once the first epoch had been trained.
+    """
+    if schedulers is None:
+        return None
+    if not step_freq:
+        raise ValueError("register(schedulers=...) needs TorchTrainer(scheduler_step_freq=...) set to "
+                         "'batch', 'epoch' or 'manual'; got scheduler_step_freq=None")
+    items = list(schedulers) if isinstance(schedulers, (list, tuple)) else [schedulers]
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
+    if step_freq in (SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH) and any(isinstance(s, plateau) for s in items):
+        raise ValueError(f"register(schedulers=...): ReduceLROnPlateau.step() needs a metric, which "
+                         f"scheduler_step_freq={step_freq!r} cannot give. Use TorchTrainer(scheduler_step_freq="
+                         f"\"manual\") and call trainer.update_scheduler(metric) after validate(), e.g. "
+                         f"trainer.update_scheduler(trainer.validate()[\"val_loss\"]).")
+    return items
