@@ -158,3 +158,20 @@ def test_a_re_formed_group_is_never_smaller_than_a_restart_or_the_minimum():
     assert plan({0: "a", 2: "c"}, {"a", "c"}, kept, min_size=2, fit_elsewhere=1, size=3) is None
     assert plan({0: "a", 2: "c"}, {"a", "c"}, kept, min_size=3, fit_elsewhere=0, size=3) is None
     assert plan({0: "a"}, {"a"}, {}, min_size=1, fit_elsewhere=0) is None  # nobody survived
+
+
+def test_an_nccl_misuse_is_a_user_error_and_a_lost_nccl_peer_a_collective_failure():
+    """A user error is never retried: an NCCL "invalid usage" (a bug that a restart repeats) keeps its type, even as
+    torch's DistBackendError; an NCCL error from a lost peer or a timeout is a collective failure (retried)."""
+    import torch.distributed as dist
+
+    from raysgd.torch.errors import is_collective_failure
+
+    misuse = "NCCL error in: ProcessGroupNCCL.cpp:1970, invalid usage (run with NCCL_DEBUG=WARN for details)"
+    assert not is_collective_failure(RuntimeError(misuse))
+    assert not is_collective_failure(dist.DistBackendError(misuse))
+    assert not is_collective_failure(RuntimeError("my own check failed: NCCL buffers must be contiguous"))
+    assert is_collective_failure(RuntimeError("NCCL error: remote process exited or there was a network error"))
+    assert is_collective_failure(RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5)"))
+    assert is_collective_failure(dist.DistBackendError("NCCL communicator was aborted on rank 1"))
+    assert is_collective_failure(RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242"))

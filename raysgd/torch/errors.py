@@ -60,10 +60,26 @@ class WorkerFailure(RuntimeError):
 
 
 _COLLECTIVE_MARKERS = ("Timed out", "Connection closed by peer", "Connection reset by peer", "NCCL", "Broken pipe")
+#: An NCCL error that a lost or stuck peer (or a failing GPU or link) causes, in lower case.
+_NCCL_FAILURE_MARKERS = ("remote process", "remoteerror", "system error", "systemerror", "abort", "timed out",
+                         "timeout", "connection", "closed", "watchdog", "unhandled cuda error", "internal error")
+#: An NCCL error that the program's own misuse causes (a retry repeats it), in lower case.
+_NCCL_MISUSE_MARKERS = ("invalid usage", "invalidusage", "invalid argument", "invalidargument")
 
 
 def is_collective_failure(err):
-    """True if ``err`` looks like a torch.distributed timeout or lost peer rather than a user bug."""
+    """True if ``err`` looks like a torch.distributed timeout or lost peer rather than a user bug.
+
+    Example:
+        >>> is_collective_failure(RuntimeError("NCCL error: remote process exited or there was a network error"))
+        True
+        >>> is_collective_failure(RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1, invalid usage"))
+        False
+    """
+    text = str(err)
+    lower = text.lower()
+    if "nccl" in lower and any(marker in lower for marker in _NCCL_MISUSE_MARKERS):
+        return False  # the program's bug, even inside a DistBackendError: never retried
     try:
         import torch.distributed as dist  # noqa: PLC0415 (keeps this module torch-free)
 
@@ -72,10 +88,9 @@ def is_collective_failure(err):
             return True
     except ImportError:  # pragma: no cover
         pass
-    text = str(err)
     return isinstance(err, RuntimeError) and (
-        ("gloo" in text.lower() and any(m in text for m in _COLLECTIVE_MARKERS)) or "NCCL" in text
-    )
+        ("gloo" in lower and any(m in text for m in _COLLECTIVE_MARKERS))
+        or ("nccl" in lower and any(marker in lower for marker in _NCCL_FAILURE_MARKERS)))
 
 
 class PlacementUnavailable(RuntimeError):
