@@ -189,3 +189,14 @@ def test_every_worker_lost_between_calls_restarts_from_the_last_restart_point(tr
     assert trainer.num_failures == 1 and trainer.worker_group.num_workers == 2
     assert stats["epoch"] == 2 and stats["num_samples"] == 40  # epoch 2 was lost with the workers: trained again
     assert trainer.get_model() is not None and trainer.validate()["num_samples"] == 100
+
+
+def test_a_strict_spread_group_on_one_node_does_not_try_to_grow_at_every_call(trainers, monkeypatch):
+    """STRICT_SPREAD needs a node per worker: on one node a (1, 2) range stays at 1 worker in the same process
+    (it used to tear its group down at every call, wait for 2 bundles that could never be placed, and restart)."""
+    monkeypatch.setenv("SGD_RESIZE_COOLDOWN_S", "0")
+    trainer = trainers(config=dict(CONFIG, data_size=40), num_workers=(1, 2), placement_strategy="STRICT_SPREAD")
+    pids = trainer.apply_all_workers(os.getpid)
+    for _ in range(2):
+        assert trainer.train()["num_samples"] == 40
+        assert trainer.apply_all_workers(os.getpid) == pids and trainer.worker_group.num_workers == 1

@@ -175,3 +175,15 @@ def test_an_nccl_misuse_is_a_user_error_and_a_lost_nccl_peer_a_collective_failur
     assert is_collective_failure(RuntimeError("Watchdog caught collective operation timeout: WorkNCCL(SeqNum=5)"))
     assert is_collective_failure(dist.DistBackendError("NCCL communicator was aborted on rank 1"))
     assert is_collective_failure(RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242"))
+
+
+def test_fit_counts_what_the_placement_strategy_allows():
+    from raysgd.torch.recovery import fit_for_strategy
+
+    free = {"a": {"CPU": 3.0}, "b": {"CPU": 1.0}, "c": {"CPU": 0.0}}
+    assert fit_for_strategy(free, set(), "STRICT_SPREAD", 1, 0, 8) == 2  # one per node that has room
+    assert fit_for_strategy(free, {"a"}, "STRICT_SPREAD", 1, 0, 8) == 1  # node a holds a worker already
+    assert fit_for_strategy(free, {"a", "b"}, "STRICT_SPREAD", 1, 0, 8) == 0
+    assert fit_for_strategy(free, {"b"}, "STRICT_PACK", 1, 0, 8) == 1  # only on the group's own node
+    assert fit_for_strategy(free, set(), "STRICT_PACK", 1, 0, 8) == 3  # a new group: the roomiest node
+    assert fit_for_strategy(free, {"a"}, "PACK", 1, 0, 8) == fit_for_strategy(free, {"a"}, "SPREAD", 1, 0, 8) == 4

@@ -74,13 +74,14 @@ class Placement:
                 break
             time.sleep(0.05)
 
-    def how_many_fit(self, limit, settle_s=0.0):
+    def how_many_fit(self, limit, settle_s=0.0, own_pg=None):
         """How many workers fit now (counting CPUs and GPUs per worker on each node), at most ``limit``.
 
         Ray's resource view lags a release by a moment: with ``settle_s`` (a restart after a failure)
         it first waits until Ray reports dead every node whose raylet is gone (so no worker is placed
         on a node that is going away), then polls for up to ``settle_s`` until ``limit`` workers fit,
-        and returns the best count seen.
+        and returns the best count seen. The strategy counts (``STRICT_SPREAD``: a node per worker, ``STRICT_PACK``:
+        one node), with ``own_pg``, the group's current placement group, telling which nodes it holds already.
         """
         trial_pg = get_current_placement_group()
         if trial_pg is not None:
@@ -93,10 +94,21 @@ class Placement:
             try:
                 from ray._private.state import state  # noqa: PLC0415 (per-node view; no public equivalent)
 
-                nodes = list(state.available_resources_per_node().values())
+                nodes = dict(state.available_resources_per_node())
             except Exception:  # noqa: BLE001 (fall back to the cluster-wide sum)
-                nodes = [ray.available_resources()]
-            best = max(best, recovery.workers_that_fit(nodes, self._cpus, self._gpus, limit))
+                nodes = {None: ray.available_resources()}
+            best = max(best, recovery.fit_for_strategy(nodes, _nodes_of(own_pg), self.strategy, self._cpus,
+                                                       self._gpus, limit))
             if best >= limit or time.monotonic() >= deadline:
                 return best
             time.sleep(0.1)
+
+
+def _nodes_of(pg):
+    """The node ids holding ``pg``'s bundles (empty for None or an unknown group)."""
+    if pg is None:
+        return set()
+    try:
+        return set(ray.util.placement_group_table(pg).get("bundles_to_node_id", {}).values())
+    except Exception:  # noqa: BLE001 (a removed group: holds nothing)
+        return set()

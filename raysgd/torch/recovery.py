@@ -23,10 +23,15 @@ def backoff_delays(tries, base_s=1.0, cap_s=60.0):
         yield min(cap_s, base_s * (2 ** attempt))
 
 
-def workers_that_fit(nodes, cpus_per_worker, gpus_per_worker, limit):
+def workers_that_fit(nodes, cpus_per_worker, gpus_per_worker, limit, per_node=None):
     """How many workers fit on nodes with the given free resources (one dict per node), at most ``limit``.
 
-    Each worker needs ``cpus_per_worker`` CPUs and ``gpus_per_worker`` GPUs on one node.
+    Each worker needs ``cpus_per_worker`` CPUs and ``gpus_per_worker`` GPUs on one node; ``per_node`` caps
+    what one node holds (1 for a ``STRICT_SPREAD`` placement group).
+
+    Example:
+        >>> workers_that_fit([{"CPU": 4}, {"CPU": 2}], 1, 0, limit=8), workers_that_fit([{"CPU": 4}], 1, 0, 8, 1)
+        (6, 1)
     """
     total = 0
     for free in nodes:
@@ -35,10 +40,35 @@ def workers_that_fit(nodes, cpus_per_worker, gpus_per_worker, limit):
             fits = min(fits, math.floor(free.get("CPU", 0.0) / cpus_per_worker + 1e-9))
         if gpus_per_worker > 0:
             fits = min(fits, math.floor(free.get("GPU", 0.0) / gpus_per_worker + 1e-9))
+        fits = min(fits, per_node if per_node is not None else math.inf)
         total += limit if fits == math.inf else int(fits)
         if total >= limit:
             return limit
     return total
+
+
+def fit_for_strategy(free_by_node, own_nodes, strategy, cpus_per_worker, gpus_per_worker, limit):
+    """How many more workers a group of placement ``strategy`` can take now, at most ``limit``.
+
+    ``free_by_node``: ``{node: free resources}``; ``own_nodes``: the nodes holding the group's own bundles (empty
+    when it has none). ``STRICT_SPREAD`` needs a node of its own for each worker: one more per node the group is
+    not on. ``STRICT_PACK`` keeps every worker on one node: what the group's node (or, with none, the best node)
+    holds. Other strategies count every free slot.
+
+    Example:
+        >>> free = {"a": {"CPU": 3}, "b": {"CPU": 3}}
+        >>> [fit_for_strategy(free, {"a"}, s, 1, 0, 8) for s in ("SPREAD", "STRICT_SPREAD", "STRICT_PACK")]
+        [6, 1, 3]
+    """
+    if strategy == "STRICT_SPREAD":
+        others = [free for node, free in free_by_node.items() if node not in own_nodes]
+        return workers_that_fit(others, cpus_per_worker, gpus_per_worker, limit, per_node=1)
+    if strategy == "STRICT_PACK":
+        candidates = [free for node, free in free_by_node.items() if node in own_nodes] if own_nodes \
+            else list(free_by_node.values())
+        return max((workers_that_fit([free], cpus_per_worker, gpus_per_worker, limit) for free in candidates),
+                   default=0)
+    return workers_that_fit(list(free_by_node.values()), cpus_per_worker, gpus_per_worker, limit)
 
 
 def should_scale_up(current, target, extra_fit, now, last_resize, cooldown_s):

@@ -79,7 +79,8 @@ class WorkerGroup:
         """How many workers fit now, at most ``limit`` (:meth:`Placement.how_many_fit`), plus the group's own
         placed bundles no worker uses (a lost node's, placed again): growing frees them."""
         spare = reform.spare_bundles(self._pg, self._handles) if self._own_pg and not self.broken else 0
-        return min(limit, spare + self._placement.how_many_fit(max(0, limit - spare), settle_s))
+        own = self._pg if self._own_pg and not self.broken else None
+        return min(limit, spare + self._placement.how_many_fit(max(0, limit - spare), settle_s, own_pg=own))
 
     # ----------------------------------------------------------------- start-up
     def start(self, n, operator_cls, config, pg_timeout_s=None, initialization_hook=None):
