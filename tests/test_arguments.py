@@ -89,3 +89,22 @@ def test_shutdown_releases_everything_and_later_use_says_so():
         trainer.train()
     with pytest.raises(RuntimeError, match="shut down"):
         trainer.worker_group.num_workers
+
+
+def _refuse_to_unpickle():
+    raise ValueError("this config cannot be rebuilt on a worker")
+
+
+class _BuiltOnlyHere:
+    """A config value whose unpickling (in the worker's constructor) raises."""
+
+    def __reduce__(self):
+        return _refuse_to_unpickle, ()
+
+
+def test_a_worker_that_cannot_be_created_is_a_clear_error_keeping_its_cause():
+    with pytest.raises(RuntimeError, match="could not be created") as info:
+        TorchTrainer(training_operator_cls=LinearOperator, num_workers=2, timeout_s=30,
+                     config={"value": _BuiltOnlyHere()})
+    assert "cannot be rebuilt on a worker" in str(info.value.__cause__)  # the constructor's own error is kept
+    assert_released()

@@ -309,7 +309,9 @@ class WorkerGroup:
             results[rank] = value
             return None
         if isinstance(error, RayActorError) and error.actor_init_failed:  # deterministic: not retried
-            return RuntimeError(f"rank {rank} could not be created: {error}"), time.monotonic(), rank
+            failed = RuntimeError(f"rank {rank} could not be created: {error}")
+            failed.__cause__ = error  # the constructor's own error, with its traceback
+            return failed, time.monotonic(), rank
         cause = error.cause if isinstance(error, RayTaskError) else error
         if isinstance(cause, (CollectiveError, AbandonedCall)) or (
                 isinstance(error, RayError) and not isinstance(error, RayTaskError)):
