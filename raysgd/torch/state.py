@@ -46,6 +46,11 @@ def host_copy(value):
         >>> c = host_copy({"a": [t]})
         >>> c["a"][0] is t, bool((c["a"][0] == t).all())
         (False, True)
+        >>> import collections
+        >>> Pair = collections.namedtuple("Pair", "x y")
+        >>> p = host_copy(Pair(t, 1))
+        >>> type(p).__name__, p.x is t
+        ('Pair', False)
     """
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
@@ -54,8 +59,9 @@ def host_copy(value):
         return type(value)(items) if type(value) in (dict, collections.OrderedDict) else dict(items)
     if isinstance(value, list):
         return [host_copy(item) for item in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(host_copy(item) for item in value)
+    if isinstance(value, tuple):  # a namedtuple keeps its type (its tensors are copied too)
+        items = [host_copy(item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
     return value
 
 
