@@ -19,7 +19,7 @@ import torch
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
 
-from helpers import LinearOperator  # noqa: E402
+from helpers import FaultyOperator  # noqa: E402 (LinearOperator's loops, with input dropout)
 
 from raysgd import TorchTrainer  # noqa: E402
 
@@ -39,7 +39,7 @@ def main():
     pythonpath = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(address="local", num_cpus=2, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
-    trainer = TorchTrainer(training_operator_cls=LinearOperator, num_workers=2, storage_path=args.storage,
+    trainer = TorchTrainer(training_operator_cls=FaultyOperator, num_workers=2, storage_path=args.storage,
                            logdir=args.logdir, timeout_s=60,
                            config={"lr": 0.05, "momentum": 0.9, "shuffle": True, "batch_size": 8, "data_size": 64,
                                    "input_dropout": 0.3})  # random draws every batch; validate() between

@@ -15,14 +15,8 @@ from raysgd.utils import BATCH_SIZE
 
 class LinearOperator(TrainingOperator):
     """Linear regression on LinearDataset(2, 5); config: lr, momentum, batch_size or BATCH_SIZE, data_size,
-    val_size, compile (registered as ``torch.compile(model, **config["compile"])``), input_dropout (dropout on
-    the inputs in training: every batch draws from each rank's own torch stream, as a model's dropout does)."""
-
-    def train_batch(self, batch, batch_info):
-        if self.config.get("input_dropout"):
-            features, target = batch
-            batch = (nn.functional.dropout(features, self.config["input_dropout"]), target)
-        return super().train_batch(batch, batch_info)
+    val_size, compile (registered as ``torch.compile(model, **config["compile"])``). Its loops are the default
+    ones (tests rely on that)."""
 
     def setup(self, config):
         torch.manual_seed(config.get("seed", 0))
@@ -76,9 +70,14 @@ class FaultyOperator(LinearOperator):
     ``fault["kind"]``: ``"exit"`` (``os._exit``), ``"sleep"`` (stuck but alive), ``"signal"`` (writes its pid to
     ``fault["marker"]`` and carries on, for the driver to kill it). The marker file makes it happen once, unless
     ``fault["always"]``. ``config["batch_sleep"]`` slows every batch so a fault lands mid-epoch.
+    ``config["input_dropout"]``: dropout on the inputs, so every batch draws from each rank's own torch stream, as a
+    model's dropout does.
     """
 
     def train_batch(self, batch, batch_info):
+        if self.config.get("input_dropout"):
+            features, target = batch
+            batch = (nn.functional.dropout(features, self.config["input_dropout"]), target)
         fault = self.config.get("fault")
         if fault and self.world_rank == fault["rank"] and batch_info["batch_idx"] == fault["batch"]:
             if fault.get("always") or not os.path.exists(fault["marker"]):

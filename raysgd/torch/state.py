@@ -124,12 +124,19 @@ class preserved_rng:  # noqa: N801 (used as a context manager, like torch.random
         True
     """
 
-    def __enter__(self):
-        self._saved = rng_state()
+    def __enter__(self):  # the native forms: nothing is converted (no tensor is read into Python)
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self._saved = (torch.get_rng_state(), np.random.get_state(), random.getstate(),
+                       torch.cuda.get_rng_state_all() if cuda else None)
         return self
 
     def __exit__(self, *exc):
-        set_rng_state(self._saved)
+        cpu, numpy_state, python_state, cuda = self._saved
+        torch.set_rng_state(cpu)
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
         return False
 
 
