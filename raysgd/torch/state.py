@@ -23,6 +23,7 @@ Example:
     True
 """
 import collections
+import contextlib
 import logging
 import random
 
@@ -109,9 +110,11 @@ def set_rng_state(state):
             torch.cuda.set_rng_state(_as_tensor(states[index]), index)
 
 
-class preserved_rng:  # noqa: N801 (used as a context manager, like torch.random.fork_rng)
+@contextlib.contextmanager
+def preserved_rng():
     """Leave every random stream of this process as it was on entry (e.g. around validation, whose data loader
-    draws a seed from torch's stream, so that validating never changes what training draws next).
+    draws a seed from torch's stream, so that validating never changes what training draws next). Saved in the
+    native forms: no tensor is read into Python.
 
     Example:
         >>> import torch
@@ -123,21 +126,17 @@ class preserved_rng:  # noqa: N801 (used as a context manager, like torch.random
         >>> bool(torch.rand(1) == a)
         True
     """
-
-    def __enter__(self):  # the native forms: nothing is converted (no tensor is read into Python)
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        self._saved = (torch.get_rng_state(), np.random.get_state(), random.getstate(),
-                       torch.cuda.get_rng_state_all() if cuda else None)
-        return self
-
-    def __exit__(self, *exc):
-        cpu, numpy_state, python_state, cuda = self._saved
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cpu, numpy_state, python_state = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    cuda_states = torch.cuda.get_rng_state_all() if cuda else None
+    try:
+        yield
+    finally:
         torch.set_rng_state(cpu)
         np.random.set_state(numpy_state)
         random.setstate(python_state)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        return False
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
 
 
 # ----------------------------------------------------------------- build and restore
