@@ -8,8 +8,11 @@ A ``ray.cluster_utils.Cluster`` with a 0-CPU head and two 1-CPU worker nodes; 2 
 the MLP of ``workloads.py`` with commits every 10 steps. Rank 1 stops at step 25 of the epoch; once the commit at
 step 20 is stored, the benchmark either SIGKILLs rank 1's process (its node lives on: its bundle takes a
 replacement) or removes rank 1's node (the group goes on without it). Each is run with survivors kept (the
-default) and with ``SGD_KEEP_SURVIVORS=0`` (every worker restarts, as before). The table gives the seconds from
-the kill to the first batch trained again (median of ``--repeats``) and the workers after recovery.
+default) and with ``SGD_KEEP_SURVIVORS=0`` (every worker restarts, as before). A third case drains rank 1's node
+instead (Ray's preemption notice, as ``ray start --block`` sends it on SIGTERM) once the step-20 commit is stored,
+with a spare node to move to; rank 1 does not stop. The table gives the seconds from the event to training resumed
+(the end of the longest pause in the batch log after it; median of ``--repeats``), the batches computed twice,
+and the workers and failures after recovery.
 """
 import json
 import os
@@ -31,6 +34,38 @@ from workloads import workload_spec  # noqa: E402
 
 FAST_HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
 DEADLINE_S = 300
+EVENTS = {"process": "rank 1's process killed", "node": "rank 1's node lost",
+          "drain": "rank 1's node drained (notice)"}
+
+
+def _live_worker_nodes():
+    return sum(1 for node in ray.nodes() if node["Alive"] and node["Resources"].get("CPU", 0) > 0)
+
+
+def _add_node(cluster):
+    """One more 1-CPU node, once Ray lists it (``wait_for_nodes`` also counts drained nodes that ended)."""
+    want, deadline = _live_worker_nodes() + 1, time.monotonic() + DEADLINE_S
+    cluster.add_node(num_cpus=1)
+    while _live_worker_nodes() < want and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _drain(cluster, node_id):
+    from ray.core.generated import autoscaler_pb2  # noqa: PLC0415
+
+    accepted, why = ray._raylet.GcsClient(address=cluster.address).drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"), "benchmark: preempted",
+        int((time.time() + 120) * 1000))
+    if not accepted:
+        raise RuntimeError(f"the drain was refused: {why}")
+
+
+def _resumed_s(stamps, t_event):
+    """Seconds from ``t_event`` to the first batch after the longest pause in the batch log that follows it."""
+    after = [t for t in stamps if t > t_event]
+    before = max([t for t in stamps if t <= t_event], default=t_event)
+    gaps = [(b - a, b) for a, b in zip([before, *after], after)]
+    return max(gaps)[1] - t_event
 
 
 def _one(cluster, fault, keep, smoke, work_dir, run):
@@ -38,10 +73,13 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
     steps, step = (40, 25) if smoke else (120, 25)
     log, path = os.path.join(work_dir, f"log-{run}"), os.path.join(work_dir, f"fault-{run}")
     os.environ["SGD_KEEP_SURVIVORS"] = "1" if keep else "0"
+    if fault == "drain":
+        _add_node(cluster)  # somewhere to move to; the drained node ends once the workers left it
     trainer = TorchTrainer(training_operator_cls=LoggingOperator, num_workers=2, timeout_s=60,
                            commit_every_n_steps=10,
                            config=dict(model="mlp", batch_size=sizes["batch_size"], log=log, fault_step=step,
-                                       fault_path=path, num_samples=2 * sizes["batch_size"] * steps))
+                                       fault_path=None if fault == "drain" else path,
+                                       num_samples=2 * sizes["batch_size"] * steps))
     try:
         node_of_rank1 = trainer.apply_all_workers(lambda: ray.get_runtime_context().get_node_id())[1]
         result = {}
@@ -49,12 +87,15 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
         thread.start()
         deadline = time.monotonic() + DEADLINE_S
         while time.monotonic() < deadline and thread.is_alive():  # the stop at step 25, after the step-20 commit
-            if os.path.exists(path) and ((trainer.latest_commit() or {}).get("cursor", {}).get("steps", -1) >= 20):
+            if (fault == "drain" or os.path.exists(path)) and \
+                    (trainer.latest_commit() or {}).get("cursor", {}).get("steps", -1) >= 20:
                 break
             time.sleep(0.01)
         t_kill = time.time()
         if fault == "process":
             os.kill(int(open(path).read()), signal.SIGKILL)
+        elif fault == "drain":
+            _drain(cluster, node_of_rank1)
         else:
             cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node_of_rank1),
                                 allow_graceful=False)
@@ -62,14 +103,13 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
         if "stats" not in result:
             raise RuntimeError(f"train() did not finish ({fault}, keep={keep})")
         stamps = [float(line) for line in open(log).read().split()]
-        return {"kill_to_next_batch_s": min(t for t in stamps if t > t_kill) - t_kill,
+        return {"resumed_s": _resumed_s(stamps, t_kill), "recomputed": len(stamps) - 2 * steps,
                 "workers_after": trainer.worker_group.num_workers, "failures": trainer.num_failures,
                 "num_samples": result["stats"]["num_samples"]}
     finally:
         trainer.shutdown()
         if fault == "node":
-            cluster.add_node(num_cpus=1)  # back to two worker nodes for the next run
-            cluster.wait_for_nodes()
+            _add_node(cluster)  # back to two worker nodes for the next run
 
 
 def main():
@@ -84,15 +124,18 @@ def main():
         ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
             [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])}})
         with tempfile.TemporaryDirectory() as work_dir:
-            for fault in ("process", "node"):
-                for keep in (True, False):
-                    runs = [_one(cluster, fault, keep, args.smoke_test, work_dir, f"{fault}-{keep}-{i}")
-                            for i in range(repeats)]
-                    times = sorted(r["kill_to_next_batch_s"] for r in runs)
-                    rows.append({"failure": "rank 1's process killed" if fault == "process" else "rank 1's node lost",
-                                 "survivors": "kept" if keep else "restarted (SGD_KEEP_SURVIVORS=0)",
-                                 "kill_to_next_batch_s": times[len(times) // 2],
-                                 "workers_after": runs[-1]["workers_after"], "repeats": repeats})
+            for fault, keep in (("process", True), ("process", False), ("node", True), ("node", False),
+                                ("drain", True)):
+                runs = [_one(cluster, fault, keep, args.smoke_test, work_dir, f"{fault}-{keep}-{i}")
+                        for i in range(repeats)]
+                times = sorted(r["resumed_s"] for r in runs)
+                rows.append({"event": EVENTS[fault],
+                             "survivors": "all moved at a commit" if fault == "drain" else
+                             "kept" if keep else "restarted (SGD_KEEP_SURVIVORS=0)",
+                             "event_to_resumed_s": times[len(times) // 2],
+                             "recomputed_batches": max(r["recomputed"] for r in runs),
+                             "workers_after": runs[-1]["workers_after"], "failures": runs[-1]["failures"],
+                             "repeats": repeats})
     finally:
         os.environ.pop("SGD_KEEP_SURVIVORS", None)
         ray.shutdown()

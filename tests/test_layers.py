@@ -13,6 +13,7 @@ LAYERS = {
     "raysgd.torch.registration": 1,  # checking what setup() passes to register()
     "raysgd.torch.training_operator": 2, "raysgd.torch.creator_operator": 2, "raysgd.torch.state": 2,
     "raysgd.torch.committer": 3, "raysgd.torch.preemption": 3, "raysgd.torch.commit_store": 4, "raysgd.torch.commits": 5, "raysgd.torch.elastic": 5, "raysgd.torch.attempts": 5,
+    "raysgd.torch.draining": 5,  # leaving nodes Ray is draining (a preemption notice) at a commit point
     "raysgd.torch.reform": 4,  # re-forming a group from the survivors of a failure
     "raysgd.torch.worker": 3, "raysgd.torch.recovery": 3,
     "raysgd.torch.worker_group": 4, "raysgd.torch.mailbox": 4,

@@ -135,6 +135,47 @@ def test_a_failing_grow_check_only_delays_growing():
     assert group.requests == [] and not watch.requested
 
 
+def test_drain_watch_asks_once_when_a_worker_node_drains_and_the_group_can_move(caplog):
+    from raysgd.torch.draining import DrainWatch
+
+    now, found, size, group = [0.0], [{}], [None], _Group()
+    watch = DrainWatch(group, find=lambda: found[0], size_for=lambda ranks: size[0], attempt=lambda: (4, 2),
+                       check_s=1.0, clock=lambda: now[0])
+    now[0] = 1.0
+    watch.tick()
+    assert group.requests == [] and not watch.requested  # no worker's node is draining
+    found[0] = {1: "node-b"}
+    now[0] = 2.0
+    with caplog.at_level("WARNING", logger="raysgd.torch.draining"):
+        watch.tick()
+        now[0] = 3.0
+        watch.tick()
+    assert group.requests == [] and not watch.requested  # too few would fit elsewhere: stay
+    assert sum("staying until they go" in r.getMessage() for r in caplog.records) == 1  # logged once, not per tick
+    size[0] = 2
+    now[0] = 3.5
+    watch.tick()
+    assert group.requests == []  # within check_s of the last check
+    now[0] = 4.0
+    watch.tick()
+    assert group.requests == [(4, 2)] and watch.requested and watch.size == 2
+    now[0] = 9.0
+    watch.tick()
+    assert group.requests == [(4, 2)]  # one request per attempt
+
+
+def test_a_failing_drain_check_only_delays_the_move():
+    from raysgd.torch.draining import DrainWatch
+
+    def broken():
+        raise ConnectionError("the GCS is restarting")
+
+    group = _Group()
+    watch = DrainWatch(group, find=broken, size_for=len, attempt=lambda: (1, 0), check_s=0)
+    watch.tick()
+    assert group.requests == [] and not watch.requested
+
+
 def test_which_ranks_may_join_a_re_formed_group():
     from raysgd.torch import preemption, reform
     from raysgd.torch.errors import CollectiveError

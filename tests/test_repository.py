@@ -39,7 +39,8 @@ DOCTESTED = ["raysgd.utils", "raysgd.torch.recovery", "raysgd.torch.reduction", 
              "raysgd.torch.model_copy", "raysgd.data.dataset", "raysgd.data.examples.mlp_identity",
              "raysgd.torch.state", "raysgd.torch.committer", "raysgd.torch.commits", "raysgd.torch.elastic", "raysgd.torch.attempts",
              "raysgd.torch.reform", "raysgd.torch.compiled",
-             "raysgd.torch.operator_precision", "raysgd.torch.registration", "raysgd.torch.failures"]
+             "raysgd.torch.operator_precision", "raysgd.torch.registration", "raysgd.torch.failures",
+             "raysgd.torch.draining"]
 
 
 @pytest.mark.parametrize("name", DOCTESTED)

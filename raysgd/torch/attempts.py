@@ -11,6 +11,9 @@ Layer 5 helper of :mod:`raysgd.torch.torch_trainer` (layers 0-4): it drives the 
   checks every ``SGD_GROW_CHECK_S`` seconds whether more workers fit (after the resize cooldown). If
   so, the ranks stop at their next agreed commit point, and the same call goes on from that commit
   at the larger size. A resize is not a failure: it uses no retry.
+- When a worker's node is draining (a preemption notice), :class:`~raysgd.torch.draining.DrainWatch` stops the
+  ranks at their next agreed commit point in the same way, and the call goes on from it on nodes that are not
+  draining (no failure, no retry used); between calls the group moves before the call starts.
 - A user error ends the call; a ``train()`` puts the workers back to the call's starting state.
 
 Example:
@@ -25,7 +28,7 @@ import numbers
 
 import ray
 
-from raysgd.torch import elastic, preemption, recovery
+from raysgd.torch import draining, elastic, preemption, recovery
 from raysgd.torch.errors import WorkerFailure
 
 logger = logging.getLogger(__name__)
@@ -41,12 +44,13 @@ def _grow_watch(trainer):
     return elastic.GrowWatch(group, target, commits.committed_this_attempt)
 
 
-def _ticks(on_tick, watch):
-    if watch is None:
+def _ticks(on_tick, watches):
+    if not watches:
         return on_tick
 
     def tick():
-        watch.tick()
+        for watch in watches:
+            watch.tick()
         if on_tick is not None:
             on_tick()
 
@@ -78,20 +82,22 @@ def run_call(trainer, method, max_retries, kwargs):
         raise ValueError(f"max_retries expects an int >= 0; got {max_retries!r}")
     trainer._ensure_workers()
     state = trainer._take_snapshot()  # the restart point, even with max_retries=0 (for the next call)
-    trainer._maybe_scale_up(state)
+    if not draining.move_between_calls(trainer, state):
+        trainer._maybe_scale_up(state)
     commits = trainer._commits
     commits.begin_call(method == "train_epoch", replay=kwargs.pop("replay", False))
     on_tick = kwargs.pop("on_tick", None)
     retries = 0
     while True:
-        watch = _grow_watch(trainer)
+        watches = [w for w in (_grow_watch(trainer), draining.watch(trainer)) if w is not None]
         try:
-            results = trainer.worker_group.run(method, on_tick=_ticks(on_tick, watch), **commits.with_plan(kwargs))
+            results = trainer.worker_group.run(method, on_tick=_ticks(on_tick, watches), **commits.with_plan(kwargs))
             trainer._snapshot_stale = True  # train and validate (custom ones too) may change the state
             return commits.finish(results)
         except WorkerFailure as failure:
-            if watch is not None and watch.requested and preemption.was_resize(failure):
-                _grow(trainer, state, kwargs, watch.size, failure)
+            stop = next((w for w in watches if w.requested), None)
+            if stop is not None and preemption.was_resize(failure):
+                _stopped(trainer, state, kwargs, stop, failure)
                 continue
             trainer._num_failures += 1
             if retries == max_retries:
@@ -107,10 +113,11 @@ def run_call(trainer, method, max_retries, kwargs):
             raise
 
 
-def _grow(trainer, state, kwargs, size, stop):
-    """The ranks stopped at the commit the driver asked for: restart at ``size`` from it (not a failure)."""
-    logger.info("Growing from %d to %d workers at the commit point", trainer.worker_group.num_workers, size)
-    _restart(trainer, state, kwargs, stop, size)
+def _stopped(trainer, state, kwargs, watch, stop):
+    """The ranks stopped at the commit ``watch`` asked for: restart at its size from that commit (not a failure)."""
+    logger.info("Restarting from %d at %d workers at the commit point (%s)", trainer.worker_group.num_workers,
+                watch.size, watch.reason)
+    _restart(trainer, state, kwargs, stop, watch.size)
 
 
 def _restart(trainer, state, kwargs, failure, size):

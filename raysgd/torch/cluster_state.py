@@ -10,6 +10,9 @@ worker group waits here so that what it reads next is true:
 - :func:`wait_out_dying_nodes`: before a restart, until every node that Ray lists as alive but whose
   raylet no longer accepts connections is reported dead, so no worker is placed on it.
 
+:func:`draining_nodes` names the nodes Ray is draining (to be taken back soon): they are alive, their free
+resources still show, but Ray places nothing new there, so no count of room includes them.
+
 Every wait is bounded and logs (never raises) when it runs out.
 
 Example:
@@ -95,6 +98,20 @@ def _dying(nodes, connect_timeout_s):
     with ThreadPoolExecutor(max_workers=min(16, len(alive))) as pool:
         answers = list(pool.map(lambda node: _raylet_answers(node, connect_timeout_s), alive))
     return [node for node, answered in zip(alive, answers) if not answered]
+
+
+def draining_nodes():
+    """``{node id: deadline}`` of the nodes Ray is draining, the deadline in ``time.time()`` seconds (None: none
+    given); ``{}`` when Ray cannot tell. A node is drained by ``ray drain-node``, by the autoscaler, or by Ray
+    itself when ``ray start --block`` gets SIGTERM (a Kubernetes pod being deleted, a spot node preempted)."""
+    try:
+        from ray._private.state import state  # noqa: PLC0415 (the GCS's drain table; no public equivalent)
+
+        found = state.get_draining_nodes()
+    except Exception as err:  # noqa: BLE001 (not connected, or an older GCS: nothing known to be draining)
+        logger.debug("could not read the draining nodes: %s", err)
+        return {}
+    return {node: (deadline_ms / 1000.0 if deadline_ms else None) for node, deadline_ms in found.items()}
 
 
 def dying_nodes(connect_timeout_s=1.0):

@@ -115,6 +115,10 @@ class CommitPolicy:
                     state[_state.CURSOR]["consumed"])
         return state
 
+    def running_attempt(self):
+        """``(call_id, attempt)`` of the running committing call (what a request to stop at a commit names), else None."""
+        return (self._call, self._attempt) if self.active else None
+
     def committed_this_attempt(self):
         """``(call_id, attempt)`` when the running attempt has stored a complete commit of its own, else None.
 

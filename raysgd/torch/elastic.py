@@ -88,6 +88,8 @@ class GrowWatch:
         False
     """
 
+    reason = "to grow"
+
     def __init__(self, group, target, committed, check_s=None, clock=time.monotonic):
         self._group, self._target, self._committed = group, target, committed
         self._check_s = grow_check_s() if check_s is None else check_s

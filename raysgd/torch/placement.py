@@ -80,7 +80,7 @@ class Placement:
         Ray's resource view lags a release by a moment: with ``settle_s`` (a restart after a failure)
         it first waits until Ray reports dead every node whose raylet is gone (so no worker is placed
         on a node that is going away), then polls for up to ``settle_s`` until ``limit`` workers fit,
-        and returns the best count seen. The strategy counts (``STRICT_SPREAD``: a node per worker, ``STRICT_PACK``:
+        and returns the best count seen. A node Ray is draining holds no room. The strategy counts (``STRICT_SPREAD``: a node per worker, ``STRICT_PACK``:
         one node), with ``own_pg``, the group's current placement group, telling which nodes it holds already.
         """
         trial_pg = get_current_placement_group()
@@ -95,6 +95,8 @@ class Placement:
                 from ray._private.state import state  # noqa: PLC0415 (per-node view; no public equivalent)
 
                 nodes = dict(state.available_resources_per_node())
+                for node in cluster_state.draining_nodes():  # free, but Ray places nothing new there
+                    nodes.pop(node, None)
             except Exception:  # noqa: BLE001 (fall back to the cluster-wide sum)
                 nodes = {None: ray.available_resources()}
             best = max(best, recovery.fit_for_strategy(nodes, _nodes_of(own_pg), self.strategy, self._cpus,

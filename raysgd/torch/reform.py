@@ -6,9 +6,9 @@ whose call ended cleanly (finished, or with a :class:`~raysgd.torch.errors.Colle
 peer vanished) keep their processes: they leave the old process group and join a new one, so only a
 replacement, if one is needed, pays the start-up of a worker process (``import torch``, ``torch._dynamo``).
 A replacement goes into the dead rank's bundle of the group's placement group when that bundle is still
-placed on a live node. A bundle lost with its node is not waited for: the group goes on without it, unless
-a fresh placement group could hold more workers (then the whole group restarts, as before), or fewer than
-the minimum would remain. ``SGD_KEEP_SURVIVORS=0`` turns re-forming off (every failure restarts every worker).
+placed on a live node that Ray is not draining. A bundle lost with its node (or on a draining node) is not
+waited for: the group goes on without it, unless a fresh placement group could hold more workers (then the
+whole group restarts, as before), or fewer than the minimum would remain. ``SGD_KEEP_SURVIVORS=0`` turns re-forming off (every failure restarts every worker).
 
 Example:
     >>> # bundles 0 and 1 on live nodes; rank 1 died, rank 0 survived: rank 1's bundle takes a replacement
@@ -75,9 +75,10 @@ def plan(bundles_to_node, alive_nodes, kept, min_size, fit_elsewhere, size=None)
 
 
 def _alive_nodes(skip_dying=False):
-    """Ids of the live nodes; with ``skip_dying``, without those whose raylet is already gone (Ray's health
-    check reports a lost node dead only after a few seconds, and a replacement placed there would be lost)."""
-    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    """Ids of the live nodes that are not draining (Ray would never place a replacement there); with ``skip_dying``,
+    without those whose raylet is already gone either (Ray's health check reports a lost node dead only after
+    a few seconds, and a replacement placed there would be lost)."""
+    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]} - set(cluster_state.draining_nodes())
     return alive - set(cluster_state.dying_nodes()) if skip_dying else alive
 
 
@@ -87,6 +88,12 @@ def plan_in(pg, kept, min_size, how_many_fit):
     alive, size = _alive_nodes(skip_dying=True), len(pg.bundle_specs)
     lost = sum(1 for b in range(size) if b not in kept and placed.get(b) not in alive)
     return plan(placed, alive, kept, min_size, how_many_fit(lost) if lost else 0, size=size)
+
+
+def nodes_of(pg, handles):
+    """``{rank: node id}`` of the workers of ``handles`` that are actors in bundles of ``pg``."""
+    placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {}) if pg is not None else {}
+    return {h.rank: placed.get(h.bundle) for h in handles if h.actor is not None}
 
 
 def spare_bundles(pg, handles):

@@ -46,16 +46,12 @@ class WorkerGroup:
 
     def __init__(self, worker_options, *, num_cpus_per_worker=1, num_gpus=0, use_local=False, timeout_s=1800,
                  placement_strategy="SPREAD"):
-        self._worker_options = worker_options
-        self._cpus = num_cpus_per_worker
-        self._gpus = num_gpus
-        self._use_local = use_local
-        self._timeout_s = timeout_s
+        self._worker_options, self._cpus, self._gpus = worker_options, num_cpus_per_worker, num_gpus
+        self._use_local, self._timeout_s = use_local, timeout_s
         self._placement = Placement(num_cpus_per_worker, self._gpus, use_local, placement_strategy)
         self._handles = []
         self._kept = []  # survivors of a failure, waiting for reform() (or the next start, which kills them)
-        self._pg = None
-        self._own_pg = False
+        self._pg, self._own_pg = None, False
         self._submitted = None
         self._runner = None  # rank 0's thread (use_local with remote ranks)
         self.broken = False
@@ -81,6 +77,10 @@ class WorkerGroup:
         spare = reform.spare_bundles(self._pg, self._handles) if self._own_pg and not self.broken else 0
         own = self._pg if self._own_pg and not self.broken else None
         return min(limit, spare + self._placement.how_many_fit(max(0, limit - spare), settle_s, own_pg=own))
+
+    def placed_on(self):
+        """``{rank: node id}`` of the remote workers a restart could place elsewhere (none inside a Tune trial)."""
+        return reform.nodes_of(self._pg, self._handles) if self._own_pg and not self.broken else {}
 
     # ----------------------------------------------------------------- start-up
     def start(self, n, operator_cls, config, pg_timeout_s=None, initialization_hook=None):
