@@ -115,8 +115,7 @@ def run_call(trainer, method, max_retries, kwargs):
 
 def _stopped(trainer, state, kwargs, watch, stop):
     """The ranks stopped at the commit ``watch`` asked for: restart at its size from that commit (not a failure)."""
-    logger.info("Restarting from %d at %d workers at the commit point (%s)", trainer.worker_group.num_workers,
-                watch.size, watch.reason)
+    logger.info("Restarting at %d workers from the commit point (%s)", watch.size, watch.reason)
     _restart(trainer, state, kwargs, stop, watch.size)
 
 
