@@ -31,8 +31,11 @@ import logging
 import time
 
 from raysgd.torch import cluster_state, constants
+from raysgd.torch.elastic import StopWatch
 
 logger = logging.getLogger(__name__)
+
+_STAY = "Draining node(s) %s: too few workers would fit elsewhere to move; staying until they go"
 
 
 def drain_check_s():
@@ -66,13 +69,13 @@ def _describe(ranks):
     return ", ".join(parts)
 
 
-class DrainWatch:
+class DrainWatch(StopWatch):
     """Called on every tick of a committing ``train()`` attempt: asks the group to stop at its next commit point
     when a worker's node is draining and the group can move (see the module docstring).
 
     ``find()`` returns ``{rank: node}`` of the workers on draining nodes; ``size_for(ranks)`` the size to move
-    at (or None: stay); ``attempt()`` the ``(call_id, attempt)`` to name. At most one request per attempt; the
-    size is kept for the restart, as :class:`~raysgd.torch.elastic.GrowWatch` does.
+    at (or None: stay); ``attempt()`` the ``(call_id, attempt)`` to name. Checking, asking once per attempt and
+    keeping the size: :class:`~raysgd.torch.elastic.StopWatch`.
 
     Example:
         >>> watch = DrainWatch(group=None, find=dict, size_for=len, attempt=lambda: (1, 0), check_s=0)
@@ -83,36 +86,22 @@ class DrainWatch:
     reason = "to leave the draining node(s)"
 
     def __init__(self, group, find, size_for, attempt, check_s=None, clock=time.monotonic):
-        self._group, self._find, self._size_for, self._attempt = group, find, size_for, attempt
-        self._check_s = drain_check_s() if check_s is None else check_s
-        self._clock = clock
-        self._last = clock()
+        super().__init__(group, drain_check_s() if check_s is None else check_s, clock)
+        self._find, self._size_for, self._attempt = find, size_for, attempt
         self._stayed = None  # the draining nodes a stay was logged for (logged once)
-        self.requested = False
-        self.size = None
 
-    def tick(self):
-        now = self._clock()
-        if self.requested or now - self._last < self._check_s:
-            return
-        self._last = now
-        try:
-            ranks = self._find()
-            size = self._size_for(ranks) if ranks else None
-            attempt = self._attempt() if size is not None else None
-        except Exception as err:  # noqa: BLE001 (a failed check only delays the move)
-            logger.debug("drain check failed: %s", err)
-            return
+    def _check(self):
+        ranks = self._find()
+        size = self._size_for(ranks) if ranks else None
+        attempt = self._attempt() if size is not None else None
         if ranks and size is None and self._stayed != set(ranks.values()):
             self._stayed = set(ranks.values())
-            logger.warning("Draining node(s) %s: too few workers would fit elsewhere to move; staying until they go",
-                           _describe(ranks))
+            logger.warning(_STAY, _describe(ranks))
         if attempt is None:
-            return
+            return None
         logger.warning("Draining node(s) %s: every rank stops at the next commit point, then the call goes on "
                        "with %d workers elsewhere", _describe(ranks), size)
-        self._group.request_resize(*attempt)
-        self.requested, self.size = True, size
+        return size, attempt
 
 
 def watch(trainer):
@@ -138,8 +127,7 @@ def move_between_calls(trainer, state):
         return False
     size = move_size(group, ranks, trainer.min_replicas, trainer.max_replicas)
     if size is None:
-        logger.warning("Draining node(s) %s: too few workers would fit elsewhere to move; staying until they go",
-                       _describe(ranks))
+        logger.warning(_STAY, _describe(ranks))
         return False
     logger.warning("Draining node(s) %s: restarting the workers elsewhere (%d) before the call", _describe(ranks),
                    size)

@@ -75,7 +75,46 @@ def grow_check_s():
     return constants._env_float("SGD_GROW_CHECK_S", 2.0)
 
 
-class GrowWatch:
+class StopWatch:
+    """Base of the watches that, called on every tick of a committing ``train()`` attempt, ask the group to stop
+    at its next commit point: a check at most every ``check_s`` seconds (a failing one only delays), at most
+    one request per attempt, the size to restart at kept in ``size``. A subclass names its ``reason`` and
+    defines ``_check()``: ``(size, (call_id, attempt))`` to ask now, or None.
+
+    Example:
+        >>> StopWatch(group=None, check_s=0).requested  # nothing asked before the first tick
+        False
+    """
+
+    reason = "to stop"
+
+    def __init__(self, group, check_s, clock=time.monotonic):
+        self._group, self._check_s, self._clock = group, check_s, clock
+        self._last = clock()
+        self.requested = False
+        self.size = None
+
+    def _check(self):
+        return None
+
+    def tick(self):
+        now = self._clock()
+        if self.requested or now - self._last < self._check_s:
+            return
+        self._last = now
+        try:
+            found = self._check()
+        except Exception as err:  # noqa: BLE001 (a failed check only delays the stop)
+            logger.debug("check %s failed: %s", self.reason, err)
+            return
+        if found is None:
+            return
+        self.size, attempt = found
+        self._group.request_resize(*attempt)
+        self.requested = True
+
+
+class GrowWatch(StopWatch):
     """Called on every tick of a committing ``train()`` attempt: asks the group to stop at a commit point to grow.
 
     ``target()`` returns the larger size to grow to now, or None (see :func:`scale_up_target`);
@@ -91,29 +130,16 @@ class GrowWatch:
     reason = "to grow"
 
     def __init__(self, group, target, committed, check_s=None, clock=time.monotonic):
-        self._group, self._target, self._committed = group, target, committed
-        self._check_s = grow_check_s() if check_s is None else check_s
-        self._clock = clock
-        self._last = clock()
-        self.requested = False
-        self.size = None
+        super().__init__(group, grow_check_s() if check_s is None else check_s, clock)
+        self._target, self._committed = target, committed
 
-    def tick(self):
-        now = self._clock()
-        if self.requested or now - self._last < self._check_s:
-            return
-        self._last = now
-        try:
-            size = self._target()
-            attempt = self._committed() if size is not None else None
-        except Exception as err:  # noqa: BLE001 (a failed check only delays growing)
-            logger.debug("grow check failed: %s", err)
-            return
+    def _check(self):
+        size = self._target()
+        attempt = self._committed() if size is not None else None
         if attempt is None:
-            return
+            return None
         logger.info("More workers fit: stopping at the next commit point to grow to %d", size)
-        self._group.request_resize(*attempt)
-        self.requested, self.size = True, size
+        return size, attempt
 
 
 def _reform(trainer, state):
