@@ -215,3 +215,40 @@ def test_arguments_are_checked():
         shard_positions(3, 4, 0, 1)
     with pytest.raises(TypeError, match="total"):
         shard_positions(3.0, 0, 0, 1)
+
+
+class OwnGenerator(Sampler):
+    """Shuffles with a ``random.Random`` made in ``__init__``: raysgd cannot seed it."""
+
+    def __init__(self):
+        self.rng = random.Random(4)
+
+    def __iter__(self):
+        return iter(self.rng.sample(range(9), 9))
+
+    def __len__(self):
+        return 9
+
+
+class NumpyOwn(OwnGenerator):
+    def __init__(self):
+        self.rng = np.random.default_rng(4)
+
+    def __iter__(self):
+        return iter(self.rng.permutation(9).tolist())
+
+
+@pytest.mark.parametrize("name", sorted(samplers()))
+def test_samplers_raysgd_can_seed_draw_the_same_stream_twice(name):
+    base = samplers()[name]
+    assert cursor.draws_repeat(base, seed=3, epoch=1)
+    assert cursor.draws_repeat(BatchSampler(base, batch_size=4, drop_last=False), seed=3)  # lists of indices
+
+
+@pytest.mark.parametrize("make", [OwnGenerator, NumpyOwn], ids=["random.Random", "numpy-default_rng"])
+def test_a_sampler_with_a_random_object_of_its_own_does_not_repeat(make):
+    base = make()
+    assert not cursor.draws_repeat(base, seed=3)
+    assert draw_stream(make(), 3, 0) != draw_stream(base, 3, 0)  # why: a fresh process draws another order
+    with pytest.raises(cursor.StreamTooLong):
+        cursor.draws_repeat(Endless(), 0, limit=50)

@@ -1,7 +1,10 @@
 """Rebuilding DataLoaders with a shard of their own sampler (raysgd.torch.data), and batches moved to a device."""
 import collections
 import itertools
+import logging
 import multiprocessing
+import random
+import time
 
 import numpy as np
 import pytest
@@ -10,7 +13,7 @@ from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, Iter
                               SubsetRandomSampler, TensorDataset)
 
 from raysgd.torch import data
-from raysgd.torch.cursor import ShardSampler, draw_stream
+from raysgd.torch.cursor import ShardSampler, StreamShardSampler, draw_stream
 from raysgd.utils import DATA_SEED
 
 DATASET = TensorDataset(torch.arange(40))
@@ -38,9 +41,11 @@ def test_every_setting_carries_over():
     shard = data.shard_loader(loader, rank=1, world_size=2, training=True)
     for name in ("batch_size", "num_workers", "collate_fn", "pin_memory", "drop_last", "timeout", "worker_init_fn",
                  "multiprocessing_context", "generator", "prefetch_factor", "persistent_workers",
-                 "pin_memory_device", "in_order"):
+                 "pin_memory_device"):
         assert getattr(shard, name) == getattr(loader, name), name
-    assert shard.in_order is False and shard.prefetch_factor == 3 and shard.generator is generator
+    assert shard.in_order is True  # a training shard reads in the sampler's order: the cursor counts batches by it
+    assert shard.prefetch_factor == 3 and shard.generator is generator
+    assert data.shard_loader(loader, rank=1, world_size=2, training=False).in_order is False  # no cursor needed
     assert isinstance(shard.sampler, ShardSampler) and shard.sampler.base is loader.sampler
     assert shard.sampler.seed == 21 and shard.sampler.drop_last and shard.sampler.lockstep
     single = data.shard_loader(DataLoader(DATASET, batch_size=4, shuffle=True), 0, 2, training=False)
@@ -180,6 +185,64 @@ def test_a_finite_sampler_without_a_length_keeps_the_cursor():
     assert sorted(indices(shards[0]) + indices(shards[1])) == list(range(1, 40, 2))
     assert data.loader_cursor(shards[0], 1) == 8 and data.set_sampler_start(shards[1], 8)
     assert indices(shards[1]) == [21, 17, 13, 9, 5, 1]  # positions 9, 11, ..., 19 of 39, 37, ..., 1
+
+
+class OwnRandom(Sampler):
+    """Shuffles with a random object of its own, made in ``__init__`` (``random.Random`` or numpy's ``default_rng``):
+    every draw is another order, whatever raysgd seeds, and a restarted process draws the first order again."""
+
+    def __init__(self, n, kind):
+        self.n, self.kind = n, kind
+        self.rng = random.Random(0) if kind == "random" else np.random.default_rng(0)
+
+    def __iter__(self):
+        if self.kind == "random":
+            return iter(self.rng.sample(range(self.n), self.n))
+        return iter(self.rng.permutation(self.n).tolist())
+
+    def __len__(self):
+        return self.n
+
+
+@pytest.mark.parametrize("kind", ["random", "numpy"])
+def test_a_sampler_whose_draws_do_not_repeat_has_no_cursor_and_is_sharded_lazily(kind, caplog):
+    """Such a sampler's epoch cannot be replayed: a resume at a cursor would read the rest of another order (some
+    samples twice, others never). It is read lazily, once per pass, with no cursor (so no commit inside its
+    epochs); a sampler that draws from a `generator` raysgd seeds keeps its cursor."""
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.data"):
+        shards = [data.shard_loader(DataLoader(DATASET, batch_size=4, sampler=OwnRandom(40, kind)), r, 2,
+                                    training=True) for r in range(2)]  # as two worker processes would
+    assert "draws another order each time" in caplog.text
+    assert all(isinstance(shard.sampler, StreamShardSampler) for shard in shards)
+    assert data.loader_cursor(shards[0], 1) is None and not data.set_sampler_start(shards[0], 8)
+    read = [indices(shard) for shard in shards]
+    assert sorted(read[0] + read[1]) == list(range(40))  # one pass each: the shards still split one order
+    seeded = DataLoader(DATASET, batch_size=4, sampler=RandomSampler(DATASET, generator=torch.Generator()))
+    assert data.loader_cursor(data.shard_loader(seeded, 0, 2, training=True), 1) == 8
+
+
+class SlowFirst(torch.utils.data.Dataset):
+    """``range(40)``; index 0 takes a moment to load, so the loader's second process finishes its batch first."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, index):
+        if index == 0:
+            time.sleep(0.5)
+        return index
+
+
+def test_a_training_shard_reads_its_batches_in_the_samplers_order():
+    """``DataLoader(num_workers=2, in_order=False)`` hands out batches as its processes finish them, so its first k
+    batches need not be the first k of the shard: the cursor, which counts batches, would name the wrong samples.
+    A training shard reads in order (validation, with no cursor, keeps in_order=False)."""
+    loader = DataLoader(SlowFirst(), batch_size=2, num_workers=2, in_order=False)
+    shard = data.shard_loader(loader, 0, 2, training=True)
+    assert shard.in_order is True
+    got = [int(i) for batch in itertools.islice(iter(shard), 3) for i in batch]
+    assert got == list(shard.sampler.positions())[:6] == [0, 2, 4, 6, 8, 10]  # the first 3 batches, in order
+    assert data.shard_loader(loader, 0, 2, training=False).in_order is False
 
 
 @pytest.mark.parametrize("shuffle", [False, True])

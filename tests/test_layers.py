@@ -28,6 +28,7 @@ LAYERS = {
     "raysgd.meters": 0,  # the metric meters, public through raysgd.utils
     "raysgd.torch.resnet": 1, "raysgd.plot": 0,
     "raysgd.torch.cursor": 1,  # the data cursor: which stream positions each rank reads
+    "raysgd.torch.epoch_order": 1,  # the epoch's order: a sampler drawn from (seed, epoch), and whether it repeats
     "raysgd.torch.evaluation": 1,  # validation without collectives per batch
     "raysgd.torch.compiled": 0,  # torch.compile'd models: compiled outside DDP, saved plain
     "raysgd.torch.model_copy": 1, "raysgd.torch.operator_precision": 2,

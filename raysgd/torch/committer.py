@@ -73,24 +73,13 @@ class CommitPlan:
 
 
 def _cursor_of(loader, batches_taken):
-    """The global cursor after ``batches_taken`` batches of ``loader``: its sampler's, or ``raysgd.torch.data``'s."""
-    sampler = getattr(loader, "sampler", None)
-    if hasattr(sampler, "position_after") and getattr(loader, "batch_size", None):
-        return int(sampler.position_after(batches_taken, loader.batch_size))
-    if hasattr(_data, "loader_cursor"):
-        return _data.loader_cursor(loader, batches_taken)
-    return None
+    """The global cursor after ``batches_taken`` batches of ``loader`` (:func:`raysgd.torch.data.loader_cursor`)."""
+    return _data.loader_cursor(loader, batches_taken) if loader is not None else None
 
 
 def set_start(loader, consumed):
     """Start ``loader``'s epoch at global cursor ``consumed``; False when the loader cannot (no cursor)."""
-    sampler = getattr(loader, "sampler", None)
-    if hasattr(sampler, "set_start"):
-        sampler.set_start(consumed)
-        return True
-    if hasattr(_data, "set_sampler_start"):
-        return _data.set_sampler_start(loader, consumed) is not False
-    return False
+    return _data.set_sampler_start(loader, consumed)
 
 
 class Committer:

@@ -1,11 +1,10 @@
 """The data cursor: which positions of an epoch's index stream each rank reads, and how many are consumed.
 
-Layer 1: imports torch (and numpy, only to isolate its global random stream). No Ray, no process group.
+Layer 1: imports torch and :mod:`raysgd.torch.epoch_order`. No Ray, no process group.
 
 The epoch's *global stream* is the loader's own sampler (or batch sampler) iterated once, with every
-random stream it could use seeded from ``(seed, epoch)``: the same list on every rank, and a replay of
-it after a failure. The process's own random streams (torch CPU, numpy, Python ``random``) are saved
-and restored around the draw, so sharding never shifts them.
+random stream it could use seeded from ``(seed, epoch)`` (:func:`~raysgd.torch.epoch_order.draw_stream`):
+the same list on every rank, and a replay of it after a failure.
 
 Rank ``r`` of ``W`` reads the stream's positions ``start + r, start + r + W, ...``, where the **cursor**
 ``start`` counts the positions already consumed by all ranks together. After ``k`` full batches of
@@ -31,9 +30,10 @@ stops: after the last full batch, ``start + (R // b) * b`` (each rank's loader t
 batch), so N ranks validate exactly what one process validates.
 
 An epoch's stream is drawn whole only up to ``SGD_MAX_CURSOR_POSITIONS`` positions
-(:mod:`raysgd.torch.constants`). An endless sampler (no length, e.g. detectron2's ``TrainingSampler``)
-or a longer one is read by a :class:`StreamShardSampler` instead: lazily, rank ``r`` taking positions
-``r, r + W, ...`` as the stream goes, with no cursor (see :func:`raysgd.torch.data.shard_loader`).
+(:mod:`raysgd.torch.constants`). An endless sampler (no length, e.g. detectron2's ``TrainingSampler``),
+a longer one, or one whose draws do not repeat (:func:`~raysgd.torch.epoch_order.draws_repeat`) is read
+by a :class:`StreamShardSampler` instead: lazily, rank ``r`` taking positions ``r, r + W, ...`` as the
+stream goes, with no cursor (see :func:`raysgd.torch.data.shard_loader`).
 
 Example:
     >>> list(shard_positions(10, 0, rank=1, world_size=3))
@@ -47,136 +47,17 @@ Example:
     >>> shards[0].position_after(num_batches=1, batch_size=2)
     4
 """
-import contextlib
-import hashlib
 import itertools
 import logging
-import random
 
-import torch
 from torch.utils.data import Sampler
 
-from raysgd.torch.constants import SGD_MAX_CURSOR_POSITIONS
+# The epoch's order lives in raysgd.torch.epoch_order; its names stay importable from here.
+from raysgd.torch.epoch_order import (StreamTooLong, draw_stream, draws_repeat, epoch_seed,  # noqa: F401
+                                      isolated_random_streams, seeded, stream_length)
 
 logger = logging.getLogger(__name__)
 _END = object()
-
-
-def epoch_seed(seed, epoch):
-    """A 63-bit seed for ``(seed, epoch)``: pairs never collide the way ``seed + epoch`` does.
-
-    Example:
-        >>> epoch_seed(0, 1) == epoch_seed(1, 0)
-        False
-    """
-    digest = hashlib.sha256(f"raysgd-cursor:{int(seed)}:{int(epoch)}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-@contextlib.contextmanager
-def isolated_random_streams(seed):
-    """Seed torch's CPU generator, numpy's and Python's global streams with ``seed``; restore them after.
-
-    CUDA generators are never touched (a sampler draws on the CPU).
-
-    Example:
-        >>> before = torch.get_rng_state()
-        >>> with isolated_random_streams(3):
-        ...     a = torch.rand(1)
-        >>> with isolated_random_streams(3):
-        ...     b = torch.rand(1)
-        >>> bool(torch.equal(a, b)), bool(torch.equal(before, torch.get_rng_state()))
-        (True, True)
-    """
-    torch_state = torch.get_rng_state()
-    python_state = random.getstate()
-    try:
-        import numpy as np  # noqa: PLC0415 (optional: only to leave numpy's stream as it was)
-    except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
-        np = None
-    numpy_state = np.random.get_state() if np is not None else None
-    try:
-        torch.default_generator.manual_seed(seed)  # not torch.manual_seed: that would reseed CUDA too
-        random.seed(seed)
-        if np is not None:
-            np.random.seed(seed % 2**32)
-        yield
-    finally:
-        torch.set_rng_state(torch_state)
-        random.setstate(python_state)
-        if np is not None:
-            np.random.set_state(numpy_state)
-
-
-def _generator_holders(base):
-    """The objects (the sampler, a batch sampler's inner sampler) whose ``generator`` attribute is set."""
-    holders = []
-    for obj in (base, getattr(base, "sampler", None)):
-        if obj is not None and "generator" in getattr(obj, "__dict__", {}):
-            holders.append(obj)
-    return holders
-
-
-@contextlib.contextmanager
-def _seeded(base, seed, epoch):
-    """Inside: ``base``'s generators and the global streams seeded from ``(seed, epoch)``; all put back after."""
-    derived = epoch_seed(seed, epoch)
-    if hasattr(base, "set_epoch"):
-        base.set_epoch(epoch)
-    holders = _generator_holders(base)
-    saved = [holder.generator for holder in holders]
-    try:
-        for holder in holders:
-            holder.generator = torch.Generator().manual_seed(derived)
-        with isolated_random_streams(derived):
-            yield
-    finally:
-        for holder, generator in zip(holders, saved):
-            holder.generator = generator
-
-
-class StreamTooLong(ValueError):
-    """Raised by :func:`draw_stream` for a stream longer than its ``limit``.
-
-    Example:
-        >>> issubclass(StreamTooLong, ValueError)
-        True
-    """
-
-
-def draw_stream(base, seed, epoch, limit=None):
-    """The list ``base`` yields in ``epoch``: a deterministic function of ``(seed, epoch)``.
-
-    A ``generator`` attribute of ``base`` (or of its inner ``sampler``) is replaced by a fresh generator
-    seeded from ``(seed, epoch)`` during the draw, the global streams are isolated the same way, and
-    ``base.set_epoch(epoch)`` is called first when ``base`` has it. A stream longer than ``limit``
-    (default ``SGD_MAX_CURSOR_POSITIONS``) raises :class:`StreamTooLong` after ``limit + 1`` positions.
-
-    Example:
-        >>> from torch.utils.data import RandomSampler
-        >>> draw_stream(RandomSampler(range(6)), 1, 0) == draw_stream(RandomSampler(range(6)), 1, 0)
-        True
-    """
-    limit = SGD_MAX_CURSOR_POSITIONS if limit is None else limit
-    with _seeded(base, seed, epoch):
-        stream = list(itertools.islice(iter(base), limit + 1))
-    if len(stream) > limit:
-        raise StreamTooLong(f"{type(base).__name__} yielded more than {limit} positions in epoch {epoch}: the "
-                            f"data cursor draws an epoch whole, up to SGD_MAX_CURSOR_POSITIONS={SGD_MAX_CURSOR_POSITIONS}")
-    return stream
-
-
-def stream_length(base):
-    """``len(base)``, or None when ``base`` has no length (an endless sampler, a generator-like one).
-
-    Example:
-        >>> stream_length(range(3)), stream_length(iter(range(3)))
-        (3, None)
-    """
-    try:
-        return len(base)
-    except (TypeError, NotImplementedError):
-        return None
 
 
 def shard_positions(total, start, rank, world_size, *, batch_size=1, drop_last=False, lockstep=False):
@@ -361,7 +242,7 @@ class StreamShardSampler(Sampler):
         return _plan(total, 0, self.rank, self.world_size, self.batch_size, self.drop_last, self.lockstep)
 
     def __iter__(self):
-        with _seeded(self.base, self.seed, self.epoch):  # samplers make their generator on the first position
+        with seeded(self.base, self.seed, self.epoch):  # samplers make their generator on the first position
             stream = iter(self.base)
             first = next(stream, _END)
         if first is _END:

@@ -8,8 +8,13 @@ A map-style ``DataLoader`` is rebuilt with every setting it had, its sampler (or
 the training indices stays exactly those indices. Training shards keep DDP in lockstep; validation
 shards are exact (``drop_last`` drops one process's partial batch, not each rank's).
 
-A sampler whose epoch cannot be drawn whole (endless, or longer than ``SGD_MAX_CURSOR_POSITIONS``) is
+A sampler whose epoch cannot be drawn whole (endless, or longer than ``SGD_MAX_CURSOR_POSITIONS``), or
+whose draws do not repeat for the same ``(seed, epoch)`` (it shuffles with a random object of its own), is
 wrapped in a :class:`~raysgd.torch.cursor.StreamShardSampler` instead: read lazily, with no data cursor.
+
+A training loader with a cursor reads its batches in the sampler's order: ``in_order=False`` (with
+``num_workers > 0``) is turned into ``in_order=True``, since the cursor counts the first ``k`` batches as the
+first ``k`` batches of that order. A loader raysgd does not shard has no cursor when it reads out of order.
 
 Example:
     >>> import torch
@@ -29,7 +34,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from raysgd.torch.constants import SGD_MAX_CURSOR_POSITIONS
-from raysgd.torch.cursor import ShardSampler, StreamShardSampler, StreamTooLong, draw_stream, stream_length
+from raysgd.torch.cursor import ShardSampler, StreamShardSampler
+from raysgd.torch.epoch_order import StreamTooLong, draws_repeat, stream_length
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +97,12 @@ def shard_loader(loader, rank, world_size, training, seed=None):
         kwargs.pop("persistent_workers", None)
     if loader.batch_size is None and loader.batch_sampler is not None:  # a custom batch_sampler: shard batches
         kind = _sharding(loader.batch_sampler, loader.dataset, seed, rank)
+        _keep_order(kwargs, kind, training, rank)
         shard = kind(loader.batch_sampler, rank, world_size, seed=seed, batch_size=1, lockstep=training)
         return DataLoader(loader.dataset, batch_sampler=shard, **kwargs)
     # batch_size=None turns automatic batching off: each index is a batch.
     kind = _sharding(loader.sampler, loader.dataset, seed, rank)
+    _keep_order(kwargs, kind, training, rank)
     shard = kind(loader.sampler, rank, world_size, seed=seed, batch_size=loader.batch_size or 1,
                  drop_last=loader.drop_last, lockstep=training)
     # Validation drops one process's partial batch in the shard (exact); a rank's own partial batch is kept.
@@ -103,27 +111,43 @@ def shard_loader(loader, rank, world_size, training, seed=None):
 
 
 def _sharding(base, dataset, seed, rank):
-    """:class:`ShardSampler` when ``base``'s epoch can be drawn whole (the cursor), else :class:`StreamShardSampler`.
+    """:class:`ShardSampler` when ``base``'s epoch can be drawn whole and repeats (the cursor), else
+    :class:`StreamShardSampler`.
 
-    A length decides; without one, epoch 0 is drawn up to a bound: a stream that ends within it is
-    finite (the draw is cheap, as every epoch's draw is), one that goes on is taken to be endless.
+    Epoch 0 is drawn twice (a cost at set-up only) and must come out the same: a sampler shuffling with a
+    random object of its own would give every draw, and every restart, another order. Without a length,
+    the draws stop at a bound: a stream that ends within it is finite, one that goes on is taken to be endless.
     """
     length = stream_length(base)
-    if length is not None and length <= SGD_MAX_CURSOR_POSITIONS:
-        return ShardSampler
-    if length is None:
-        probe = min(SGD_MAX_CURSOR_POSITIONS, max(_PROBE_FACTOR * (stream_length(dataset) or 0), _PROBE_FLOOR))
-        try:
-            draw_stream(base, seed, 0, limit=probe)
-            return ShardSampler
-        except StreamTooLong:
-            why = f"has no length and yields more than {probe} positions (endless?)"
-    else:
+    if length is not None and length > SGD_MAX_CURSOR_POSITIONS:
         why = f"has {length} positions, more than SGD_MAX_CURSOR_POSITIONS={SGD_MAX_CURSOR_POSITIONS}"
+    else:
+        probe = SGD_MAX_CURSOR_POSITIONS if length is not None else min(
+            SGD_MAX_CURSOR_POSITIONS, max(_PROBE_FACTOR * (stream_length(dataset) or 0), _PROBE_FLOOR))
+        try:
+            if draws_repeat(base, seed, 0, limit=probe):
+                return ShardSampler
+            why = ("draws another order each time for the same seed and epoch (it shuffles with a random object "
+                   "of its own, such as random.Random or numpy's default_rng, which raysgd cannot seed; keep a "
+                   "torch.Generator in its `generator` attribute, or draw from the global torch, numpy or random "
+                   "streams, to keep the cursor)")
+        except StreamTooLong:
+            why = f"{'has no length and ' if length is None else ''}yields more than {probe} positions (endless?)"
     if rank == 0:
         logger.warning("The DataLoader's sampler %s %s: it is sharded lazily, without a data cursor, so no commit "
                        "is taken inside its epochs and a failure replays the epoch.", type(base).__name__, why)
     return StreamShardSampler
+
+
+def _keep_order(kwargs, kind, training, rank):
+    """A training loader with a cursor reads its batches in the sampler's order: ``in_order=False`` becomes True."""
+    if not (training and kind is ShardSampler and kwargs.get("num_workers", 0) > 0 and kwargs.get("in_order") is False):
+        return
+    kwargs["in_order"] = True
+    if rank == 0:
+        logger.warning("The training DataLoader(in_order=False) reads its batches in order (in_order=True): the data "
+                       "cursor counts the first k batches as the first k of the sampler's order, which out-of-order "
+                       "batches are not.")
 
 
 def shard_sampler(loader, kinds=(ShardSampler,)):
@@ -147,15 +171,37 @@ def set_sampler_epoch(loader, epoch):
         sampler.set_epoch(epoch)
 
 
+def _cursor_sampler(loader):
+    """The loader's sampler with the cursor's API: our shard, or a sampler of the user's own with ``set_start`` and
+    ``position_after`` (``add_dist_sampler=False``); None when it has none."""
+    sampler = shard_sampler(loader)
+    if sampler is not None:
+        return sampler
+    own = getattr(loader, "sampler", None)
+    if hasattr(own, "set_start") and hasattr(own, "position_after") and getattr(loader, "batch_size", None):
+        return own
+    return None
+
+
+def reads_out_of_order(loader):
+    """True for a ``DataLoader(num_workers > 0, in_order=False)``: its batches come as its processes finish them.
+
+    Example:
+        >>> reads_out_of_order(DataLoader(range(4), num_workers=2, in_order=False))
+        True
+    """
+    return isinstance(loader, DataLoader) and loader.num_workers > 0 and getattr(loader, "in_order", True) is False
+
+
 def set_sampler_start(loader, consumed):
-    """Make the loader's next pass start at the global cursor ``consumed``; False when it is not sharded by us.
+    """Make the loader's next pass start at the global cursor ``consumed``; False when it has no cursor.
 
     Example:
         >>> shard = shard_loader(DataLoader(range(6), batch_size=1), rank=0, world_size=2, training=True)
         >>> set_sampler_start(shard, 2), [int(b) for b in shard]
         (True, [2, 4])
     """
-    sampler = shard_sampler(loader)
+    sampler = _cursor_sampler(loader)
     if sampler is None:
         return False
     sampler.set_start(consumed)
@@ -163,12 +209,18 @@ def set_sampler_start(loader, consumed):
 
 
 def loader_cursor(loader, batches_taken):
-    """The global cursor after every rank took ``batches_taken`` batches of this pass; None if not sharded by us.
+    """The global cursor after every rank took ``batches_taken`` batches of this pass; None when it has none.
 
-    It counts positions of the epoch's stream (batches, for a custom ``batch_sampler``).
+    It counts positions of the epoch's stream (batches, for a custom ``batch_sampler``). A loader reading
+    out of order (:func:`reads_out_of_order`; raysgd's own training shards never do) has none: its first
+    ``k`` batches are not the first ``k`` of the stream.
     """
-    sampler = shard_sampler(loader)
-    return None if sampler is None else sampler.position_after(batches_taken)
+    sampler = _cursor_sampler(loader)
+    if sampler is None or reads_out_of_order(loader):
+        return None
+    if isinstance(sampler, ShardSampler):
+        return sampler.position_after(batches_taken)
+    return int(sampler.position_after(batches_taken, loader.batch_size))
 
 
 def to_device(batch, device, non_blocking=True):
