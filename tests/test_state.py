@@ -177,3 +177,40 @@ def test_states_compare_with_equals_and_older_tensor_random_states_still_load(wo
     state.set_rng_state(older)
     got = (torch.rand(2), np.random.rand(2))
     assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
+
+
+class Seen:
+    """An object of the operator's own in its state: a list that training appends to."""
+
+    def __init__(self):
+        self.ids = [1]
+
+
+class KeepsSeen(LinearOperator):
+    """Operator state with mutable non-tensor leaves: a set, a numpy array and an object of its own."""
+
+    def setup(self, config):
+        super().setup(config)
+        self.seen, self.hist, self.obj = {1}, np.zeros(3), Seen()
+
+    def state_dict(self):
+        return {"seen": self.seen, "hist": self.hist, "obj": self.obj, "tag": "x", "ratio": 0.5}
+
+    def train_batch(self, batch, batch_info):
+        self.seen.add(len(self.seen) + 1)
+        self.hist += 1
+        self.obj.ids.append(len(self.obj.ids) + 1)
+        return super().train_batch(batch, batch_info)
+
+
+def test_a_commits_host_copy_shares_nothing_that_training_goes_on_changing():
+    """A commit is serialised in the background while training goes on: its copy must not share the operator's
+    sets, arrays or objects (it shared every non-tensor leaf, so a commit could hold a later or torn value)."""
+    worker = TorchWorker(KeepsSeen, {"lr": 0.1}, is_local=True)
+    worker.setup_operator()
+    copied = state.capture(worker.operator, 0, copy=True)["operator"]
+    worker.train_epoch(num_steps=2)  # training goes on while the commit would be sent
+    assert copied["seen"] == {1} and copied["hist"].tolist() == [0.0, 0.0, 0.0] and copied["obj"].ids == [1]
+    assert (copied["tag"], copied["ratio"]) == ("x", 0.5)
+    live = worker.operator
+    assert live.seen == {1, 2, 3} and live.hist.tolist() == [2.0, 2.0, 2.0] and live.obj.ids == [1, 2, 3]

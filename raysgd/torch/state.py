@@ -24,6 +24,7 @@ Example:
 """
 import collections
 import contextlib
+import copy
 import logging
 import random
 
@@ -41,6 +42,10 @@ CURSOR, RNG, METERS = "cursor", "rng", "meters"
 def host_copy(value):
     """A deep copy of ``value`` with every tensor copied to host memory (the only cost a commit puts in the loop).
 
+    Nothing of ``value`` is shared with the copy: other mutable leaves (sets, numpy arrays, objects of your
+    own in an operator's ``state_dict()``) are deep-copied too, so a commit serialised in the background never
+    sees training change them.
+
     Example:
         >>> import torch
         >>> t = torch.ones(2)
@@ -52,6 +57,9 @@ def host_copy(value):
         >>> p = host_copy(Pair(t, 1))
         >>> type(p).__name__, p.x is t
         ('Pair', False)
+        >>> seen = {1, 2}
+        >>> host_copy({"seen": seen})["seen"] is seen
+        False
     """
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
@@ -63,7 +71,12 @@ def host_copy(value):
     if isinstance(value, tuple):  # a namedtuple keeps its type (its tensors are copied too)
         items = [host_copy(item) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
-    return value
+    if value is None or isinstance(value, _IMMUTABLE):
+        return value
+    return copy.deepcopy(value)
+
+
+_IMMUTABLE = (bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
 # ----------------------------------------------------------------- random streams
