@@ -154,7 +154,9 @@ class CountingOperator(TrainingOperator):
     config: ``n`` samples, ``batch_size`` per worker, ``own_sampler`` (a :class:`CursorSampler`), ``log`` (a file each executed batch appends a line
     to), ``fault`` (``{"step", "marker", "rank"}``: that rank writes its pid to ``marker`` at that global
     step, then waits to be killed, once; with ``"until_sigterm": True`` it waits for a SIGTERM instead and
-    trains on, with ``"until_resize": True`` for the driver's request to grow), ``batch_sleep``.
+    trains on, with ``"until_resize": True`` for the driver's request to grow, with ``"exit": True`` it ends its
+    process), ``batch_sleep``, and the DataLoader's ``drop_last``, ``loader_workers`` (its ``num_workers``) and
+    ``in_order``.
     """
 
     def setup(self, config):
@@ -168,11 +170,13 @@ class CountingOperator(TrainingOperator):
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         features = torch.randn(n, 4, generator=torch.Generator().manual_seed(5))
         dataset = TensorDataset(torch.arange(n), features)
+        options = {"batch_size": config.get("batch_size", 4), "drop_last": config.get("drop_last", False),
+                   "num_workers": config.get("loader_workers", 0), "in_order": config.get("in_order", True)}
         if config.get("own_sampler"):  # with TorchTrainer(add_dist_sampler=False)
             sampler = CursorSampler(n, self.world_rank, self.world, seed=config.get("seed", 3))
-            loader = DataLoader(dataset, batch_size=config.get("batch_size", 4), sampler=sampler)
+            loader = DataLoader(dataset, sampler=sampler, **options)
         else:  # sharded by raysgd's data cursor
-            loader = DataLoader(dataset, batch_size=config.get("batch_size", 4), shuffle=True)
+            loader = DataLoader(dataset, shuffle=True, **options)
         self.register_data(train_loader=loader)
 
     def train_batch(self, batch, batch_info):
@@ -181,6 +185,8 @@ class CountingOperator(TrainingOperator):
                 and not os.path.exists(fault["marker"]):
             with open(fault["marker"], "w") as handle:
                 handle.write(str(os.getpid()))
+            if fault.get("exit"):
+                os._exit(1)
             if fault.get("until_sigterm") or fault.get("until_resize"):  # finish this step once it arrived
                 from raysgd.torch import preemption
 

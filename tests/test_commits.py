@@ -1,12 +1,17 @@
 """Commits inside an epoch: exactly-once resume after a real kill, bit-exact at the same size, bounded recompute."""
 import os
+import threading
+import time
 
 import pytest
+import ray
 import torch
+from torch.utils.data import RandomSampler
 
 from conftest import assert_released
 from helpers import CountingOperator, LinearOperator, counts, executed, kill_after_commit, seeding_hook
 from raysgd.torch import checkpoint, constants
+from raysgd.torch.epoch_order import draw_stream
 
 pytestmark = pytest.mark.usefixtures("ray_4cpus")
 
@@ -68,6 +73,37 @@ def test_commits_off_replays_the_call_from_its_start(trainers, tmp_path):
     assert stats["num_samples"] == N and torch.equal(counts(trainer), torch.ones(N))
     assert trainer.latest_commit() is None
     assert executed(log) >= 24 + 2 * 8  # the epoch was replayed from its start
+
+
+def wait_for_commit(trainer, timeout_s=30):
+    """The trainer's latest commit, once the store holds one (commits are stored in the background)."""
+    deadline = time.monotonic() + timeout_s
+    while (commit := trainer.latest_commit()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert commit is not None, "no commit was stored"
+    return commit
+
+
+def test_a_loaded_commit_survives_a_save_taken_before_its_epoch_resumes(trainers, tmp_path):
+    """load_state_dict(latest_commit()), then apply_all_workers() and save(): the saved state resumes at the commit
+    (with its random streams and committed metrics). It had no cursor, so a trainer loading it trained the epoch
+    again from its start: the committed 24 of 96 samples twice."""
+    first = trainers(config={"n": N, "batch_size": BATCH})
+    first.train(num_steps=EVERY)  # one commit, on the call's last step: 2 ranks x 3 batches x 4 samples
+    commit = wait_for_commit(first)
+    assert commit["cursor"]["consumed"] == 24
+    first.load_state_dict(commit)
+    first.apply_all_workers(lambda: None)
+    path = first.save(tmp_path / "ckpt")
+    saved = checkpoint.load_state(path)
+    assert saved["cursor"] == commit["cursor"] and saved["epoch"] == commit["epoch"] == 1
+    assert saved["rng"] == commit["rng"] and saved["meters"] == commit["meters"]
+    first.shutdown()
+    second = trainers(num_workers=1, config={"n": N, "batch_size": BATCH})  # the rest re-sharded over one worker
+    second.load(path)
+    stats = second.train()
+    assert torch.equal(counts(second), torch.ones(N))  # every sample once in the epoch
+    assert stats["num_samples"] == N and stats["epoch"] == 1  # the call that resumed it reports the whole epoch
 
 
 # ----------------------------------------------------------------- snapshot rules (issue 11, items 2 and 8)

@@ -127,6 +127,22 @@ def test_step_interval_frequency_optimizer_step_override_and_early_epoch_end():
         in_process(StepScheduled, {"optimizers": 2})
 
 
+def test_on_train_batch_start_minus_one_ends_the_epoch_and_a_restart_agrees():
+    """-1 ends the epoch (Lightning's rule): the next train() starts a new one. It used to go on with the rest of
+    the epoch past the batch the hook refused, while the cursor said that batch was not consumed, so a restart
+    from the state trained other batches than the worker that went on."""
+    live = in_process(StepScheduled, {"stop_at": 3})
+    first = live.train_epoch()
+    assert first["epoch"] == 1 and first["num_samples"] == 24
+    saved = live.state_dict()
+    assert "cursor" not in saved and saved["epoch"] == 1  # the epoch is over: nothing of it is left to resume
+    restarted = in_process(StepScheduled, {"stop_at": 3})
+    restarted.load_state_dict(saved)
+    second, again = live.train_epoch(), restarted.train_epoch()
+    assert second["epoch"] == again["epoch"] == 2 and second["num_samples"] == again["num_samples"] == 24
+    assert torch.equal(flat_params(live.operator), flat_params(restarted.operator))
+
+
 # ----------------------------------------------------------------- on Ray workers
 @pytest.fixture(scope="module")
 def cluster(ray_2cpus):

@@ -117,3 +117,31 @@ def test_a_resize_request_applies_to_its_own_call_and_attempt_and_sigterm_outran
     assert not preemption.was_resize(WorkerFailure("ended", {**resized, 1: "worker process died"}))
     assert not preemption.was_resize(WorkerFailure("ended", {}))
     assert not preemption.was_preempted(WorkerFailure("ended", resized))
+
+
+def test_a_commit_on_the_last_step_of_a_call_stays_the_restart_point_after_it(trainer_factory, tmp_path):
+    """SIGTERM lands so that the commit falls on the last step of train(num_steps=5): the resumed attempt has no
+    step left and ends at once, its loaded cursor still waiting for the next call. The state read then (the next
+    call's restart point, save(), a storage_path checkpoint) must hold that cursor and the commit's random
+    streams: it held neither, so a failure in the next call, before its first commit, trained the committed 40
+    samples again."""
+    marker, crash = str(tmp_path / "pid"), str(tmp_path / "crash")
+    config = {"n": N, "batch_size": BATCH, "fault": {"step": 3, "rank": 1, "marker": marker, "until_sigterm": True}}
+    trainer = trainer_factory(training_operator_cls=CountingOperator, num_workers=2, timeout_s=30, config=config,
+                              commit_every_n_steps=1000, initialization_hook=seeding_hook)
+    watcher = sigterm_at_marker(marker)
+    stats = trainer.train(num_steps=5)
+    watcher.join(5)
+    commit = trainer.latest_commit()
+    assert trainer.num_failures == 1 and commit["cursor"]["steps"] == 5  # agreed one step late: the last step
+    assert stats["num_samples"] == 2 * BATCH * 5  # the committed steps, reported once
+    state = trainer.state_dict()
+    assert state["cursor"]["consumed"] == 2 * BATCH * 5 and state["epoch"] == 1
+    assert state["rng"] == commit["rng"]  # every rank's streams, as the resumed epoch will start with them
+    # the next call loses a worker before it commits: it restarts from the state at its start
+    trainer.apply_all_operators(lambda op: op.config.update(fault={"step": 7, "rank": 1, "marker": crash,
+                                                                   "exit": True}))
+    rest = trainer.train()
+    assert os.path.exists(crash) and trainer.num_failures == 2
+    assert rest["num_samples"] == N - 2 * BATCH * 5  # the rest of the epoch (the first call reported the rest)
+    assert torch.equal(trainer.state_dict()["models"][0]["p"], torch.ones(N))  # every sample once in the epoch

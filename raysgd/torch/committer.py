@@ -30,6 +30,7 @@ import torch.distributed as dist
 from raysgd.torch import accumulation as _accumulation
 from raysgd.torch import data as _data
 from raysgd.torch import preemption
+from raysgd.torch import reduction as _reduction
 from raysgd.torch import state as _state
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,8 @@ class Committer:
         self.epoch_steps = 0  # batches of the running epoch (counting those before a resume)
         self.iter_batches = 0  # batches pulled from the running epoch's iterator
         self.call_steps = 0
-        self.resume = None  # {"cursor", "rng"} of a loaded commit, applied at the next epoch start
+        self.resume = None  # {"cursor", "rng", "meters", "share"} of a loaded state, applied at the next epoch start
+        self.carried = None  # this rank's share of the loaded committed metrics, merged into the running call's
         self._cadence = None
         self._probe = []
         self._thread = None
@@ -99,24 +101,51 @@ class Committer:
 
     # ----------------------------------------------------------------- epochs
     def begin_epoch(self, loader):
-        """At a new epoch's start: apply a pending resume (start at its cursor) or start at 0."""
+        """At a new epoch's start: apply a pending resume (start at its cursor) or start at 0.
+
+        A loader that cannot start at the loaded cursor raises ``ValueError``: replaying the epoch from its
+        start would train its committed part twice.
+        """
         self.iter_batches = 0
-        if self.resume is not None:
-            cursor = self.resume["cursor"]
-            if set_start(loader, cursor["consumed"]):
-                self.epoch_steps = cursor["steps"]
-                return
-            logger.warning("The train loader has no data cursor (an iterable dataset or a custom loader): "
-                           "the epoch is replayed from its start.")
-        else:
+        if self.resume is None:
             set_start(loader, 0)
-        self.epoch_steps = 0
+            self.epoch_steps = 0
+            return
+        cursor = self.resume["cursor"]
+        if not set_start(loader, cursor["consumed"]):
+            raise ValueError(
+                f"The loaded state resumes epoch {cursor['epoch']} at data cursor {cursor['consumed']} (positions of "
+                f"the epoch's order already trained), but the train loader ({type(loader).__name__}) has no data "
+                "cursor to start there (an iterable dataset, a loader raysgd does not shard, or a sampler read "
+                "lazily): starting the epoch from its beginning would train its committed part twice. Load the "
+                "state into a trainer whose train loader has a cursor (as the one it was taken with), or drop the "
+                "cursor to train that epoch again from its start: state.pop('cursor'); state['epoch'] -= 1")
+        self.epoch_steps = cursor["steps"]
 
     def after_iter(self):
-        """Just after the epoch's iterator was made (it draws from torch's stream): restore the commit's streams."""
+        """Just after the epoch's iterator was made (it draws from torch's stream): restore the loaded streams and
+        carry the loaded committed metrics into this call's."""
         if self.resume is not None:
             _state.set_rng_state(self.resume["rng"])
+            self.carried = self.resume["share"]
             self.resume = None
+
+    def pending_state(self):
+        """The keys a state read now must hold while a loaded resume waits for its epoch (``cursor``, ``meters``),
+        else None: a snapshot, ``save()`` or ``state_dict()`` taken before the epoch starts resumes the same way."""
+        if self.resume is None:
+            return None
+        meters = self.resume["meters"]
+        return {_state.CURSOR: dict(self.resume["cursor"]), **({_state.METERS: meters} if meters else {})}
+
+    def pending_rng(self):
+        """This rank's random streams of a loaded resume still waiting (they apply at its epoch's start), else None."""
+        return self.resume["rng"] if self.resume is not None else None
+
+    def merge_carried(self, stats):
+        """``stats`` of the call that resumed a loaded state, with the loaded committed metrics merged in (once)."""
+        carried, self.carried = self.carried, None
+        return _reduction.merge_partial(carried, stats) if carried else stats
 
     def cursor_now(self, epochs, loader):
         """The cursor of an epoch stopped between calls (``train(num_steps=...)``), or None (none, or no cursor)."""
@@ -125,9 +154,12 @@ class Committer:
             return None
         return {"epoch": epochs, "consumed": int(consumed), "steps": self.epoch_steps, "call_steps": 0}
 
-    def load(self, cursor, rng):
-        """Remember a loaded commit: the next epoch starts at its cursor with its random streams."""
-        self.resume = {"cursor": dict(cursor), "rng": rng} if cursor else None
+    def load(self, cursor, rng, meters=None, rank=0, world_size=1):
+        """Remember a loaded commit: the next epoch starts at its cursor with its random streams, and the call that
+        resumes it reports its committed metrics too (``meters``: per rank of the group that committed)."""
+        self.resume = {"cursor": dict(cursor), "rng": rng, "meters": list(meters) if meters else None,
+                       "share": _state.meters_share(meters, rank, world_size)} if cursor else None
+        self.carried = None
         if cursor is None and rng is not None:
             _state.set_rng_state(rng)
 
@@ -135,16 +167,21 @@ class Committer:
     def batches(self, worker, batches, plan, loader_of):
         """Yield ``batches``; between two of them count the step and commit when due (``plan`` may be None)."""
         cursor = self.resume["cursor"] if self.resume else None
-        self.call_steps = cursor.get("call_steps", 0) if plan is not None and plan.continues(cursor) else 0
+        continues = plan is not None and plan.continues(cursor)
+        self.call_steps = cursor.get("call_steps", 0) if continues else 0
+        if continues:  # a retry inside its own call: the driver merges the committed metrics (raysgd.torch.commits)
+            self.resume.update(meters=None, share=None)
         preemption.set_active(plan is not None)  # a SIGTERM now commits at the next step (raysgd.torch.preemption)
         check_every = preemption.check_every()
         try:
             for batch in batches:
                 started = time.monotonic()
-                yield batch
-                self.epoch_steps += 1
-                self.iter_batches += 1
-                self.call_steps += 1
+                try:
+                    yield batch
+                except GeneratorExit:  # the loop stopped after taking this batch: the epoch's iterator is past it
+                    self._count()
+                    raise
+                self._count()
                 if plan is None:
                     continue
                 if len(self._probe) < PROBE_STEPS and plan.every_n is None:
@@ -163,6 +200,11 @@ class Committer:
         finally:
             preemption.drop_pending()
             preemption.set_active(False)
+
+    def _count(self):
+        self.epoch_steps += 1
+        self.iter_batches += 1
+        self.call_steps += 1
 
     @staticmethod
     def _resize(plan):
@@ -196,12 +238,15 @@ class Committer:
         if consumed is None:
             if not self._warned:
                 logger.warning("No commit inside this epoch: its input has no data cursor (iterable dataset, Ray "
-                               "Data or a loader without a sharding sampler); a failure replays the epoch.")
+                               "Data, a loader without a sharding sampler, or one reading out of order: "
+                               "num_workers > 0 with in_order=False); a failure replays the epoch.")
                 self._warned = True
             return
         started = time.perf_counter()
         op = worker.operator
-        record = {"rng": _state.rng_state(), "meters": op._partial_metrics(),
+        partial = op._partial_metrics()  # the epoch's metrics so far: a loaded committed part counts too
+        meters = None if partial is None else _reduction.merge_partial(self.carried, partial)
+        record = {"rng": _state.rng_state(), "meters": meters,
                   "cursor": {"epoch": worker.epochs, "consumed": int(consumed), "steps": self.epoch_steps,
                              "call_steps": self.call_steps, "attempt": plan.attempt, "call": plan.call_tag}}
         if worker.world_rank == 0:

@@ -166,7 +166,8 @@ class LightningOperator(TrainingOperator):
             for batch_idx, batch in enumerate(iterator):
                 batch = self._transfer(batch)
                 with self._logging_to({}) as step_logs:
-                    if module.on_train_batch_start(batch, batch_idx) == -1:
+                    if module.on_train_batch_start(batch, batch_idx) == -1:  # the epoch ends (Lightning's rule)
+                        getattr(iterator, "end_epoch", lambda: None)()
                         break
                     output, loss = self._training_step(batch, batch_idx, epoch)
                     module.on_train_batch_end(output, batch, batch_idx)

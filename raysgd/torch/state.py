@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from raysgd.torch import compiled as _compiled
+from raysgd.torch.reduction import merge_partial
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +212,21 @@ def rank_rng(state, rank):
     """This rank's random streams from a state with per-rank ``rng`` (None when it has none for ``rank``)."""
     streams = state.get(RNG) or []
     return streams[rank] if rank < len(streams) else None
+
+
+def meters_share(meters, rank, world_size):
+    """Rank ``rank``'s part of a commit's per-rank ``meters`` resumed on ``world_size`` ranks: the committed metrics
+    of old rank ``i`` go to ``i % world_size`` (as :func:`raysgd.torch.reduction.merge_partials` maps them).
+
+    Example:
+        >>> meters_share([{"num_samples": 4, "batch_count": 1}, {"num_samples": 2, "batch_count": 1}], 0, 1)
+        {'num_samples': 6, 'batch_count': 2}
+    """
+    share = None
+    for index, part in enumerate(meters or ()):
+        if part and index % world_size == rank:
+            share = merge_partial(share, part)
+    return share
 
 
 def assemble_commit(records):

@@ -122,6 +122,26 @@ class _PersistentIterator:
                 return  # an empty loader: stop instead of looping forever
 
 
+class _CallBatches:
+    """The batches of one ``train()`` call as the operator's loop sees them; ``end_epoch()`` drops the rest of the
+    epoch once the call ends (Lightning's ``on_train_batch_start`` returning ``-1``)."""
+
+    def __init__(self, batches):
+        self._batches, self.ended = batches, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._batches)
+
+    def end_epoch(self):
+        self.ended = True
+
+    def close(self):
+        self._batches.close()
+
+
 class TorchWorker:
     """One data-parallel replica (see the module docstring). Its methods are what the worker group calls."""
 
@@ -247,8 +267,12 @@ class TorchWorker:
         counts as one epoch. ``progress`` (rank 0 with ``use_tqdm``) is a
         :class:`~raysgd.torch.progress.ProgressReporter` fed by the operator's per-batch hook.
         ``commit`` (a :class:`~raysgd.torch.committer.CommitPlan`) commits between batches.
+        The operator's iterator has ``end_epoch()``: the epoch ends with this call (Lightning's ``-1``).
         """
         self._begin(profile)
+        if iterator is not None and self.committer.resume is not None:
+            raise ValueError("train(dataset=...) cannot run while a loaded state waits to resume an epoch of the "
+                             f"registered train loader (cursor {self.committer.resume['cursor']}): call train() first")
         info = {**(info or {}), NUM_STEPS: num_steps, USE_FP16: self.operator.use_fp16, "epoch_idx": self.epochs}
         with self.timers.record("train_epoch"):
             if iterator is not None:
@@ -256,14 +280,16 @@ class TorchWorker:
                 batches = iterator if num_steps is None else itertools.islice(iterator, num_steps)
             else:
                 batches = self._train_iter.take(num_steps)
-            batches = self.committer.batches(self, batches, commit if iterator is None else None,
-                                             lambda: self.operator._train_loader)
+            batches = _CallBatches(self.committer.batches(self, batches, commit if iterator is None else None,
+                                                          lambda: self.operator._train_loader))
             reporting = contextlib.nullcontext() if progress is None else progress.attach(
                 self.operator, num_steps, iterator if iterator is not None else self.operator._train_loader)
             fresh = self._train_iter.fresh_after_error() if iterator is None else contextlib.nullcontext()
             with reporting, fresh, contextlib.closing(batches):  # its cleanup runs now, even after an error
-                stats = self.operator.train_epoch(batches, info)
-        result = {"epoch": self.epochs, **stats}
+                stats = self.committer.merge_carried(self.operator.train_epoch(batches, info))
+        if batches.ended and iterator is None:
+            self._train_iter.reset()  # the rest of the epoch is dropped: the next call starts a new one
+        result = {"epoch": self._epoch_now(), **stats}
         if profile:
             result["profile"] = self.timers.stats()
         return result
@@ -281,13 +307,25 @@ class TorchWorker:
         return stats
 
     # ----------------------------------------------------------------- state
+    def _epoch_now(self):
+        """The epoch count a state holds: a loaded cursor still waiting for its epoch counts that epoch (as the
+        commit it came from did)."""
+        pending = self.committer.pending_state()
+        return pending[_state.CURSOR]["epoch"] if pending else self.epochs
+
     def state_dict(self, rngs=None):
         """This worker's state (see :mod:`raysgd.torch.state`) with the random streams of every rank: ``rngs``
-        (``{rank: rng_state}`` the driver gathered) in rank order, this rank's own in its place."""
-        streams = {**(rngs or {}), self.world_rank: _state.rng_state()}
+        (``{rank: rng_state}`` the driver gathered) in rank order, this rank's own in its place.
+
+        While a loaded mid-epoch state waits for its epoch (no batch of it trained yet), the state holds its
+        cursor, committed metrics and random streams: whatever restarts from it resumes at the same point."""
+        streams = {**(rngs or {}), self.world_rank: self.rng_state()}
         ordered = [streams.get(rank) for rank in range(max(streams) + 1)]
-        state = {**_state.capture(self.operator, self.epochs), _state.RNG: ordered}
-        if self._train_iter.mid_epoch:  # train(num_steps=...) stopped inside an epoch: say where
+        state = {**_state.capture(self.operator, self._epoch_now()), _state.RNG: ordered}
+        pending = self.committer.pending_state()
+        if pending is not None:
+            state.update(pending)
+        elif self._train_iter.mid_epoch:  # train(num_steps=...) stopped inside an epoch: say where
             cursor = self.committer.cursor_now(self.epochs, self.operator._train_loader)
             if cursor is not None:
                 state[_state.CURSOR] = cursor
@@ -302,7 +340,8 @@ class TorchWorker:
         epoch = _state.restore(self.operator, state)
         cursor = state.get(_state.CURSOR)
         self.epochs = cursor["epoch"] - 1 if cursor else epoch
-        self.committer.load(cursor, _state.rank_rng(state, self.world_rank))
+        self.committer.load(cursor, _state.rank_rng(state, self.world_rank), state.get(_state.METERS),
+                            self.world_rank, self.world_size)
         self._train_iter.reset()
         self._val_iter.reset()
 
@@ -311,8 +350,10 @@ class TorchWorker:
         return checkpoint.state_to_bytes(self.state_dict(rngs))
 
     def rng_state(self):
-        """This process's random streams (see :func:`raysgd.torch.state.rng_state`)."""
-        return _state.rng_state()
+        """This process's random streams (see :func:`raysgd.torch.state.rng_state`), or those of a loaded state
+        still waiting for its epoch (they apply when it starts)."""
+        pending = self.committer.pending_rng()
+        return pending if pending is not None else _state.rng_state()
 
     def load_state_stream(self, stream):
         """Load :meth:`state_stream` bytes onto this worker's own device."""
