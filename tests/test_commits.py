@@ -169,3 +169,60 @@ def test_a_range_starts_with_what_fits_and_an_unplaceable_minimum_is_a_clear_err
     with pytest.raises(TimeoutError, match=r"minimum of 3 workers.*free resources"):
         trainer_factory(training_operator_cls=LinearOperator, num_workers=(3, 4), num_cpus_per_worker=2)
     assert_released()
+
+
+# ----------------------------------------------------------------- a resize inside an uneven epoch (issue 22)
+@ray.remote(num_cpus=2)
+class Holder:
+    """Holds 2 of the 4 CPUs until killed, so that only one 2-CPU worker fits at first."""
+
+    def ready(self):
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drop_last", [False, True], ids=["keep-last", "drop-last"])
+def test_a_grow_mid_epoch_trains_each_sample_as_the_readme_promises(trainer_factory, tmp_path, monkeypatch,
+                                                                    drop_last):
+    """53 samples, batches of 4, (1, 2) workers: 7 batches on one worker, then the group grows (a real restart at a
+    commit point) and the 25 samples left are re-sharded over 2 workers, 25 = 3 x (2 x 4) + 1. README, "Data
+    sharding": with drop_last=False every sample is trained once, except that the worker short of a last batch
+    re-reads one sample from the start of what was left; with drop_last=True the last 1 is skipped."""
+    assert_released()
+    monkeypatch.setenv("SGD_RESIZE_COOLDOWN_S", "0")
+    monkeypatch.setenv("SGD_GROW_CHECK_S", "0.2")
+    n, batch, gate, log = 53, 4, tmp_path / "gate", tmp_path / "batches.log"
+    holder = Holder.remote()
+    ray.get(holder.ready.remote())
+    config = {"n": n, "batch_size": batch, "drop_last": drop_last, "log": str(log),
+              "fault": {"step": 6, "rank": 0, "marker": str(gate), "until_resize": True}}  # waits for the request
+    trainer = trainer_factory(training_operator_cls=CountingOperator, num_workers=(1, 2), num_cpus_per_worker=2,
+                              timeout_s=30, commit_every_n_steps=2, config=config, initialization_hook=seeding_hook)
+    assert trainer.worker_group.num_workers == 1
+
+    def free_room():  # once rank 0 waits at step 6, the held CPUs come back: the group can grow
+        deadline = time.monotonic() + 60
+        while not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ray.kill(holder)
+
+    threading.Thread(target=free_room, daemon=True).start()
+    stats = trainer.train(reduce_results=False)
+    assert gate.exists() and trainer.num_failures == 0 and trainer.worker_group.num_workers == 2
+    lines = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]  # (rank, global step)
+    first = min(step for rank, step in lines if rank == 1)  # batches trained on one worker before growing
+    consumed, left = first * batch, n - first * batch
+    rounds, tail = divmod(left, 2 * batch)
+    assert 0 < tail < 2  # the one uneven case: the last round holds fewer samples than workers
+    assert len(lines) == first + 2 * (rounds + 1 - drop_last)  # nothing recomputed
+    order = draw_stream(RandomSampler(range(n)), seed=0, epoch=0)  # the epoch's order (the loader's, seed 0)
+    expected = torch.zeros(n)
+    expected[order[:consumed]] += 1  # before the resize
+    rest = order[consumed:]
+    if drop_last:
+        expected[rest[:left - tail]] += 1  # the last `tail` samples are skipped
+    else:
+        expected[rest] += 1
+        expected[rest[0]] += 1  # the worker short of a last batch re-reads the first sample left
+    assert torch.equal(counts(trainer), expected)
+    assert sum(s["num_samples"] for s in stats) == (n - tail if drop_last else n + 1)
