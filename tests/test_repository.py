@@ -1,10 +1,13 @@
 """The repository's promises: README's commands are what CI runs, and the docs' examples run."""
+import ast
 import doctest
 import importlib
 import pathlib
 import re
 
 import pytest
+
+from raysgd import optional
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -26,12 +29,31 @@ def test_readme_gives_two_setup_commands_and_ci_runs_the_test_one():
     assert "torch==2.13.0" in (REPO / "constraints.txt").read_text()
 
 
+def setup_extras():
+    """``extras_require`` of setup.py, read without running it."""
+    call = next(node for node in ast.walk(ast.parse((REPO / "setup.py").read_text()))
+                if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
+    return ast.literal_eval(next(k.value for k in call.keywords if k.arg == "extras_require"))
+
+
+def test_every_extra_named_anywhere_exists_and_brings_its_package():
+    extras = setup_extras()
+    for name, (extra, package) in optional.EXTRAS.items():  # raysgd.optional: the one home of the extra names
+        names = [re.split(r"[<>=!~;]", requirement)[0].strip().lower() for requirement in extras.get(extra, [])]
+        assert package.lower() in names, f"{name}: setup.py's {extra!r} extra does not install {package}: {names}"
+    texts = [path.read_text() for pattern in ("raysgd/**/*.py", "examples/*.py", "docs/**/*.md", "*.md", ".ci/*")
+             for path in REPO.glob(pattern)]
+    named = {m for text in texts for m in re.findall(r'raysgd\[([a-z,]+)\]|extra="([a-z]+)"', text)}
+    for extra in {e for pair in named for group in pair if group for e in group.split(",")}:
+        assert extra in extras, f"the {extra!r} extra is named in the repository but setup.py has no such extra"
+
+
 def test_changelog_keeps_a_changelog_form():
     text = (REPO / "CHANGELOG.md").read_text()
     assert text.startswith("# Changelog") and "## [Unreleased]" in text and "### Added" in text
 
 
-DOCTESTED = ["raysgd.utils", "raysgd.torch.recovery", "raysgd.torch.reduction", "raysgd.torch.arguments",
+DOCTESTED = ["raysgd.utils", "raysgd.optional", "raysgd.torch.recovery", "raysgd.torch.reduction", "raysgd.torch.arguments",
              "raysgd.torch.checkpoint", "raysgd.torch.data", "raysgd.torch.errors", "raysgd.torch.precision",
              "raysgd.torch.worker", "raysgd.torch.constants", "raysgd.torch.examples.train_example",
              "raysgd.torch.progress", "raysgd.torch.results", "raysgd.torch.ray_data",

@@ -36,6 +36,7 @@ import threading
 
 import ray
 
+from raysgd import optional
 from raysgd.torch.training_operator import TrainingOperator
 from raysgd.utils import BATCH_SIZE
 
@@ -79,7 +80,7 @@ class DatasetInput:
     def __init__(self, dataset, *, label_column=None, feature_columns=None, label_shape=None, batch_size=None,
                  dtypes=None, drop_last=False, local_shuffle_buffer_size=None, prefetch_batches=1,
                  batch_timeout_s=None, repeat=False, convert=None):
-        from ray.data import Dataset  # noqa: PLC0415 (Ray Data stays optional until used)
+        Dataset = optional.require("ray.data", "DatasetInput").Dataset  # noqa: N806 (Ray Data: optional until used)
 
         if not isinstance(dataset, Dataset):
             raise TypeError(f"DatasetInput(dataset=...) expects a ray.data.Dataset; got {type(dataset).__name__}")
@@ -121,10 +122,7 @@ def as_input(dataset, operator_cls, num_steps=None):
     An object with ``as_dataset_input(repeat)`` (1.x's ``raysgd.data.Dataset``) is asked for its
     input, repeating its shards when ``num_steps`` is given.
     """
-    try:
-        from ray.data import Dataset  # noqa: PLC0415
-    except ImportError as err:
-        raise ImportError("train(dataset=...) needs Ray Data: pip install 'ray[data]'") from err
+    Dataset = optional.require("ray.data", "TorchTrainer.train(dataset=...)").Dataset  # noqa: N806 (a class)
     if callable(getattr(dataset, "as_dataset_input", None)):
         dataset = dataset.as_dataset_input(repeat=num_steps is not None)
     if isinstance(dataset, Dataset):

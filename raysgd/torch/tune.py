@@ -28,6 +28,7 @@ import inspect
 import logging
 import os
 
+from raysgd import optional
 from raysgd.torch import arguments, checkpoint
 
 try:
@@ -257,8 +258,7 @@ def make_trainable(trainer_cls, *args, override_tune_step=None, **kwargs):
         [{'CPU': 1.0}, {'CPU': 1.0}, {'CPU': 1.0}]
     """
     if not TUNE_INSTALLED:
-        raise RuntimeError("TorchTrainer.as_trainable needs Ray Tune: pip install 'ray[tune]'") \
-            from _TUNE_IMPORT_ERROR
+        raise optional.missing("ray.tune", "TorchTrainer.as_trainable", _TUNE_IMPORT_ERROR) from _TUNE_IMPORT_ERROR
     _check_step_function(override_tune_step)
     if kwargs.get("storage_path") is not None:
         raise ValueError("as_trainable: storage_path expects None under Tune (every trial would write to the same "

@@ -26,6 +26,7 @@ import torch.nn as nn
 from filelock import FileLock
 from torch.utils.data import DataLoader, TensorDataset
 
+from raysgd import optional
 from raysgd.torch import TorchTrainer, TrainingOperator
 from raysgd.utils import BATCH_SIZE, NUM_SAMPLES
 
@@ -40,9 +41,8 @@ def digits_images(limit=None, seed=0):
         >>> tuple(images.shape), float(images.min()) >= -1.0
         ((4, 1, 8, 8), True)
     """
-    from sklearn.datasets import load_digits  # noqa: PLC0415 (scikit-learn: only this example needs it)
-
-    images, labels = load_digits(return_X_y=True)
+    datasets = optional.require("sklearn.datasets", "the DCGAN example's data (scikit-learn's digits)")
+    images, labels = datasets.load_digits(return_X_y=True)
     order = np.random.default_rng(seed).permutation(len(labels))[:limit]
     images = torch.tensor(images[order] / 8.0 - 1.0, dtype=torch.float32).view(-1, 1, 8, 8)
     return images, torch.tensor(labels[order], dtype=torch.long)
@@ -247,6 +247,9 @@ def main(argv=None):
     parser.add_argument("--samples", metavar="PNG", default=None, help="write 16 generated digits to this PNG")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    digits_images(limit=1)  # without scikit-learn, say what to install before Ray starts
+    if args.samples:
+        optional.require("matplotlib.figure", "dcgan --samples")
     import ray  # noqa: PLC0415
 
     ray.init(address=args.address or "local", include_dashboard=False)
@@ -262,11 +265,9 @@ def main(argv=None):
 
 
 def _save_grid(images, path):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 (optional extra)
-    from matplotlib.figure import Figure  # noqa: PLC0415
-
-    figure = Figure(figsize=(4, 4), dpi=100)
-    FigureCanvasAgg(figure)
+    backend = optional.require("matplotlib.backends.backend_agg", "dcgan --samples")
+    figure = optional.require("matplotlib.figure", "dcgan --samples").Figure(figsize=(4, 4), dpi=100)
+    backend.FigureCanvasAgg(figure)
     for i, image in enumerate(images[:16]):
         axes = figure.add_subplot(4, 4, i + 1)
         axes.imshow(image[0].numpy(), cmap="gray_r", vmin=-1, vmax=1)

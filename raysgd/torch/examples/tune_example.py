@@ -18,6 +18,7 @@ import logging
 import torch
 import torch.nn as nn
 
+from raysgd import optional
 from raysgd.torch import TorchTrainer, TrainingOperator
 from raysgd.torch.examples.train_example import data_creator, model_creator, optimizer_creator
 from raysgd.utils import BATCH_SIZE
@@ -48,7 +49,7 @@ def manual_step(trainer, info):
 
 def tune_example(operator_cls, num_workers=1, use_gpu=False, num_samples=3, storage_path=None):
     """Grid search over ``lr`` (2 iterations a trial); returns the best config by ``val_loss``."""
-    from ray import tune  # noqa: PLC0415 (Tune is optional for raysgd)
+    tune = optional.require("ray.tune", "the Tune example")
 
     TorchTrainable = TorchTrainer.as_trainable(  # noqa: N806 (a class)
         training_operator_cls=operator_cls, num_workers=num_workers, use_gpu=use_gpu, config={BATCH_SIZE: 128})
@@ -59,7 +60,7 @@ def tune_example(operator_cls, num_workers=1, use_gpu=False, num_samples=3, stor
 
 def tune_example_manual(operator_cls, num_workers=1, use_gpu=False, num_samples=3, storage_path=None):
     """As :func:`tune_example`, stepping ``ReduceLROnPlateau`` by hand in a custom step."""
-    from ray import tune  # noqa: PLC0415
+    tune = optional.require("ray.tune", "the Tune example")
 
     TorchTrainable = TorchTrainer.as_trainable(  # noqa: N806
         training_operator_cls=operator_cls, num_workers=num_workers, use_gpu=use_gpu, config={BATCH_SIZE: 128},
@@ -79,6 +80,7 @@ def main(argv=None):
     parser.add_argument("--smoke-test", action="store_true", help="one sample per grid point")
     parser.add_argument("--storage-path", default=None, help="where Tune writes results (default ~/ray_results)")
     args = parser.parse_args(argv)
+    optional.require("ray.tune", "the Tune example")  # without Tune, say what to install before Ray starts
     import ray  # noqa: PLC0415
 
     if not ray.is_initialized():
