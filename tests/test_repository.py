@@ -4,6 +4,8 @@ import doctest
 import importlib
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -27,6 +29,21 @@ def test_readme_gives_two_setup_commands_and_ci_runs_the_test_one():
     ci = (REPO / ".ci" / "run").read_text()
     assert test_part in ci, f"{test_part!r} is not what .ci/run runs"
     assert "torch==2.13.0" in (REPO / "constraints.txt").read_text()
+
+
+def test_ci_runs_readmes_first_command_as_written_in_a_fresh_copy():
+    example = next(c for c in readme_commands() if c.startswith("python3 -m venv"))
+    assert example.endswith("python examples/train_linear.py --num-workers 2"), example
+    assert "-e . &&" in example, f"README's first command must be the plain install (no extra): {example!r}"
+    done = subprocess.run([sys.executable, str(REPO / ".ci" / "readme_command.py"), "example"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == example + "\n", done.stdout + done.stderr  # what .ci/run runs
+    lines = (REPO / ".ci" / "run").read_text().splitlines()
+    extract = next(i for i, line in enumerate(lines) if "python3 .ci/readme_command.py example" in line)
+    run = next(i for i, line in enumerate(lines) if 'bash -c "$first_command"' in line)
+    tests = next(i for i, line in enumerate(lines) if "python -m pytest" in line)
+    assert extract < run < tests, "the first command runs before the test suite (it fails fast and is short)"
+    assert ".venv/" in (REPO / ".gitignore").read_text().split(), ".venv is ignored: no copy or clone carries it"
 
 
 def setup_extras():
