@@ -16,6 +16,7 @@ tune = pytest.importorskip("ray.tune", reason="needs ray[tune]")
 from raysgd import TorchTrainer  # noqa: E402
 from raysgd.torch import BaseTorchTrainable  # noqa: E402
 from raysgd.torch import tune as raysgd_tune  # noqa: E402
+from raysgd.utils import BATCH_SIZE  # noqa: E402
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS_DIR)
@@ -141,7 +142,7 @@ def test_tuner_grid_two_trials_with_checkpoints_that_restore(cluster, tmp_path):
     assert best.metrics["val_loss"] == min(r.metrics["val_loss"] for r in results)
     # the checkpoint restores: a fresh trainer loaded from it validates to the trial's last val_loss
     operator_cls = script.get_custom_training_operator(lr_reduce_on_plateau=True)
-    trainer = TorchTrainer(training_operator_cls=operator_cls, config={"batch_size": 128, **best.config},
+    trainer = TorchTrainer(training_operator_cls=operator_cls, config={BATCH_SIZE: 128, **best.config},
                            use_local=True, use_gpu=False, scheduler_step_freq="manual")
     try:
         trainer.load(os.path.join(best.checkpoint.path, raysgd_tune.CHECKPOINT_FILE))

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd import optional
 from raysgd.torch import TorchTrainer, TrainingOperator
+from raysgd.torch.examples.train_example import loader_batch_size
 from raysgd.utils import BATCH_SIZE, NUM_SAMPLES
 
 logger = logging.getLogger(__name__)
@@ -136,8 +137,10 @@ def inception_score(classifier, images, eps=1e-12):
 class GANOperator(TrainingOperator):
     """Registers a discriminator and a generator with one Adam optimizer each; ``train_batch`` alternates them.
 
-    Config keys: ``classification_model_path`` (from :func:`train_classifier`), ``BATCH_SIZE``, ``lr``
-    (2e-3), ``latent_dim`` (16), ``limit`` (use the first N images).
+    Config keys: ``classification_model_path`` (from :func:`train_classifier`), ``"batch_size"`` (1.12's key)
+    or else ``BATCH_SIZE`` (the global batch, split among the workers), 32 without either
+    (:func:`~raysgd.torch.examples.train_example.loader_batch_size`), ``lr`` (2e-3), ``latent_dim`` (16; 1.12's
+    ``latent_vector_size`` too), ``limit`` (use the first N images; 1.12's ``test_mode`` uses 64).
 
     Example:
         >>> trainer = TorchTrainer(training_operator_cls=GANOperator, num_workers=2,  # doctest: +SKIP
@@ -146,15 +149,15 @@ class GANOperator(TrainingOperator):
 
     def setup(self, config):
         torch.manual_seed(config.get("seed", 0))
-        latent_dim = config.get("latent_dim", 16)
+        latent_dim = config.get("latent_dim", config.get("latent_vector_size", 16))  # the second: 1.12's key
         discriminator, generator = Discriminator(), Generator(latent_dim)
         betas = (0.5, 0.999)
         optimizer_d = torch.optim.Adam(discriminator.parameters(), lr=config.get("lr", 2e-3), betas=betas)
         optimizer_g = torch.optim.Adam(generator.parameters(), lr=config.get("lr", 2e-3), betas=betas)
         self.models, self.optimizers, self.criterion = self.register(
             models=(discriminator, generator), optimizers=(optimizer_d, optimizer_g), criterion=nn.BCEWithLogitsLoss())
-        images, _ = digits_images(limit=config.get("limit"))
-        self.register_data(train_loader=DataLoader(TensorDataset(images), batch_size=config[BATCH_SIZE],
+        images, _ = digits_images(limit=config.get("limit", 64 if config.get("test_mode") else None))
+        self.register_data(train_loader=DataLoader(TensorDataset(images), batch_size=loader_batch_size(config),
                                                    shuffle=True, drop_last=True))
         self.classifier = _classifier().to(self.device).eval()
         state = torch.load(config["classification_model_path"], map_location=self.device, weights_only=True)
