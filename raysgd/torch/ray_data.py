@@ -179,9 +179,6 @@ def rank_inputs(data, reporter, shard_cache, group, config, timeout_s, cpus_per_
         extra = [{} for _ in range(num_workers)]
         if data is not None:
             starved = no_cpu_left(_held_cpus(num_workers, cpus_per_worker), cluster_state.ceiling())
-            if starved:
-                logger.warning("train(dataset=...): %s, so Ray Data's tasks get no CPU; a dataset that needs them "
-                               "fails after %.0f s", starved, constants.SGD_DATA_NO_CPU_S)
             shards = shard_cache.shards(data, num_workers, group.generation, config, timeout_s, starved)
             for rank, shard in enumerate(shards):
                 extra[rank]["iterator"] = shard
@@ -224,6 +221,9 @@ class ShardCache:
         key = (num_workers, generation)
         if self._dataset is not data.dataset or self._key != key:
             self.drop()
+            if starved:  # once per split, not per call
+                logger.warning("train(dataset=...): %s, so Ray Data's tasks get no CPU; a dataset that needs them "
+                               "fails after %.0f s", starved, constants.SGD_DATA_NO_CPU_S)
             self._splits = data.dataset.streaming_split(num_workers, equal=True)
             self._dataset, self._key = data.dataset, key
         batch_size = data.batch_size or batch_size_per_worker(config, num_workers)
