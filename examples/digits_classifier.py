@@ -17,11 +17,13 @@ import numpy as np
 import ray
 import torch
 import torch.nn as nn
-from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
-from raysgd import TorchTrainer, TrainingOperator
+from raysgd import TorchTrainer, TrainingOperator, optional
 from raysgd.utils import BATCH_SIZE
+
+# scikit-learn ships the data; without it this says what to install: pip install "raysgd[examples]"
+load_digits = optional.require("sklearn.datasets", "examples/digits_classifier.py", extra="examples").load_digits
 
 
 def digits_datasets(val_fraction=0.2, seed=0, limit=None):
@@ -81,6 +83,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.smoke_test:
         args.epochs = 2
+    if args.plot:  # matplotlib: checked before training, not after it
+        optional.require("matplotlib.figure", "examples/digits_classifier.py --plot", extra="examples")
     ray.init(address=args.address or "local", include_dashboard=False)
     config = {"lr": args.lr, "epochs": args.epochs, BATCH_SIZE: args.batch_size,
               "limit": 600 if args.smoke_test else None}
@@ -99,7 +103,7 @@ def main(argv=None):
     final = history[-1]["val_accuracy"]
     print(f"final val_accuracy {final:.4f} with {args.num_workers} workers, {args.epochs} epochs in {elapsed:.1f} s")
     if args.plot:
-        from raysgd.plot import plot_training_curve  # matplotlib: pip install "raysgd[logging]"
+        from raysgd.plot import plot_training_curve  # matplotlib: pip install "raysgd[examples]" (or [logging])
 
         plot_training_curve(history, args.plot, title=f"Digits classifier, {args.num_workers} Ray workers")
         print(f"training curve written to {args.plot}")

@@ -3,7 +3,8 @@
 The model stays an ordinary ``LightningModule`` (``training_step``, ``validation_step``, ``self.log``,
 ``configure_optimizers`` with a scheduler dict); ``from_ptl`` turns it into a raysgd operator, so it
 trains on ``--num-workers`` Ray actors (DDP), epoch by epoch from this script, with raysgd's fault
-recovery, checkpoints, mixed precision (``--bf16``) and Tune. Needs ``pip install "raysgd[lightning]"``.
+recovery, checkpoints, mixed precision (``--bf16``) and Tune. Needs ``pip install "raysgd[examples]"``
+(Lightning and scikit-learn).
 
     python examples/lightning_digits.py                 # 2 workers, 15 epochs, ~99% validation accuracy
     python examples/lightning_digits.py --smoke-test    # a quick check
@@ -12,15 +13,17 @@ import argparse
 import time
 
 import numpy as np
-import pytorch_lightning as pl
 import ray
 import torch
 import torch.nn as nn
-from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
 
-from raysgd import TorchTrainer, TrainingOperator
+from raysgd import TorchTrainer, TrainingOperator, optional
 from raysgd.utils import BATCH_SIZE
+
+# Lightning and scikit-learn (the data); without them this says what to install: pip install "raysgd[examples]"
+pl = optional.require("pytorch_lightning", "examples/lightning_digits.py", extra="examples")
+load_digits = optional.require("sklearn.datasets", "examples/lightning_digits.py", extra="examples").load_digits
 
 
 class DigitsModule(pl.LightningModule):

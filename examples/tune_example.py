@@ -14,13 +14,15 @@ import logging
 import tempfile
 
 import ray
-from ray import tune
 
+from raysgd import optional
 from raysgd.torch import TorchTrainer
 from raysgd.torch.examples.tune_example import get_custom_training_operator, manual_step
 from raysgd.utils import BATCH_SIZE
 
 logger = logging.getLogger("tune_example")
+# Ray Tune is optional for raysgd; without it this says what to install: pip install "raysgd[examples]"
+tune = optional.require("ray.tune", "examples/tune_example.py", extra="examples")
 
 
 def tune_lr(num_workers=1, use_gpu=False, manual=False, num_samples=1, storage_path=None, max_failures=1):

@@ -1,7 +1,7 @@
 """Plots a training curve (losses and accuracies per epoch) to a PNG file with matplotlib.
 
-Outside the training layers: imports the standard library; matplotlib (the optional ``logging``
-extra: ``pip install "raysgd[logging]"``) is imported when a plot is drawn. Uses matplotlib's
+Outside the training layers: imports the standard library and :mod:`raysgd.optional`; matplotlib (the
+optional ``logging`` extra: ``pip install "raysgd[logging]"``) is imported when a plot is drawn. Uses matplotlib's
 object API with the Agg canvas, so it never touches pyplot's global state or needs a display.
 
 Example:
@@ -13,6 +13,8 @@ Example:
 import csv
 import math
 import os
+
+from raysgd import optional
 
 __all__ = ["plot_training_curve", "read_history"]
 
@@ -89,18 +91,14 @@ def plot_training_curve(history, path, metrics=None, x="epoch", title=None):
     if missing:
         raise ValueError(f"plot_training_curve(metrics=...) names {missing}, which no result holds as a number; "
                          f"available: {sorted({k for row in history for k, v in row.items() if _is_number(v)})}")
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 (optional extra)
-        from matplotlib.figure import Figure  # noqa: PLC0415
-    except ImportError as err:
-        raise ImportError("plot_training_curve needs matplotlib: pip install 'raysgd[logging]' "
-                          "(or pip install matplotlib)") from err
+    backend = optional.require("matplotlib.backends.backend_agg", "plot_training_curve")
+    Figure = optional.require("matplotlib.figure", "plot_training_curve").Figure  # noqa: N806 (a class)
 
     accuracies = [m for m in metrics if "acc" in m]
     losses = [m for m in metrics if m not in accuracies]
     panels = [group for group in (losses, accuracies) if group]
     figure = Figure(figsize=(5.5 * len(panels), 4), dpi=100)
-    FigureCanvasAgg(figure)
+    backend.FigureCanvasAgg(figure)
     for index, group in enumerate(panels):
         axes = figure.add_subplot(1, len(panels), index + 1)
         for metric in group:

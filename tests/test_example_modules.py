@@ -76,3 +76,50 @@ def test_inception_score_bounds():
         confident.bias.zero_()
     assert inception_score(confident, torch.eye(10)) == pytest.approx(10.0, rel=1e-3)  # 10 crisp classes
     assert inception_score(confident, torch.eye(10)[[3] * 10]) == pytest.approx(1.0, abs=1e-3)  # one class
+
+
+# ------------------------------------------------------- the example creators read their config as RaySGD 1.12 did
+def _local_worker(operator_cls, config, scheduler_step_freq=None):
+    worker = TorchWorker(operator_cls, config, is_local=True, scheduler_step_freq=scheduler_step_freq)
+    worker.setup_operator()
+    return worker
+
+
+def test_tune_example_trains_with_batch_size_from_batch_size_key_like_1_12():
+    from raysgd.torch.examples import tune_example
+
+    # 1.12's tune_example read config[BATCH_SIZE] (the worker's share): 1,000 points in batches of 128 is 8 batches
+    worker = _local_worker(tune_example.get_custom_training_operator(lr_reduce_on_plateau=True), {BATCH_SIZE: 128},
+                           scheduler_step_freq="manual")
+    assert worker.train_epoch()["batch_count"] == 8  # batches of 32 (train_example's default) would be 32
+    assert worker.operator.optimizer.defaults["lr"] == 1e-4  # 1.12's default when Tune gives no lr
+    assert worker.operator.scheduler.patience == 10  # ReduceLROnPlateau(mode="min") with torch's patience
+    with pytest.raises(KeyError, match=r"reads config\[BATCH_SIZE\].*has \['batch_size'\]"):
+        tune_example.data_creator({"batch_size": 64})
+
+
+def test_train_example_reads_batch_size_and_else_the_share_of_batch_size():
+    from raysgd.torch.examples import train_example
+
+    assert train_example.data_creator({"batch_size": 4})[0].batch_size == 4  # 1.12's key, 1.12's result
+    assert train_example.data_creator({})[0].batch_size == 32
+    assert train_example.data_creator({BATCH_SIZE: 64})[0].batch_size == 64  # 1.12 ignored it: 32
+    assert train_example.data_creator({"batch_size": 4, BATCH_SIZE: 64})[0].batch_size == 4
+
+
+def test_dcgan_operator_takes_1_12s_config(tmp_path):
+    from raysgd.torch.examples import dcgan
+
+    path = dcgan.train_classifier(str(tmp_path / "classifier.pt"), epochs=5)
+    # 1.12's dcgan.train_example(test_mode=True) config: "batch_size" 16 and "test_mode" (64 images)
+    worker = _local_worker(dcgan.GANOperator, {"test_mode": True, "batch_size": 16, "latent_vector_size": 8,
+                                               "classification_model_path": path})
+    stats = worker.train_epoch()
+    assert stats["batch_count"] == 4 and stats["num_samples"] == 64
+    assert worker.operator.sample(2).shape == (2, 1, 8, 8) and worker.operator.latent_dim == 8
+
+
+def test_cifar_operator_reads_momentum_like_1_12():
+    worker = _local_worker(cifar.CifarTrainingOperator, {"test_mode": True, "momentum": 0.5, BATCH_SIZE: 32},
+                           scheduler_step_freq="epoch")
+    assert worker.operator.optimizer.defaults["momentum"] == 0.5

@@ -8,7 +8,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "raysgd"
 
 # module -> layer (DESIGN.md); a module may import raysgd modules of a lower or equal layer only.
 LAYERS = {
-    "raysgd.utils": 0, "raysgd.torch.constants": 0, "raysgd.torch.errors": 0, "raysgd.torch.reduction": 0,
+    "raysgd.utils": 0, "raysgd.optional": 0,  # importing an optional dependency, or naming the extra to install
+    "raysgd.torch.constants": 0, "raysgd.torch.errors": 0, "raysgd.torch.reduction": 0,
     "raysgd.torch.precision": 1, "raysgd.torch.data": 1, "raysgd.torch.checkpoint": 1,
     "raysgd.torch.registration": 1,  # checking what setup() passes to register()
     "raysgd.torch.training_operator": 2, "raysgd.torch.creator_operator": 2, "raysgd.torch.state": 2,

@@ -74,7 +74,7 @@ def test_bar_shows_local_updates_and_ignores_stale_calls():
 
 def test_use_tqdm_without_tqdm_is_a_value_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm now raises ImportError
-    with pytest.raises(ValueError, match=r"use_tqdm=True\) needs the tqdm package"):
+    with pytest.raises(ValueError, match=r'use_tqdm=True\) needs tqdm, .*pip install "raysgd\[tqdm\]"'):
         TorchTrainer(training_operator_cls=LinearOperator, use_tqdm=True)
 
 

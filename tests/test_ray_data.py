@@ -120,6 +120,25 @@ def test_a_stuck_read_times_out_with_advice(trainer, tmp_path):
     take_seen(trainer)
 
 
+def test_workers_holding_every_cpu_fail_a_read_within_seconds_saying_what_to_free(trainer, tmp_path):
+    import pandas as pd
+    import ray
+
+    from raysgd.torch import cluster_state, constants
+
+    assert cluster_state.ceiling() == {"CPU": 2, "GPU": 0}  # a local cluster cannot grow
+    pd.DataFrame(linear_items()).to_parquet(tmp_path / "data.parquet")
+    reads = ray.data.read_parquet(str(tmp_path / "data.parquet"))  # read tasks need a CPU; the workers hold both
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"within 10 s, and none can come: the trainer holds 2 of the cluster's 2 "
+                                           r"CPUs, and the cluster cannot grow.*Leave at least 1 CPU free"):
+        trainer.train(dataset=DatasetInput(reads, label_column="y", label_shape=(1,)))  # timeout_s is 60 here
+    assert time.monotonic() - started < constants.SGD_DATA_NO_CPU_S + 20  # not timeout_s (1800 s by default)
+    # a dataset that needs no task (from_items is materialized) still trains with no CPU free
+    assert trainer.train(dataset=ray.data.from_items(linear_items()))["num_samples"] == N
+    take_seen(trainer)
+
+
 def test_with_deadline_stops_its_thread_when_abandoned():
     produced = []
 

@@ -1,10 +1,15 @@
 """The repository's promises: README's commands are what CI runs, and the docs' examples run."""
+import ast
 import doctest
 import importlib
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
+
+from raysgd import optional
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -26,12 +31,46 @@ def test_readme_gives_two_setup_commands_and_ci_runs_the_test_one():
     assert "torch==2.13.0" in (REPO / "constraints.txt").read_text()
 
 
+def test_ci_runs_readmes_first_command_as_written_in_a_fresh_copy():
+    example = next(c for c in readme_commands() if c.startswith("python3 -m venv"))
+    assert example.endswith("python examples/train_linear.py --num-workers 2"), example
+    assert "-e . &&" in example, f"README's first command must be the plain install (no extra): {example!r}"
+    done = subprocess.run([sys.executable, str(REPO / ".ci" / "readme_command.py"), "example"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == example + "\n", done.stdout + done.stderr  # what .ci/run runs
+    lines = (REPO / ".ci" / "run").read_text().splitlines()
+    extract = next(i for i, line in enumerate(lines) if "python3 .ci/readme_command.py example" in line)
+    run = next(i for i, line in enumerate(lines) if 'bash -c "$first_command"' in line)
+    tests = next(i for i, line in enumerate(lines) if "python -m pytest" in line)
+    assert extract < run < tests, "the first command runs before the test suite (it fails fast and is short)"
+    assert ".venv/" in (REPO / ".gitignore").read_text().split(), ".venv is ignored: no copy or clone carries it"
+
+
+def setup_extras():
+    """``extras_require`` of setup.py, read without running it."""
+    call = next(node for node in ast.walk(ast.parse((REPO / "setup.py").read_text()))
+                if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
+    return ast.literal_eval(next(k.value for k in call.keywords if k.arg == "extras_require"))
+
+
+def test_every_extra_named_anywhere_exists_and_brings_its_package():
+    extras = setup_extras()
+    for name, (extra, package) in optional.EXTRAS.items():  # raysgd.optional: the one home of the extra names
+        names = [re.split(r"[<>=!~;]", requirement)[0].strip().lower() for requirement in extras.get(extra, [])]
+        assert package.lower() in names, f"{name}: setup.py's {extra!r} extra does not install {package}: {names}"
+    texts = [path.read_text() for pattern in ("raysgd/**/*.py", "examples/*.py", "docs/**/*.md", "*.md", ".ci/*")
+             for path in REPO.glob(pattern)]
+    named = {m for text in texts for m in re.findall(r'raysgd\[([a-z,]+)\]|extra="([a-z]+)"', text)}
+    for extra in {e for pair in named for group in pair if group for e in group.split(",")}:
+        assert extra in extras, f"the {extra!r} extra is named in the repository but setup.py has no such extra"
+
+
 def test_changelog_keeps_a_changelog_form():
     text = (REPO / "CHANGELOG.md").read_text()
     assert text.startswith("# Changelog") and "## [Unreleased]" in text and "### Added" in text
 
 
-DOCTESTED = ["raysgd.utils", "raysgd.torch.recovery", "raysgd.torch.reduction", "raysgd.torch.arguments",
+DOCTESTED = ["raysgd.utils", "raysgd.optional", "raysgd.torch.recovery", "raysgd.torch.reduction", "raysgd.torch.arguments",
              "raysgd.torch.checkpoint", "raysgd.torch.data", "raysgd.torch.errors", "raysgd.torch.precision",
              "raysgd.torch.worker", "raysgd.torch.constants", "raysgd.torch.examples.train_example",
              "raysgd.torch.progress", "raysgd.torch.results", "raysgd.torch.ray_data",
@@ -40,7 +79,7 @@ DOCTESTED = ["raysgd.utils", "raysgd.torch.recovery", "raysgd.torch.reduction", 
              "raysgd.torch.state", "raysgd.torch.committer", "raysgd.torch.commits", "raysgd.torch.elastic", "raysgd.torch.attempts",
              "raysgd.torch.reform", "raysgd.torch.compiled",
              "raysgd.torch.operator_precision", "raysgd.torch.registration", "raysgd.torch.failures",
-             "raysgd.torch.draining"]
+             "raysgd.torch.draining", "raysgd.torch.tune"]
 
 
 @pytest.mark.parametrize("name", DOCTESTED)

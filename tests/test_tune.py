@@ -6,6 +6,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -16,6 +17,7 @@ tune = pytest.importorskip("ray.tune", reason="needs ray[tune]")
 from raysgd import TorchTrainer  # noqa: E402
 from raysgd.torch import BaseTorchTrainable  # noqa: E402
 from raysgd.torch import tune as raysgd_tune  # noqa: E402
+from raysgd.utils import BATCH_SIZE  # noqa: E402
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS_DIR)
@@ -52,6 +54,8 @@ def assert_released(timeout_s=15):
 
 # --------------------------------------------------------------------- without a Tune run
 def test_resource_request_bundles():
+    if ray.is_initialized():  # a running cluster also checks the request against what it has (tests below)
+        ray.shutdown()
     trainable = TorchTrainer.as_trainable(training_operator_cls=LinearOperator, num_workers=2, use_gpu=False)
     request = trainable.default_resource_request({})
     assert request.bundles == [{"CPU": 1}, {"CPU": 1}, {"CPU": 1}]
@@ -109,13 +113,55 @@ def test_import_raysgd_does_not_need_tune():
         "from tune_operators import LinearOperator\n"
         "try:\n"
         "    TorchTrainer.as_trainable(training_operator_cls=LinearOperator)\n"
-        "except RuntimeError as err:\n"
-        "    assert 'ray[tune]' in str(err), err\n"
+        "except ImportError as err:\n"
+        "    assert 'pip install \"raysgd[tune]\"' in str(err), err\n"
         "else:\n"
         "    raise AssertionError('as_trainable worked without Tune')\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_trial_that_can_never_fit_is_refused_naming_what_it_asks_and_what_exists():
+    check = raysgd_tune.check_trial_fits
+    check([{"CPU": 1}, {"CPU": 2}], {"CPU": 3, "GPU": 0}, [{"CPU": 2, "GPU": 0}, {"CPU": 1, "GPU": 0}])
+    check([{"CPU": 1}] * 5, {"CPU": 2**63 - 1, "GPU": 0}, None)  # an autoscaler that may add nodes: no error
+    check([{"CPU": 1}] * 5, None, None)  # a cluster that may grow by an unknown amount: no error
+    with pytest.raises(ValueError, match=r"asks for 5 CPUs and 0 GPUs .* can have at most 4 CPUs and 0 GPUs"):
+        check([{"CPU": 1}] * 5, {"CPU": 4, "GPU": 0}, None)
+    with pytest.raises(ValueError, match=r"asks for 3 CPUs and 2 GPUs .* at most 8 CPUs and 1 GPUs"):
+        check([{"CPU": 1}, {"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}], {"CPU": 8, "GPU": 1}, None)
+    with pytest.raises(ValueError, match=r"no node can hold the bundle \{'CPU': 3\}"):  # 4 CPUs, but 2 per node
+        check([{"CPU": 1}, {"CPU": 3}], {"CPU": 4, "GPU": 0}, [{"CPU": 2, "GPU": 0}, {"CPU": 2, "GPU": 0}])
+
+
+def test_the_1x_tune_example_asking_more_than_the_cluster_fails_at_once():
+    """1.x's tune_example(num_workers=2) on 2 CPUs: 6 trials of 3 CPUs each stayed PENDING forever."""
+    code = (
+        "import ray\n"
+        "ray.init(address='local', num_cpus=2, include_dashboard=False)\n"
+        "from raysgd.torch.examples.tune_example import get_custom_training_operator, tune_example\n"
+        "try:\n"
+        "    tune_example(get_custom_training_operator(), num_workers=2, storage_path=STORAGE)\n"
+        "except ValueError as err:\n"
+        "    print('REFUSED:', err)\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    with tempfile.TemporaryDirectory() as storage:
+        done = subprocess.run([sys.executable, "-c", f"STORAGE = {storage!r}\n" + code], env=env, text=True,
+                              capture_output=True, timeout=180)  # before the check: PENDING until killed here
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "REFUSED: as_trainable: each trial asks for 3 CPUs and 0 GPUs" in done.stdout, done.stdout[-3000:]
+    assert "the cluster can have at most 2 CPUs and 0 GPUs" in done.stdout
+
+
+def test_the_running_clusters_limits_are_read(cluster):
+    assert raysgd_tune.cluster_limits() == ({"CPU": 4, "GPU": 0}, [{"CPU": 4, "GPU": 0}])  # local: cannot grow
+    trainable = TorchTrainer.as_trainable(training_operator_cls=LinearOperator, num_workers=2, use_gpu=False)
+    assert len(trainable.default_resource_request({}).bundles) == 3
+    with pytest.raises(ValueError, match=r"asks for 5 CPUs and 0 GPUs .* can have at most 4 CPUs"):
+        trainable.default_resource_request({"num_workers": 4})
+    with pytest.raises(ValueError, match=r"asks for 2 CPUs and 1 GPUs .* at most 4 CPUs and 0 GPUs"):
+        trainable.default_resource_request({"use_gpu": True, "num_workers": 1})
 
 
 # --------------------------------------------------------------------- real Tune runs
@@ -141,7 +187,7 @@ def test_tuner_grid_two_trials_with_checkpoints_that_restore(cluster, tmp_path):
     assert best.metrics["val_loss"] == min(r.metrics["val_loss"] for r in results)
     # the checkpoint restores: a fresh trainer loaded from it validates to the trial's last val_loss
     operator_cls = script.get_custom_training_operator(lr_reduce_on_plateau=True)
-    trainer = TorchTrainer(training_operator_cls=operator_cls, config={"batch_size": 128, **best.config},
+    trainer = TorchTrainer(training_operator_cls=operator_cls, config={BATCH_SIZE: 128, **best.config},
                            use_local=True, use_gpu=False, scheduler_step_freq="manual")
     try:
         trainer.load(os.path.join(best.checkpoint.path, raysgd_tune.CHECKPOINT_FILE))

@@ -33,6 +33,7 @@ import numbers
 import numpy as np
 import torch
 
+from raysgd import optional
 from raysgd.torch.ray_data import DatasetInput
 
 
@@ -131,14 +132,13 @@ class Dataset:
     def ray_dataset(self):
         """The Ray Data dataset of ``{"x", "y"}`` rows (built on first use; ``download_func`` runs lazily)."""
         if self._ray_dataset is None:
-            import ray.data  # noqa: PLC0415 (Ray Data stays optional until used)
-
+            data = optional.require("ray.data", "raysgd.data.Dataset")  # Ray Data stays optional until used
             if self.download_func is None:
-                self._ray_dataset = ray.data.from_items([_pair_row(item) for item in self._items])
+                self._ray_dataset = data.from_items([_pair_row(item) for item in self._items])
             else:
-                pool = ray.data.TaskPoolStrategy(size=self.max_concurrency) if self.max_concurrency else None
+                pool = data.TaskPoolStrategy(size=self.max_concurrency) if self.max_concurrency else None
                 extra = {"compute": pool} if pool is not None else {}
-                self._ray_dataset = ray.data.from_items([{"item": item} for item in self._items]).map(
+                self._ray_dataset = data.from_items([{"item": item} for item in self._items]).map(
                     _Download(self.download_func), **extra)
         return self._ray_dataset
 

@@ -12,6 +12,9 @@ worker group waits here so that what it reads next is true:
 
 :func:`draining_nodes` names the nodes Ray is draining (to be taken back soon): they are alive, their free
 resources still show, but Ray places nothing new there, so no count of room includes them.
+:func:`ceiling` says the most CPUs and GPUs the cluster can ever have (what it has, or what its autoscaler
+may add) and :func:`fixed_nodes` what each node holds when none can be added, so a request that can never
+fit fails at once instead of waiting.
 
 Every wait is bounded and logs (never raises) when it runs out.
 
@@ -20,6 +23,7 @@ Example:
     {'CPU': 4, 'GPU': 1}
 """
 import logging
+import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -139,3 +143,47 @@ def wait_out_dying_nodes(timeout_s=30.0):
         logger.warning("Node(s) %s still listed as alive after %.0f s although their raylets are gone",
                        ids, timeout_s)
     return ids
+
+
+#: The file Ray's cluster launcher leaves on an autoscaling cluster's head node (Ray Tune reads it the same way).
+AUTOSCALER_BOOTSTRAP_FILE = "~/ray_bootstrap_config.yaml"
+
+
+def _autoscaler_limits():
+    """``(limits, launched)``: the autoscaler's most resources (None without its config), and whether Ray's
+    cluster launcher set up this head node (its bootstrap file exists)."""
+    try:
+        from ray._private.state import state  # noqa: PLC0415 (the autoscaler's config; no public equivalent)
+
+        limits = state.get_max_resources_from_cluster_config()
+    except Exception as err:  # noqa: BLE001 (an older GCS or no connection: judge by the bootstrap file)
+        logger.debug("could not read the autoscaler's cluster config: %s", err)
+        limits = None
+    return limits or None, os.path.exists(os.path.expanduser(AUTOSCALER_BOOTSTRAP_FILE))
+
+
+def ceiling():
+    """The most CPUs and GPUs the cluster can ever have, ``{"CPU": n, "GPU": m}``; None when that is unknown.
+
+    A cluster without an autoscaler (a local one, or nodes started by hand) has what it has now. With Ray's
+    autoscaler, the ceiling is what its node groups can grow to (the cluster config Ray's autoscaler puts in
+    the GCS, as Ray Data reads it; unlimited groups give ``sys.maxsize``). A head node that Ray's cluster
+    launcher set up (its bootstrap file exists) without such a config gives None: it may grow, by how much
+    is not known.
+    """
+    now = ray.cluster_resources()
+    limits, launched = _autoscaler_limits()
+    if limits:
+        return {key: max(now.get(key, 0), limits.get(key, 0)) for key in ("CPU", "GPU")}
+    if launched:
+        return None
+    return {key: now.get(key, 0) for key in ("CPU", "GPU")}
+
+
+def fixed_nodes():
+    """Each alive node's ``{"CPU": n, "GPU": m}`` when the cluster cannot grow (no autoscaler), else None."""
+    limits, launched = _autoscaler_limits()
+    if limits or launched:
+        return None
+    return [{key: node.get("Resources", {}).get(key, 0) for key in ("CPU", "GPU")}
+            for node in ray.nodes() if node.get("Alive")]

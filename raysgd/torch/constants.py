@@ -47,6 +47,9 @@ SGD_SHUTDOWN_TIMEOUT_S = _env_float("SGD_SHUTDOWN_TIMEOUT_S", 10)
 SGD_MAX_RESTART_TRIES = int(_env_float("SGD_MAX_RESTART_TRIES", 10))
 #: Cap of the exponential backoff between restart tries.
 SGD_BACKOFF_CAP_S = _env_float("SGD_BACKOFF_CAP_S", 60)
+#: How long ``train(dataset=...)`` waits for a worker's first batch when the trainer leaves Ray Data no CPU
+#: (a materialized dataset needs no task and gives it at once); then a ``TimeoutError`` says what to free.
+SGD_DATA_NO_CPU_S = _env_float("SGD_DATA_NO_CPU_S", 10)
 #: Seconds of training between two commits inside an epoch (``TorchTrainer(commit_every_n_steps=None)``).
 SGD_COMMIT_INTERVAL_S = _env_float("SGD_COMMIT_INTERVAL_S", 30)
 #: How long ``TorchTrainer.shutdown()`` waits for the last ``storage_path`` checkpoint to be stored.

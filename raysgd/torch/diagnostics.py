@@ -25,6 +25,8 @@ import traceback
 import ray
 from ray.exceptions import RayActorError, RayError
 
+from raysgd import optional
+
 logger = logging.getLogger(__name__)
 
 #: The actor's concurrency group that answers while the default group trains.
@@ -67,7 +69,7 @@ def py_spy_dump(pid, timeout_s=10.0):
     """
     binary = _py_spy()
     if binary is None:
-        return "no stack: py-spy is not installed (pip install py-spy)"
+        return f"no stack: py-spy is not installed ({optional.install_hint('py-spy')})"
     try:
         done = subprocess.run([binary, "dump", "--pid", str(pid)], capture_output=True, text=True,
                               timeout=timeout_s, check=False)

@@ -69,10 +69,8 @@ def open_run(storage_path, num_to_keep=2, resume=True, result_log=None):
         raise TypeError(f"TorchTrainer: resume expects True or False; got {resume!r}")
     if storage_path is None:
         return NoStorage()
-    try:
-        from raysgd.torch import storage  # noqa: PLC0415 (pyarrow is needed only with a storage_path)
-    except ImportError as err:
-        raise ImportError("TorchTrainer(storage_path=...) needs pyarrow: pip install 'raysgd[storage]'") from err
+    from raysgd.torch import storage  # noqa: PLC0415 (without pyarrow, resolving storage_path says what to install)
+
     run = DurableRun(storage.CheckpointStorage(storage_path, num_to_keep), resume=resume, result_log=result_log)
     run.start_restore()  # reads the newest checkpoint while Ray and the workers start
     return run

@@ -26,11 +26,13 @@ import sys
 
 import torch
 
+from raysgd import optional
+
 logger = logging.getLogger(__name__)
 
 #: The import names Lightning is found under, in order of preference.
 LIGHTNING_NAMES = ("pytorch_lightning", "lightning.pytorch")
-INSTALL_HINT = ('TrainingOperator.from_ptl needs PyTorch Lightning 2.x: pip install "raysgd[lightning]" '
+INSTALL_HINT = (f'TrainingOperator.from_ptl needs PyTorch Lightning 2.x: {optional.install_hint("pytorch_lightning")} '
                 '(or pip install "pytorch-lightning>=2" / "lightning>=2")')
 
 # Lightning's precision values and the use_fp16 that gives the same training.
@@ -54,7 +56,8 @@ def lightning_packages():
             return [importlib.import_module(name)]
         except ImportError as err:
             first_error = first_error or err
-    raise ImportError(INSTALL_HINT) from first_error
+    raise optional.MissingExtra(INSTALL_HINT, name=LIGHTNING_NAMES[0],
+                                extra=optional.extra_of(LIGHTNING_NAMES[0])) from first_error
 
 
 def lightning_base(cls, kind="LightningModule"):

@@ -28,6 +28,8 @@ import time
 
 import ray
 import torch
+
+from raysgd import optional
 from ray.exceptions import GetTimeoutError, RayError
 
 from raysgd.torch.constants import _env_float
@@ -49,10 +51,9 @@ def require_tqdm():
         >>> require_tqdm()  # tqdm is installed here
     """
     try:
-        import tqdm  # noqa: F401, PLC0415 (optional dependency)
-    except ImportError as err:
-        raise ValueError("TorchTrainer(use_tqdm=True) needs the tqdm package: pip install tqdm "
-                         "(or pip install 'raysgd[tqdm]')") from err
+        optional.require("tqdm", "TorchTrainer(use_tqdm=True)")
+    except optional.MissingExtra as err:
+        raise ValueError(str(err)) from err
 
 
 def describe(info):
@@ -263,7 +264,7 @@ class ProgressBar:
     def _show(self, state):
         if not state or state.get("call") != self._call or state == self.last_state:
             return  # nothing yet, a late update from an earlier call, or nothing new
-        from tqdm import tqdm  # noqa: PLC0415 (optional dependency, checked in __init__)
+        tqdm = optional.require("tqdm", "TorchTrainer(use_tqdm=True)").tqdm  # checked in __init__ already
 
         self.last_state = state
         if self._bar is None:

@@ -35,7 +35,10 @@ import queue
 import threading
 
 import ray
+from ray.util.placement_group import get_current_placement_group
 
+from raysgd import optional
+from raysgd.torch import cluster_state, constants
 from raysgd.torch.training_operator import TrainingOperator
 from raysgd.utils import BATCH_SIZE
 
@@ -79,7 +82,7 @@ class DatasetInput:
     def __init__(self, dataset, *, label_column=None, feature_columns=None, label_shape=None, batch_size=None,
                  dtypes=None, drop_last=False, local_shuffle_buffer_size=None, prefetch_batches=1,
                  batch_timeout_s=None, repeat=False, convert=None):
-        from ray.data import Dataset  # noqa: PLC0415 (Ray Data stays optional until used)
+        Dataset = optional.require("ray.data", "DatasetInput").Dataset  # noqa: N806 (Ray Data: optional until used)
 
         if not isinstance(dataset, Dataset):
             raise TypeError(f"DatasetInput(dataset=...) expects a ray.data.Dataset; got {type(dataset).__name__}")
@@ -121,10 +124,7 @@ def as_input(dataset, operator_cls, num_steps=None):
     An object with ``as_dataset_input(repeat)`` (1.x's ``raysgd.data.Dataset``) is asked for its
     input, repeating its shards when ``num_steps`` is given.
     """
-    try:
-        from ray.data import Dataset  # noqa: PLC0415
-    except ImportError as err:
-        raise ImportError("train(dataset=...) needs Ray Data: pip install 'ray[data]'") from err
+    Dataset = optional.require("ray.data", "TorchTrainer.train(dataset=...)").Dataset  # noqa: N806 (a class)
     if callable(getattr(dataset, "as_dataset_input", None)):
         dataset = dataset.as_dataset_input(repeat=num_steps is not None)
     if isinstance(dataset, Dataset):
@@ -141,10 +141,36 @@ def as_input(dataset, operator_cls, num_steps=None):
     return dataset
 
 
-def rank_inputs(data, reporter, shard_cache, group, config, timeout_s):
+def no_cpu_left(held_cpus, most):
+    """Why Ray Data's tasks can never get a CPU, as a sentence, or None when they can.
+
+    ``held_cpus``: what the trainer holds (its workers, or a Tune trial's whole placement group); ``most``: the
+    most CPUs and GPUs the cluster can ever have (:func:`raysgd.torch.cluster_state.ceiling`; None: unknown).
+
+    Example:
+        >>> no_cpu_left(2, {"CPU": 2, "GPU": 0})
+        "the trainer holds 2 of the cluster's 2 CPUs, and the cluster cannot grow"
+        >>> no_cpu_left(2, {"CPU": 3, "GPU": 0}) is None, no_cpu_left(2, None) is None
+        (True, True)
+    """
+    if most is None or most.get("CPU", 0) - held_cpus >= 1:
+        return None
+    return f"the trainer holds {held_cpus:g} of the cluster's {most.get('CPU', 0):g} CPUs, and the cluster cannot grow"
+
+
+def _held_cpus(num_workers, cpus_per_worker):
+    trial_pg = get_current_placement_group()  # in a Tune trial: the trainable's bundle too
+    if trial_pg is not None:
+        return cluster_state.held_by(trial_pg.bundle_specs).get("CPU", 0)
+    return num_workers * cpus_per_worker
+
+
+def rank_inputs(data, reporter, shard_cache, group, config, timeout_s, cpus_per_worker=1):
     """``rank_kwargs(num_workers)`` for ``train_epoch``: each rank's Ray Data shard, rank 0's progress reporter.
 
-    None when there is neither. Called for every attempt, so a retry gets fresh shards.
+    None when there is neither. Called for every attempt, so a retry gets fresh shards. When the workers leave
+    Ray Data no CPU (:func:`no_cpu_left`), a shard waits ``SGD_DATA_NO_CPU_S`` for its first batch, not
+    ``timeout_s``: a dataset whose tasks need a CPU fails within seconds, saying what to free.
     """
     if data is None and reporter is None:
         return None
@@ -152,7 +178,8 @@ def rank_inputs(data, reporter, shard_cache, group, config, timeout_s):
     def rank_kwargs(num_workers):
         extra = [{} for _ in range(num_workers)]
         if data is not None:
-            shards = shard_cache.shards(data, num_workers, group.generation, config, timeout_s)
+            starved = no_cpu_left(_held_cpus(num_workers, cpus_per_worker), cluster_state.ceiling())
+            shards = shard_cache.shards(data, num_workers, group.generation, config, timeout_s, starved)
             for rank, shard in enumerate(shards):
                 extra[rank]["iterator"] = shard
         if reporter is not None:
@@ -187,16 +214,21 @@ class ShardCache:
         self._key = None
         self._splits = None
 
-    def shards(self, data, num_workers, generation, config, default_timeout_s):
-        """One :class:`Shard` per rank for ``data`` on ``num_workers`` workers of that ``generation``."""
+    def shards(self, data, num_workers, generation, config, default_timeout_s, starved=None):
+        """One :class:`Shard` per rank for ``data`` on ``num_workers`` workers of that ``generation``.
+
+        ``starved``: why Ray Data's tasks get no CPU (:func:`no_cpu_left`), or None."""
         key = (num_workers, generation)
         if self._dataset is not data.dataset or self._key != key:
             self.drop()
+            if starved:  # once per split, not per call
+                logger.warning("train(dataset=...): %s, so Ray Data's tasks get no CPU; a dataset that needs them "
+                               "fails after %.0f s", starved, constants.SGD_DATA_NO_CPU_S)
             self._splits = data.dataset.streaming_split(num_workers, equal=True)
             self._dataset, self._key = data.dataset, key
         batch_size = data.batch_size or batch_size_per_worker(config, num_workers)
         timeout_s = data.batch_timeout_s or default_timeout_s
-        return [Shard(split, batch_size, data, timeout_s) for split in self._splits]
+        return [Shard(split, batch_size, data, timeout_s, starved) for split in self._splits]
 
     def drop(self):
         """Forget the split (after a failed call or a restart)."""
@@ -213,10 +245,11 @@ class ShardCache:
 class Shard:
     """One worker's part of the dataset for one call: an iterable of torch batches (see the module docstring).
 
-    Each batch must arrive within ``timeout_s`` or iteration raises ``TimeoutError``.
+    Each batch must arrive within ``timeout_s`` or iteration raises ``TimeoutError``; with ``starved`` (why Ray
+    Data's tasks get no CPU) the first one within ``SGD_DATA_NO_CPU_S``, and the error says what to free.
     """
 
-    def __init__(self, split, batch_size, data, timeout_s):
+    def __init__(self, split, batch_size, data, timeout_s, starved=None):
         self._split = split
         self.batch_size = batch_size
         self._label = data.label_column
@@ -225,12 +258,13 @@ class Shard:
         self._options = dict(data.iter_options)
         self._timeout_s = timeout_s
         self._repeat, self._convert_fn = data.repeat, data.convert
+        self._starved = starved
 
     def __iter__(self):
         while True:
             batches = self._split.iter_torch_batches(batch_size=self.batch_size, device="cpu", **self._options)
             empty = True
-            for batch in _with_deadline(batches, self._timeout_s):
+            for batch in _with_deadline(batches, self._timeout_s, self._starved):
                 empty = False
                 yield self._convert(batch)
             if not self._repeat or empty:
@@ -264,9 +298,23 @@ def _free_cpus():
         return "unknown"
 
 
-def _with_deadline(iterable, timeout_s):
+def _no_batch(timeout_s, starved):
+    if starved:
+        return TimeoutError(
+            f"no batch from this worker's Ray Data shard within {timeout_s:g} s, and none can come: {starved}, "
+            f"and Ray Data runs the dataset's reads and transforms as tasks that need a CPU. Leave at least 1 CPU "
+            f"free for them (more read faster): start Ray with more CPUs (ray.init(num_cpus=...)), or train on "
+            f"fewer workers or fewer num_cpus_per_worker; or materialize the dataset (ds = ds.materialize()) "
+            f"before the trainer starts (free CPUs now: {_free_cpus()}).")
+    return TimeoutError(f"no batch from this worker's Ray Data shard within {timeout_s:g} s. Ray Data runs reads "
+                        f"and transforms as Ray tasks: leave CPUs free for them beyond the workers' (free CPUs "
+                        f"now: {_free_cpus()}).")
+
+
+def _with_deadline(iterable, timeout_s, starved=None):
     """Yield from ``iterable`` (run in a helper thread), raising ``TimeoutError`` when an item takes too long.
 
+    With ``starved`` (why Ray Data's tasks get no CPU), the first item gets ``SGD_DATA_NO_CPU_S`` at most.
     Stopping early (``num_steps``) stops the helper thread at its next hand-over.
     """
     handover = queue.Queue(maxsize=2)
@@ -292,15 +340,15 @@ def _with_deadline(iterable, timeout_s):
             put((None, err))
 
     threading.Thread(target=produce, name="raysgd-ray-data", daemon=True).start()
+    first = True
     try:
         while True:
             waited, warned = 0.0, False
+            limit = min(timeout_s, constants.SGD_DATA_NO_CPU_S) if first and starved else timeout_s
             while True:
-                step = min(timeout_s - waited, SLOW_BATCH_WARNING_S)
+                step = min(limit - waited, SLOW_BATCH_WARNING_S)
                 if step <= 0:
-                    raise TimeoutError(f"no batch from this worker's Ray Data shard within {timeout_s:g} s. Ray "
-                                       f"Data runs reads and transforms as Ray tasks: leave CPUs free for them "
-                                       f"beyond the workers' (free CPUs now: {_free_cpus()}).")
+                    raise _no_batch(limit, starved if first else None)
                 try:
                     item, error = handover.get(timeout=step)
                     break
@@ -314,6 +362,7 @@ def _with_deadline(iterable, timeout_s):
                 raise error
             if item is done:
                 return
+            first = False
             yield item
     finally:
         stop.set()

@@ -27,6 +27,8 @@ import numbers
 import os
 import time
 
+from raysgd import optional
+
 logger = logging.getLogger(__name__)
 
 PHASES = ("train", "validate")
@@ -104,14 +106,14 @@ class ResultLogger:
         if wanted is False:
             return None
         try:
-            from tensorboardX import SummaryWriter  # noqa: PLC0415 (optional dependency)
-        except ImportError as err:
+            tensorboardx = optional.require("tensorboardX", "ResultLogger(tensorboard=True)")
+        except optional.MissingExtra as err:
             if wanted is True:
-                raise ValueError("ResultLogger(tensorboard=True) needs tensorboardX: pip install tensorboardX "
-                                 "(or pip install 'raysgd[logging]')") from err
-            logger.info("tensorboardX is not installed: results go to CSV only (%s)", self.logdir)
+                raise ValueError(str(err)) from err
+            logger.info("tensorboardX is not installed: results go to CSV only (%s; %s)", self.logdir,
+                        optional.install_hint("tensorboardX"))
             return None
-        return SummaryWriter(logdir=self.logdir, purge_step=purge_step)
+        return tensorboardx.SummaryWriter(logdir=self.logdir, purge_step=purge_step)
 
     @property
     def tensorboard(self):

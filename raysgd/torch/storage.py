@@ -34,13 +34,17 @@ import os
 import time
 import zlib
 
-import pyarrow
-import pyarrow.fs as pafs
-
+from raysgd import optional
 from raysgd.torch import checkpoint
 from raysgd.torch.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
+
+#: What needs pyarrow here. pyarrow is optional (``pip install "raysgd[storage]"``) and imported on first use,
+#: so importing this module (and so ``import raysgd``) never needs it; without it, storage says what to install.
+FEATURE = "checkpoint storage (storage_path=..., a checkpoint directory or URI, Tune checkpoints)"
+pyarrow = optional.lazy("pyarrow", FEATURE)
+pafs = optional.lazy("pyarrow.fs", FEATURE)
 
 STATE_FILE = "trainer.checkpoint"
 MARKER_FILE = "checkpoint.json"
@@ -68,6 +72,7 @@ def resolve(storage_path):
         raise ValueError("TorchTrainer: storage_path expects a folder path or a URI; got ''")
     if "://" not in text:
         text = os.path.abspath(os.path.expanduser(text))
+    optional.require("pyarrow.fs", FEATURE)  # a missing pyarrow says what to install, before anything else
     try:
         filesystem, path = pafs.FileSystem.from_uri(text)
     except (pyarrow.ArrowException, ValueError, OSError) as err:

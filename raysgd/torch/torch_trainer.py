@@ -206,7 +206,8 @@ class TorchTrainer:
             call = dict(num_steps=num_steps, profile=profile, info=dict(info or {}), lockstep=True,
                         replay=data is not None, on_tick=self._progress.tick if reporter is not None else None,
                         rank_kwargs=ray_data.rank_inputs(data, reporter, self._shards, self.worker_group,
-                                                         self._requested_config, self.timeout_s))
+                                                         self._requested_config, self.timeout_s,
+                                                         self.num_cpus_per_worker))
             stats = attempts.run_call(self, "train_epoch", max_retries, call)
             completed = True
         finally:

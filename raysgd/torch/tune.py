@@ -28,7 +28,8 @@ import inspect
 import logging
 import os
 
-from raysgd.torch import arguments, checkpoint
+from raysgd import optional
+from raysgd.torch import arguments, checkpoint, cluster_state
 
 try:
     from ray.tune import PlacementGroupFactory, Trainable
@@ -113,6 +114,46 @@ def resource_bundles(resources):
         worker["GPU"] = resources.get("num_gpus_per_worker", 1)
     head = [] if resources["use_local"] else [{"CPU": 1}]
     return head + [dict(worker) for _ in range(arguments.worker_range(resources["num_workers"])[1])]
+
+
+def _need(bundles, key):
+    return sum(bundle.get(key, 0) for bundle in bundles)
+
+
+def check_trial_fits(bundles, most, nodes=None):
+    """Raise ``ValueError`` when a trial's ``bundles`` can never be placed, so it would stay PENDING forever.
+
+    ``most``: the most CPUs and GPUs the cluster can ever have (:func:`raysgd.torch.cluster_state.ceiling`;
+    None, unknown: no check). ``nodes``: each node's CPUs and GPUs when the cluster cannot grow, else None:
+    then every bundle must also fit on one node.
+
+    Example:
+        >>> check_trial_fits([{"CPU": 1}, {"CPU": 1}], {"CPU": 2, "GPU": 0}, [{"CPU": 2, "GPU": 0}])
+        >>> check_trial_fits([{"CPU": 1}, {"CPU": 1}, {"CPU": 1}], {"CPU": 2, "GPU": 0})
+        Traceback (most recent call last):
+        ...
+        ValueError: as_trainable: each trial asks for 3 CPUs and 0 GPUs (bundles [{'CPU': 1}, {'CPU': 1}, ...
+    """
+    asked = f"each trial asks for {_need(bundles, 'CPU'):g} CPUs and {_need(bundles, 'GPU'):g} GPUs (bundles " \
+            f"{bundles}: 1 CPU for the trainable unless use_local, then one per worker)"
+    advice = ("Ask for less (num_workers, num_cpus_per_worker, use_gpu or num_gpus_per_worker, in as_trainable's "
+              "arguments or the Tune config), or start Ray with more (ray.init(num_cpus=...)) or add nodes.")
+    if most is not None and any(_need(bundles, key) > most.get(key, 0) for key in ("CPU", "GPU")):
+        raise ValueError(f"as_trainable: {asked}, but the cluster can have at most {most.get('CPU', 0):g} CPUs and "
+                         f"{most.get('GPU', 0):g} GPUs, so the trial would wait forever. {advice}")
+    for bundle in bundles if nodes is not None else ():
+        if not any(all(bundle.get(key, 0) <= node.get(key, 0) for key in ("CPU", "GPU")) for node in nodes):
+            raise ValueError(f"as_trainable: {asked}, but no node can hold the bundle {bundle} (the nodes have "
+                             f"{nodes}), so the trial would wait forever. {advice}")
+
+
+def cluster_limits():
+    """``(most, nodes)`` for :func:`check_trial_fits`: ``(None, None)`` (no check) while Ray is not initialised."""
+    import ray  # noqa: PLC0415
+
+    if not ray.is_initialized():
+        return None, None
+    return cluster_state.ceiling(), cluster_state.fixed_nodes()
 
 
 def trainer_kwargs_for(tune_config, trainer_kwargs):
@@ -257,8 +298,7 @@ def make_trainable(trainer_cls, *args, override_tune_step=None, **kwargs):
         [{'CPU': 1.0}, {'CPU': 1.0}, {'CPU': 1.0}]
     """
     if not TUNE_INSTALLED:
-        raise RuntimeError("TorchTrainer.as_trainable needs Ray Tune: pip install 'ray[tune]'") \
-            from _TUNE_IMPORT_ERROR
+        raise optional.missing("ray.tune", "TorchTrainer.as_trainable", _TUNE_IMPORT_ERROR) from _TUNE_IMPORT_ERROR
     _check_step_function(override_tune_step)
     if kwargs.get("storage_path") is not None:
         raise ValueError("as_trainable: storage_path expects None under Tune (every trial would write to the same "
@@ -275,8 +315,12 @@ def make_trainable(trainer_cls, *args, override_tune_step=None, **kwargs):
 
         @classmethod
         def default_resource_request(cls, config):
-            """One placement group (strategy PACK): the trainable's bundle, then one bundle per worker."""
+            """One placement group (strategy PACK): the trainable's bundle, then one bundle per worker.
+
+            A request the cluster can never hold is a ``ValueError`` (:func:`check_trial_fits`), not a trial
+            PENDING forever."""
             bundles = resource_bundles(resolve_resources(config, cls._trainer_kwargs))
+            check_trial_fits(bundles, *cluster_limits())
             return PlacementGroupFactory(bundles, strategy="PACK")
 
         def _create_trainer(self, config):

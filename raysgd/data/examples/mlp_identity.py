@@ -15,6 +15,7 @@ Example:
 """
 import argparse
 import logging
+import os
 import random
 
 import torch
@@ -101,8 +102,10 @@ def main(argv=None):
     import ray  # noqa: PLC0415
 
     started = not ray.is_initialized()
-    if started:
-        ray.init(address=args.address or "local", include_dashboard=False)
+    if started and args.address:
+        ray.init(address=args.address, include_dashboard=False)
+    elif started:  # one CPU beyond the workers' for Ray Data's download_func tasks, even on a 2-core machine
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.num_workers + 1), include_dashboard=False)
     sizes = dict(num_epochs=2, num_steps=25, num_points=1600) if args.smoke_test else {}
     trainer, prediction = train_example(num_workers=args.num_workers, **sizes)
     print(f"f(0.5) = {prediction:.4f}")  # noqa: T201 (the example's output)

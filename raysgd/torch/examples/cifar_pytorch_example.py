@@ -131,9 +131,9 @@ def load_cifar10(data_dir, synthetic_sizes=(50000, 10000)):
 class CifarTrainingOperator(TrainingOperator):
     """ResNet, SGD with momentum and weight decay, a MultiStepLR schedule, cross-entropy; CIFAR-10 loaders.
 
-    Config keys: ``lr`` (0.1), ``model`` ("resnet18"), ``num_epochs`` (for the schedule),
-    ``data_dir`` (None: synthetic), ``synthetic_sizes`` ((50000, 10000)), ``test_mode`` (64 images),
-    ``BATCH_SIZE``.
+    Config keys: ``lr`` (0.1), ``momentum`` (0.9), ``weight_decay`` (5e-4; 1.12 had none), ``model``
+    ("resnet18"), ``num_epochs`` (for the schedule), ``data_dir`` (None: synthetic), ``synthetic_sizes``
+    ((50000, 10000)), ``test_mode`` (64 images), ``BATCH_SIZE`` (the global batch; 128 per worker without it).
 
     Example:
         >>> trainer = TorchTrainer(training_operator_cls=CifarTrainingOperator, num_workers=2,  # doctest: +SKIP
@@ -146,7 +146,8 @@ class CifarTrainingOperator(TrainingOperator):
         if model_name not in MODELS:
             raise ValueError(f"config['model'] expects one of {sorted(MODELS)}; got {model_name!r}")
         model = MODELS[model_name](config)
-        optimizer = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.1), momentum=0.9, weight_decay=5e-4)
+        optimizer = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.1), momentum=config.get("momentum", 0.9),
+                                    weight_decay=config.get("weight_decay", 5e-4))
         num_epochs = config.get("num_epochs", 5)
         scheduler = torch.optim.lr_scheduler.MultiStepLR(
             optimizer, milestones=[max(1, int(num_epochs * f)) for f in (0.5, 0.75)], gamma=0.1)

@@ -26,7 +26,9 @@ import torch.nn as nn
 from filelock import FileLock
 from torch.utils.data import DataLoader, TensorDataset
 
+from raysgd import optional
 from raysgd.torch import TorchTrainer, TrainingOperator
+from raysgd.torch.examples.train_example import loader_batch_size
 from raysgd.utils import BATCH_SIZE, NUM_SAMPLES
 
 logger = logging.getLogger(__name__)
@@ -40,9 +42,8 @@ def digits_images(limit=None, seed=0):
         >>> tuple(images.shape), float(images.min()) >= -1.0
         ((4, 1, 8, 8), True)
     """
-    from sklearn.datasets import load_digits  # noqa: PLC0415 (scikit-learn: only this example needs it)
-
-    images, labels = load_digits(return_X_y=True)
+    datasets = optional.require("sklearn.datasets", "the DCGAN example's data (scikit-learn's digits)")
+    images, labels = datasets.load_digits(return_X_y=True)
     order = np.random.default_rng(seed).permutation(len(labels))[:limit]
     images = torch.tensor(images[order] / 8.0 - 1.0, dtype=torch.float32).view(-1, 1, 8, 8)
     return images, torch.tensor(labels[order], dtype=torch.long)
@@ -136,8 +137,10 @@ def inception_score(classifier, images, eps=1e-12):
 class GANOperator(TrainingOperator):
     """Registers a discriminator and a generator with one Adam optimizer each; ``train_batch`` alternates them.
 
-    Config keys: ``classification_model_path`` (from :func:`train_classifier`), ``BATCH_SIZE``, ``lr``
-    (2e-3), ``latent_dim`` (16), ``limit`` (use the first N images).
+    Config keys: ``classification_model_path`` (from :func:`train_classifier`), ``"batch_size"`` (1.12's key)
+    or else ``BATCH_SIZE`` (the global batch, split among the workers), 32 without either
+    (:func:`~raysgd.torch.examples.train_example.loader_batch_size`), ``lr`` (2e-3), ``latent_dim`` (16; 1.12's
+    ``latent_vector_size`` too), ``limit`` (use the first N images; 1.12's ``test_mode`` uses 64).
 
     Example:
         >>> trainer = TorchTrainer(training_operator_cls=GANOperator, num_workers=2,  # doctest: +SKIP
@@ -146,15 +149,15 @@ class GANOperator(TrainingOperator):
 
     def setup(self, config):
         torch.manual_seed(config.get("seed", 0))
-        latent_dim = config.get("latent_dim", 16)
+        latent_dim = config.get("latent_dim", config.get("latent_vector_size", 16))  # the second: 1.12's key
         discriminator, generator = Discriminator(), Generator(latent_dim)
         betas = (0.5, 0.999)
         optimizer_d = torch.optim.Adam(discriminator.parameters(), lr=config.get("lr", 2e-3), betas=betas)
         optimizer_g = torch.optim.Adam(generator.parameters(), lr=config.get("lr", 2e-3), betas=betas)
         self.models, self.optimizers, self.criterion = self.register(
             models=(discriminator, generator), optimizers=(optimizer_d, optimizer_g), criterion=nn.BCEWithLogitsLoss())
-        images, _ = digits_images(limit=config.get("limit"))
-        self.register_data(train_loader=DataLoader(TensorDataset(images), batch_size=config[BATCH_SIZE],
+        images, _ = digits_images(limit=config.get("limit", 64 if config.get("test_mode") else None))
+        self.register_data(train_loader=DataLoader(TensorDataset(images), batch_size=loader_batch_size(config),
                                                    shuffle=True, drop_last=True))
         self.classifier = _classifier().to(self.device).eval()
         state = torch.load(config["classification_model_path"], map_location=self.device, weights_only=True)
@@ -247,6 +250,9 @@ def main(argv=None):
     parser.add_argument("--samples", metavar="PNG", default=None, help="write 16 generated digits to this PNG")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    digits_images(limit=1)  # without scikit-learn, say what to install before Ray starts
+    if args.samples:
+        optional.require("matplotlib.figure", "dcgan --samples")
     import ray  # noqa: PLC0415
 
     ray.init(address=args.address or "local", include_dashboard=False)
@@ -262,11 +268,9 @@ def main(argv=None):
 
 
 def _save_grid(images, path):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 (optional extra)
-    from matplotlib.figure import Figure  # noqa: PLC0415
-
-    figure = Figure(figsize=(4, 4), dpi=100)
-    FigureCanvasAgg(figure)
+    backend = optional.require("matplotlib.backends.backend_agg", "dcgan --samples")
+    figure = optional.require("matplotlib.figure", "dcgan --samples").Figure(figsize=(4, 4), dpi=100)
+    backend.FigureCanvasAgg(figure)
     for i, image in enumerate(images[:16]):
         axes = figure.add_subplot(4, 4, i + 1)
         axes.imshow(image[0].numpy(), cmap="gray_r", vmin=-1, vmax=1)

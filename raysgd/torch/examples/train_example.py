@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from raysgd.torch import TorchTrainer, TrainingOperator
+from raysgd.utils import BATCH_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +50,27 @@ def scheduler_creator(optimizer, config):
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.9)
 
 
+def loader_batch_size(config, default=32):
+    """The batch size of a 1.x example loader that reads ``config["batch_size"]`` (this module's, the DCGAN's).
+
+    ``config["batch_size"]`` as in RaySGD 1.12, else the worker's share of ``config[BATCH_SIZE]`` (1.12 ignored
+    it here and silently trained with 32), else ``default``.
+
+    Example:
+        >>> loader_batch_size({"batch_size": 4}), loader_batch_size({BATCH_SIZE: 64}), loader_batch_size({})
+        (4, 64, 32)
+    """
+    if "batch_size" in config:
+        return config["batch_size"]
+    return config.get(BATCH_SIZE, default)
+
+
 def data_creator(config):
-    """Returns training and validation loaders."""
+    """Returns training and validation loaders (``data_size``/``val_size`` points, :func:`loader_batch_size`)."""
     train_dataset = LinearDataset(2, 5, size=config.get("data_size", 1000))
     val_dataset = LinearDataset(2, 5, size=config.get("val_size", 400))
-    train_loader = DataLoader(train_dataset, batch_size=config.get("batch_size", 32))
-    validation_loader = DataLoader(val_dataset, batch_size=config.get("batch_size", 32))
+    train_loader = DataLoader(train_dataset, batch_size=loader_batch_size(config))
+    validation_loader = DataLoader(val_dataset, batch_size=loader_batch_size(config))
     return train_loader, validation_loader
 
 
