@@ -5,8 +5,11 @@ Ray actor or, with ``use_local=True``, as a plain object inside the driver proce
 
 Example:
     >>> from raysgd.torch.training_operator import TrainingOperator
+    >>> import torch
     >>> class Counting(TrainingOperator):
     ...     def setup(self, config):
+    ...         model = torch.nn.Linear(1, 1)
+    ...         self.register(models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1))
     ...         self.register_data(train_loader=range(3))
     ...     def train_epoch(self, iterator, info=None):
     ...         return {"seen": len(list(iterator))}
