@@ -14,6 +14,7 @@ Example:
     >>> model = trainer.get_model()  # doctest: +SKIP
     >>> trainer.shutdown()  # doctest: +SKIP
 """
+import io
 import logging
 import os
 import time
@@ -23,7 +24,7 @@ import ray
 
 from raysgd.torch import (accumulation, arguments, attempts, checkpoint, commits, constants, durable, elastic,
                           progress, ray_data, results, storage)
-from raysgd.torch.errors import WorkerFailure
+from raysgd.torch.errors import CheckpointError, WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
 from raysgd.utils import BATCH_SIZE
@@ -107,7 +108,7 @@ class TorchTrainer:
             elastic.start_first_group(self._start_workers, self.worker_group.how_many_fit, self.min_replicas,
                                       self.max_replicas, isinstance(num_workers, tuple),
                                       constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
-            self._durable.resume(self.load_state_dict, timeout_s)  # from storage_path's newest checkpoint
+            self._durable.resume(self._load_stream, timeout_s)  # storage_path's newest checkpoint (checked, safe)
         except BaseException as err:
             self._close_quietly()  # the workers, and the threads of the result log and the durable run
             if isinstance(err, WorkerFailure):
@@ -301,28 +302,53 @@ class TorchTrainer:
         """
         return self._commits.latest_state()
 
-    def load_state_dict(self, state_dict, blocking=False):
+    def load_state_dict(self, state_dict, blocking=False, weights_only=True):
         """Load ``state_dict`` (or its ``torch.save`` bytes) on every worker (each onto its own device).
 
-        The call returns before the workers finish unless ``blocking``; later calls run after it.
+        Bytes are loaded safely (``weights_only=True``, as :meth:`load`): checked in the driver, then on every
+        worker; pass ``weights_only=False`` only for bytes you trust whose state needs other objects. A dict or
+        bytes that are not a trainer state raise :class:`~raysgd.torch.errors.CheckpointError` before anything
+        is sent. The call returns before the workers finish unless ``blocking``; later calls run after it.
+
+        Example:
+            >>> trainer.load_state_dict(other.state_dict(), blocking=True)  # doctest: +SKIP
         """
+        if isinstance(state_dict, (bytes, bytearray, memoryview)):
+            stream = bytes(state_dict)
+            checkpoint.read_state(io.BytesIO(stream), "load_state_dict's bytes", weights_only=weights_only,
+                                  trust_hint="if you trust them, pass load_state_dict(..., weights_only=False)")
+        else:
+            problem = checkpoint.state_problem(state_dict)
+            if problem is not None:
+                raise CheckpointError(f"load_state_dict expects the trainer state that state_dict() returns; "
+                                      f"got something that is not a raysgd checkpoint: {problem}")
+            stream, weights_only = checkpoint.state_to_bytes(state_dict), False  # bytes this process just made
+        self._load_stream(stream, blocking, weights_only)
+
+    def _load_stream(self, stream, blocking=False, weights_only=True):
+        """Send checked state bytes to every worker (loaded there with ``weights_only``); they are the restart point."""
         self._ensure_workers()
-        stream = state_dict if isinstance(state_dict, bytes) else checkpoint.state_to_bytes(state_dict)
         ref = ray.put(stream)
         if blocking:
-            self._run("load_state_stream", ref)
+            self._run("load_state_stream", ref, weights_only)
         else:
-            self.worker_group.submit("load_state_stream", ref)
+            self.worker_group.submit("load_state_stream", ref, weights_only)
         self._snapshot, self._snapshot_stale = stream, False
 
     def save(self, checkpoint_path):
         """Write the trainer state to ``checkpoint_path`` atomically (and to ``storage_path``); returns the path."""
         return checkpoint.save_state(self._durable.on_save(self.state_dict(), self._take_snapshot), checkpoint_path)
 
-    def load(self, checkpoint_path, weights_only=True):
+    def load(self, checkpoint_path, weights_only=True, blocking=False):
         """Load a file written by :meth:`save` (``weights_only=False`` only for trusted files; see README), or a
-        checkpoint directory of ``storage_path`` or Tune (a local path or a URI such as ``s3://bucket/run/...``)."""
-        self.load_state_dict(storage.read_path(checkpoint_path, weights_only=weights_only))
+        checkpoint directory of ``storage_path`` or Tune (a local path or a URI such as ``s3://bucket/run/...``).
+        Anything else (a text file, another pickle, a model's weights) raises
+        :class:`~raysgd.torch.errors.CheckpointError` naming it, before anything is sent to the workers."""
+        state = storage.read_path(checkpoint_path, weights_only=weights_only)  # checked: a dict or state bytes
+        if isinstance(state, bytes):
+            self._load_stream(state, blocking, weights_only)
+        else:
+            self._load_stream(checkpoint.state_to_bytes(state), blocking, weights_only=False)  # made here
 
     def restore(self, *args):
         """Removed in 1.x: always raises ``DeprecationWarning`` pointing at :meth:`load`."""

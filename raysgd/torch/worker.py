@@ -317,10 +317,11 @@ class TorchWorker:
         """This process's random streams (see :func:`raysgd.torch.state.rng_state`)."""
         return _state.rng_state()
 
-    def load_state_stream(self, stream):
-        """Load :meth:`state_stream` bytes onto this worker's own device."""
+    def load_state_stream(self, stream, weights_only=False):
+        """Load :meth:`state_stream` bytes onto this worker's own device. The default trusts them (this job's own
+        snapshots and commits); ``weights_only=True`` for bytes a user handed in (see ``TorchTrainer.load_state_dict``)."""
         location = self.operator.device if self.operator.use_gpu else "cpu"
-        self.load_state_dict(checkpoint.state_from_bytes(stream, map_location=location))
+        self.load_state_dict(checkpoint.state_from_bytes(stream, map_location=location, weights_only=weights_only))
 
     # ----------------------------------------------------------------- access
     def get_models(self, to_cpu=False):
