@@ -1,14 +1,20 @@
 """Bad input a newcomer will try, on a real cluster: refused clearly, before any actor starts where it can be."""
+import contextlib
+import os
 import pickle
+import subprocess
+import sys
 
 import pytest
+import ray
 import torch
 
-from conftest import assert_released
+from conftest import assert_released, live_actors
 from helpers import LinearOperator
 from raysgd import TorchTrainer, TrainingOperator
 from raysgd.torch import checkpoint
 from raysgd.torch.errors import CheckpointError
+from s3_server import moto_s3
 
 pytestmark = pytest.mark.usefixtures("ray_2cpus")
 
@@ -124,3 +130,100 @@ def test_tune_load_checkpoint_of_what_is_not_a_checkpoint(trainer, tmp_path):
     trainer.train()
     trainable.load_checkpoint(saved)
     assert all(torch.equal(a, b) for a, b in zip(_weights(trainer), expected))
+
+
+# ----------------------------------------------------------------- a storage_path that cannot be written
+@contextlib.contextmanager
+def read_only_folder(path):
+    """A real read-only file system (a tmpfs mounted ``ro``): root writes into a chmod'ed folder all the same."""
+    path.mkdir()
+    try:
+        made = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {err}")
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here (needs root and CAP_SYS_ADMIN): {made.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True, timeout=30)
+
+
+def _refused(storage_path):
+    before = {a["ActorID"] for a in live_actors()}  # the module's trainer (fixture above) may be alive
+    created = ray.util.placement_group_table()
+    with pytest.raises(ValueError, match="storage_path expects a folder or URI this process can write") as info:
+        TorchTrainer(training_operator_cls=LinearOperator, storage_path=storage_path, timeout_s=30).shutdown()
+    assert repr(storage_path) in str(info.value) and info.value.__cause__ is not None  # the storage's own error
+    assert {a["ActorID"] for a in live_actors()} <= before  # refused before any actor started
+    assert ray.util.placement_group_table().keys() == created.keys()  # nor any placement group
+    return info.value
+
+
+def test_a_storage_path_under_a_regular_file_is_refused_at_construction(tmp_path):
+    """It was accepted: the second train() failed, and one train() without shutdown() exited 0 having written
+    nothing."""
+    (tmp_path / "notes.txt").write_text("a file, not a folder")
+    assert isinstance(_refused(str(tmp_path / "notes.txt" / "run")).__cause__, OSError)
+
+
+def test_a_read_only_storage_path_is_refused_at_construction(tmp_path):
+    with read_only_folder(tmp_path / "ro") as folder:
+        _refused(str(folder / "run"))
+
+
+def test_a_storage_path_in_a_missing_bucket_is_refused_and_a_good_one_keeps_no_test_file(tmp_path):
+    import pyarrow.fs as pafs
+
+    with moto_s3() as (bucket, query):
+        _refused(f"s3://no-such-bucket/run{query}")
+        trainer = TorchTrainer(training_operator_cls=LinearOperator, storage_path=f"{bucket}/run{query}",
+                               timeout_s=30)
+        trainer.shutdown()
+        filesystem, path = pafs.FileSystem.from_uri(f"{bucket}/run{query}")
+        assert filesystem.get_file_info(pafs.FileSelector(path, allow_not_found=True)) == []  # written, deleted
+    local = tmp_path / "local-run"
+    TorchTrainer(training_operator_cls=LinearOperator, storage_path=str(local), timeout_s=30).shutdown()
+    assert os.listdir(local) == []
+
+
+UNFLUSHED_SCRIPT = """
+import atexit, os, shutil, sys, threading
+atexit.register(lambda: open(sys.argv[1] + ".early", "a").write("ran"))  # registered before raysgd's hook
+sys.path.insert(0, {tests!r})
+import ray
+from helpers import LinearOperator
+from raysgd import TorchTrainer
+from raysgd.torch.storage import CheckpointStorage
+
+run, script_ended = sys.argv[1], threading.Event()
+real_write = CheckpointStorage.write
+# the upload starts once the script has ended (else it may fail before train() returns, which then raises it)
+CheckpointStorage.write = lambda self, *args: script_ended.wait(60) and real_write(self, *args)
+ray.init(address="local", num_cpus=1, include_dashboard=False,
+         runtime_env={{"env_vars": {{"PYTHONPATH": os.pathsep.join([{tests!r}, os.environ.get("PYTHONPATH", "")])}}}})
+trainer = TorchTrainer(training_operator_cls=LinearOperator, num_workers=1, use_local=True, storage_path=run,
+                       timeout_s=60, config={{"data_size": 16}})
+shutil.rmtree(run, ignore_errors=True)  # (the folder exists once the check made it)
+open(run, "w").write("the storage went away after the construction check")
+trainer.train()  # returns; its checkpoint upload fails on the writer thread
+atexit.register(lambda: open(sys.argv[1] + ".late", "a").write("ran"))  # registered after it
+sys.stdout.write("TRAINED\\n")
+script_ended.set()
+# the script ends without trainer.shutdown(), and configures no logging
+"""
+
+
+def test_an_upload_that_failed_is_never_silent_when_the_script_ends_without_shutdown(tmp_path):
+    """A real driver whose storage breaks after the construction check: its exit status is 1 and stderr names
+    the failed upload (it exited 0, silently, having written nothing)."""
+    script = tmp_path / "driver.py"
+    script.write_text(UNFLUSHED_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+    output = f"exit status {done.returncode}\nstdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-6000:]}"
+    assert "TRAINED" in done.stdout and done.returncode == 1, output
+    assert "A checkpoint was not written" in done.stderr and "Not a directory" in done.stderr, output
+    for handler in ("early", "late"):  # the program's other exit handlers ran, once each
+        assert (tmp_path / f"run.{handler}").read_text() == "ran", handler

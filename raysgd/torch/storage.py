@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import time
+import uuid
 import zlib
 
 import pyarrow
@@ -189,6 +190,21 @@ class CheckpointStorage:
 
     def __repr__(self):
         return f"CheckpointStorage({self.storage_path!r}, num_to_keep={self.num_to_keep})"
+
+    def check_writable(self):
+        """Create the folder, write a small file into it and delete it: a ``storage_path`` this process cannot
+        write (under a regular file, read-only, a missing bucket, no credentials) fails here, naming it,
+        instead of at the first checkpoint upload."""
+        probe = _join(self.path, f".raysgd-write-check-{uuid.uuid4().hex[:12]}")
+        try:
+            self.filesystem.create_dir(self.path, recursive=True)
+            with self.filesystem.open_output_stream(probe) as handle:
+                handle.write(b"raysgd")
+            self.filesystem.delete_file(probe)
+        except (OSError, pyarrow.ArrowException) as err:
+            raise ValueError(f"TorchTrainer: storage_path expects a folder or URI this process can write (a test "
+                             f"file is written and deleted there); got {self.storage_path!r}: writing "
+                             f"{probe!r} failed: {type(err).__name__}: {err}") from err
 
     def list(self):
         """``[(index, directory)]`` of every checkpoint directory, complete or not, oldest first."""
