@@ -44,6 +44,30 @@ def state_from_bytes(stream, map_location="cpu", weights_only=False):
     return torch.load(io.BytesIO(stream), map_location=map_location, weights_only=False)
 
 
+def checked_stream(state, weights_only=True):
+    """``(stream, weights_only)`` for ``TorchTrainer.load_state_dict(state)``: ``state`` (a trainer state dict or its
+    bytes) checked, as state bytes, and whether the workers must load them safely. Bytes are loaded here with
+    ``weights_only`` to check them; a dict is checked for the state's keys and serialised here (so the workers
+    may trust those bytes). Anything else raises :class:`CheckpointError` saying it is not a raysgd checkpoint.
+
+    Example:
+        >>> checked_stream({"epoch": 1})
+        Traceback (most recent call last):
+        ...
+        raysgd.torch.errors.CheckpointError: load_state_dict expects the trainer state that state_dict() returns; got something that is not a raysgd checkpoint: a dict without the keys 'models', 'optimizers' of the trainer state
+    """
+    if isinstance(state, (bytes, bytearray, memoryview)):
+        stream = bytes(state)
+        read_state(io.BytesIO(stream), "load_state_dict's bytes", weights_only=weights_only,
+                   trust_hint="if you trust them, pass load_state_dict(..., weights_only=False)")
+        return stream, weights_only
+    problem = state_problem(state)
+    if problem is not None:
+        raise CheckpointError(f"load_state_dict expects the trainer state that state_dict() returns; got something "
+                              f"that is not a raysgd checkpoint: {problem}")
+    return state_to_bytes(state), False
+
+
 def save_state(state, path):
     """Write ``state`` to ``path`` atomically: a crash mid-write leaves any older file at ``path`` intact."""
     path = os.fspath(path)

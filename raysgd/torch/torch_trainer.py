@@ -14,7 +14,6 @@ Example:
     >>> model = trainer.get_model()  # doctest: +SKIP
     >>> trainer.shutdown()  # doctest: +SKIP
 """
-import io
 import logging
 import os
 import time
@@ -24,7 +23,7 @@ import ray
 
 from raysgd.torch import (accumulation, arguments, attempts, checkpoint, commits, constants, durable, elastic,
                           progress, ray_data, results, storage)
-from raysgd.torch.errors import CheckpointError, WorkerFailure
+from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
 from raysgd.utils import BATCH_SIZE
@@ -313,19 +312,9 @@ class TorchTrainer:
         Example:
             >>> trainer.load_state_dict(other.state_dict(), blocking=True)  # doctest: +SKIP
         """
-        if isinstance(state_dict, (bytes, bytearray, memoryview)):
-            stream = bytes(state_dict)
-            checkpoint.read_state(io.BytesIO(stream), "load_state_dict's bytes", weights_only=weights_only,
-                                  trust_hint="if you trust them, pass load_state_dict(..., weights_only=False)")
-        else:
-            problem = checkpoint.state_problem(state_dict)
-            if problem is not None:
-                raise CheckpointError(f"load_state_dict expects the trainer state that state_dict() returns; "
-                                      f"got something that is not a raysgd checkpoint: {problem}")
-            stream, weights_only = checkpoint.state_to_bytes(state_dict), False  # bytes this process just made
-        self._load_stream(stream, blocking, weights_only)
+        self._load_stream(*checkpoint.checked_stream(state_dict, weights_only), blocking=blocking)
 
-    def _load_stream(self, stream, blocking=False, weights_only=True):
+    def _load_stream(self, stream, weights_only=True, blocking=False):
         """Send checked state bytes to every worker (loaded there with ``weights_only``); they are the restart point."""
         self._ensure_workers()
         ref = ray.put(stream)
@@ -346,9 +335,9 @@ class TorchTrainer:
         :class:`~raysgd.torch.errors.CheckpointError` naming it, before anything is sent to the workers."""
         state = storage.read_path(checkpoint_path, weights_only=weights_only)  # checked: a dict or state bytes
         if isinstance(state, bytes):
-            self._load_stream(state, blocking, weights_only)
+            self._load_stream(state, weights_only, blocking=blocking)
         else:
-            self._load_stream(checkpoint.state_to_bytes(state), blocking, weights_only=False)  # made here
+            self._load_stream(checkpoint.state_to_bytes(state), weights_only=False, blocking=blocking)  # made here
 
     def restore(self, *args):
         """Removed in 1.x: always raises ``DeprecationWarning`` pointing at :meth:`load`."""
