@@ -4,16 +4,18 @@ import os
 import pickle
 import subprocess
 import sys
+import warnings
 
 import pytest
 import ray
 import torch
 
 from conftest import assert_released, live_actors
-from helpers import LinearOperator
+from helpers import FaultyOperator, LinearOperator
 from raysgd import TorchTrainer, TrainingOperator
 from raysgd.torch import checkpoint
 from raysgd.torch.errors import CheckpointError
+from raysgd.utils import BATCH_SIZE
 from s3_server import moto_s3
 
 pytestmark = pytest.mark.usefixtures("ray_2cpus")
@@ -34,11 +36,74 @@ def test_an_operator_registering_no_model_is_refused_at_construction(num_workers
     assert_released()
 
 
+# ----------------------------------------------------------------- BATCH_SIZE that does not divide among the workers
+def _batch_warnings(record):
+    return [str(w.message) for w in record if issubclass(w.category, UserWarning) and "BATCH_SIZE" in str(w.message)]
+
+
+def test_an_uneven_batch_size_warns_visibly_naming_the_split():
+    """5 on 2 workers gives 4: the library's warning went to its NullHandler, so nobody saw it."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer = TorchTrainer(training_operator_cls=LinearOperator, num_workers=2, timeout_s=30,
+                               config={BATCH_SIZE: 5, "data_size": 32})
+    try:
+        found = _batch_warnings(record)
+        assert len(found) == 1, found  # at construction, not again when the workers start at that size
+        assert all(word in found[0] for word in ("BATCH_SIZE 5", "2 workers", "a batch of 2", "global batch of 4"))
+        assert trainer.config[BATCH_SIZE] == 4
+        assert trainer.apply_all_operators(lambda op: op.config[BATCH_SIZE]) == [2, 2]
+    finally:
+        trainer.shutdown()
+
+
+@pytest.mark.parametrize("num_workers", [2, (1, 2)])
+def test_a_batch_size_smaller_than_the_workers_is_refused_before_any_actor_starts(num_workers):
+    """Each worker silently got a batch of 1 (a global batch larger than asked); the range is checked at its largest
+    size, so no resize can give a worker 0 later."""
+    with pytest.raises(ValueError, match=r"config\[BATCH_SIZE\] expects an int >= the number of workers \(2\).*got 1"):
+        TorchTrainer(training_operator_cls=LinearOperator, num_workers=num_workers, timeout_s=30,
+                     config={BATCH_SIZE: 1}).shutdown()
+    assert_released()
+
+
+@pytest.mark.slow
+def test_a_resize_to_an_uneven_size_warns_once_per_size(tmp_path):
+    """num_workers=(2, 3) on 2 CPUs starts 2 workers: 9 divides among 3 but not among 2. A worker lost mid-call
+    restarts the group, which splits BATCH_SIZE again: the size already reported is not reported again."""
+    config = {BATCH_SIZE: 9, "data_size": 72, "batch_sleep": 0.01,
+              "fault": {"rank": 1, "batch": 2, "kind": "exit", "marker": str(tmp_path / "fault")}}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        trainer = TorchTrainer(training_operator_cls=FaultyOperator, num_workers=(2, 3), timeout_s=30, config=config)
+        try:
+            assert trainer.worker_group.num_workers == 2  # 3 do not fit
+            at_start = _batch_warnings(record)
+            trainer.train()  # rank 1 exits mid-call; the call goes on after a restart
+            assert trainer.num_failures == 1 and os.path.exists(tmp_path / "fault")
+        finally:
+            trainer.shutdown()
+    assert len(at_start) == 1 and "BATCH_SIZE 9 does not divide among 2 workers" in at_start[0], at_start
+    assert "a batch of 4" in at_start[0]
+    assert _batch_warnings(record) == at_start  # once per size
+
+
+def test_fixed_worker_batch_reports_a_changed_global_batch_as_a_warning():
+    from raysgd.torch import accumulation
+
+    with pytest.warns(UserWarning, match=r"3 workers of at most 4 accumulate 1 .* global batch 3/4"):
+        worker_config, effective = accumulation.split_fixed({BATCH_SIZE: 8}, 3, 4)
+    assert worker_config[BATCH_SIZE] == 2 and effective == 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert accumulation.split_fixed({BATCH_SIZE: 8}, 2, 4)[1] == 8  # an exact split says nothing
+
+
 # ----------------------------------------------------------------- load() of what is not a checkpoint
 @pytest.fixture(scope="module")
 def trainer():
-    made = TorchTrainer(training_operator_cls=LinearOperator, num_workers=1, timeout_s=60,
-                        config={"lr": 0.05, "data_size": 32})
+    made = TorchTrainer(training_operator_cls=LinearOperator, num_workers=1, timeout_s=60, use_local=True,
+                        config={"lr": 0.05, "data_size": 32})  # rank 0 in this process: it holds no CPU
     made.train()
     yield made
     made.shutdown()
@@ -193,7 +258,7 @@ import atexit, os, shutil, sys, threading
 atexit.register(lambda: open(sys.argv[1] + ".early", "a").write("ran"))  # registered before raysgd's hook
 sys.path.insert(0, {tests!r})
 import ray
-from helpers import LinearOperator
+from helpers import FaultyOperator, LinearOperator
 from raysgd import TorchTrainer
 from raysgd.torch.storage import CheckpointStorage
 

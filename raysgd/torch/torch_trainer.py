@@ -69,8 +69,10 @@ class TorchTrainer:
         self.initialization_hook = initialization_hook
         self._requested_config = dict(config or {})
         self.min_replicas, self.max_replicas = arguments.worker_range(num_workers)
-        arguments.split_batch_size(self._requested_config, self.max_replicas)  # checks BATCH_SIZE's value
         self._fixed_worker_batch = accumulation.check(fixed_worker_batch, config, self.max_replicas, use_fp16)
+        # BATCH_SIZE against the largest size (a smaller one gives every worker more); warns if it is uneven
+        arguments.split_batch_size(self._requested_config, self.max_replicas)
+        self._split_warned = {self.max_replicas}  # sizes whose uneven split was reported: once per size
         self._config = dict(self._requested_config)
         self.num_cpus_per_worker, self.num_gpus_per_worker = num_cpus_per_worker, num_gpus_per_worker
         self.use_gpu = use_gpu
@@ -129,7 +131,9 @@ class TorchTrainer:
     def _worker_config(self, num_workers):
         """The config each of ``num_workers`` workers gets (the batch size divided among them)."""
         split = accumulation.fixed_split(self.max_replicas) if self._fixed_worker_batch else arguments.split_batch_size
-        worker_config, effective = split(self._requested_config, num_workers)
+        worker_config, effective = split(self._requested_config, num_workers,
+                                         warn=num_workers not in self._split_warned)
+        self._split_warned.add(num_workers)
         self._config = dict(self._requested_config)
         if effective is not None:
             self._config[BATCH_SIZE] = effective
