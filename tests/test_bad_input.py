@@ -9,6 +9,7 @@ import warnings
 import pytest
 import ray
 import torch
+import torch.distributed as dist
 
 from conftest import assert_released, live_actors
 from helpers import FaultyOperator, LinearOperator
@@ -292,3 +293,89 @@ def test_an_upload_that_failed_is_never_silent_when_the_script_ends_without_shut
     assert "A checkpoint was not written" in done.stderr and "Not a directory" in done.stderr, output
     for handler in ("early", "late"):  # the program's other exit handlers ran, once each
         assert (tmp_path / f"run.{handler}").read_text() == "ran", handler
+
+
+# ----------------------------------------------------------------- operators of the user's own script or test file
+def test_an_operator_reading_self_config_and_using_dist_ships_from_a_test_module():
+    """``TypeError: cannot pickle 'ConfigModuleInstance'``: a class defined here is sent by value, and with ``dist``
+    (this module's ``torch.distributed``) and the name ``config`` cloudpickle took ``torch.distributed.config``."""
+    class ConfigReader(LinearOperator):
+        def train_batch(self, batch, batch_info):
+            metrics = super().train_batch(batch, batch_info)
+            metrics["world"] = dist.get_world_size() if dist.is_initialized() else 1
+            metrics["lr_seen"] = self.config["lr"]
+            return metrics
+
+    trainer = TorchTrainer(training_operator_cls=ConfigReader, num_workers=2, timeout_s=60,
+                           config={"lr": 0.05, "data_size": 32})
+    try:
+        stats = trainer.train()
+        assert stats["world"] == 2 and stats["lr_seen"] == 0.05
+        assert trainer.apply_all_operators(lambda op: dist.get_rank() + op.config["lr"]) == [0.05, 1.05]
+    finally:
+        trainer.shutdown()
+    pytest.importorskip("ray.tune")
+    from ray import cloudpickle
+
+    trainable = TorchTrainer.as_trainable(training_operator_cls=ConfigReader, config={"lr": 0.05})
+    assert cloudpickle.loads(cloudpickle.dumps(trainable))._trainer_kwargs["config"] == {"lr": 0.05}  # Tune's way
+
+
+SCRIPT_OPERATOR = """
+import os, sys
+
+import ray
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from raysgd import TorchTrainer, TrainingOperator
+
+
+class ScriptOperator(TrainingOperator):  # RaySGD 1.x operators were written like this, in the user's script
+    def setup(self, config):
+        torch.manual_seed(0)
+        model = nn.Linear(1, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=self.config["lr"])
+        self.model, self.optimizer, self.criterion = self.register(models=model, optimizers=optimizer,
+                                                                   criterion=nn.MSELoss())
+        x = torch.randn(32, 1)
+        loader = DataLoader(TensorDataset(x, 2 * x), batch_size=8)
+        self.register_data(train_loader=loader, validation_loader=loader)
+
+    def train_batch(self, batch, batch_info):  # dist and self.config in one method: what broke
+        metrics = super().train_batch(batch, batch_info)
+        metrics["world"] = dist.get_world_size() if dist.is_initialized() else 1
+        metrics["lr_seen"] = self.config["lr"]
+        return metrics
+
+
+if __name__ == "__main__":
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    trainer = TorchTrainer(training_operator_cls=ScriptOperator, num_workers=2, config={{"lr": 0.01}}, timeout_s=60)
+    print("TRAINED world", trainer.train()["world"], flush=True)
+    trainer.shutdown()
+    from ray import tune
+
+    tuner = tune.Tuner(TorchTrainer.as_trainable(training_operator_cls=ScriptOperator, num_workers=1,
+                                                 config={{"lr": 0.01}}),
+                       run_config=tune.RunConfig(stop={{"training_iteration": 1}}, storage_path={storage!r},
+                                                 verbose=0))
+    results = tuner.fit()
+    assert not results.errors, results.errors
+    print("TUNED world", results[0].metrics["world"], flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_an_operator_defined_in_the_users_script_starts_on_workers_and_in_tune(tmp_path):
+    """The same from a plain driver script (a ``__main__`` operator), with 2 workers and as a Tune trial."""
+    pytest.importorskip("ray.tune")
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT_OPERATOR.format(storage=str(tmp_path / "tune")))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=str(tmp_path))
+    output = f"exit status {done.returncode}\nstdout:\n{done.stdout[-2000:]}\nstderr:\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, output
+    assert "TRAINED world 2" in done.stdout and "TUNED world 1" in done.stdout, output

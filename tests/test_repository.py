@@ -40,7 +40,7 @@ DOCTESTED = ["raysgd.utils", "raysgd.torch.recovery", "raysgd.torch.reduction", 
              "raysgd.torch.state", "raysgd.torch.committer", "raysgd.torch.commits", "raysgd.torch.elastic", "raysgd.torch.attempts",
              "raysgd.torch.reform", "raysgd.torch.compiled",
              "raysgd.torch.operator_precision", "raysgd.torch.registration", "raysgd.torch.failures",
-             "raysgd.torch.draining"]
+             "raysgd.torch.draining", "raysgd.torch.shipping"]
 
 
 @pytest.mark.parametrize("name", DOCTESTED)

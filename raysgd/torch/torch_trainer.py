@@ -22,7 +22,7 @@ import types
 import ray
 
 from raysgd.torch import (accumulation, arguments, attempts, checkpoint, commits, constants, durable, elastic,
-                          progress, ray_data, results, storage)
+                          progress, ray_data, results, shipping, storage)
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
@@ -95,6 +95,7 @@ class TorchTrainer:
         self._results = results.open_result_log(logdir)
         self._durable = durable.open_run(storage_path, num_to_keep, resume, self._results)  # checked before Ray
         self._shards = ray_data.ShardCache()
+        shipping.install()  # before any class is shipped: see raysgd.torch.shipping
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS", "local")
             logger.info("Ray is not initialized: starting it (address=%r)", address)
@@ -254,10 +255,12 @@ class TorchTrainer:
 
     def apply_all_workers(self, fn):
         """Call ``fn()`` on every worker; returns the results in rank order."""
+        shipping.install()  # fn may be sent by value (see raysgd.torch.shipping)
         return self._run("apply", fn)
 
     def apply_all_operators(self, fn):
         """Call ``fn(operator)`` on every worker's operator; returns the results in rank order."""
+        shipping.install()
         return self._run("apply_operator", fn)
 
     def update_scheduler(self, metric):

@@ -28,7 +28,7 @@ import inspect
 import logging
 import os
 
-from raysgd.torch import arguments, checkpoint
+from raysgd.torch import arguments, checkpoint, shipping
 
 try:
     from ray.tune import PlacementGroupFactory, Trainable
@@ -260,6 +260,7 @@ def make_trainable(trainer_cls, *args, override_tune_step=None, **kwargs):
                          f"place); Tune keeps trial checkpoints itself (RunConfig(storage_path=...)); got "
                          f"{kwargs['storage_path']!r}")
     resolve_resources({}, kwargs)  # a bad resource argument fails here, not in every trial
+    shipping.install()  # Tune pickles the trainable, with the operator class, in this process
     captured_args, captured_kwargs = tuple(args), dict(kwargs)
 
     class TorchTrainable(BaseTorchTrainable):
