@@ -7,11 +7,10 @@ import sys
 import warnings
 
 import pytest
-import ray
 import torch
 import torch.distributed as dist
 
-from conftest import assert_released, live_actors
+from conftest import assert_released
 from helpers import FaultyOperator, LinearOperator
 from raysgd import TorchTrainer, TrainingOperator
 from raysgd.torch import checkpoint
@@ -101,10 +100,10 @@ def test_fixed_worker_batch_reports_a_changed_global_batch_as_a_warning():
 
 
 # ----------------------------------------------------------------- load() of what is not a checkpoint
-@pytest.fixture(scope="module")
+@pytest.fixture
 def trainer():
     made = TorchTrainer(training_operator_cls=LinearOperator, num_workers=1, timeout_s=60, use_local=True,
-                        config={"lr": 0.05, "data_size": 32})  # rank 0 in this process: it holds no CPU
+                        config={"lr": 0.05, "data_size": 32})  # rank 0 in this process: no actor to start
     made.train()
     yield made
     made.shutdown()
@@ -217,13 +216,10 @@ def read_only_folder(path):
 
 
 def _refused(storage_path):
-    before = {a["ActorID"] for a in live_actors()}  # the module's trainer (fixture above) may be alive
-    created = ray.util.placement_group_table()
     with pytest.raises(ValueError, match="storage_path expects a folder or URI this process can write") as info:
         TorchTrainer(training_operator_cls=LinearOperator, storage_path=storage_path, timeout_s=30).shutdown()
     assert repr(storage_path) in str(info.value) and info.value.__cause__ is not None  # the storage's own error
-    assert {a["ActorID"] for a in live_actors()} <= before  # refused before any actor started
-    assert ray.util.placement_group_table().keys() == created.keys()  # nor any placement group
+    assert_released()  # refused before any actor started
     return info.value
 
 
