@@ -185,3 +185,34 @@ def test_a_state_file_that_is_not_a_checkpoint_is_damaged(tmp_path, caplog):
     assert "checkpoint_000002" in caplog.text and "not a raysgd checkpoint" in caplog.text
     with pytest.raises(CheckpointError, match="not a raysgd checkpoint"):
         storage.read_path(store.list()[-1][1])
+
+
+EXIT_SCRIPT = """
+import threading
+from raysgd.torch import async_writer
+
+started = threading.Event()
+
+def write():
+    started.wait(30)  # runs once the script has ended
+    if {fail}:
+        raise OSError("disk full")
+
+async_writer.AsyncWriter().submit(write, description="checkpoint 7")
+started.set()
+"""
+
+
+@pytest.mark.parametrize("fail", [True, False])
+def test_a_write_that_fails_at_exit_is_an_error_and_exit_status_1(fail):
+    """Without shutdown(), a failed upload was logged to raysgd's NullHandler and the process exited 0."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT.format(fail=fail)], capture_output=True, text=True,
+                          timeout=120)
+    if fail:
+        assert done.returncode == 1 and async_writer.EXIT_STATUS_ON_FAILURE == 1, (done.returncode, done.stderr)
+        assert "checkpoint 7" in done.stderr and "disk full" in done.stderr, done.stderr
+    else:
+        assert done.returncode == 0 and done.stderr == "", done.stderr

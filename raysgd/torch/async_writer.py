@@ -146,7 +146,10 @@ def _arm_exit_hook():
     atexit.register(_flush_at_exit)
     register_before_exit = getattr(threading, "_register_atexit", None)  # CPython >= 3.9
     if register_before_exit is not None:
-        register_before_exit(_run_first_at_exit)
+        try:
+            register_before_exit(_run_first_at_exit)
+        except RuntimeError:  # the interpreter is already shutting down: the plain registration stands
+            pass
 
 
 def _run_first_at_exit():
