@@ -95,3 +95,61 @@ def test_folder_is_fsynced_after_the_rename(tmp_path, monkeypatch):
     assert synced[0] == (False, False)  # the file's data, before the rename
     assert synced[-1] == (True, True)  # then the folder, once the new name is in it
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def _write_not_checkpoints(folder):
+    """``{name: path}``: files a user may pass to load() by mistake, none of them a raysgd checkpoint."""
+    import pickle
+    import zipfile
+
+    made = {}
+
+    def put(name, write):
+        made[name] = str(folder / name)
+        write(made[name])
+
+    put("notes.txt", lambda p: open(p, "w").write("epoch 3 went well\nnext: lower the lr\n"))
+    put("empty-dict.pkl", lambda p: pickle.dump({}, open(p, "wb")))
+    put("list.pkl", lambda p: pickle.dump([1, 2, 3], open(p, "wb")))
+    put("empty", lambda p: open(p, "wb").close())
+    put("archive.zip", lambda p: zipfile.ZipFile(p, "w").writestr("notes.txt", "hello"))
+    put("torch-list.pt", lambda p: torch.save([torch.ones(1)], p))
+    put("torch-weights.pt", lambda p: torch.save(torch.nn.Linear(2, 1).state_dict(), p))  # a model's, not ours
+    put("torch-tensor.pt", lambda p: torch.save(torch.ones(3), p))
+    return made
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_a_file_that_is_not_a_checkpoint_is_named_and_called_so(tmp_path, weights_only):
+    """A text file gave a raw ``KeyError: 101``; a pickle of ``{}`` said to trust it with weights_only=False."""
+    for name, path in _write_not_checkpoints(tmp_path).items():
+        with pytest.raises(CheckpointError) as info:
+            checkpoint.load_state(path, weights_only=weights_only)
+        message = str(info.value)
+        assert name in message and "not a raysgd checkpoint" in message, (name, message)
+        assert "weights_only=False" not in message, (name, message)  # never "trust it" for a foreign file
+
+
+def test_bytes_that_are_not_a_state_get_the_same_error():
+    import pickle
+
+    for stream in (b"", b"hello", pickle.dumps({}), checkpoint.state_to_bytes({"epoch": 1}),
+                   checkpoint.state_to_bytes({"epoch": 1, "models": "weights", "optimizers": []})):
+        with pytest.raises(CheckpointError, match="my bytes.*not a raysgd checkpoint"):
+            checkpoint.read_state(__import__("io").BytesIO(stream), "my bytes", trust_hint="")
+
+
+def test_1x_checkpoint_formats_still_load(tmp_path):
+    """What RaySGD 1.x's save() wrote: torch.save of the runner state (zip format, or the legacy one of old torch),
+    with the 1.x apex key ``amp``; and a file without the newer optional keys."""
+    legacy = {"epoch": 2, "operator": None, "models": [torch.nn.Linear(2, 1).state_dict()],
+              "optimizers": [{"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]}], "amp": {}}
+    torch.save(legacy, tmp_path / "zip.checkpoint")
+    torch.save(legacy, tmp_path / "old.checkpoint", _use_new_zipfile_serialization=False)
+    for name in ("zip.checkpoint", "old.checkpoint"):
+        loaded = checkpoint.load_state(tmp_path / name)
+        assert loaded["epoch"] == 2 and torch.equal(loaded["models"][0]["weight"], legacy["models"][0]["weight"])
+    truncated = open(tmp_path / "old.checkpoint", "rb").read()
+    open(tmp_path / "old.checkpoint", "wb").write(truncated[: len(truncated) // 2])
+    with pytest.raises(CheckpointError, match="corrupted or truncated"):  # a damaged torch file stays "damaged"
+        checkpoint.load_state(tmp_path / "old.checkpoint")

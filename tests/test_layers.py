@@ -32,6 +32,7 @@ LAYERS = {
     "raysgd.torch.epoch_order": 1,  # the epoch's order: a sampler drawn from (seed, epoch), and whether it repeats
     "raysgd.torch.evaluation": 1,  # validation without collectives per batch
     "raysgd.torch.compiled": 0,  # torch.compile'd models: compiled outside DDP, saved plain
+    "raysgd.torch.shipping": 0,  # user classes shipped by value: torch's config modules go by name
     "raysgd.torch.model_copy": 1, "raysgd.torch.operator_precision": 2,
     "raysgd.torch.accumulation": 1,  # fixed_worker_batch: micro-batches per optimizer step, no_sync
     "raysgd.torch.async_writer": 0, "raysgd.torch.storage": 1, "raysgd.torch.durable": 5,  # durable runs

@@ -111,6 +111,7 @@ def test_num_steps_cycles_the_persistent_iterator_as_1x():
 
     class Items(TrainingOperator):
         def setup(self, config):
+            register_a_model(self)
             loader = DataLoader(TensorDataset(data), batch_size=1)
             self.register_data(train_loader=loader, validation_loader=loader)
 
@@ -126,6 +127,7 @@ def test_num_steps_cycles_the_persistent_iterator_as_1x():
 def test_empty_loader_stops_instead_of_looping():
     class Empty(TrainingOperator):
         def setup(self, config):
+            register_a_model(self)
             self.register_data(train_loader=[])
 
     worker = make_worker(get_test_operator(Empty), {"custom_func": lambda op, it, info: {"n": len(list(it))}})
@@ -232,12 +234,55 @@ def test_default_validation_skips_accuracy_for_multi_output_regression():
 
 
 def test_default_loop_needs_a_model():
-    class NoModel(TrainingOperator):
+    class TwoModels(TrainingOperator):
         def setup(self, config):
+            models = [nn.Linear(1, 1), nn.Linear(1, 1)]
+            self.register(models=models, optimizers=[torch.optim.SGD(m.parameters(), lr=0.1) for m in models])
             self.register_data(train_loader=[(torch.ones(1), torch.ones(1))])
 
     with pytest.raises(RuntimeError, match="self.model"):
-        make_worker(NoModel).train_epoch()
+        make_worker(TwoModels).train_epoch()
+
+
+def register_a_model(operator):
+    """What an operator with its own loops registers anyway (checkpoints and get_model() need its models)."""
+    model = nn.Linear(1, 1)
+    operator.model, operator.optimizer = operator.register(models=model,
+                                                           optimizers=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize("registers", ["nothing", "only data", "an empty list"])
+def test_an_operator_that_registers_no_model_is_refused_when_it_is_built(registers):
+    """It was accepted, and failed at the first train() (inside a RayTaskError on a remote worker)."""
+    class NoModel(TrainingOperator):
+        def setup(self, config):
+            if registers == "only data":
+                self.register_data(train_loader=[(torch.ones(1), torch.ones(1))])
+            elif registers == "an empty list":
+                self.register(models=[], optimizers=[])
+
+        def train_epoch(self, iterator, info=None, num_steps=None, epoch_idx=0):
+            return {"batches": len(list(iterator))}  # its own loop: it still needs a model for the state
+
+    with pytest.raises(ValueError, match=r"NoModel.setup\(\) registered no model.*register\(models=\.\.\., "
+                                         r"optimizers=\.\.\.\)"):
+        make_worker(get_test_operator(NoModel))
+
+
+def test_operators_with_their_own_loops_that_register_models_are_accepted():
+    class OwnLoop(TrainingOperator):
+        def setup(self, config):
+            register_a_model(self)
+            self.register_data(train_loader=[(torch.ones(1), torch.ones(1))] * 3)
+
+        def train_epoch(self, iterator, info=None, num_steps=None, epoch_idx=0):
+            return {"batches": len(list(iterator))}
+
+    assert make_worker(OwnLoop).train_epoch()["batches"] == 3
+    creators = TrainingOperator.from_creators(lambda config: nn.Linear(1, 1),
+                                              lambda model, config: torch.optim.SGD(model.parameters(), lr=0.1),
+                                              lambda config: [(torch.ones(1), torch.ones(1))])
+    assert make_worker(creators).operator.model is not None
 
 
 def test_missing_validation_loader_is_a_clear_error():

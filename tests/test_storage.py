@@ -147,3 +147,72 @@ def test_as_trainable_refuses_a_shared_storage_path():
 
     with pytest.raises(ValueError, match="as_trainable: storage_path expects None under Tune"):
         TorchTrainer.as_trainable(training_operator_cls=LinearOperator, storage_path="/tmp/x")
+
+
+def _rewrite_marker(directory, **changes):
+    import json
+
+    path = os.path.join(directory, storage.MARKER_FILE)
+    marker = json.loads(open(path).read())
+    marker.update(changes)
+    open(path, "w").write(json.dumps(marker))
+
+
+@pytest.mark.parametrize("file", ["../../../../etc/hostname", "/etc/hostname", "other.checkpoint", "", 3, None])
+def test_a_marker_naming_another_file_is_a_damaged_checkpoint(tmp_path, caplog, file):
+    """The marker's ``file`` was joined to the directory unchecked: it may only name the state file."""
+    store = storage.CheckpointStorage(str(tmp_path / "run"), num_to_keep=3)
+    for epoch in (1, 2):
+        store.write(state_to_bytes(state(epoch)), {"epoch": epoch})
+    newest = store.list()[-1][1]
+    os.rename(os.path.join(newest, storage.STATE_FILE), os.path.join(newest, "other.checkpoint"))
+    _rewrite_marker(newest, file=file)
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.storage"):
+        assert store.latest().marker["epoch"] == 1  # skipped like any damaged checkpoint
+    assert "checkpoint_000002" in caplog.text and storage.STATE_FILE in caplog.text
+    with pytest.raises(CheckpointError, match=f"checkpoint_000002.*{storage.STATE_FILE}"):
+        storage.read_path(newest)  # an explicit load() of that directory
+
+
+def test_a_state_file_that_is_not_a_checkpoint_is_damaged(tmp_path, caplog):
+    import pickle
+
+    store = storage.CheckpointStorage(str(tmp_path / "run"), num_to_keep=3)
+    store.write(state_to_bytes(state(1)), {"epoch": 1})
+    store.write(pickle.dumps({}), {"epoch": 2})  # the marker matches the bytes: only their content is wrong
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.storage"):
+        assert store.latest().marker["epoch"] == 1
+    assert "checkpoint_000002" in caplog.text and "not a raysgd checkpoint" in caplog.text
+    with pytest.raises(CheckpointError, match="not a raysgd checkpoint"):
+        storage.read_path(store.list()[-1][1])
+
+
+EXIT_SCRIPT = """
+import threading
+from raysgd.torch import async_writer
+
+started = threading.Event()
+
+def write():
+    started.wait(30)  # runs once the script has ended
+    if {fail}:
+        raise OSError("disk full")
+
+async_writer.AsyncWriter().submit(write, description="checkpoint 7")
+started.set()
+"""
+
+
+@pytest.mark.parametrize("fail", [True, False])
+def test_a_write_that_fails_at_exit_is_an_error_and_exit_status_1(fail):
+    """Without shutdown(), a failed upload was logged to raysgd's NullHandler and the process exited 0."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT.format(fail=fail)], capture_output=True, text=True,
+                          timeout=120)
+    if fail:
+        assert done.returncode == 1 and async_writer.EXIT_STATUS_ON_FAILURE == 1, (done.returncode, done.stderr)
+        assert "checkpoint 7" in done.stderr and "disk full" in done.stderr, done.stderr
+    else:
+        assert done.returncode == 0 and done.stderr == "", done.stderr

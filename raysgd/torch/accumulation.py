@@ -15,6 +15,7 @@ Example:
 """
 import contextlib
 import logging
+import warnings
 
 import torch.distributed as dist
 
@@ -55,18 +56,19 @@ def check(fixed_worker_batch, config, max_workers, use_fp16):
     return True
 
 
-def split_fixed(config, num_workers, max_workers):
+def split_fixed(config, num_workers, max_workers, warn=True):
     """``(worker_config, effective_global)``: ``BATCH_SIZE / max_workers`` per worker and ``k`` micro-batches.
 
     Without ``BATCH_SIZE`` the loaders' own batch size is the fixed per-worker batch; the effective
     global size is then None. When ``max_workers`` is no multiple of ``num_workers`` the global batch
-    differs from the requested one (logged).
+    differs from the requested one: a ``UserWarning`` (when ``warn``) says so.
     """
     steps = steps_for(num_workers, max_workers)
-    if steps * num_workers != max_workers:
-        logger.warning("fixed_worker_batch: %d workers of at most %d accumulate %d micro-batches per step, a global "
-                       "batch %d/%d of the requested one.", num_workers, max_workers, steps, steps * num_workers,
-                       max_workers)
+    if steps * num_workers != max_workers and warn:
+        warnings.warn(f"fixed_worker_batch: {num_workers} workers of at most {max_workers} accumulate {steps} "
+                      f"micro-batch(es) per optimizer step, a global batch {steps * num_workers}/{max_workers} of "
+                      f"the requested one (BATCH_SIZE or the loaders' batch times {max_workers}).", UserWarning,
+                      stacklevel=3)
     worker_config = dict(config)
     worker_config[ACCUMULATION_STEPS] = steps
     if BATCH_SIZE not in config:
@@ -77,8 +79,8 @@ def split_fixed(config, num_workers, max_workers):
 
 
 def fixed_split(max_workers):
-    """:func:`split_fixed` for ``max_workers``, called like ``arguments.split_batch_size(config, num_workers)``."""
-    return lambda config, num_workers: split_fixed(config, num_workers, max_workers)
+    """:func:`split_fixed` for ``max_workers``, called like ``arguments.split_batch_size(config, num_workers, warn)``."""
+    return lambda config, num_workers, warn=True: split_fixed(config, num_workers, max_workers, warn)
 
 
 def ddp_models(operator):

@@ -4,11 +4,12 @@ Layer 5 helper of :mod:`raysgd.torch.torch_trainer`: standard library, torch and
 Every error names the argument, the expected form and the value given.
 
 Example:
-    >>> split_batch_size({"*batch_size": 21}, 2)
+    >>> split_batch_size({"*batch_size": 21}, 2, warn=False)  # 21 on 2 workers: 10 each (warns by default)
     ({'*batch_size': 10}, 20)
 """
 import logging
 import numbers
+import warnings
 
 import torch
 
@@ -160,11 +161,18 @@ def check_arguments(*, training_operator_cls, initialization_hook, config, num_w
     return use_gpu, backend
 
 
-def split_batch_size(config, num_workers):
+def split_batch_size(config, num_workers, warn=True):
     """``(worker_config, effective_global)``: a copy of ``config`` with ``BATCH_SIZE`` divided among workers.
 
-    An uneven total is rounded down to a multiple of ``num_workers`` (logged); each worker gets at least 1.
-    Without ``BATCH_SIZE`` the config is copied unchanged and the effective global size is None.
+    An uneven total is rounded down to a multiple of ``num_workers``, with a ``UserWarning`` (when ``warn``)
+    naming ``BATCH_SIZE``, the workers and each one's batch. A total smaller than ``num_workers`` (a worker
+    would get 0) raises ``ValueError``. Without ``BATCH_SIZE`` the config is copied unchanged and the effective
+    global size is None.
+
+    Example:
+        >>> split_batch_size({"*batch_size": 2}, 3)
+        Traceback (most recent call last):
+        ValueError: TorchTrainer: config[BATCH_SIZE] expects an int >= the number of workers (3), so that every worker's batch holds a sample; got 2
     """
     worker_config = dict(config)
     if BATCH_SIZE not in config:
@@ -172,9 +180,12 @@ def split_batch_size(config, num_workers):
     total = config[BATCH_SIZE]
     _expect(isinstance(total, int) and not isinstance(total, bool) and total > 0, "config[BATCH_SIZE]",
             "an int > 0 (the global batch size)", total)
-    per_worker = max(1, total // num_workers)
-    if per_worker * num_workers != total:
-        logger.warning("BATCH_SIZE %d does not divide among %d workers: each gets %d (a global batch of %d).",
-                       total, num_workers, per_worker, per_worker * num_workers)
+    _expect(total >= num_workers, "config[BATCH_SIZE]", f"an int >= the number of workers ({num_workers}), so "
+            f"that every worker's batch holds a sample", total)
+    per_worker = total // num_workers
+    if per_worker * num_workers != total and warn:
+        warnings.warn(f"BATCH_SIZE {total} does not divide among {num_workers} workers: each worker gets a batch "
+                      f"of {per_worker}, a global batch of {per_worker * num_workers}. Use a multiple of "
+                      f"{num_workers} to train with exactly {total}.", UserWarning, stacklevel=3)
     worker_config[BATCH_SIZE] = per_worker
     return worker_config, per_worker * num_workers

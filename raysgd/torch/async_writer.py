@@ -11,6 +11,9 @@ daemon thread, so training continues while a checkpoint uploads:
   :class:`~raysgd.torch.errors.CheckpointError`) by the next ``submit``, ``flush`` or ``close``.
 - **Flushed at the end.** ``close()`` (``TorchTrainer.shutdown()``) waits for the running and queued
   jobs; a writer still open when the interpreter exits is flushed by an ``atexit`` hook.
+- **Never silent at exit.** When that exit flush finds a failed or unfinished job, it logs an ERROR (also
+  on stderr when logging is not configured) and the process exits with status 1, after every other exit
+  handler ran (see :func:`_flush_at_exit`).
 
 Example:
     >>> done = []
@@ -23,6 +26,8 @@ Example:
 """
 import atexit
 import logging
+import os
+import sys
 import threading
 import time
 import weakref
@@ -34,6 +39,9 @@ logger = logging.getLogger(__name__)
 _OPEN = weakref.WeakSet()
 #: How long the ``atexit`` hook waits for unfinished writes.
 EXIT_FLUSH_TIMEOUT_S = 600
+#: The exit status of a process whose exit flush found a failed or unfinished write.
+EXIT_STATUS_ON_FAILURE = 1
+_exit_hook = {"armed": False}
 
 
 class AsyncWriter:
@@ -50,6 +58,7 @@ class AsyncWriter:
         self.completed = 0  # jobs finished without error
         self.dropped = 0  # queued jobs replaced by a newer one
         _OPEN.add(self)
+        _arm_exit_hook()
 
     @property
     def busy(self):
@@ -127,11 +136,64 @@ class AsyncWriter:
                     self._cond.notify_all()
 
 
-@atexit.register
+def _arm_exit_hook():
+    """Register :func:`_flush_at_exit` (once). Exit handlers run last registered, first run: just before they
+    start (in ``threading``'s shutdown step, which precedes them) it is registered again, so that it runs first,
+    while Ray, pyarrow's S3 client and logging are still up, and no other handler has run yet."""
+    if _exit_hook["armed"]:
+        return
+    _exit_hook["armed"] = True
+    atexit.register(_flush_at_exit)
+    register_before_exit = getattr(threading, "_register_atexit", None)  # CPython >= 3.9
+    if register_before_exit is not None:
+        try:
+            register_before_exit(_run_first_at_exit)
+        except RuntimeError:  # the interpreter is already shutting down: the plain registration stands
+            pass
+
+
+def _run_first_at_exit():
+    atexit.unregister(_flush_at_exit)
+    atexit.register(_flush_at_exit)
+
+
 def _flush_at_exit():
-    """A script that ends without ``shutdown()`` still finishes its checkpoint uploads."""
+    """A script that ends without ``shutdown()`` still finishes its checkpoint uploads; one that failed (or is
+    still unfinished after :data:`EXIT_FLUSH_TIMEOUT_S`) is never silent: an ERROR names it (on stderr too when
+    no handler would show it, e.g. a script that configures no logging), the other exit handlers run (Ray's
+    shutdown, logging's flush, ...), and the process exits with :data:`EXIT_STATUS_ON_FAILURE`."""
+    failures = []
     for writer in list(_OPEN):
         try:
             writer.close(timeout_s=EXIT_FLUSH_TIMEOUT_S)
-        except Exception as err:  # noqa: BLE001 (nothing is left to raise to)
-            logger.error("Unfinished checkpoint write at exit: %s", err)
+        except Exception as err:  # noqa: BLE001 (reported below: nothing is left to raise to)
+            failures.append(err)
+    if not failures:
+        return
+    for err in failures:
+        _log_visibly(f"A checkpoint was not written: the program ended without TorchTrainer.shutdown() while an "
+                     f"upload to storage_path had failed or was unfinished ({type(err).__name__}: {err}). "
+                     f"Exiting with status {EXIT_STATUS_ON_FAILURE}.")
+    atexit.unregister(_flush_at_exit)
+    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
+    if run_exit_handlers is not None:
+        run_exit_handlers()  # the handlers not yet run (this one ran first), as the interpreter would
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os._exit(EXIT_STATUS_ON_FAILURE)  # an exit handler cannot change the exit status otherwise
+
+
+def _log_visibly(message):
+    """Log ``message`` as an ERROR; when no handler of this logger's hierarchy would show it (raysgd's
+    ``NullHandler`` only), also through ``logging.lastResort`` (stderr), as an unconfigured logging would."""
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message, None, None)
+    logger.handle(record)
+    current, shown = logger, False
+    while current is not None and not shown:
+        shown = any(not isinstance(h, logging.NullHandler) and record.levelno >= h.level for h in current.handlers)
+        current = current.parent if current.propagate else None
+    if not shown and logging.lastResort is not None:
+        logging.lastResort.handle(record)

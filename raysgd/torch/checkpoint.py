@@ -17,12 +17,15 @@ import io
 import os
 import pickle
 import uuid
+import zipfile
 
 import torch
 
 from raysgd.torch.errors import CheckpointError
 
 _REQUIRED = ("epoch", "models", "optimizers")
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6 is a zip archive
+_TORCH_MAGIC = 0x1950A86A20F9469CFC6C  # the first pickled object of torch.save's legacy format (RaySGD 1.x on old torch)
 
 
 def state_to_bytes(state):
@@ -32,9 +35,37 @@ def state_to_bytes(state):
     return buffer.getvalue()
 
 
-def state_from_bytes(stream, map_location="cpu"):
-    """The state dict in :func:`state_to_bytes` bytes (trusted: they come from this job's own workers)."""
+def state_from_bytes(stream, map_location="cpu", weights_only=False):
+    """The state dict in :func:`state_to_bytes` bytes. The default trusts them (they come from this job's own
+    workers); ``weights_only=True`` loads bytes of unknown origin safely (see :func:`read_state`)."""
+    if weights_only:
+        return read_state(io.BytesIO(stream), "the state bytes", weights_only=True, map_location=map_location,
+                          trust_hint="if you trust them, pass weights_only=False")
     return torch.load(io.BytesIO(stream), map_location=map_location, weights_only=False)
+
+
+def checked_stream(state, weights_only=True):
+    """``(stream, weights_only)`` for ``TorchTrainer.load_state_dict(state)``: ``state`` (a trainer state dict or its
+    bytes) checked, as state bytes, and whether the workers must load them safely. Bytes are loaded here with
+    ``weights_only`` to check them; a dict is checked for the state's keys and serialised here (so the workers
+    may trust those bytes). Anything else raises :class:`CheckpointError` saying it is not a raysgd checkpoint.
+
+    Example:
+        >>> checked_stream({"epoch": 1})
+        Traceback (most recent call last):
+        ...
+        raysgd.torch.errors.CheckpointError: load_state_dict expects the trainer state that state_dict() returns; got something that is not a raysgd checkpoint: a dict without the keys 'models', 'optimizers' of the trainer state
+    """
+    if isinstance(state, (bytes, bytearray, memoryview)):
+        stream = bytes(state)
+        read_state(io.BytesIO(stream), "load_state_dict's bytes", weights_only=weights_only,
+                   trust_hint="if you trust them, pass load_state_dict(..., weights_only=False)")
+        return stream, weights_only
+    problem = state_problem(state)
+    if problem is not None:
+        raise CheckpointError(f"load_state_dict expects the trainer state that state_dict() returns; got something "
+                              f"that is not a raysgd checkpoint: {problem}")
+    return state_to_bytes(state), False
 
 
 def save_state(state, path):
@@ -96,28 +127,104 @@ def load_state(path, weights_only=True):
                       trust_hint="if you trust the file, load it with weights_only=False")
 
 
-def read_state(source, name, *, weights_only=True, trust_hint, damaged=CheckpointError):
-    """``torch.load`` of a trainer state (a path or a binary file object) onto the CPU, with clear errors.
+def read_state(source, name, *, weights_only=True, trust_hint, damaged=CheckpointError, map_location="cpu"):
+    """``torch.load`` of a trainer state (a path or a seekable binary file object) onto the CPU, with clear errors.
 
-    A safe load (``weights_only=True``) that meets other objects raises :class:`CheckpointError` naming
-    ``name`` and ending with ``trust_hint``; a damaged or foreign file raises ``damaged`` (a
-    :class:`CheckpointError` class).
+    Anything that is not a file ``torch.save`` wrote holding a trainer state (a text file, a plain pickle,
+    another zip archive, an empty file, a tensor, a dict without the state's keys) raises ``damaged`` (a
+    :class:`CheckpointError` class) naming ``name`` and saying it is not a raysgd checkpoint; so does a
+    damaged torch file. A safe load (``weights_only=True``) of a torch file holding other objects raises
+    :class:`CheckpointError` ending with ``trust_hint``.
 
     Example:
         >>> import io
         >>> buffer = io.BytesIO(state_to_bytes({"epoch": 1, "models": [], "optimizers": []}))
         >>> read_state(buffer, "my state", trust_hint="")["epoch"]
         1
+        >>> read_state(io.BytesIO(b"epoch 1 went well"), "notes.txt", trust_hint="")
+        Traceback (most recent call last):
+        ...
+        raysgd.torch.errors.CheckpointError: notes.txt is not a raysgd checkpoint: not a file torch.save wrote (a text file, ...
     """
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, "rb") as handle:
+            return read_state(handle, name, weights_only=weights_only, trust_hint=trust_hint, damaged=damaged,
+                              map_location=map_location)
+    foreign = _foreign_format(source)
+    if foreign is not None:
+        raise damaged(f"{name} is not a raysgd checkpoint: {foreign}; pass a file TorchTrainer.save() wrote "
+                      f"(or a checkpoint directory of storage_path or Tune)")
     try:
-        state = torch.load(source, map_location="cpu", weights_only=weights_only)
+        state = torch.load(source, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as err:
         if weights_only and "weights_only" in str(err):
             raise CheckpointError(f"{name} holds objects that a safe load (weights_only=True) refuses; {trust_hint}. "
                                   f"Detail: {str(err).splitlines()[0]}") from err
         raise damaged(f"{name} is corrupted or truncated: {err}") from err
-    except (RuntimeError, EOFError, OSError, ValueError, AttributeError, ImportError) as err:
+    except MemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001 (a damaged torch file fails in many ways: EOFError, IndexError, ...)
         raise damaged(f"{name} is corrupted or truncated: {type(err).__name__}: {err}") from err
-    if not isinstance(state, dict) or any(key not in state for key in _REQUIRED):
-        raise damaged(f"{name} is not a raysgd checkpoint: expected a dict with keys {_REQUIRED}")
+    problem = state_problem(state)
+    if problem is not None:
+        raise damaged(f"{name} is not a raysgd checkpoint: {problem}")
     return state
+
+
+def state_problem(state):
+    """Why ``state`` is not a trainer state (a short phrase), or None when it is one.
+
+    Example:
+        >>> state_problem({"epoch": 1, "models": [], "optimizers": []}) is None
+        True
+        >>> state_problem({"weight": 1})
+        "a dict without the keys 'epoch', 'models', 'optimizers' of the trainer state"
+    """
+    if not isinstance(state, dict):
+        return f"it holds a {type(state).__name__}, not the trainer state (a dict with keys {', '.join(_REQUIRED)})"
+    missing = [key for key in _REQUIRED if key not in state]
+    if missing:
+        return f"a dict without the keys {', '.join(map(repr, missing))} of the trainer state"
+    if not isinstance(state["epoch"], int) or isinstance(state["epoch"], bool):
+        return f"its 'epoch' is a {type(state['epoch']).__name__}, not an int"
+    for key in ("models", "optimizers"):
+        if not isinstance(state[key], (list, tuple)):
+            return f"its {key!r} is a {type(state[key]).__name__}, not a list of state dicts"
+    return None
+
+
+def _foreign_format(handle):
+    """What ``handle`` holds when it cannot be a file ``torch.save`` wrote (a phrase), else None; the position
+    is left where it was. Only the header is read; a legacy torch header is unpickled with no globals allowed."""
+    start = handle.tell()
+    try:
+        head = handle.read(len(_ZIP_MAGIC))
+        handle.seek(start)
+        if not head:
+            return "the file is empty"
+        if head == _ZIP_MAGIC:
+            try:
+                names = zipfile.ZipFile(handle).namelist()
+            except (zipfile.BadZipFile, OSError, EOFError, ValueError):
+                return None  # a truncated torch.save archive: torch.load says it is damaged
+            if any(n.endswith("/constants.pkl") for n in names):
+                return "a TorchScript archive (torch.jit.save), not a file torch.save wrote"
+            if not any(n.endswith("/data.pkl") for n in names):
+                return "a zip archive that is not a file torch.save wrote"
+            return None
+        try:
+            first = _NoGlobals(handle).load()
+        except Exception:  # noqa: BLE001 (text, random bytes, a pickle needing classes: not torch's header)
+            first = None
+        if first != _TORCH_MAGIC:
+            return "not a file torch.save wrote (a text file, a plain pickle or other data)"
+        return None
+    finally:
+        handle.seek(start)
+
+
+class _NoGlobals(pickle.Unpickler):
+    """Unpickles plain values only: any class or function reference is refused (nothing can run)."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"global {module}.{name} refused")

@@ -71,7 +71,9 @@ def open_run(storage_path, num_to_keep=2, resume=True, result_log=None):
         return NoStorage()
     from raysgd.torch import storage  # noqa: PLC0415 (without pyarrow, resolving storage_path says what to install)
 
-    run = DurableRun(storage.CheckpointStorage(storage_path, num_to_keep), resume=resume, result_log=result_log)
+    checkpoints = storage.CheckpointStorage(storage_path, num_to_keep)
+    checkpoints.check_writable()  # a real write and delete, before any actor starts
+    run = DurableRun(checkpoints, resume=resume, result_log=result_log)
     run.start_restore()  # reads the newest checkpoint while Ray and the workers start
     return run
 

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import time
+import uuid
 import zlib
 
 from raysgd import optional
@@ -85,11 +86,12 @@ def _join(*parts):
     return "/".join(part.rstrip("/") for part in parts)
 
 
-def check_state_bytes(stream, name="checkpoint"):
-    """Safely load trainer-state bytes (``weights_only=True``); a :class:`CheckpointError` names what is wrong."""
-    return checkpoint.read_state(io.BytesIO(stream), name, damaged=DamagedCheckpoint,
+def check_state_bytes(stream, name="checkpoint", weights_only=True):
+    """Load trainer-state bytes (safely by default); a :class:`CheckpointError` names what is wrong."""
+    return checkpoint.read_state(io.BytesIO(stream), name, damaged=DamagedCheckpoint, weights_only=weights_only,
                                  trust_hint="make the operator's state_dict() return tensors, numbers, strings "
-                                            "and containers, or start with resume=False")
+                                            "and containers, start with resume=False, or, if you trust the "
+                                            "checkpoint, load it with TorchTrainer.load(path, weights_only=False)")
 
 
 def write_checkpoint_dir(filesystem, directory, stream, meta=None):
@@ -135,7 +137,7 @@ def read_path(path, weights_only=True):
     """
     text = os.fspath(path)
     if "://" in text or os.path.isfile(os.path.join(text, MARKER_FILE)):
-        return read_checkpoint_dir(*resolve(text))[0]
+        return read_checkpoint_dir(*resolve(text), weights_only=weights_only)[0]
     if os.path.isdir(text):
         if os.path.isfile(os.path.join(text, STATE_FILE)):  # a directory holding a file save() wrote
             return checkpoint.load_state(os.path.join(text, STATE_FILE), weights_only=weights_only)
@@ -144,12 +146,17 @@ def read_path(path, weights_only=True):
     return checkpoint.load_state(text, weights_only=weights_only)
 
 
-def read_checkpoint_dir(filesystem, directory):
-    """``(stream, marker)`` of a complete checkpoint directory, checked against its marker and loaded safely."""
+def read_checkpoint_dir(filesystem, directory, weights_only=True):
+    """``(stream, marker)`` of a complete checkpoint directory, checked against its marker and loaded (safely by
+    default). The marker may name only the state file (``"file": "trainer.checkpoint"``, or no ``file``):
+    any other name is a damaged checkpoint, never a path to follow."""
     marker = read_marker(filesystem, directory)
+    if marker.get("file", STATE_FILE) != STATE_FILE:
+        raise DamagedCheckpoint(f"checkpoint {directory!r} is damaged: its {MARKER_FILE} names the state file "
+                                f"{marker.get('file')!r}; expected {STATE_FILE!r}")
     try:
         # a random-access file reads in one request; an unbuffered input stream is 20x slower on S3
-        with filesystem.open_input_file(_join(directory, marker.get("file", STATE_FILE))) as handle:
+        with filesystem.open_input_file(_join(directory, STATE_FILE)) as handle:
             stream = handle.read()
     except FileNotFoundError as err:
         raise DamagedCheckpoint(f"checkpoint {directory!r} lost its state file") from err
@@ -157,7 +164,7 @@ def read_checkpoint_dir(filesystem, directory):
         raise DamagedCheckpoint(f"checkpoint {directory!r} is damaged: its state file has {len(stream)} bytes "
                                 f"(CRC-32 {zlib.crc32(stream)}), the marker says {marker.get('size')} "
                                 f"(CRC-32 {marker.get('crc32')})")
-    check_state_bytes(stream, name=f"checkpoint {directory!r}")
+    check_state_bytes(stream, name=f"checkpoint {directory!r}", weights_only=weights_only)
     return stream, marker
 
 
@@ -188,6 +195,21 @@ class CheckpointStorage:
 
     def __repr__(self):
         return f"CheckpointStorage({self.storage_path!r}, num_to_keep={self.num_to_keep})"
+
+    def check_writable(self):
+        """Create the folder, write a small file into it and delete it: a ``storage_path`` this process cannot
+        write (under a regular file, read-only, a missing bucket, no credentials) fails here, naming it,
+        instead of at the first checkpoint upload."""
+        probe = _join(self.path, f".raysgd-write-check-{uuid.uuid4().hex[:12]}")
+        try:
+            self.filesystem.create_dir(self.path, recursive=True)
+            with self.filesystem.open_output_stream(probe) as handle:
+                handle.write(b"raysgd")
+            self.filesystem.delete_file(probe)
+        except (OSError, pyarrow.ArrowException) as err:
+            raise ValueError(f"TorchTrainer: storage_path expects a folder or URI this process can write (a test "
+                             f"file is written and deleted there); got {self.storage_path!r}: writing "
+                             f"{probe!r} failed: {type(err).__name__}: {err}") from err
 
     def list(self):
         """``[(index, directory)]`` of every checkpoint directory, complete or not, oldest first."""

@@ -22,7 +22,7 @@ import types
 import ray
 
 from raysgd.torch import (accumulation, arguments, attempts, checkpoint, commits, constants, durable, elastic,
-                          progress, ray_data, results, storage)
+                          progress, ray_data, results, shipping, storage)
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
@@ -69,8 +69,10 @@ class TorchTrainer:
         self.initialization_hook = initialization_hook
         self._requested_config = dict(config or {})
         self.min_replicas, self.max_replicas = arguments.worker_range(num_workers)
-        arguments.split_batch_size(self._requested_config, self.max_replicas)  # checks BATCH_SIZE's value
         self._fixed_worker_batch = accumulation.check(fixed_worker_batch, config, self.max_replicas, use_fp16)
+        # BATCH_SIZE against the largest size (a smaller one gives every worker more); warns if it is uneven
+        arguments.split_batch_size(self._requested_config, self.max_replicas)
+        self._split_warned = {self.max_replicas}  # sizes whose uneven split was reported: once per size
         self._config = dict(self._requested_config)
         self.num_cpus_per_worker, self.num_gpus_per_worker = num_cpus_per_worker, num_gpus_per_worker
         self.use_gpu = use_gpu
@@ -93,6 +95,7 @@ class TorchTrainer:
         self._results = results.open_result_log(logdir)
         self._durable = durable.open_run(storage_path, num_to_keep, resume, self._results)  # checked before Ray
         self._shards = ray_data.ShardCache()
+        shipping.install()  # before any class is shipped: see raysgd.torch.shipping
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS", "local")
             logger.info("Ray is not initialized: starting it (address=%r)", address)
@@ -107,7 +110,7 @@ class TorchTrainer:
             elastic.start_first_group(self._start_workers, self.worker_group.how_many_fit, self.min_replicas,
                                       self.max_replicas, isinstance(num_workers, tuple),
                                       constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
-            self._durable.resume(self.load_state_dict, timeout_s)  # from storage_path's newest checkpoint
+            self._durable.resume(self._load_stream, timeout_s)  # storage_path's newest checkpoint (checked, safe)
         except BaseException as err:
             self._close_quietly()  # the workers, and the threads of the result log and the durable run
             if isinstance(err, WorkerFailure):
@@ -129,7 +132,9 @@ class TorchTrainer:
     def _worker_config(self, num_workers):
         """The config each of ``num_workers`` workers gets (the batch size divided among them)."""
         split = accumulation.fixed_split(self.max_replicas) if self._fixed_worker_batch else arguments.split_batch_size
-        worker_config, effective = split(self._requested_config, num_workers)
+        worker_config, effective = split(self._requested_config, num_workers,
+                                         warn=num_workers not in self._split_warned)
+        self._split_warned.add(num_workers)
         self._config = dict(self._requested_config)
         if effective is not None:
             self._config[BATCH_SIZE] = effective
@@ -251,10 +256,12 @@ class TorchTrainer:
 
     def apply_all_workers(self, fn):
         """Call ``fn()`` on every worker; returns the results in rank order."""
+        shipping.install()  # fn may be sent by value (see raysgd.torch.shipping)
         return self._run("apply", fn)
 
     def apply_all_operators(self, fn):
         """Call ``fn(operator)`` on every worker's operator; returns the results in rank order."""
+        shipping.install()
         return self._run("apply_operator", fn)
 
     def update_scheduler(self, metric):
@@ -302,28 +309,43 @@ class TorchTrainer:
         """
         return self._commits.latest_state()
 
-    def load_state_dict(self, state_dict, blocking=False):
+    def load_state_dict(self, state_dict, blocking=False, weights_only=True):
         """Load ``state_dict`` (or its ``torch.save`` bytes) on every worker (each onto its own device).
 
-        The call returns before the workers finish unless ``blocking``; later calls run after it.
+        Bytes are loaded safely (``weights_only=True``, as :meth:`load`): checked in the driver, then on every
+        worker; pass ``weights_only=False`` only for bytes you trust whose state needs other objects. A dict or
+        bytes that are not a trainer state raise :class:`~raysgd.torch.errors.CheckpointError` before anything
+        is sent. The call returns before the workers finish unless ``blocking``; later calls run after it.
+
+        Example:
+            >>> trainer.load_state_dict(other.state_dict(), blocking=True)  # doctest: +SKIP
         """
+        self._load_stream(*checkpoint.checked_stream(state_dict, weights_only), blocking=blocking)
+
+    def _load_stream(self, stream, weights_only=True, blocking=False):
+        """Send checked state bytes to every worker (loaded there with ``weights_only``); they are the restart point."""
         self._ensure_workers()
-        stream = state_dict if isinstance(state_dict, bytes) else checkpoint.state_to_bytes(state_dict)
         ref = ray.put(stream)
         if blocking:
-            self._run("load_state_stream", ref)
+            self._run("load_state_stream", ref, weights_only)
         else:
-            self.worker_group.submit("load_state_stream", ref)
+            self.worker_group.submit("load_state_stream", ref, weights_only)
         self._snapshot, self._snapshot_stale = stream, False
 
     def save(self, checkpoint_path):
         """Write the trainer state to ``checkpoint_path`` atomically (and to ``storage_path``); returns the path."""
         return checkpoint.save_state(self._durable.on_save(self.state_dict(), self._take_snapshot), checkpoint_path)
 
-    def load(self, checkpoint_path, weights_only=True):
+    def load(self, checkpoint_path, weights_only=True, blocking=False):
         """Load a file written by :meth:`save` (``weights_only=False`` only for trusted files; see README), or a
-        checkpoint directory of ``storage_path`` or Tune (a local path or a URI such as ``s3://bucket/run/...``)."""
-        self.load_state_dict(storage.read_path(checkpoint_path, weights_only=weights_only))
+        checkpoint directory of ``storage_path`` or Tune (a local path or a URI such as ``s3://bucket/run/...``).
+        Anything else (a text file, another pickle, a model's weights) raises
+        :class:`~raysgd.torch.errors.CheckpointError` naming it, before anything is sent to the workers."""
+        state = storage.read_path(checkpoint_path, weights_only=weights_only)  # checked: a dict or state bytes
+        if isinstance(state, bytes):
+            self._load_stream(state, weights_only, blocking=blocking)
+        else:
+            self._load_stream(checkpoint.state_to_bytes(state), weights_only=False, blocking=blocking)  # made here
 
     def restore(self, *args):
         """Removed in 1.x: always raises ``DeprecationWarning`` pointing at :meth:`load`."""

@@ -68,6 +68,7 @@ class TrainingOperator(PrecisionHelpers):
         self.timers = TimerCollection()
         self.global_step, self._running_meters = 0, None  # the meters of the running default-loop epoch
         self.setup(config)
+        self._check_models_registered()
 
     # ----------------------------------------------------------------- user hooks
     def setup(self, config):
@@ -286,6 +287,16 @@ class TrainingOperator(PrecisionHelpers):
             raise RuntimeError("validate() needs a validation loader: call "
                                "self.register_data(validation_loader=...) in your operator's setup().")
         return self._validation_loader
+
+    def _check_models_registered(self):
+        """Refuse an operator whose ``setup`` registered no model: the state, ``get_model()`` and DDP need one."""
+        if not self._registered or not self._original_models:
+            given = "register(models=[])" if self._registered else "no register() call"
+            owner = next(c for c in type(self).__mro__ if "setup" in vars(c)).__name__  # whose setup() ran
+            raise ValueError(f"{owner}.setup() registered no model ({given}): call "
+                             f"self.register(models=..., optimizers=...) in setup(), also when you override "
+                             f"train_epoch or train_batch (checkpoints, get_model() and DDP use the registered "
+                             f"models)")
 
     def _require_registered(self):
         if not self._registered:

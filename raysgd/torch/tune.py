@@ -29,7 +29,7 @@ import logging
 import os
 
 from raysgd import optional
-from raysgd.torch import arguments, checkpoint, cluster_state
+from raysgd.torch import arguments, checkpoint, cluster_state, shipping
 
 try:
     from ray.tune import PlacementGroupFactory, Trainable
@@ -227,18 +227,13 @@ class BaseTorchTrainable(Trainable):
         return None
 
     def load_checkpoint(self, checkpoint):
-        """Restore the trainer from what :meth:`save_checkpoint` wrote: the directory (or the file, as in 1.x)."""
+        """Restore the trainer from what :meth:`save_checkpoint` wrote: the directory (checked against its marker),
+        or a 1.x ``trainer.checkpoint`` file or a directory holding one; loaded safely, as ``TorchTrainer.load``.
+        Anything else raises :class:`~raysgd.torch.errors.CheckpointError` naming it."""
         if isinstance(checkpoint, dict):  # a state dict returned by an overridden save_checkpoint
-            state = checkpoint
+            self.trainer.load_state_dict(checkpoint, blocking=True)
         else:
-            path = os.fspath(checkpoint)
-            if os.path.isfile(os.path.join(path, MARKER_FILE)):  # checked against its marker, loaded safely
-                from raysgd.torch import storage  # noqa: PLC0415
-
-                state, _ = storage.read_checkpoint_dir(*storage.resolve(path))
-            else:  # a 1.x file, or a directory holding one
-                state = checkpoint_state(os.path.join(path, CHECKPOINT_FILE) if os.path.isdir(path) else path)
-        self.trainer.load_state_dict(state, blocking=True)
+            self.trainer.load(os.fspath(checkpoint), blocking=True)
 
     def cleanup(self):
         """Shut the trainer (and its workers) down."""
@@ -305,6 +300,7 @@ def make_trainable(trainer_cls, *args, override_tune_step=None, **kwargs):
                          f"place); Tune keeps trial checkpoints itself (RunConfig(storage_path=...)); got "
                          f"{kwargs['storage_path']!r}")
     resolve_resources({}, kwargs)  # a bad resource argument fails here, not in every trial
+    shipping.install()  # Tune pickles the trainable, with the operator class, in this process
     captured_args, captured_kwargs = tuple(args), dict(kwargs)
 
     class TorchTrainable(BaseTorchTrainable):

@@ -5,8 +5,11 @@ Ray actor or, with ``use_local=True``, as a plain object inside the driver proce
 
 Example:
     >>> from raysgd.torch.training_operator import TrainingOperator
+    >>> import torch
     >>> class Counting(TrainingOperator):
     ...     def setup(self, config):
+    ...         model = torch.nn.Linear(1, 1)
+    ...         self.register(models=model, optimizers=torch.optim.SGD(model.parameters(), lr=0.1))
     ...         self.register_data(train_loader=range(3))
     ...     def train_epoch(self, iterator, info=None):
     ...         return {"seen": len(list(iterator))}
@@ -355,10 +358,11 @@ class TorchWorker:
         pending = self.committer.pending_rng()
         return pending if pending is not None else _state.rng_state()
 
-    def load_state_stream(self, stream):
-        """Load :meth:`state_stream` bytes onto this worker's own device."""
+    def load_state_stream(self, stream, weights_only=False):
+        """Load :meth:`state_stream` bytes onto this worker's own device. The default trusts them (this job's own
+        snapshots and commits); ``weights_only=True`` for bytes a user handed in (see ``TorchTrainer.load_state_dict``)."""
         location = self.operator.device if self.operator.use_gpu else "cpu"
-        self.load_state_dict(checkpoint.state_from_bytes(stream, map_location=location))
+        self.load_state_dict(checkpoint.state_from_bytes(stream, map_location=location, weights_only=weights_only))
 
     # ----------------------------------------------------------------- access
     def get_models(self, to_cpu=False):

@@ -18,7 +18,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raysgd.torch import constants, diagnostics
+from raysgd.torch import constants, diagnostics, shipping
 from raysgd.torch.local_runner import LocalCall
 from raysgd.torch.worker import TorchWorker
 
@@ -103,6 +103,7 @@ class Handle:
 def start_actor(rank, pg, bundle_index, cpus, gpus, operator_cls, config, options):
     """A :class:`Handle` of a new worker actor in bundle ``bundle_index`` of ``pg``."""
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index)
+    shipping.install()  # config modules imported since: the operator class may go by value
     actor = _remote_worker_cls().options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy,
                                          **_legacy_runtime_env()).remote(operator_cls, config, **options)
     return Handle(rank, actor=actor, bundle=bundle_index)
