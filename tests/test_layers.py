@@ -28,6 +28,7 @@ LAYERS = {
     "raysgd.torch.lightning": 6, "raysgd.torch.lightning_operator": 6,  # Lightning: an integration at the edge
     "raysgd.meters": 0,  # the metric meters, public through raysgd.utils
     "raysgd.torch.resnet": 1, "raysgd.plot": 0,
+    "raysgd.torch.epoch_iterators": 1,  # the iterators of a worker's epochs, kept across calls
     "raysgd.torch.cursor": 1,  # the data cursor: which stream positions each rank reads
     "raysgd.torch.epoch_order": 1,  # the epoch's order: a sampler drawn from (seed, epoch), and whether it repeats
     "raysgd.torch.evaluation": 1,  # validation without collectives per batch

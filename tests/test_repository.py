@@ -79,7 +79,8 @@ DOCTESTED = ["raysgd.utils", "raysgd.optional", "raysgd.torch.recovery", "raysgd
              "raysgd.torch.state", "raysgd.torch.committer", "raysgd.torch.commits", "raysgd.torch.elastic", "raysgd.torch.attempts",
              "raysgd.torch.reform", "raysgd.torch.compiled",
              "raysgd.torch.operator_precision", "raysgd.torch.registration", "raysgd.torch.failures",
-             "raysgd.torch.draining", "raysgd.torch.tune", "raysgd.torch.shipping"]
+             "raysgd.torch.draining", "raysgd.torch.tune", "raysgd.torch.shipping",
+             "raysgd.torch.epoch_iterators"]
 
 
 @pytest.mark.parametrize("name", DOCTESTED)

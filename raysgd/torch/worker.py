@@ -38,6 +38,7 @@ from raysgd.torch import preemption
 from raysgd.torch import state as _state
 from raysgd.torch.committer import Committer
 from raysgd.torch.constants import NUM_STEPS, USE_FP16
+from raysgd.torch.epoch_iterators import CallBatches, PersistentIterator
 from raysgd.torch.errors import CollectiveError, is_collective_failure
 from raysgd.utils import TimerCollection
 
@@ -59,90 +60,6 @@ def _guard_collectives(method):
             raise
 
     return wrapper
-
-
-class _PersistentIterator:
-    """The train or validation iterator kept across calls, so ``num_steps`` can stop and resume mid-epoch.
-
-    A new underlying iterator (a new epoch) is created lazily on the first pull after the previous
-    one ran out; ``on_new_epoch`` is called just before.
-    """
-
-    def __init__(self, get_loader, on_new_epoch, after_iter=None, on_abandon=None, resuming=None):
-        self._get_loader = get_loader
-        self._on_new_epoch = on_new_epoch
-        self._after_iter = after_iter or (lambda: None)
-        self._on_abandon = on_abandon
-        self._resuming = resuming or (lambda: False)  # the next epoch starts at a loaded cursor
-        self._iterator = None
-
-    def reset(self):
-        self._iterator = None
-
-    @contextlib.contextmanager
-    def fresh_after_error(self):
-        """On any error inside, drop the half-read iterator (``on_abandon`` runs): the next pull starts afresh."""
-        try:
-            yield
-        except BaseException:
-            if self._iterator is not None and self._on_abandon is not None:
-                self._on_abandon()
-            self._iterator = None
-            raise
-
-    @property
-    def mid_epoch(self):
-        return self._iterator is not None
-
-    def _current(self):
-        if self._iterator is None:
-            loader = self._get_loader()
-            self._on_new_epoch(loader)
-            self._iterator = iter(loader)
-            self._after_iter()
-        return self._iterator
-
-    def take(self, num_steps=None):
-        """Yield the rest of the current epoch (``None``) or exactly ``num_steps`` batches, wrapping epochs."""
-        if num_steps is None:
-            yield from self._current()
-            self._iterator = None
-            return
-        taken = 0
-        while taken < num_steps:
-            fresh = self._iterator is None
-            resumed = fresh and self._resuming()  # a cursor at the epoch's end resumes an empty rest
-            iterator = self._current()
-            yielded = 0
-            for batch in iterator:
-                yielded += 1
-                taken += 1
-                yield batch
-                if taken >= num_steps:
-                    return
-            self._iterator = None
-            if fresh and yielded == 0 and not resumed:
-                return  # an empty loader: stop instead of looping forever
-
-
-class _CallBatches:
-    """The batches of one ``train()`` call as the operator's loop sees them; ``end_epoch()`` drops the rest of the
-    epoch once the call ends (Lightning's ``on_train_batch_start`` returning ``-1``)."""
-
-    def __init__(self, batches):
-        self._batches, self.ended = batches, False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return next(self._batches)
-
-    def end_epoch(self):
-        self.ended = True
-
-    def close(self):
-        self._batches.close()
 
 
 class TorchWorker:
@@ -175,10 +92,10 @@ class TorchWorker:
         """What belongs to one group: the commit bookkeeping (an agreed cadence) and the persistent iterators."""
         self.epochs = 0
         self.committer = Committer()
-        self._train_iter = _PersistentIterator(self._train_loader, self._on_new_train_epoch, self.committer.after_iter,
+        self._train_iter = PersistentIterator(self._train_loader, self._on_new_train_epoch, self.committer.after_iter,
                                                on_abandon=self._rewind_train_epoch,
                                                resuming=lambda: self.committer.resume is not None)
-        self._val_iter = _PersistentIterator(self._validation_loader, lambda loader: None)
+        self._val_iter = PersistentIterator(self._validation_loader, lambda loader: None)
 
     # ----------------------------------------------------------------- start-up
     def rejoin(self, config, world_rank, world_size):
@@ -283,7 +200,7 @@ class TorchWorker:
                 batches = iterator if num_steps is None else itertools.islice(iterator, num_steps)
             else:
                 batches = self._train_iter.take(num_steps)
-            batches = _CallBatches(self.committer.batches(self, batches, commit if iterator is None else None,
+            batches = CallBatches(self.committer.batches(self, batches, commit if iterator is None else None,
                                                           lambda: self.operator._train_loader))
             reporting = contextlib.nullcontext() if progress is None else progress.attach(
                 self.operator, num_steps, iterator if iterator is not None else self.operator._train_loader)
