@@ -1,5 +1,8 @@
 """Commits inside an epoch: exactly-once resume after a real kill, bit-exact at the same size, bounded recompute."""
 import os
+import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -56,6 +59,50 @@ def test_kill_after_a_commit_resumes_exactly_once_and_bit_exact(trainers, tmp_pa
         assert torch.equal(got["optimizers"][0]["state"][index]["momentum_buffer"], buffers["momentum_buffer"])
     # every rank's torch stream (the operator seeds torch; numpy's and Python's are unseeded in these processes)
     assert [r["torch"] for r in got["rng"]] == [r["torch"] for r in expected_state["rng"]] and len(got["rng"]) == 2
+
+
+def store_processes():
+    """Pids of the live commit-store actors (this module runs one trainer at a time)."""
+    from ray._private.state import state
+
+    return [actor["Pid"] for actor in state.actor_table(None).values()
+            if actor["ActorClassName"] == "_StoreActor" and actor["State"] == "ALIVE"]
+
+
+def test_a_lost_commit_store_is_replaced_and_the_call_restarts_from_its_start(trainers, tmp_path):
+    """The store's process is killed as the OOM killer would (SIGKILL), then a worker: the call recovers from its
+    start (a missing store means no commit to resume from), exactly once, and the new store takes commits."""
+    log, marker = str(tmp_path / "log"), str(tmp_path / "fault")
+    trainer = trainers(config={"n": N, "batch_size": BATCH, "log": log,
+                               "fault": {"step": 8, "rank": 1, "marker": marker}})
+    deadline = time.monotonic() + 30
+    while not store_processes() and time.monotonic() < deadline:  # the store's process starts with the trainer
+        time.sleep(0.05)
+    (store_pid,) = store_processes()
+    killed = []
+
+    def kill_store_then_worker():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # rank 1 waits at step 8, and the commit of step 6 is stored
+            commit = trainer.latest_commit() if os.path.exists(marker) and open(marker).read() else None
+            if commit is not None and commit["cursor"]["steps"] >= 6:
+                break
+            time.sleep(0.02)
+        os.kill(store_pid, signal.SIGKILL)
+        while store_pid in store_processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(int(open(marker).read()), signal.SIGKILL)
+        killed.append(True)
+
+    watcher = threading.Thread(target=kill_store_then_worker, daemon=True)
+    watcher.start()
+    stats = trainer.train()
+    watcher.join(10)
+    assert killed and trainer.num_failures == 1
+    assert stats["num_samples"] == N and torch.equal(counts(trainer), torch.ones(N))  # exactly once
+    assert executed(log) >= 24 + 2 * 8, executed(log)  # replayed from the call's start: its commits were lost
+    assert trainer.latest_commit()["cursor"]["steps"] == 12  # the new store holds the retry's commits
+    assert trainer.train()["num_samples"] == N and torch.equal(counts(trainer), 2 * torch.ones(N))
 
 
 def test_commits_off_replays_the_call_from_its_start(trainers, tmp_path):

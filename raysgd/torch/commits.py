@@ -11,7 +11,10 @@ Example:
     False
 """
 import logging
+import threading
 import uuid
+
+from ray.exceptions import RayActorError
 
 from raysgd.torch import checkpoint, constants
 from raysgd.torch import state as _state
@@ -51,6 +54,7 @@ class CommitPolicy:
         self.active = False  # whether the running call commits
         self._num_steps = None
         self._run_id = uuid.uuid4().hex[:12]  # tags this trainer's commits (a loaded commit of another run)
+        self._lock = threading.Lock()  # latest_commit() may ask from another thread while a call runs
 
     @property
     def enabled(self):
@@ -76,8 +80,26 @@ class CommitPolicy:
             self._store = CommitStore()
         self._call += 1
         self._attempt, self._carried = 0, {0: None}
-        self._store.begin(self._call)
+        self._ask(lambda store: store.begin(self._call))  # a lost store is replaced before the call trains
         return True
+
+    def _ask(self, question):
+        """``question(store)``; None when the store's process is gone (an OOM kill on the driver's node, say): a
+        new, empty store replaces it, so the call has no commit to resume from and a failure restarts it from
+        its start (the snapshot), as with commits off. The workers of the running attempt still hold the lost
+        store (their commits are not stored, logged); the next attempt's plan names the new one."""
+        store = self._store
+        try:
+            return question(store)
+        except RayActorError as err:
+            with self._lock:
+                if self._store is store:
+                    logger.warning("The commit store was lost (%s: %s); a new one replaces it, and a failure in "
+                                   "this call restarts it from its start", type(err).__name__, err)
+                    self._store = CommitStore()
+                    if self._call:
+                        self._store.begin(self._call)
+            return None
 
     def with_plan(self, kwargs):
         """The call's keyword arguments, with this attempt's :class:`CommitPlan` when the call commits."""
@@ -99,7 +121,7 @@ class CommitPolicy:
         """
         if not self.active:
             return None
-        found = self._store.latest_records(self._call)
+        found = self._ask(lambda store: store.latest_records(self._call))
         self._attempt += 1
         if found is None:
             self._carried[self._attempt] = None
@@ -126,7 +148,7 @@ class CommitPolicy:
         """
         if not self.active:
             return None
-        key = self._store.latest_key(self._call)
+        key = self._ask(lambda store: store.latest_key(self._call))
         if key is None or key[1] != self._attempt:  # keys are (call, attempt, step)
             return None
         return self._call, self._attempt
@@ -140,7 +162,7 @@ class CommitPolicy:
 
     def latest_state(self):
         """The latest complete commit of the running or last call as a state dict, or None."""
-        found = self._store.latest_records(self._call) if self._store is not None else None
+        found = self._ask(lambda store: store.latest_records(self._call)) if self._store is not None else None
         return _state.assemble_commit(found[1]) if found else None
 
     def latest_bytes(self):
