@@ -154,7 +154,8 @@ class CountingOperator(TrainingOperator):
     config: ``n`` samples, ``batch_size`` per worker, ``own_sampler`` (a :class:`CursorSampler`), ``log`` (a file each executed batch appends a line
     to), ``fault`` (``{"step", "marker", "rank"}``: that rank writes its pid to ``marker`` at that global
     step, then waits to be killed, once; with ``"until_sigterm": True`` it waits for a SIGTERM instead and
-    trains on, with ``"until_resize": True`` for the driver's request to grow), ``batch_sleep``.
+    trains on (after ``"after_s"`` more seconds in that step), with ``"until_resize": True`` for the driver's
+    request to grow), ``batch_sleep``.
     """
 
     def setup(self, config):
@@ -189,6 +190,7 @@ class CountingOperator(TrainingOperator):
                 deadline = time.monotonic() + 60
                 while not arrived() and time.monotonic() < deadline:
                     time.sleep(0.01)
+                time.sleep(fault.get("after_s", 0))  # stuck inside the step a while after it arrived
             else:
                 time.sleep(120)  # the test kills this process once the commit it waits for is stored
         if self.config.get("log"):
@@ -202,6 +204,53 @@ class CountingOperator(TrainingOperator):
         loss.backward()
         self.optimizer.step()
         return {"train_loss": out.detach().pow(2).mean().item(), "num_samples": len(idx)}
+
+
+class SlowCleanupOperator(CountingOperator):
+    """A CountingOperator whose ``train_epoch``, when an error ends it, takes ``config["cleanup_s"]`` seconds to
+    clean up (a DataLoader's worker processes, a log flush): a rank that exits meanwhile (a preempted one) is
+    seen dead by the driver before the error it raised."""
+
+    def train_epoch(self, iterator, info=None):
+        try:
+            return super().train_epoch(iterator, info)
+        except BaseException:
+            time.sleep(self.config.get("cleanup_s", 0))
+            raise
+
+
+class SlowToSave:
+    """Operator state that takes ``seconds`` to serialise in a process that got SIGTERM (a multi-GB state's send)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __reduce__(self):
+        from raysgd.torch import preemption
+
+        if preemption.requested():
+            time.sleep(self.seconds)
+        return SlowToSave, (self.seconds,)
+
+
+class SlowCommitOperator(CountingOperator):
+    """A CountingOperator whose preemption commit takes ``config["save_s"]`` seconds to send (see SlowToSave)."""
+
+    def state_dict(self):
+        return {"slow": SlowToSave(self.config.get("save_s", 0))}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+
+def env_hook(**env):
+    """An initialization hook setting ``env`` in the worker process (e.g. SGD_PREEMPT_GRACE_S), then seeding."""
+
+    def hook():
+        os.environ.update({key: str(value) for key, value in env.items()})
+        torch.manual_seed(1234)
+
+    return hook
 
 
 class DtypeRecorder(ClassifierOperator):

@@ -16,7 +16,7 @@ import uuid
 
 from ray.exceptions import RayActorError
 
-from raysgd.torch import checkpoint, constants
+from raysgd.torch import checkpoint, constants, preemption
 from raysgd.torch import state as _state
 from raysgd.torch.commit_store import CommitStore
 from raysgd.torch.committer import CommitPlan
@@ -55,6 +55,8 @@ class CommitPolicy:
         self._num_steps = None
         self._run_id = uuid.uuid4().hex[:12]  # tags this trainer's commits (a loaded commit of another run)
         self._lock = threading.Lock()  # latest_commit() may ask from another thread while a call runs
+        self.resumed_preemption = False  # the last restart_state() resumed from a preemption commit, first time
+        self._preemption_seen = None  # the key of the preemption commit last reported
 
     @property
     def enabled(self):
@@ -117,17 +119,21 @@ class CommitPolicy:
         """The state of the call's latest complete commit (with its ``cursor``), or None when there is none.
 
         Advances to the next attempt; the committed metrics are carried into it, and ``kwargs["num_steps"]``
-        is cut by the steps already committed.
+        is cut by the steps already committed. ``resumed_preemption`` tells whether that commit is one the
+        ranks took for a SIGTERM (marked in the store), the first time it is resumed from.
         """
         if not self.active:
             return None
         found = self._ask(lambda store: store.latest_records(self._call))
         self._attempt += 1
+        self.resumed_preemption = False
         if found is None:
             self._carried[self._attempt] = None
             kwargs["num_steps"] = self._num_steps
             return None
         key, records = found
+        if key != self._preemption_seen and self._ask(lambda store: store.reason(key)) == preemption.PREEMPTION:
+            self.resumed_preemption, self._preemption_seen = True, key  # the ranks marked it before any exited
         state = _state.assemble_commit(records)
         made_in = state[_state.CURSOR].get("attempt", 0)
         self._carried[self._attempt] = merge_partials(self._carried.get(made_in), state[_state.METERS]) \

@@ -181,12 +181,14 @@ class Committer:
 
     def _maybe_stop(self, worker, plan, loader, level):
         """A rank got SIGTERM, or the driver asked to grow: every rank commits here, waits until the store
-        holds it, and ends the call (:func:`raysgd.torch.preemption.leave`)."""
+        holds it (at most ``SGD_PREEMPT_COMMIT_S``: no grace timer cuts the send short), and ends the call
+        (:func:`raysgd.torch.preemption.leave`, which marks a preemption commit in the store)."""
         if level == preemption.GO_ON:
             return
-        self._commit(worker, plan, loader)
-        self.flush()
-        preemption.leave(worker, self.call_steps, level)
+        deadline = preemption.stopping(level, plan.sink, (plan.call_id, plan.attempt, self.call_steps))
+        key = self._commit(worker, plan, loader)
+        self.flush(timeout_s=max(0.0, deadline - time.monotonic()))
+        preemption.leave(worker, self.call_steps, level, plan.sink if key is not None else None, key, deadline)
 
     def _agree(self, worker, plan):
         if plan.every_n is not None:
@@ -203,13 +205,14 @@ class Committer:
 
     # ----------------------------------------------------------------- taking and sending
     def _commit(self, worker, plan, loader):
+        """Take a commit and start sending it; returns its key, or None (no cursor: no commit)."""
         consumed = _cursor_of(loader, self.iter_batches) if loader is not None else None
         if consumed is None:
             if not self._warned:
                 logger.warning("No commit inside this epoch: its input has no data cursor (iterable dataset, Ray "
                                "Data or a loader without a sharding sampler); a failure replays the epoch.")
                 self._warned = True
-            return
+            return None
         started = time.perf_counter()
         op = worker.operator
         record = {"rng": _state.rng_state(), "meters": op._partial_metrics(),
@@ -223,6 +226,7 @@ class Committer:
                                                                  worker.world_size, record, started), daemon=True)
         self._thread.start()
         STATS["in_loop_s"] = time.perf_counter() - started
+        return key
 
     def _send(self, sink, key, rank, world_size, record, started):
         try:

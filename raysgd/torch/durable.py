@@ -43,7 +43,7 @@ class NoStorage:
     def on_save(self, state, stream):
         return state
 
-    def on_recovery(self, failure, state):
+    def on_recovery(self, failure, state, preempted=False):
         pass
 
     def flush(self, timeout_s=None):
@@ -156,9 +156,11 @@ class DurableRun:
         self.submit(stream, reason="save", epoch=state["epoch"])
         return state
 
-    def on_recovery(self, failure, state):
-        """Recovering from ``failure``: checkpoint ``state`` (the commit resumed from) when a worker was preempted."""
-        if state is not None and preemption.was_preempted(failure):
+    def on_recovery(self, failure, state, preempted=False):
+        """Recovering from ``failure``: checkpoint ``state`` (the commit resumed from) when it is a preemption
+        commit: ``preempted`` (the ranks marked it so in the commit store before any exited) or a rank's error
+        says so. A process's exit may reach the driver before the marked errors; the store's mark does not race."""
+        if state is not None and (preempted or preemption.was_preempted(failure)):
             self.submit(lambda: checkpoint.state_to_bytes(state), reason="preemption", epoch=state.get("epoch"))
 
     def flush(self, timeout_s=None):
