@@ -1,6 +1,8 @@
 """Preemption: a real SIGTERM to a worker mid-epoch commits at the agreed step; the epoch resumes from it."""
 import io
+import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -11,6 +13,7 @@ import torch
 from helpers import (CountingOperator, SlowCleanupOperator, SlowCommitOperator, env_hook, seeding_hook,
                      signal_at_marker)
 from raysgd.torch import storage
+from raysgd.torch.errors import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("ray_4cpus")
 
@@ -111,6 +114,36 @@ def test_the_preemption_commit_reaches_storage_whichever_news_reaches_the_driver
     assert [marker["reason"] for _, marker in written] == ["preemption", "train"]
     state = torch.load(io.BytesIO(written[0][0]), weights_only=True)
     assert state["cursor"]["steps"] == STEP + 2 and state["cursor"]["consumed"] == 2 * BATCH * (STEP + 2)
+
+
+def test_an_earlier_failed_upload_does_not_abort_the_recovery_from_a_preemption(trainer_factory, tmp_path, caplog):
+    """The first epoch's checkpoint upload fails (storage_path became a file); a preemption in the second epoch
+    recovers from its commit all the same, and the upload's error is raised once the call is done, with the
+    group whole and the epoch trained exactly once (the error used to end the recovery, the group torn down)."""
+    marker, path = str(tmp_path / "pid"), tmp_path / "run"
+    config = {"n": N, "batch_size": BATCH,
+              "fault": {"step": 12 + STEP, "rank": 1, "marker": marker, "until_sigterm": True}}  # epoch 2
+    trainer = trainer_factory(training_operator_cls=CountingOperator, num_workers=2, timeout_s=30, config=config,
+                              commit_every_n_steps=1000, initialization_hook=seeding_hook, storage_path=str(path))
+    for entry in path.iterdir() if path.exists() else []:
+        shutil.rmtree(entry)
+    if path.exists():
+        path.rmdir()
+    path.write_text("not a folder any more")
+    with caplog.at_level(logging.ERROR, logger="raysgd.torch.async_writer"):
+        trainer.train()  # its checkpoint's upload fails on the writer thread, which logs it at once
+        deadline = time.monotonic() + 60
+        while "checkpoint of epoch 1" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert "failed" in caplog.text
+    watcher = sigterm_at_marker(marker)
+    with pytest.raises(CheckpointError, match="asynchronous checkpoint write failed"):
+        trainer.train()
+    watcher.join(5)
+    assert trainer.num_failures == 1 and not trainer.worker_group.broken
+    assert torch.equal(trainer.state_dict()["models"][0]["p"], 2 * torch.ones(N))  # both epochs, exactly once
+    with pytest.raises(CheckpointError):  # the later uploads failed too
+        trainer.shutdown()
 
 
 def test_a_slow_preemption_commit_is_not_cut_short_by_the_grace_timer(trainer_factory, tmp_path):
