@@ -155,7 +155,7 @@ class CountingOperator(TrainingOperator):
     to), ``fault`` (``{"step", "marker", "rank"}``: that rank writes its pid to ``marker`` at that global
     step, then waits to be killed, once; with ``"until_sigterm": True`` it waits for a SIGTERM instead and
     trains on (after ``"after_s"`` more seconds in that step), with ``"until_resize": True`` for the driver's
-    request to grow), ``batch_sleep``.
+    request to grow), ``batch_sleep``, ``step_sleeps`` (seconds to sleep at global step i: ``step_sleeps[i]``).
     """
 
     def setup(self, config):
@@ -197,6 +197,8 @@ class CountingOperator(TrainingOperator):
             with open(self.config["log"], "a") as handle:
                 handle.write(f"{self.world_rank} {self.global_step}\n")
         time.sleep(self.config.get("batch_sleep", 0))
+        step_sleeps = self.config.get("step_sleeps", ())
+        time.sleep(step_sleeps[self.global_step] if self.global_step < len(step_sleeps) else 0)
         idx, features = (tensor.to(self.device) for tensor in batch)
         counts, out = self.model(idx, features)
         loss = -counts.sum() * self.world + 0.01 * out.pow(2).sum()  # DDP's mean over ranks becomes a sum

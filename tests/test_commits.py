@@ -61,6 +61,23 @@ def test_kill_after_a_commit_resumes_exactly_once_and_bit_exact(trainers, tmp_pa
     assert [r["torch"] for r in got["rng"]] == [r["torch"] for r in expected_state["rng"]] and len(got["rng"]) == 2
 
 
+@pytest.mark.parametrize("case, step_sleeps", [("a slow warm-up", [0.5] * 5), ("a later slow-down", [0.0] * 5 + [0.2] * 19)])
+def test_time_based_commits_follow_the_training_time_not_the_first_steps(trainers, monkeypatch, case, step_sleeps):
+    """About one commit per SGD_COMMIT_INTERVAL_S (1 s here) of training, over 24 steps: a slow warm-up (2.5 s)
+    must not make every later fast step count as slow (the cadence agreed once from the first 5 steps committed
+    every 2 steps to the end), and steps that slow down later (3.8 s) must still commit (it never did)."""
+    from raysgd.torch import committer
+
+    monkeypatch.setenv("SGD_COMMIT_INTERVAL_S", "1")
+    trainer = trainers(commit_every_n_steps=None, config={"n": 96, "batch_size": 2, "step_sleeps": step_sleeps})
+    assert trainer.train()["num_samples"] == 96
+    sent = trainer.apply_all_workers(lambda: committer.STATS["count"])
+    assert sent[0] == sent[1], sent  # every rank committed at the same steps
+    assert trainer.latest_commit() is not None  # complete: every rank's record under one key
+    expected = range(1, 4) if case == "a slow warm-up" else range(2, 6)  # the training time over 1 s, about
+    assert sent[0] in expected, (case, sent)
+
+
 def store_processes():
     """Pids of the live commit-store actors (this module runs one trainer at a time)."""
     from ray._private.state import state

@@ -189,27 +189,45 @@ def _gloo_group(worker):
     return _STATE["group"][1]
 
 
-def agree(worker, last=False, resize=False):
-    """The highest level any rank asks for (:data:`GO_ON`, :data:`RESIZE` or :data:`PREEMPT`), agreed one step
-    late; every rank calls it at every step boundary (``resize``: this rank was asked to stop for a resize).
+def exchange(worker, last=False, resize=False, trained_s=0.0):
+    """``(level, slowest_s)``, agreed one step late by every rank, which calls it at every step boundary:
+    ``level`` is the highest any rank asks for (:data:`GO_ON`, :data:`RESIZE` or :data:`PREEMPT`; ``resize``:
+    this rank was asked to stop for a resize), ``slowest_s`` the most training time (``trained_s``, seconds
+    spent in steps since this rank's previous exchange) any rank reported. Every rank gets the same pair
+    at the same boundary, so decisions made from it (stop here, commit here) are the same everywhere.
 
-    Each call starts an asynchronous ``all_reduce`` (MAX) of this rank's flag and returns the result of
-    the previous call's, which finished during the step in between: the training loop does not wait for
+    Each call starts an asynchronous ``all_reduce`` (MAX) of this rank's two numbers and returns the result
+    of the previous call's, which finished during the step in between: the training loop does not wait for
     the network. ``last=True`` (after the call's last batch) waits for the one it starts.
     """
-    flag = torch.tensor([PREEMPT if _STATE["requested"] else RESIZE if resize else GO_ON], dtype=torch.int32)
+    level = PREEMPT if _STATE["requested"] else RESIZE if resize else GO_ON
     if worker.world_size == 1:
-        return int(flag.item())
+        return level, float(trained_s)
+    mine = torch.tensor([level, trained_s], dtype=torch.float64)
     previous = _STATE["pending"]
-    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_gloo_group(worker), async_op=True)
-    _STATE["pending"] = (work, flag)
+    work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=_gloo_group(worker), async_op=True)
+    _STATE["pending"] = (work, mine)
     if previous is not None:
         previous[0].wait()
     if last:
         drop_pending()
         work.wait()
-        return int(flag.item())
-    return int(previous[1].item()) if previous is not None else GO_ON
+        previous = (work, mine)
+    if previous is None:
+        return GO_ON, 0.0
+    agreed = previous[1].tolist()
+    return int(agreed[0]), agreed[1]
+
+
+def agree(worker, last=False, resize=False):
+    """The level of :func:`exchange` alone.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> agree(SimpleNamespace(world_size=1))
+        0
+    """
+    return exchange(worker, last, resize)[0]
 
 
 def drop_pending():
