@@ -65,7 +65,8 @@ def pid_and_threads():
 
 
 class FaultyOperator(LinearOperator):
-    """LinearOperator that injects one fault when rank ``fault["rank"]`` reaches batch ``fault["batch"]``.
+    """LinearOperator that injects one fault when rank ``fault["rank"]`` reaches batch ``fault["batch"]`` of an epoch
+    (or, with ``fault["step"]``, that global step).
 
     ``fault["kind"]``: ``"exit"`` (``os._exit``), ``"sleep"`` (stuck but alive), ``"signal"`` (writes its pid to
     ``fault["marker"]`` and carries on, for the driver to kill it). The marker file makes it happen once, unless
@@ -79,7 +80,9 @@ class FaultyOperator(LinearOperator):
             features, target = batch
             batch = (nn.functional.dropout(features, self.config["input_dropout"]), target)
         fault = self.config.get("fault")
-        if fault and self.world_rank == fault["rank"] and batch_info["batch_idx"] == fault["batch"]:
+        at = batch_info["global_step"] == fault["step"] if fault and "step" in fault else \
+            fault and batch_info["batch_idx"] == fault["batch"]
+        if fault and self.world_rank == fault["rank"] and at:
             if fault.get("always") or not os.path.exists(fault["marker"]):
                 with open(fault["marker"], "w") as handle:
                     handle.write(str(os.getpid()))
@@ -155,7 +158,8 @@ class CountingOperator(TrainingOperator):
     to), ``fault`` (``{"step", "marker", "rank"}``: that rank writes its pid to ``marker`` at that global
     step, then waits to be killed, once; with ``"until_sigterm": True`` it waits for a SIGTERM instead and
     trains on (after ``"after_s"`` more seconds in that step), with ``"until_resize": True`` for the driver's
-    request to grow), ``batch_sleep``, ``step_sleeps`` (seconds to sleep at global step i: ``step_sleeps[i]``).
+    request to grow), ``hold`` (``{"step", "rank", "marker"}``: stays inside that global step until killed, once),
+    ``batch_sleep``, ``step_sleeps`` (seconds to sleep at global step i: ``step_sleeps[i]``).
     """
 
     def setup(self, config):
@@ -193,6 +197,12 @@ class CountingOperator(TrainingOperator):
                 time.sleep(fault.get("after_s", 0))  # stuck inside the step a while after it arrived
             else:
                 time.sleep(120)  # the test kills this process once the commit it waits for is stored
+        hold = self.config.get("hold")  # {"step", "rank", "marker"}: stay inside that step until killed, once
+        if hold and self.world_rank == hold.get("rank", 0) and self.global_step == hold["step"] \
+                and not os.path.exists(hold["marker"]):
+            with open(hold["marker"], "w") as handle:
+                handle.write(str(os.getpid()))
+            time.sleep(600)
         if self.config.get("log"):
             with open(self.config["log"], "a") as handle:
                 handle.write(f"{self.world_rank} {self.global_step}\n")

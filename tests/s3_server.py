@@ -1,4 +1,5 @@
-"""A real S3-compatible server for tests: ``python -m moto.server`` on 127.0.0.1, a free port, one bucket."""
+"""A real S3-compatible server for tests: ``python -m moto.server`` on 127.0.0.1, a free port, one bucket; and a
+proxy in front of it that holds one upload in progress (:class:`HoldingProxy`)."""
 import contextlib
 import os
 import socket
@@ -17,7 +18,8 @@ def _free_port():
 
 @contextlib.contextmanager
 def moto_s3(bucket="raysgd-test", timeout_s=60):
-    """Start moto's server, create ``bucket``; yields ``(uri_prefix, query)`` e.g. ``("s3://raysgd-test", "?...")``.
+    """Start moto's server, create ``bucket``; yields ``(uri_prefix, query)`` e.g. ``("s3://raysgd-test", "?...")``
+    (the query names the server's port: ``endpoint_override=127.0.0.1:PORT``).
 
     Sets the AWS_* variables in ``os.environ`` while it runs. Skips (pytest) when moto is not installed.
     """
@@ -58,3 +60,88 @@ def moto_s3(bucket="raysgd-test", timeout_s=60):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+class HoldingProxy:
+    """A TCP proxy in front of the S3 server that holds an upload: until :meth:`release`, every request whose
+    opening bytes hold ``PUT`` and ``hold`` (a key, e.g. ``b"checkpoint_000003/trainer.checkpoint"``; the S3
+    client's retries too) is never forwarded and never answered, so the client's write stays in progress.
+    ``holding`` is set once one arrived; every other request passes through. Use as a context manager; ``port``
+    is where clients connect.
+
+    Example: ``with HoldingProxy(s3_port, b"checkpoint_000003/trainer.checkpoint") as proxy: ...``
+    """
+
+    def __init__(self, target_port, hold):
+        import threading
+
+        self.target_port, self.hold = target_port, hold
+        self.holding, self._stop, self._released = threading.Event(), threading.Event(), threading.Event()
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self._listener.settimeout(0.2)
+        self.port = self._listener.getsockname()[1]
+        self._threads = []
+
+    def __enter__(self):
+        self._spawn(self._accept)
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._listener.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def release(self):
+        """Let every later request through; the held ones are dropped (the client sees its connection close)."""
+        self._released.set()
+
+    def _spawn(self, target, *args):
+        import threading
+
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _accept(self):
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except (socket.timeout, OSError):
+                continue
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            self._spawn(self._pump, client, server, True)
+            self._spawn(self._pump, server, client, False)
+
+    def _pump(self, source, sink, upstream):
+        source.settimeout(0.2)
+        try:
+            while not self._stop.is_set():
+                try:
+                    chunk = source.recv(1 << 16)
+                except socket.timeout:
+                    continue
+                if not chunk:
+                    break
+                if upstream and not self._released.is_set() and b"PUT " in chunk[:4096] \
+                        and self.hold in chunk[:4096]:
+                    self.holding.set()  # this upload stays in progress until the client goes away or release()
+                    while not self._stop.is_set() and not self._released.is_set():
+                        try:
+                            if not source.recv(1 << 16):
+                                break
+                        except socket.timeout:
+                            continue
+                    break
+                sink.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                try:
+                    sock.close()
+                except OSError:
+                    pass
