@@ -63,19 +63,20 @@ def moto_s3(bucket="raysgd-test", timeout_s=60):
 
 
 class HoldingProxy:
-    """A TCP proxy in front of the S3 server that holds an upload: until :meth:`release`, every request whose
-    opening bytes hold ``PUT`` and ``hold`` (a key, e.g. ``b"checkpoint_000003/trainer.checkpoint"``; the S3
-    client's retries too) is never forwarded and never answered, so the client's write stays in progress.
-    ``holding`` is set once one arrived; every other request passes through. Use as a context manager; ``port``
-    is where clients connect.
+    """A TCP proxy in front of the S3 server that holds an upload: the requests whose opening bytes hold ``PUT``
+    and ``hold`` (e.g. ``b"/trainer.checkpoint"``) pass until ``skip`` of them did; from then on, until
+    :meth:`release`, they are never forwarded and never answered (the S3 client's retries neither), so the
+    client's write stays in progress. ``holding`` is set once one arrived, ``held`` is its request line; every
+    other request passes through. Use as a context manager; ``port`` is where clients connect.
 
-    Example: ``with HoldingProxy(s3_port, b"checkpoint_000003/trainer.checkpoint") as proxy: ...``
+    Example: ``with HoldingProxy(s3_port, b"/trainer.checkpoint", skip=1) as proxy: ...`` (holds the 2nd upload)
     """
 
-    def __init__(self, target_port, hold):
+    def __init__(self, target_port, hold, skip=0):
         import threading
 
-        self.target_port, self.hold = target_port, hold
+        self.target_port, self.hold, self._skip = target_port, hold, skip
+        self.held, self._lock = None, threading.Lock()
         self.holding, self._stop, self._released = threading.Event(), threading.Event(), threading.Event()
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -116,6 +117,18 @@ class HoldingProxy:
             self._spawn(self._pump, client, server, True)
             self._spawn(self._pump, server, client, False)
 
+    def _holds(self, chunk):
+        if self._released.is_set() or b"PUT " not in chunk[:4096] or self.hold not in chunk[:4096]:
+            return False
+        with self._lock:
+            if self._skip > 0:
+                self._skip -= 1
+                return False
+            if self.held is None:
+                self.held = chunk.split(b"\r\n")[0].decode(errors="replace")
+            self.holding.set()
+            return True
+
     def _pump(self, source, sink, upstream):
         source.settimeout(0.2)
         try:
@@ -126,9 +139,7 @@ class HoldingProxy:
                     continue
                 if not chunk:
                     break
-                if upstream and not self._released.is_set() and b"PUT " in chunk[:4096] \
-                        and self.hold in chunk[:4096]:
-                    self.holding.set()  # this upload stays in progress until the client goes away or release()
+                if upstream and self._holds(chunk):  # this upload stays in progress until release() or the end
                     while not self._stop.is_set() and not self._released.is_set():
                         try:
                             if not source.recv(1 << 16):

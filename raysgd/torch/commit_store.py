@@ -4,8 +4,8 @@ Layer 4, beside :mod:`raysgd.torch.worker_group` and :mod:`raysgd.torch.mailbox`
 actor handles). Workers push their records to it (each ``put`` returns once the bytes are in the
 actor's memory, so a commit never depends on an object owned by a worker that may die); it survives
 the loss of any worker node. The driver reads the latest complete commit after a failure. Ranks that stop
-at a commit because of a SIGTERM mark it (``mark(key, "preemption")``) before a process exits, so the
-driver learns of the preemption from the store, whichever error reaches it first.
+at a commit because of a SIGTERM mark it (``mark(key, "preemption")``) before they send their records, so
+the driver learns of the preemption from the store, whichever error reaches it first.
 
 Example:
     >>> # store = CommitStore(); store.begin(1); store.put((1, 0, 10), 0, 1, blob); store.latest(1) -> ((1, 0, 10), {0: blob})
@@ -55,6 +55,7 @@ class _StoreActor:
         return 0 if self._complete is None else 1
 
     def mark(self, key, reason):
+        self.begin(key[0])
         if key[0] == self._call:
             self._reasons[tuple(key)] = reason
 

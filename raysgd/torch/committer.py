@@ -181,9 +181,10 @@ class Committer:
         return preemption.resize_wanted(plan.call_id, plan.attempt)
 
     def _maybe_stop(self, worker, plan, loader, level):
-        """A rank got SIGTERM, or the driver asked to grow: every rank commits here, waits until the store
-        holds it (at most ``SGD_PREEMPT_COMMIT_S``: no grace timer cuts the send short), and ends the call
-        (:func:`raysgd.torch.preemption.leave`, which marks a preemption commit in the store)."""
+        """A rank got SIGTERM, or the driver asked to stop (grow, leave a draining node): every rank commits here
+        (a preemption commit marked so in the store first: :func:`raysgd.torch.preemption.stopping`), waits until
+        the store holds the whole commit (at most ``SGD_PREEMPT_COMMIT_S``; no grace timer cuts the send short),
+        and ends the call (:func:`raysgd.torch.preemption.leave`)."""
         if level == preemption.GO_ON:
             return
         deadline = preemption.stopping(level, plan.sink, (plan.call_id, plan.attempt, self.call_steps))

@@ -60,7 +60,7 @@ MARK = "preempted (SIGTERM)"
 RESIZE_MARK = "stopped at a commit point to grow the group"
 #: Agreement levels (the all-reduce takes the maximum): go on, stop to resize, stop for a SIGTERM.
 GO_ON, RESIZE, PREEMPT = 0, 1, 2
-#: What the ranks mark a preemption commit with in the commit store (see :func:`leave`).
+#: What the ranks mark a preemption commit with in the commit store (see :func:`stopping`).
 PREEMPTION = "preemption"
 _STATE = {"requested": False, "exit_now": False, "active": False, "previous": None, "group": None, "pending": None,
           "resize": None, "timer": None}
@@ -77,8 +77,8 @@ def grace_s():
 
 
 def commit_s():
-    """``SGD_PREEMPT_COMMIT_S``: how long the agreed commit may take to be stored before a signalled rank exits
-    anyway (its send is never cut short by :func:`grace_s`'s timer)."""
+    """``SGD_PREEMPT_COMMIT_S``: how long the agreed commit may take to be stored (complete) before the ranks end
+    the call anyway (its send is never cut short by :func:`grace_s`'s timer)."""
     return constants._env_float("SGD_PREEMPT_COMMIT_S", 120.0)
 
 
