@@ -78,13 +78,10 @@ class CommitStore:
         self._actor = ray.remote(num_cpus=0)(_StoreActor).options(
             scheduling_strategy=here).remote()
 
-    def begin(self, call_id, timeout_s=60):
-        """Start a new call: older commits are dropped (they are not restart points any more).
-
-        Waits for the store's answer (a local round trip), so a store that died is found before the call
-        trains: ``RayActorError`` (see :class:`raysgd.torch.commits.CommitPolicy`, which replaces it).
-        """
-        ray.get(self._actor.begin.remote(call_id), timeout=timeout_s)
+    def begin(self, call_id):
+        """Start a new call: older commits are dropped (they are not restart points any more). Does not wait:
+        returns the answer's ObjectRef (``ray.get`` of it raises ``RayActorError`` when the store is gone)."""
+        return self._actor.begin.remote(call_id)
 
     def put(self, key, rank, world_size, blob, timeout_s=600):
         """Store one rank's record (blocking until the store holds it)."""

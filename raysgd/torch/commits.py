@@ -14,6 +14,7 @@ import logging
 import threading
 import uuid
 
+import ray
 from ray.exceptions import RayActorError
 
 from raysgd.torch import checkpoint, constants, preemption
@@ -55,6 +56,7 @@ class CommitPolicy:
         self._num_steps = None
         self._run_id = uuid.uuid4().hex[:12]  # tags this trainer's commits (a loaded commit of another run)
         self._lock = threading.Lock()  # latest_commit() may ask from another thread while a call runs
+        self._begun, self._ready = None, False  # the store's answer to the last call's start; it answered once
         self.resumed_preemption = False  # the last restart_state() resumed from a preemption commit, first time
         self._preemption_seen = None  # the key of the preemption commit last reported
 
@@ -82,8 +84,17 @@ class CommitPolicy:
             self._store = CommitStore()
         self._call += 1
         self._attempt, self._carried = 0, {0: None}
-        self._ask(lambda store: store.begin(self._call))  # a lost store is replaced before the call trains
+        self._begin()
         return True
+
+    def _begin(self):
+        """Start the call in the store. Once the store answered a call's start, the next one is waited for (a local
+        round trip), so a store lost since is replaced before the call trains; a store still starting up (the
+        trainer's first call) is not waited for."""
+        previous, self._begun = self._begun, self._store.begin(self._call)
+        if self._ready or (previous is not None and ray.wait([previous], timeout=0)[0]):
+            self._ready = True
+            self._ask(lambda store: ray.get(self._begun, timeout=60))
 
     def _ask(self, question):
         """``question(store)``; None when the store's process is gone (an OOM kill on the driver's node, say): a
@@ -98,9 +109,8 @@ class CommitPolicy:
                 if self._store is store:
                     logger.warning("The commit store was lost (%s: %s); a new one replaces it, and a failure in "
                                    "this call restarts it from its start", type(err).__name__, err)
-                    self._store = CommitStore()
-                    if self._call:
-                        self._store.begin(self._call)
+                    self._store, self._ready = CommitStore(), False
+                    self._begun = self._store.begin(self._call) if self._call else None
             return None
 
     def with_plan(self, kwargs):
