@@ -6,8 +6,9 @@ Layer 3 helper of :mod:`raysgd.torch.committer` (torch, no Ray). :func:`install`
 ``__init__``, which Ray runs on the process's main thread (the only thread where Python can set a
 signal handler; training calls run in another thread because of the ``"control"`` concurrency group).
 The handler only sets a flag. At each step boundary of a committing ``train()`` call the ranks agree
-whether any of them was signalled (:func:`agree`: one asynchronous ``all_reduce`` MAX of a CPU int on a
-gloo group, no GPU sync, read at the next boundary); if so every rank commits at that step and waits until its record is stored, then the
+whether any of them was signalled (:func:`exchange`: one asynchronous ``all_reduce`` MAX of two CPU numbers,
+the flag and the rank's step time, on a gloo group, no GPU sync, read at the next boundary); if so every rank
+commits at that step and waits until the commit is stored, then the
 signalled rank hands the signal to Ray's own handler (the process exits as Ray would have) and every
 rank raises :class:`~raysgd.torch.errors.CollectiveError`, so the trainer recovers from that commit (and,
 with a ``storage_path``, writes it there: :meth:`raysgd.torch.durable.DurableRun.on_recovery`).
