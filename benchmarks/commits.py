@@ -70,7 +70,7 @@ def overhead(model, smoke, repeats):
                        num_samples=2 * sizes["batch_size"] * steps * (len(SETTINGS) * repeats + 1))
     rates = {label: [] for label, _ in SETTINGS}
     try:
-        trainer.train(num_steps=max(5, steps // 4))  # warm-up (and the default's cadence probe)
+        trainer.train(num_steps=max(5, steps // 4))  # warm-up
         for round_ in range(repeats):
             for label, every in SETTINGS[round_ % len(SETTINGS):] + SETTINGS[:round_ % len(SETTINGS)]:
                 trainer._commits.every_n = every

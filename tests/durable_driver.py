@@ -1,13 +1,16 @@
-"""A seeded driver script with a durable run, for the driver-crash test (tests/test_durable_driver.py).
+"""A seeded driver script with a durable run, for the driver-crash tests (tests/test_durable_driver.py).
 
-    python tests/durable_driver.py STORAGE LOGDIR OUT [--pause-after N --marker PATH]
+    python tests/durable_driver.py STORAGE LOGDIR OUT [--pause-after N --marker PATH] [--counting] [--config JSON]
 
 Trains 2 workers with ``storage_path=STORAGE`` and ``logdir=LOGDIR`` in the loop
-``while trainer.train()["epoch"] < 4``, then writes the final model state to OUT. With
-``--pause-after N`` it waits, after epoch N's checkpoint is durable, until it is killed (writing
-``--marker`` first, so the test knows when to kill it).
+``while trainer.train()["epoch"] < 4`` (with ``validate()`` between), then writes the final model state to
+OUT. With ``--pause-after N`` it waits, after epoch N's checkpoint is durable, until it is killed (writing
+``--marker`` first, so the test knows when to kill it). The operator is ``FaultyOperator`` (input dropout),
+or with ``--counting`` ``CountingOperator`` (``p[i]`` counts how often sample ``i`` was trained; dropout; a
+commit only where the ranks stop for a SIGTERM). ``--config`` adds to the operator's config (its faults).
 """
 import argparse
+import json
 import logging
 import os
 import sys
@@ -19,7 +22,7 @@ import torch
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
 
-from helpers import FaultyOperator  # noqa: E402 (LinearOperator's loops, with input dropout)
+from helpers import CountingOperator, FaultyOperator, seeding_hook  # noqa: E402
 
 from raysgd import TorchTrainer  # noqa: E402
 
@@ -34,18 +37,26 @@ def main():
     parser.add_argument("--pause-after", type=int, default=None)
     parser.add_argument("--marker", default=None)
     parser.add_argument("--pause-s", type=float, default=120)
+    parser.add_argument("--counting", action="store_true")
+    parser.add_argument("--config", default="{}")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     pythonpath = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(address="local", num_cpus=2, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
-    trainer = TorchTrainer(training_operator_cls=FaultyOperator, num_workers=2, storage_path=args.storage,
-                           logdir=args.logdir, timeout_s=60,
-                           config={"lr": 0.05, "momentum": 0.9, "shuffle": True, "batch_size": 8, "data_size": 64,
-                                   "input_dropout": 0.3})  # random draws every batch; validate() between
+    if args.counting:
+        options = dict(training_operator_cls=CountingOperator, commit_every_n_steps=1000,
+                       initialization_hook=seeding_hook, config={"n": 96, "batch_size": 4})
+    else:
+        options = dict(training_operator_cls=FaultyOperator,
+                       config={"lr": 0.05, "momentum": 0.9, "shuffle": True, "batch_size": 8, "data_size": 64,
+                               "input_dropout": 0.3})  # random draws every batch; validate() between
+    options["config"].update(json.loads(args.config))
+    trainer = TorchTrainer(num_workers=2, storage_path=args.storage, logdir=args.logdir, timeout_s=60, **options)
     while True:
         epoch = trainer.train()["epoch"]
-        trainer.validate()
+        if not args.counting:
+            trainer.validate()
         if epoch == args.pause_after:
             trainer._durable.flush(timeout_s=60)  # the checkpoint of this epoch is durable now
             with open(args.marker, "w") as handle:

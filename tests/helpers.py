@@ -65,7 +65,8 @@ def pid_and_threads():
 
 
 class FaultyOperator(LinearOperator):
-    """LinearOperator that injects one fault when rank ``fault["rank"]`` reaches batch ``fault["batch"]``.
+    """LinearOperator that injects one fault when rank ``fault["rank"]`` reaches batch ``fault["batch"]`` of an epoch
+    (or, with ``fault["step"]``, that global step).
 
     ``fault["kind"]``: ``"exit"`` (``os._exit``), ``"sleep"`` (stuck but alive), ``"signal"`` (writes its pid to
     ``fault["marker"]`` and carries on, for the driver to kill it). The marker file makes it happen once, unless
@@ -79,7 +80,9 @@ class FaultyOperator(LinearOperator):
             features, target = batch
             batch = (nn.functional.dropout(features, self.config["input_dropout"]), target)
         fault = self.config.get("fault")
-        if fault and self.world_rank == fault["rank"] and batch_info["batch_idx"] == fault["batch"]:
+        at = batch_info["global_step"] == fault["step"] if fault and "step" in fault else \
+            fault and batch_info["batch_idx"] == fault["batch"]
+        if fault and self.world_rank == fault["rank"] and at:
             if fault.get("always") or not os.path.exists(fault["marker"]):
                 with open(fault["marker"], "w") as handle:
                     handle.write(str(os.getpid()))
@@ -154,8 +157,10 @@ class CountingOperator(TrainingOperator):
     config: ``n`` samples, ``batch_size`` per worker, ``own_sampler`` (a :class:`CursorSampler`), ``log`` (a file each executed batch appends a line
     to), ``fault`` (``{"step", "marker", "rank"}``: that rank writes its pid to ``marker`` at that global
     step, then waits to be killed, once; with ``"until_sigterm": True`` it waits for a SIGTERM instead and
-    trains on, with ``"until_resize": True`` for the driver's request to grow, with ``"exit": True`` it ends its
-    process), ``batch_sleep``, and the DataLoader's ``drop_last``, ``loader_workers`` (its ``num_workers``) and
+    trains on (after ``"after_s"`` more seconds in that step), with ``"until_resize": True`` for the driver's
+    request to grow, with ``"exit": True`` it ends its process), ``hold`` (``{"step", "rank", "marker"}``: stays
+    inside that global step until killed, once), ``batch_sleep``, ``step_sleeps`` (seconds to sleep at global step
+    i: ``step_sleeps[i]``), and the DataLoader's ``drop_last``, ``loader_workers`` (its ``num_workers``) and
     ``in_order``.
     """
 
@@ -195,12 +200,21 @@ class CountingOperator(TrainingOperator):
                 deadline = time.monotonic() + 60
                 while not arrived() and time.monotonic() < deadline:
                     time.sleep(0.01)
+                time.sleep(fault.get("after_s", 0))  # stuck inside the step a while after it arrived
             else:
                 time.sleep(120)  # the test kills this process once the commit it waits for is stored
+        hold = self.config.get("hold")  # {"step", "rank", "marker"}: stay inside that step until killed, once
+        if hold and self.world_rank == hold.get("rank", 0) and self.global_step == hold["step"] \
+                and not os.path.exists(hold["marker"]):
+            with open(hold["marker"], "w") as handle:
+                handle.write(str(os.getpid()))
+            time.sleep(600)
         if self.config.get("log"):
             with open(self.config["log"], "a") as handle:
                 handle.write(f"{self.world_rank} {self.global_step}\n")
         time.sleep(self.config.get("batch_sleep", 0))
+        step_sleeps = self.config.get("step_sleeps", ())
+        time.sleep(step_sleeps[self.global_step] if self.global_step < len(step_sleeps) else 0)
         idx, features = (tensor.to(self.device) for tensor in batch)
         counts, out = self.model(idx, features)
         loss = -counts.sum() * self.world + 0.01 * out.pow(2).sum()  # DDP's mean over ranks becomes a sum
@@ -208,6 +222,53 @@ class CountingOperator(TrainingOperator):
         loss.backward()
         self.optimizer.step()
         return {"train_loss": out.detach().pow(2).mean().item(), "num_samples": len(idx)}
+
+
+class SlowCleanupOperator(CountingOperator):
+    """A CountingOperator whose ``train_epoch``, when an error ends it, takes ``config["cleanup_s"]`` seconds to
+    clean up (a DataLoader's worker processes, a log flush): a rank that exits meanwhile (a preempted one) is
+    seen dead by the driver before the error it raised."""
+
+    def train_epoch(self, iterator, info=None):
+        try:
+            return super().train_epoch(iterator, info)
+        except BaseException:
+            time.sleep(self.config.get("cleanup_s", 0))
+            raise
+
+
+class SlowToSave:
+    """Operator state that takes ``seconds`` to serialise in a process that got SIGTERM (a multi-GB state's send)."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __reduce__(self):
+        from raysgd.torch import preemption
+
+        if preemption.requested():
+            time.sleep(self.seconds)
+        return SlowToSave, (self.seconds,)
+
+
+class SlowCommitOperator(CountingOperator):
+    """A CountingOperator whose preemption commit takes ``config["save_s"]`` seconds to send (see SlowToSave)."""
+
+    def state_dict(self):
+        return {"slow": SlowToSave(self.config.get("save_s", 0))}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+
+def env_hook(**env):
+    """An initialization hook setting ``env`` in the worker process (e.g. SGD_PREEMPT_GRACE_S), then seeding."""
+
+    def hook():
+        os.environ.update({key: str(value) for key, value in env.items()})
+        torch.manual_seed(1234)
+
+    return hook
 
 
 class DtypeRecorder(ClassifierOperator):

@@ -1,5 +1,6 @@
 """Commits inside an epoch: exactly-once resume after a real kill, bit-exact at the same size, bounded recompute."""
 import os
+import signal
 import threading
 import time
 
@@ -61,6 +62,68 @@ def test_kill_after_a_commit_resumes_exactly_once_and_bit_exact(trainers, tmp_pa
         assert torch.equal(got["optimizers"][0]["state"][index]["momentum_buffer"], buffers["momentum_buffer"])
     # every rank's torch stream (the operator seeds torch; numpy's and Python's are unseeded in these processes)
     assert [r["torch"] for r in got["rng"]] == [r["torch"] for r in expected_state["rng"]] and len(got["rng"]) == 2
+
+
+@pytest.mark.parametrize("case, step_sleeps", [("a slow warm-up", [0.5] * 5), ("a later slow-down", [0.0] * 5 + [0.2] * 19)])
+def test_time_based_commits_follow_the_training_time_not_the_first_steps(trainers, monkeypatch, case, step_sleeps):
+    """About one commit per SGD_COMMIT_INTERVAL_S (1 s here) of training, over 24 steps: a slow warm-up (2.5 s)
+    must not make every later fast step count as slow (the cadence agreed once from the first 5 steps committed
+    every 2 steps to the end), and steps that slow down later (3.8 s) must still commit (it never did)."""
+    from raysgd.torch import committer
+
+    monkeypatch.setenv("SGD_COMMIT_INTERVAL_S", "1")
+    trainer = trainers(commit_every_n_steps=None, config={"n": 96, "batch_size": 2, "step_sleeps": step_sleeps})
+    assert trainer.train()["num_samples"] == 96
+    sent = trainer.apply_all_workers(lambda: committer.STATS["count"])
+    assert sent[0] == sent[1], sent  # every rank committed at the same steps
+    assert trainer.latest_commit() is not None  # complete: every rank's record under one key
+    # about the training time over 1 s (a loaded machine adds some): 2 after the warm-up, 3-4 for the slow-down
+    expected = range(1, 5) if case == "a slow warm-up" else range(2, 9)
+    assert sent[0] in expected, (case, sent)
+
+
+def store_processes():
+    """Pids of the live commit-store actors (this module runs one trainer at a time)."""
+    from ray._private.state import state
+
+    return [actor["Pid"] for actor in state.actor_table(None).values()
+            if actor["ActorClassName"] == "_StoreActor" and actor["State"] == "ALIVE"]
+
+
+def test_a_lost_commit_store_is_replaced_and_the_call_restarts_from_its_start(trainers, tmp_path):
+    """The store's process is killed as the OOM killer would (SIGKILL), then a worker: the call recovers from its
+    start (a missing store means no commit to resume from), exactly once, and the new store takes commits."""
+    log, marker = str(tmp_path / "log"), str(tmp_path / "fault")
+    trainer = trainers(config={"n": N, "batch_size": BATCH, "log": log,
+                               "fault": {"step": 8, "rank": 1, "marker": marker}})
+    deadline = time.monotonic() + 30
+    while not store_processes() and time.monotonic() < deadline:  # the store's process starts with the trainer
+        time.sleep(0.05)
+    (store_pid,) = store_processes()
+    killed = []
+
+    def kill_store_then_worker():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # rank 1 waits at step 8, and the commit of step 6 is stored
+            commit = trainer.latest_commit() if os.path.exists(marker) and open(marker).read() else None
+            if commit is not None and commit["cursor"]["steps"] >= 6:
+                break
+            time.sleep(0.02)
+        os.kill(store_pid, signal.SIGKILL)
+        while store_pid in store_processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(int(open(marker).read()), signal.SIGKILL)
+        killed.append(True)
+
+    watcher = threading.Thread(target=kill_store_then_worker, daemon=True)
+    watcher.start()
+    stats = trainer.train()
+    watcher.join(10)
+    assert killed and trainer.num_failures == 1
+    assert stats["num_samples"] == N and torch.equal(counts(trainer), torch.ones(N))  # exactly once
+    assert executed(log) >= 24 + 2 * 8, executed(log)  # replayed from the call's start: its commits were lost
+    assert trainer.latest_commit()["cursor"]["steps"] == 12  # the new store holds the retry's commits
+    assert trainer.train()["num_samples"] == N and torch.equal(counts(trainer), 2 * torch.ones(N))
 
 
 def test_commits_off_replays_the_call_from_its_start(trainers, tmp_path):

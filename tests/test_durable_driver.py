@@ -1,4 +1,7 @@
-"""A real driver process SIGKILLed between epochs 2 and 3, then run again, ends bit-identical to an uninterrupted run."""
+"""A real driver process SIGKILLed between epochs, mid-epoch, mid-upload and after a preemption checkpoint, then run
+again: the rerun resumes from the newest complete checkpoint and ends as the README promises (bit-identical to an
+uninterrupted run; every sample trained exactly once)."""
+import json
 import os
 import signal
 import subprocess
@@ -8,17 +11,20 @@ import time
 import pytest
 import torch
 
+from raysgd.torch import storage
 from raysgd.torch.results import read_results
+from s3_server import HoldingProxy, moto_s3
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durable_driver.py")
 RUN_TIMEOUT_S = 300
+EPOCH_STEPS = 12  # --counting: 96 samples, 4 per batch, 2 workers
 
 
-def start_driver(tmp_path, name, *extra):
-    """Start the driver script (its own Ray cluster) in the background, its log in a file (a pipe nobody reads
-    could fill and stall it); ``finish_driver`` waits for it."""
-    with open(tmp_path / f"{name}.log", "w") as log:
-        return subprocess.Popen([sys.executable, SCRIPT, str(tmp_path / f"{name}-storage"),
+def start_driver(tmp_path, name, *extra, storage_path=None):
+    """Start the driver script (its own Ray cluster, in its own session) in the background, its log in a file (a
+    pipe nobody reads could fill and stall it); ``finish_driver`` waits for it."""
+    with open(tmp_path / f"{name}.log", "a") as log:
+        return subprocess.Popen([sys.executable, SCRIPT, storage_path or str(tmp_path / f"{name}-storage"),
                                  str(tmp_path / f"{name}-logs"), str(tmp_path / f"{name}.pt"), *extra],
                                 stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
 
@@ -36,15 +42,15 @@ def finish_driver(tmp_path, name, proc):
     return torch.load(tmp_path / f"{name}.pt", weights_only=True), log
 
 
-def wait_for(path, proc, timeout_s):
+def wait_until(condition, proc, what, timeout_s=RUN_TIMEOUT_S):
+    """Wait for ``condition()`` while the driver ``proc`` runs; fail naming ``what`` past the deadline."""
     deadline = time.monotonic() + timeout_s
-    while not os.path.exists(path):
+    while not condition():
         if proc.poll() is not None:
-            raise AssertionError(f"the driver ended (code {proc.returncode}) before pausing: "
-                                 f"{proc.stderr.read()[-4000:]}")
+            raise AssertionError(f"the driver ended (code {proc.returncode}) before {what}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"the driver did not pause within {timeout_s} s")
-        time.sleep(0.2)
+            raise AssertionError(f"not within {timeout_s} s: {what}")
+        time.sleep(0.02)
 
 
 def session_processes(sid):
@@ -60,48 +66,148 @@ def session_processes(sid):
     return found
 
 
-def crash_then_resume(tmp_path):
-    """Run the driver to epoch 2's durable checkpoint, SIGKILL its process group, check that nothing of it is
-    left, then run it again to its end; returns the second run's final model state and log."""
-    marker = tmp_path / "paused"
-    proc = subprocess.Popen([sys.executable, SCRIPT, str(tmp_path / "crash-storage"), str(tmp_path / "crash-logs"),
-                             str(tmp_path / "crash.pt"), "--pause-after", "2", "--marker", str(marker)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+def kill_driver(proc):
+    """SIGKILL the driver and everything in its session (its Ray cluster), and check that nothing of it is left."""
     try:
-        wait_for(marker, proc, RUN_TIMEOUT_S)
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything in its process group
-        proc.wait(timeout=60)
+        os.killpg(proc.pid, signal.SIGKILL)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
+        proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     deadline = time.monotonic() + 60  # Ray's workers of the killed driver end once their raylet is gone
     while session_processes(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not session_processes(proc.pid), "processes of the killed driver's session survived"
-    assert not (tmp_path / "crash.pt").exists()
-    assert [row["epoch"] for row in read_results(tmp_path / "crash-logs", "train")] == [1, 2]
-    return finish_driver(tmp_path, "crash", start_driver(tmp_path, "crash"))
 
 
-def test_driver_killed_between_epochs_resumes_bit_identical(tmp_path):
-    # The uninterrupted reference runs beside the crashing run (each driver starts its own cluster), so the test
-    # takes about the longer of the two rather than their sum.
-    reference_proc = start_driver(tmp_path, "reference")
+def complete_checkpoint(path, reason=None):
+    """Whether ``path`` holds a complete checkpoint (with that ``reason`` in its marker, if given) now."""
     try:
-        resumed, log = crash_then_resume(tmp_path)
-    except BaseException:
-        os.killpg(reference_proc.pid, signal.SIGKILL)
-        reference_proc.wait(timeout=60)
-        raise
-    reference, _ = finish_driver(tmp_path, "reference", reference_proc)
-    assert "Resuming from" in log and "checkpoint_000002" in log
+        latest = storage.CheckpointStorage(path, num_to_keep=3).latest()
+    except Exception:  # noqa: BLE001 (being written right now)
+        return False
+    return latest is not None and (reason is None or latest.marker.get("reason") == reason)
+
+
+class References:
+    """The uninterrupted runs, each started in the background on first use (its own cluster, beside the crashing
+    run) and waited for once: ``get(kind)`` returns its final model state."""
+
+    def __init__(self, tmp_path):
+        self.tmp_path, self._procs, self._done = tmp_path, {}, {}
+
+    def start(self, kind):
+        if kind not in self._procs:
+            self._procs[kind] = start_driver(self.tmp_path, kind, *(["--counting"] if kind == "counting" else []))
+        return self
+
+    def get(self, kind):
+        if kind not in self._done:
+            self._done[kind] = finish_driver(self.tmp_path, kind, self.start(kind)._procs[kind])[0]
+        return self._done[kind]
+
+    def close(self):
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    made = References(tmp_path_factory.mktemp("reference"))
+    yield made
+    made.close()
+
+
+def assert_bit_identical(resumed, reference):
     assert resumed.keys() == reference.keys()
     for key in reference:
         assert torch.equal(resumed[key], reference[key]), key
+
+
+def test_driver_killed_between_epochs_resumes_bit_identical(tmp_path, references):
+    references.start("linear")
+    marker = tmp_path / "paused"
+    proc = start_driver(tmp_path, "crash", "--pause-after", "2", "--marker", str(marker))
+    wait_until(marker.exists, proc, "pausing after epoch 2's checkpoint is durable")
+    kill_driver(proc)
+    assert not (tmp_path / "crash.pt").exists()
+    assert [row["epoch"] for row in read_results(tmp_path / "crash-logs", "train")] == [1, 2]
+    resumed, log = finish_driver(tmp_path, "crash", start_driver(tmp_path, "crash"))
+    assert "Resuming from" in log and "checkpoint_000002" in log
+    assert_bit_identical(resumed, references.get("linear"))
     assert [row["epoch"] for row in read_results(tmp_path / "crash-logs", "train")] == [1, 2, 3, 4]
     assert [row["step"] for row in read_results(tmp_path / "crash-logs", "validate")] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_driver_killed_mid_epoch_resumes_bit_identical(tmp_path, references):
+    """Killed while rank 1 is inside the 2nd step of epoch 3 (it writes its pid, then stays there)."""
+    references.start("linear")
+    marker, path = tmp_path / "inside-epoch-3", str(tmp_path / "crash-storage")
+    config = json.dumps({"fault": {"kind": "sleep", "rank": 1, "step": 9, "marker": str(marker), "seconds": 600}})
+    proc = start_driver(tmp_path, "crash", "--config", config)
+    wait_until(lambda: marker.exists() and complete_checkpoint(path), proc, "a worker inside epoch 3")
+    kill_driver(proc)
+    newest = storage.CheckpointStorage(path).latest()  # what was durable when the driver died
+    assert newest.marker["epoch"] in (1, 2)
+    resumed, log = finish_driver(tmp_path, "crash", start_driver(tmp_path, "crash", "--config", config))
+    assert f"Resuming from {newest.path}" in log
+    assert_bit_identical(resumed, references.get("linear"))
+    assert [row["epoch"] for row in read_results(tmp_path / "crash-logs", "train")] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_driver_killed_mid_upload_resumes_from_the_newest_complete_checkpoint(tmp_path, references):
+    """Real S3 (moto's server) behind a proxy that holds the second checkpoint upload's state file: the driver is
+    killed while that upload is in progress (its request sent, no answer); the rerun skips the incomplete
+    checkpoint and resumes from the newest complete one, bit-identical to an uninterrupted run. (Which epoch each
+    upload holds depends on timing: a checkpoint waiting behind a slow upload is replaced by a newer one.)"""
+    references.start("linear")
+    with moto_s3() as (bucket, query):
+        s3_port = int(query.split("endpoint_override=127.0.0.1:")[1].split("&")[0])
+        with HoldingProxy(s3_port, b"/trainer.checkpoint", skip=1) as proxy:
+            uri = f"{bucket}/mid-upload?endpoint_override=127.0.0.1:{proxy.port}&scheme=http&region=us-east-1"
+            proc = start_driver(tmp_path, "crash", storage_path=uri)
+            wait_until(proxy.holding.is_set, proc, "the second checkpoint upload in progress")
+            kill_driver(proc)
+            proxy.release()
+            held = proxy.held.split("/trainer.checkpoint")[0].rsplit("/", 1)[1]  # e.g. checkpoint_000002
+            newest = storage.CheckpointStorage(uri).latest()
+            assert newest is not None and newest.path.rsplit("/", 1)[1] < held  # the held one never completed
+            resumed, log = finish_driver(tmp_path, "crash", start_driver(tmp_path, "crash", storage_path=uri))
+            assert storage.CheckpointStorage(uri).latest().marker["epoch"] == 4
+    assert f"Skipping checkpoint {newest.path.rsplit('/', 1)[0]}/{held}" in log and "incomplete" in log
+    assert f"Resuming from {newest.path}" in log
+    assert_bit_identical(resumed, references.get("linear"))
+    assert [row["epoch"] for row in read_results(tmp_path / "crash-logs", "train")] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_driver_killed_after_a_preemption_resumes_from_its_checkpoint_exactly_once(tmp_path, references):
+    """Rank 1 gets SIGTERM in epoch 3 (step 6 of 12): the ranks commit after step 7, the trainer recovers and writes
+    that commit to storage_path; the driver is killed while epoch 3 goes on (rank 0 stays inside its step 10).
+    The rerun resumes from the preemption checkpoint, mid-epoch, and every sample is trained exactly once per
+    epoch, bit-identical to an uninterrupted run."""
+    references.start("counting")
+    sigterm, hold, path = tmp_path / "sigterm", tmp_path / "hold", str(tmp_path / "crash-storage")
+    config = json.dumps({"fault": {"step": 2 * EPOCH_STEPS + 5, "rank": 1, "marker": str(sigterm),
+                                   "until_sigterm": True},
+                         "hold": {"step": 2 * EPOCH_STEPS + 9, "rank": 0, "marker": str(hold)}})
+    proc = start_driver(tmp_path, "crash", "--counting", "--config", config)
+    wait_until(lambda: sigterm.exists() and sigterm.read_text(), proc, "rank 1 waiting for SIGTERM in epoch 3")
+    os.kill(int(sigterm.read_text()), signal.SIGTERM)
+    wait_until(lambda: hold.exists() and complete_checkpoint(path, "preemption"), proc,
+               "the preemption checkpoint, with epoch 3 going on")
+    kill_driver(proc)
+    cursor = torch.load(storage.CheckpointStorage(path).latest().path + "/" + storage.STATE_FILE,
+                        weights_only=True)["cursor"]
+    assert cursor["epoch"] == 3 and cursor["steps"] == 7
+    resumed, log = finish_driver(tmp_path, "crash", start_driver(tmp_path, "crash", "--counting", "--config", config))
+    assert "Resuming from" in log and "written at the end of preemption" in log
+    assert torch.equal(resumed["p"], 4 * torch.ones(96))  # every sample once per epoch
+    assert_bit_identical(resumed, references.get("counting"))
+    assert [row["epoch"] for row in read_results(tmp_path / "crash-logs", "train")] == [1, 2, 3, 4]
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
 """Preemption: a real SIGTERM to a worker mid-epoch commits at the agreed step; the epoch resumes from it."""
 import io
+import logging
 import os
+import shutil
 import signal
+import threading
 import time
 
 import pytest
 import torch
 
-from helpers import CountingOperator, seeding_hook, signal_at_marker
+from helpers import (CountingOperator, SlowCleanupOperator, SlowCommitOperator, env_hook, seeding_hook,
+                     signal_at_marker)
 from raysgd.torch import storage
+from raysgd.torch.errors import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("ray_4cpus")
 
@@ -58,6 +63,136 @@ def test_sigterm_mid_epoch_commits_at_once_and_loses_no_step(trainer_factory, tm
     assert [marker["reason"] for _, marker in written] == ["preemption", "train"]
     state = torch.load(io.BytesIO(written[0][0]), weights_only=True)  # a safe load resumes at the cursor
     assert state["cursor"]["steps"] == STEP + 2 and state["cursor"]["consumed"] == 2 * BATCH * (STEP + 2)
+
+
+def checkpoints(path):
+    """``[(state bytes, marker)]`` of storage_path's complete checkpoints, oldest first."""
+    store = storage.CheckpointStorage(path, num_to_keep=3)
+    return [storage.read_checkpoint_dir(store.filesystem, directory) for _, directory in store.list()]
+
+
+@pytest.mark.parametrize("signalled", ["every rank", "one rank"])
+def test_the_preemption_commit_reaches_storage_whichever_news_reaches_the_driver_first(trainer_factory, tmp_path,
+                                                                                         signalled):
+    """Whole-cluster preemption (every worker signalled) and one signalled worker, whose platform SIGKILLs them
+    once the commit is stored (the end of its grace period): the operator takes 4 s to clean up after the call's
+    error, so no error carrying the preemption mark reaches the driver first (it waits 2 s for survivors). The
+    driver learns of the preemption commit from the store, where the ranks marked it, and writes it to
+    storage_path."""
+    log, marker, path = str(tmp_path / "batches.log"), str(tmp_path / "pid"), str(tmp_path / "run")
+    config = {"n": N, "batch_size": BATCH, "log": log, "cleanup_s": 4.0,
+              "fault": {"step": STEP, "rank": 1, "marker": marker, "until_sigterm": True}}
+    trainer = trainer_factory(training_operator_cls=SlowCleanupOperator, num_workers=2, timeout_s=30,
+                              config=config, commit_every_n_steps=1000, initialization_hook=seeding_hook,
+                              storage_path=path, num_to_keep=3)
+    pids = trainer.apply_all_workers(os.getpid)
+    targets = pids if signalled == "every rank" else pids[1:]
+
+    def sigterm_all():
+        deadline = time.monotonic() + 60
+        while not (os.path.exists(marker) and open(marker).read()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for pid in targets:
+            os.kill(pid, signal.SIGTERM)
+        while time.monotonic() < deadline:  # the agreed commit is complete in the store: the grace ends
+            commit = trainer.latest_commit()
+            if commit is not None and commit["cursor"]["steps"] == STEP + 2:
+                break
+            time.sleep(0.02)
+        for pid in targets:
+            os.kill(pid, signal.SIGKILL)
+
+    watcher = threading.Thread(target=sigterm_all, daemon=True)
+    watcher.start()
+    stats = trainer.train()
+    watcher.join(5)
+    assert trainer.num_failures == 1 and stats["num_samples"] == N
+    assert torch.equal(trainer.state_dict()["models"][0]["p"], torch.ones(N))  # exactly once
+    assert len(open(log).read().splitlines()) <= 2 * (12 + 1)  # resumed from the preemption commit
+    trainer.shutdown()
+    written = checkpoints(path)
+    assert [marker["reason"] for _, marker in written] == ["preemption", "train"]
+    state = torch.load(io.BytesIO(written[0][0]), weights_only=True)
+    assert state["cursor"]["steps"] == STEP + 2 and state["cursor"]["consumed"] == 2 * BATCH * (STEP + 2)
+
+
+def test_an_earlier_failed_upload_does_not_abort_the_recovery_from_a_preemption(trainer_factory, tmp_path, caplog):
+    """The first epoch's checkpoint upload fails (storage_path became a file); a preemption in the second epoch
+    recovers from its commit all the same, and the upload's error is raised once the call is done, with the
+    group whole and the epoch trained exactly once (the error used to end the recovery, the group torn down)."""
+    marker, path = str(tmp_path / "pid"), tmp_path / "run"
+    config = {"n": N, "batch_size": BATCH,
+              "fault": {"step": 12 + STEP, "rank": 1, "marker": marker, "until_sigterm": True}}  # epoch 2
+    trainer = trainer_factory(training_operator_cls=CountingOperator, num_workers=2, timeout_s=30, config=config,
+                              commit_every_n_steps=1000, initialization_hook=seeding_hook, storage_path=str(path))
+    for entry in path.iterdir() if path.exists() else []:
+        shutil.rmtree(entry)
+    if path.exists():
+        path.rmdir()
+    path.write_text("not a folder any more")
+    with caplog.at_level(logging.ERROR, logger="raysgd.torch.async_writer"):
+        trainer.train()  # its checkpoint's upload fails on the writer thread, which logs it at once
+        deadline = time.monotonic() + 60
+        while "checkpoint of epoch 1" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert "failed" in caplog.text
+    watcher = sigterm_at_marker(marker)
+    with pytest.raises(CheckpointError, match="asynchronous checkpoint write failed"):
+        trainer.train()
+    watcher.join(5)
+    assert trainer.num_failures == 1 and not trainer.worker_group.broken
+    assert torch.equal(trainer.state_dict()["models"][0]["p"], 2 * torch.ones(N))  # both epochs, exactly once
+    with pytest.raises(CheckpointError):  # the later uploads failed too
+        trainer.shutdown()
+
+
+def test_a_slow_preemption_commit_is_not_cut_short_by_the_grace_timer(trainer_factory, tmp_path):
+    """SGD_PREEMPT_GRACE_S bounds reaching the agreed step, not the commit: a send that takes longer than the
+    grace (4 s against 1.5 s here, as a multi-GB state would) still completes, and the call resumes from it."""
+    log, marker = str(tmp_path / "batches.log"), str(tmp_path / "pid")
+    config = {"n": N, "batch_size": BATCH, "log": log, "save_s": 4.0,
+              "fault": {"step": STEP, "rank": 0, "marker": marker, "until_sigterm": True}}  # rank 0 sends the state
+    trainer = trainer_factory(training_operator_cls=SlowCommitOperator, num_workers=2, timeout_s=30, config=config,
+                              commit_every_n_steps=1000, initialization_hook=env_hook(SGD_PREEMPT_GRACE_S=1.5))
+    pids = trainer.apply_all_workers(os.getpid)
+    watcher = sigterm_at_marker(marker)
+    stats = trainer.train()
+    watcher.join(5)
+    assert int(open(marker).read()) == pids[0] and trainer.num_failures == 1
+    commit = trainer.latest_commit()
+    assert commit is not None and commit["cursor"]["steps"] == STEP + 2  # the slow commit was stored
+    assert stats["num_samples"] == N and torch.equal(trainer.state_dict()["models"][0]["p"], torch.ones(N))
+    assert len(open(log).read().splitlines()) <= 2 * (12 + 1)  # nothing replayed from the call's start
+
+
+def test_a_rank_stuck_in_its_step_after_sigterm_exits_at_the_grace(trainer_factory, tmp_path):
+    """SGD_PREEMPT_GRACE_S bounds the wait for the agreed step: a rank that stays inside its step (20 s here) exits
+    at the grace (1.5 s), not when its call ends (Ray's own SIGTERM handling waits for that); the trainer then
+    recovers from the latest regular commit, exactly once."""
+    marker = str(tmp_path / "pid")
+    config = {"n": N, "batch_size": BATCH,
+              "fault": {"step": STEP, "rank": 1, "marker": marker, "until_sigterm": True, "after_s": 20}}
+    trainer = trainer_factory(training_operator_cls=CountingOperator, num_workers=2, timeout_s=60, config=config,
+                              commit_every_n_steps=3, initialization_hook=env_hook(SGD_PREEMPT_GRACE_S=1.5))
+    pids, times = trainer.apply_all_workers(os.getpid), []
+
+    def signal_then_time_the_exit():
+        deadline = time.monotonic() + 60
+        while not (os.path.exists(marker) and open(marker).read()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(pids[1], signal.SIGTERM)
+        times.append(time.monotonic())
+        while alive(pids[1]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        times.append(time.monotonic())
+
+    watcher = threading.Thread(target=signal_then_time_the_exit, daemon=True)
+    watcher.start()
+    stats = trainer.train()
+    watcher.join(30)
+    assert len(times) == 2 and times[1] - times[0] < 10, times  # the grace, not the 20 s left in the step
+    assert trainer.num_failures == 1 and stats["num_samples"] == N
+    assert torch.equal(trainer.state_dict()["models"][0]["p"], torch.ones(N))
 
 
 def test_sigterm_to_an_idle_worker_exits_it(trainer_factory):

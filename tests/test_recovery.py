@@ -90,6 +90,26 @@ def test_non_retryable_errors_propagate_at_once():
                                       sleep=lambda s: None, retryable=(ConnectionError,))
 
 
+def test_a_restart_behind_a_lagging_resource_view_does_not_wait_the_full_timeout_per_size():
+    """Ray's view still counts a lost node (6 workers "fit", 2 really do, and the view catches up slowly): the
+    sizes are not tried one by one with 10 s each (40 s before 2 was tried); a size above the minimum gets 3 s,
+    then the size that fits now is tried."""
+    clock, tried, view = [0.0], [], iter([5, 3, 2])
+
+    def start(size, timeout_s):
+        tried.append((size, timeout_s))
+        if size > 2:  # never placed: the node it needs is gone
+            clock[0] += timeout_s
+            raise TimeoutError(f"{size} workers not placed within {timeout_s} s")
+
+    assert recovery.place_largest(start, lambda limit: min(limit, next(view)), first=6, low=1, try_s=3,
+                                  full_s=10) == 2
+    assert tried == [(6, 3), (5, 3), (3, 3), (2, 3)] and clock[0] == 9
+    with pytest.raises(TimeoutError):  # the minimum itself gets the full timeout, then gives up
+        recovery.place_largest(start, lambda limit: limit, first=4, low=3, try_s=3, full_s=10)
+    assert tried[-2:] == [(4, 3), (3, 10)]
+
+
 class _Group:
     def __init__(self):
         self.requests = []
@@ -121,6 +141,52 @@ def test_grow_watch_asks_once_only_when_more_fit_and_the_attempt_has_a_commit():
     now[0] = 20.0
     watch.tick()
     assert group.requests == [(7, 1)]  # one request per attempt
+
+
+def test_a_lost_or_unanswered_request_to_stop_is_asked_again_while_the_attempt_runs(caplog):
+    """A request's answer that failed (a lost request) is asked again at the next tick; one that did not come
+    within SGD_RESIZE_ASK_S (5 s) too; at most MAX_ASKS (3) requests per rank; an answered rank is never
+    asked again. The answers are read with ``answered`` (a Ray ObjectRef's state, here a table of them)."""
+    from raysgd.torch import elastic
+
+    class Group:
+        def __init__(self):
+            self.requests, self.calls = [], 0
+
+        def request_resize(self, call_id, attempt, ranks=None):
+            self.requests.append(sorted(ranks) if ranks is not None else "all")
+            made = {}
+            for rank in (ranks if ranks is not None else (0, 1, 2)):
+                self.calls += 1
+                made[rank] = self.calls
+            return made
+
+    # call id -> its answer: rank 0 answers, rank 1's request is lost, rank 2 never answers
+    answers = {1: True, 2: False, 3: None, 4: True}
+
+    class Watch(elastic.StopWatch):
+        def _check(self):
+            return 3, (7, 1)
+
+    now, group = [0.0], Group()
+    watch = Watch(group, check_s=0, clock=lambda: now[0], answered=lambda call: answers.get(call))
+    watch.tick()
+    assert group.requests == ["all"] and watch.requested
+    now[0] = 0.5
+    watch.tick()
+    assert group.requests == ["all", [1]]  # lost: asked again at once (call 4, answered)
+    now[0] = 4.0
+    watch.tick()
+    assert group.requests == ["all", [1]]  # rank 2 has 5 s to answer
+    now[0] = 5.5
+    watch.tick()
+    assert group.requests == ["all", [1], [2]]  # overdue: asked again (call 5, never answered)
+    for later in (8.0, 11.0, 20.0, 30.0):
+        now[0] = later
+        with caplog.at_level("WARNING", logger="raysgd.torch.elastic"):
+            watch.tick()
+    assert group.requests == ["all", [1], [2], [2]]  # 3 requests to rank 2 in all, then it gives up (logged)
+    assert caplog.text.count("did not take the request to stop") == 1
 
 
 def test_a_failing_grow_check_only_delays_growing():

@@ -63,6 +63,31 @@ def test_unsafe_checkpoint_is_refused_not_skipped(tmp_path):
         store.latest()
 
 
+def test_a_local_checkpoint_is_fsynced_file_marker_folder_before_the_previous_is_pruned(tmp_path, monkeypatch):
+    """A power loss right after prune() must still find a complete checkpoint: the state file, then the marker,
+    then the checkpoint folder and the storage folder (the new entry) reach the disk before an old one is deleted.
+    os.fsync is observed (and still called) on the real write path."""
+    store = storage.CheckpointStorage(str(tmp_path / "run"), num_to_keep=1)
+    store.write(state_to_bytes(state(1)), {"epoch": 1})
+    events, real_fsync, real_prune = [], os.fsync, store.prune
+
+    def observed_fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def observed_prune(entries=None):
+        events.append(("prune", [index for index, _ in (entries or [])]))
+        return real_prune(entries)
+
+    monkeypatch.setattr(os, "fsync", observed_fsync)
+    store.prune = observed_prune
+    directory = store.write(state_to_bytes(state(2)), {"epoch": 2})
+    assert events == [("fsync", os.path.join(directory, storage.STATE_FILE)),
+                      ("fsync", os.path.join(directory, storage.MARKER_FILE)),
+                      ("fsync", directory), ("fsync", str(tmp_path / "run")), ("prune", [1, 2])]
+    assert [index for index, _ in store.list()] == [2]  # the previous one is gone only now
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"storage_path": "foo://bucket/x"}, ValueError, "storage_path expects a local folder or a URI"),
     ({"storage_path": 3}, TypeError, "storage_path expects a folder path or a URI"),

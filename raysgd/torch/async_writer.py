@@ -66,8 +66,15 @@ class AsyncWriter:
         with self._cond:
             return self._running is not None or self._queued is not None
 
-    def submit(self, fn, *args, description="write"):
-        """Queue ``fn(*args)``, replacing a job that waits; then raise an earlier job's error, if any."""
+    @property
+    def failed(self):
+        """The description of a failed job whose error was not raised yet, or None."""
+        with self._cond:
+            return None if self._error is None else self._error[0]
+
+    def submit(self, fn, *args, description="write", raise_error=True):
+        """Queue ``fn(*args)``, replacing a job that waits; then raise an earlier job's error, if any (with
+        ``raise_error=False`` it stays for the next ``submit``, ``flush`` or ``close`` to raise)."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("AsyncWriter.submit: the writer is closed")
@@ -79,7 +86,8 @@ class AsyncWriter:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
             self._cond.notify_all()
-        self._raise_error()
+        if raise_error:
+            self._raise_error()
 
     def flush(self, timeout_s=None):
         """Wait until no job runs or waits; raise the error of a failed job. ``TimeoutError`` past ``timeout_s``."""

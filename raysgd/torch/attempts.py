@@ -122,8 +122,8 @@ def _stopped(trainer, state, kwargs, watch, stop):
 def _restart(trainer, state, kwargs, failure, size):
     try:
         resumed = trainer._commits.restart_state(kwargs)  # the latest commit, or None
-        if size is None:
-            trainer._durable.on_recovery(failure, resumed)  # a preemption commit goes to storage_path too
+        if size is None:  # a preemption commit goes to storage_path too
+            trainer._durable.on_recovery(failure, resumed, preempted=trainer._commits.resumed_preemption)
         trainer._resize_worker_group(resumed if resumed is not None else state, target=size)
         trainer._snapshot = state  # a commit is a restart point inside this call only
     except recovery.RestartGaveUp as err:

@@ -3,13 +3,16 @@
 Layer 4, beside :mod:`raysgd.torch.worker_group` and :mod:`raysgd.torch.mailbox` (the modules that touch
 actor handles). Workers push their records to it (each ``put`` returns once the bytes are in the
 actor's memory, so a commit never depends on an object owned by a worker that may die); it survives
-the loss of any worker node. The driver reads the latest complete commit after a failure.
+the loss of any worker node. The driver reads the latest complete commit after a failure. Ranks that stop
+at a commit because of a SIGTERM mark it (``mark(key, "preemption")``) before they send their records, so
+the driver learns of the preemption from the store, whichever error reaches it first.
 
 Example:
     >>> # store = CommitStore(); store.begin(1); store.put((1, 0, 10), 0, 1, blob); store.latest(1) -> ((1, 0, 10), {0: blob})
 """
 import io
 import logging
+import time
 
 import ray
 import torch
@@ -23,10 +26,11 @@ class _StoreActor:
         self._call = None
         self._pending = {}  # key -> (world_size, {rank: blob})
         self._complete = None  # (key, {rank: blob})
+        self._reasons = {}  # key -> why the ranks stopped at that commit ("preemption"), this call only
 
     def begin(self, call_id):
         if self._call is None or call_id > self._call:
-            self._call, self._pending, self._complete = call_id, {}, None
+            self._call, self._pending, self._complete, self._reasons = call_id, {}, None, {}
 
     def put(self, key, rank, world_size, blob):
         self.begin(key[0])  # a worker's record may arrive before the driver's begin: calls only move forward
@@ -50,6 +54,17 @@ class _StoreActor:
     def count(self):
         return 0 if self._complete is None else 1
 
+    def mark(self, key, reason):
+        self.begin(key[0])
+        if key[0] == self._call:
+            self._reasons[tuple(key)] = reason
+
+    def reason(self, key):
+        return self._reasons.get(tuple(key))
+
+    def holds(self, key):
+        return self._complete is not None and self._complete[0][0] == key[0] and self._complete[0] >= tuple(key)
+
 
 class CommitStore:
     """The driver's end of the commits (and, pickled to a worker, the sending end).
@@ -64,8 +79,9 @@ class CommitStore:
             scheduling_strategy=here).remote()
 
     def begin(self, call_id):
-        """Start a new call: older commits are dropped (they are not restart points any more). Does not wait."""
-        self._actor.begin.remote(call_id)
+        """Start a new call: older commits are dropped (they are not restart points any more). Does not wait:
+        returns the answer's ObjectRef (``ray.get`` of it raises ``RayActorError`` when the store is gone)."""
+        return self._actor.begin.remote(call_id)
 
     def put(self, key, rank, world_size, blob, timeout_s=600):
         """Store one rank's record (blocking until the store holds it)."""
@@ -81,6 +97,25 @@ class CommitStore:
         Keys order by attempt first: a later attempt's commit supersedes a late-completing one of an older attempt.
         """
         return ray.get(self._actor.latest_key.remote(call_id), timeout=timeout_s)
+
+    def mark(self, key, reason, timeout_s=60):
+        """Record why the ranks stopped at the commit ``key`` (``"preemption"``); kept until the next call."""
+        ray.get(self._actor.mark.remote(tuple(key), reason), timeout=timeout_s)
+
+    def reason(self, key, timeout_s=60):
+        """What :meth:`mark` recorded for ``key``, or None."""
+        return ray.get(self._actor.reason.remote(tuple(key)), timeout=timeout_s)
+
+    def wait_complete(self, key, timeout_s):
+        """Wait until the commit ``key`` (or a later one of its call) is complete; returns whether it is."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if ray.get(self._actor.holds.remote(tuple(key)), timeout=max(left, 1.0)):
+                return True
+            if left <= 0:
+                return False
+            time.sleep(min(0.02, max(left, 0)))
 
     def latest_records(self, call_id, timeout_s=60):
         """``(key, {rank: record})`` with the records loaded (on CPU), or None."""

@@ -11,9 +11,13 @@ Example:
     False
 """
 import logging
+import threading
 import uuid
 
-from raysgd.torch import checkpoint, constants
+import ray
+from ray.exceptions import RayActorError
+
+from raysgd.torch import checkpoint, constants, preemption
 from raysgd.torch import state as _state
 from raysgd.torch.commit_store import CommitStore
 from raysgd.torch.committer import CommitPlan
@@ -51,6 +55,10 @@ class CommitPolicy:
         self.active = False  # whether the running call commits
         self._num_steps = None
         self._run_id = uuid.uuid4().hex[:12]  # tags this trainer's commits (a loaded commit of another run)
+        self._lock = threading.Lock()  # latest_commit() may ask from another thread while a call runs
+        self._begun, self._ready = None, False  # the store's answer to the last call's start; it answered once
+        self.resumed_preemption = False  # the last restart_state() resumed from a preemption commit, first time
+        self._preemption_seen = None  # the key of the preemption commit last reported
 
     @property
     def enabled(self):
@@ -76,8 +84,34 @@ class CommitPolicy:
             self._store = CommitStore()
         self._call += 1
         self._attempt, self._carried = 0, {0: None}
-        self._store.begin(self._call)
+        self._begin()
         return True
+
+    def _begin(self):
+        """Start the call in the store. Once the store answered a call's start, the next one is waited for (a local
+        round trip), so a store lost since is replaced before the call trains; a store still starting up (the
+        trainer's first call) is not waited for."""
+        previous, self._begun = self._begun, self._store.begin(self._call)
+        if self._ready or (previous is not None and ray.wait([previous], timeout=0)[0]):
+            self._ready = True
+            self._ask(lambda store: ray.get(self._begun, timeout=60))
+
+    def _ask(self, question):
+        """``question(store)``; None when the store's process is gone (an OOM kill on the driver's node, say): a
+        new, empty store replaces it, so the call has no commit to resume from and a failure restarts it from
+        its start (the snapshot), as with commits off. The workers of the running attempt still hold the lost
+        store (their commits are not stored, logged); the next attempt's plan names the new one."""
+        store = self._store
+        try:
+            return question(store)
+        except RayActorError as err:
+            with self._lock:
+                if self._store is store:
+                    logger.warning("The commit store was lost (%s: %s); a new one replaces it, and a failure in "
+                                   "this call restarts it from its start", type(err).__name__, err)
+                    self._store, self._ready = CommitStore(), False
+                    self._begun = self._store.begin(self._call) if self._call else None
+            return None
 
     def with_plan(self, kwargs):
         """The call's keyword arguments, with this attempt's :class:`CommitPlan` when the call commits."""
@@ -95,17 +129,21 @@ class CommitPolicy:
         """The state of the call's latest complete commit (with its ``cursor``), or None when there is none.
 
         Advances to the next attempt; the committed metrics are carried into it, and ``kwargs["num_steps"]``
-        is cut by the steps already committed.
+        is cut by the steps already committed. ``resumed_preemption`` tells whether that commit is one the
+        ranks took for a SIGTERM (marked in the store), the first time it is resumed from.
         """
         if not self.active:
             return None
-        found = self._store.latest_records(self._call)
+        found = self._ask(lambda store: store.latest_records(self._call))
         self._attempt += 1
+        self.resumed_preemption = False
         if found is None:
             self._carried[self._attempt] = None
             kwargs["num_steps"] = self._num_steps
             return None
         key, records = found
+        if key != self._preemption_seen and self._ask(lambda store: store.reason(key)) == preemption.PREEMPTION:
+            self.resumed_preemption, self._preemption_seen = True, key  # the ranks marked it before any exited
         state = _state.assemble_commit(records)
         made_in = state[_state.CURSOR].get("attempt", 0)
         self._carried[self._attempt] = merge_partials(self._carried.get(made_in), state[_state.METERS]) \
@@ -126,7 +164,7 @@ class CommitPolicy:
         """
         if not self.active:
             return None
-        key = self._store.latest_key(self._call)
+        key = self._ask(lambda store: store.latest_key(self._call))
         if key is None or key[1] != self._attempt:  # keys are (call, attempt, step)
             return None
         return self._call, self._attempt
@@ -140,7 +178,7 @@ class CommitPolicy:
 
     def latest_state(self):
         """The latest complete commit of the running or last call as a state dict, or None."""
-        found = self._store.latest_records(self._call) if self._store is not None else None
+        found = self._ask(lambda store: store.latest_records(self._call)) if self._store is not None else None
         return _state.assemble_commit(found[1]) if found else None
 
     def latest_bytes(self):

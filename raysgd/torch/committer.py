@@ -5,19 +5,23 @@ Layer 3 (torch and layers 0-2, no Ray). The worker wraps the batches it hands to
 before it pulls the next, so a commit taken at the pull holds a consistent state. The training loop
 pays a host copy of the state; ``torch.save`` and the transfer run in a background thread.
 
-When to commit: every ``every_n`` steps of the epoch, or, for a time interval, every ``n`` steps
-where ``n`` is agreed once by all ranks (one ``all_reduce`` of the measured step time, max) after
-:data:`PROBE_STEPS` steps. Every rank commits at the same step, so the commit is one global point.
+When to commit: every ``every_n`` steps of the epoch, or, for a time interval, once the training time since
+the call's start or its last commit reaches ``interval_s``. That time is counted from what every rank
+measured in its steps, exchanged at every step boundary with the preemption agreement (its ``all_reduce``
+also takes the maximum of each rank's time: :func:`raysgd.torch.preemption.exchange`), so every rank adds the
+same numbers and commits at the same step: the commit is one global point. Nothing is extrapolated from
+the first steps, so a slow warm-up (compilation, autotuning) only makes the first commit come after fewer
+steps, and a later change of speed is followed at once.
 
 Each rank sends ``{"rng", "meters", "cursor"}`` and rank 0 also ``"state"`` (models, optimizers...) to
 the plan's ``sink`` (an object with ``put(key, rank, world_size, blob)``; the trainer's store). A
 commit is complete once every rank of the group has put its record under the same key.
 
 Example:
-    >>> steps_between(every_n=10, interval_s=30, step_s=None)
-    10
-    >>> steps_between(every_n=None, interval_s=30, step_s=0.5)
-    60
+    >>> commit_due(every_n=10, epoch_steps=20, interval_s=30, trained_s=0.0)
+    True
+    >>> commit_due(every_n=None, epoch_steps=7, interval_s=30, trained_s=29.5)
+    False
 """
 import io
 import logging
@@ -25,7 +29,6 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
 
 from raysgd.torch import accumulation as _accumulation
 from raysgd.torch import data as _data
@@ -35,21 +38,18 @@ from raysgd.torch import state as _state
 
 logger = logging.getLogger(__name__)
 
-#: Steps measured before a time-based cadence is agreed.
-PROBE_STEPS = 5
 #: This process's latest commit timings (for benchmarks): ``in_loop_s`` (the host copy the loop waits for,
 #: including a wait for the previous commit), ``latency_s`` (from the copy's start until the store holds it),
 #: ``bytes`` and ``count``.
 STATS = {"in_loop_s": None, "latency_s": None, "bytes": None, "count": 0}
 
 
-def steps_between(every_n, interval_s, step_s):
-    """Steps between commits: ``every_n`` when given, else ``interval_s`` over the step time (None: unknown yet)."""
+def commit_due(every_n, epoch_steps, interval_s, trained_s):
+    """Whether a commit is due now: every ``every_n`` steps of the epoch, or (``every_n=None``) once the agreed
+    training time since the last restart point, ``trained_s``, reached ``interval_s``."""
     if every_n:
-        return int(every_n)
-    if step_s is None:
-        return None
-    return max(1, int(round(interval_s / max(step_s, 1e-6))))
+        return epoch_steps % int(every_n) == 0
+    return trained_s >= interval_s
 
 
 class CommitPlan:
@@ -92,8 +92,8 @@ class Committer:
         self.call_steps = 0
         self.resume = None  # {"cursor", "rng", "meters", "share"} of a loaded state, applied at the next epoch start
         self.carried = None  # this rank's share of the loaded committed metrics, merged into the running call's
-        self._cadence = None
-        self._probe = []
+        self._trained_s = 0.0  # agreed training time since the call's start or its last commit
+        self._unsent_s = 0.0  # this rank's step time not yet exchanged
         self._thread = None
         self._warned = False
         self._due = False  # a commit is due at the next optimizer-step boundary
@@ -173,6 +173,7 @@ class Committer:
             self.resume.update(meters=None, share=None)
         preemption.set_active(plan is not None)  # a SIGTERM now commits at the next step (raysgd.torch.preemption)
         check_every = preemption.check_every()
+        self._trained_s = self._unsent_s = 0.0  # the call's start is a restart point
         try:
             for batch in batches:
                 started = time.monotonic()
@@ -181,18 +182,18 @@ class Committer:
                 except GeneratorExit:  # the loop stopped after taking this batch: the epoch's iterator is past it
                     self._count()
                     raise
+                self._unsent_s += time.monotonic() - started
                 self._count()
                 if plan is None:
                     continue
-                if len(self._probe) < PROBE_STEPS and plan.every_n is None:
-                    self._probe.append(time.monotonic() - started)
                 boundary = _accumulation.at_step_boundary(worker.operator)  # grads aren't state: no mid-step commit
                 if boundary and self.call_steps % check_every == 0:
-                    self._maybe_stop(worker, plan, loader_of(), preemption.agree(worker, resize=self._resize(plan)))
-                cadence = self._agree(worker, plan)
-                self._due = self._due or bool(cadence and self.epoch_steps % cadence == 0)
+                    level, slowest_s = preemption.exchange(worker, resize=self._resize(plan), trained_s=self._unsent_s)
+                    self._unsent_s, self._trained_s = 0.0, self._trained_s + slowest_s
+                    self._maybe_stop(worker, plan, loader_of(), level)
+                self._due = self._due or commit_due(plan.every_n, self.epoch_steps, plan.interval_s, self._trained_s)
                 if self._due and boundary:
-                    self._due = False
+                    self._due, self._trained_s = False, 0.0
                     self._commit(worker, plan, loader_of())
             if plan is not None and _accumulation.at_step_boundary(worker.operator):  # a signal in the last step
                 level = preemption.agree(worker, last=True)
@@ -211,29 +212,20 @@ class Committer:
         return preemption.resize_wanted(plan.call_id, plan.attempt)
 
     def _maybe_stop(self, worker, plan, loader, level):
-        """A rank got SIGTERM, or the driver asked to grow: every rank commits here, waits until the store
-        holds it, and ends the call (:func:`raysgd.torch.preemption.leave`)."""
+        """A rank got SIGTERM, or the driver asked to stop (grow, leave a draining node): every rank commits here
+        (a preemption commit marked so in the store first: :func:`raysgd.torch.preemption.stopping`), waits until
+        the store holds the whole commit (at most ``SGD_PREEMPT_COMMIT_S``; no grace timer cuts the send short),
+        and ends the call (:func:`raysgd.torch.preemption.leave`)."""
         if level == preemption.GO_ON:
             return
-        self._commit(worker, plan, loader)
-        self.flush()
-        preemption.leave(worker, self.call_steps, level)
-
-    def _agree(self, worker, plan):
-        if plan.every_n is not None:
-            return steps_between(plan.every_n, None, None)
-        if self._cadence is None and len(self._probe) >= PROBE_STEPS:
-            step_s = torch.tensor([sum(self._probe) / len(self._probe)], dtype=torch.float64)
-            if worker.world_size > 1:
-                device = worker.operator.device if worker.backend == "nccl" else "cpu"
-                step_s = step_s.to(device)
-                dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
-            self._cadence = steps_between(None, plan.interval_s, float(step_s.item()))
-            logger.info("Commits every %d steps (about %.0f s)", self._cadence, plan.interval_s)
-        return self._cadence
+        deadline = preemption.stopping(level, plan.sink, (plan.call_id, plan.attempt, self.call_steps))
+        key = self._commit(worker, plan, loader)
+        self.flush(timeout_s=max(0.0, deadline - time.monotonic()))
+        preemption.leave(worker, self.call_steps, level, plan.sink if key is not None else None, key, deadline)
 
     # ----------------------------------------------------------------- taking and sending
     def _commit(self, worker, plan, loader):
+        """Take a commit and start sending it; returns its key, or None (no cursor: no commit)."""
         consumed = _cursor_of(loader, self.iter_batches) if loader is not None else None
         if consumed is None:
             if not self._warned:
@@ -241,7 +233,7 @@ class Committer:
                                "Data, a loader without a sharding sampler, or one reading out of order: "
                                "num_workers > 0 with in_order=False); a failure replays the epoch.")
                 self._warned = True
-            return
+            return None
         started = time.perf_counter()
         op = worker.operator
         partial = op._partial_metrics()  # the epoch's metrics so far: a loaded committed part counts too
@@ -257,6 +249,7 @@ class Committer:
                                                                  worker.world_size, record, started), daemon=True)
         self._thread.start()
         STATS["in_loop_s"] = time.perf_counter() - started
+        return key
 
     def _send(self, sink, key, rank, world_size, record, started):
         try:

@@ -43,7 +43,7 @@ class NoStorage:
     def on_save(self, state, stream):
         return state
 
-    def on_recovery(self, failure, state):
+    def on_recovery(self, failure, state, preempted=False):
         pass
 
     def flush(self, timeout_s=None):
@@ -134,16 +134,17 @@ class DurableRun:
                 self.result_log.rewind(rows)  # rows logged after the checkpoint are redone: no duplicates
         return restored
 
-    def submit(self, stream, **meta):
+    def submit(self, stream, raise_error=True, **meta):
         """Write ``stream`` (trainer state bytes, or a function returning them) with ``meta`` in its marker.
 
-        Asynchronous: see :class:`~raysgd.torch.async_writer.AsyncWriter`. The marker also records how many
-        train rows the result log holds, for :meth:`resume`.
+        Asynchronous: see :class:`~raysgd.torch.async_writer.AsyncWriter`; an earlier write's failure is raised
+        here (``raise_error=False``: later). The marker also records how many train rows the result log holds,
+        for :meth:`resume`.
         """
         stream = stream() if callable(stream) else stream
         if self.result_log is not None:
             meta["result_rows"] = self.result_log.train_rows
-        self._writer.submit(self.storage.write, stream, meta,
+        self._writer.submit(self.storage.write, stream, meta, raise_error=raise_error,
                             description=f"checkpoint of epoch {meta.get('epoch')} to {self.storage.storage_path}")
 
     def on_result(self, phase, result, stream):
@@ -156,10 +157,17 @@ class DurableRun:
         self.submit(stream, reason="save", epoch=state["epoch"])
         return state
 
-    def on_recovery(self, failure, state):
-        """Recovering from ``failure``: checkpoint ``state`` (the commit resumed from) when a worker was preempted."""
-        if state is not None and preemption.was_preempted(failure):
-            self.submit(lambda: checkpoint.state_to_bytes(state), reason="preemption", epoch=state.get("epoch"))
+    def on_recovery(self, failure, state, preempted=False):
+        """Recovering from ``failure``: checkpoint ``state`` (the commit resumed from) when it is a preemption
+        commit: ``preempted`` (the ranks marked it so in the commit store before any exited) or a rank's error
+        says so. A process's exit may reach the driver before the marked errors; the store's mark does not race."""
+        if state is not None and (preempted or preemption.was_preempted(failure)):
+            failed = self._writer.failed  # raising it here would abort the recovery and leave the group broken
+            if failed is not None:
+                logger.warning("An earlier checkpoint write failed (%s): recovering anyway; the error is raised at "
+                               "the end of this call (or by save() or shutdown())", failed)
+            self.submit(lambda: checkpoint.state_to_bytes(state), raise_error=False, reason="preemption",
+                        epoch=state.get("epoch"))
 
     def flush(self, timeout_s=None):
         """Wait until every submitted checkpoint is durable (raises a failed write's error)."""

@@ -9,25 +9,18 @@ commit point when more workers fit and the cooldown has passed; the call then go
 at the larger size, in the same epoch (the data cursor re-shards the rest).
 
 Example:
-    >>> restart_sizes(4, low=2)
-    [4, 3, 2]
-    >>> restart_sizes(1, low=2)
-    []
+    >>> placement_try_s()  # a restart's wait for a size above the minimum (SGD_PLACEMENT_TRY_S)
+    3.0
 """
 import logging
 import time
 
 import ray
 
-from raysgd.torch import checkpoint, constants, recovery
+from raysgd.torch import checkpoint, constants, recovery, worker_handle
 from raysgd.torch.errors import WorkerFailure
 
 logger = logging.getLogger(__name__)
-
-
-def restart_sizes(fit, low):
-    """The group sizes a restart tries, largest first: from ``fit`` down to ``low`` (none when ``fit < low``)."""
-    return list(range(fit, low - 1, -1))
 
 
 def start_first_group(start, how_many_fit, low, high, is_range, timeout_s):
@@ -70,16 +63,34 @@ def scale_up_target(group, high, last_resize, cooldown_s, quiet=False):
     return current + extra
 
 
+def placement_try_s():
+    """``SGD_PLACEMENT_TRY_S``: how long a restart waits for a size above the minimum to be placed (default 3)."""
+    return constants._env_float("SGD_PLACEMENT_TRY_S", 3.0)
+
+
 def grow_check_s():
     """``SGD_GROW_CHECK_S``: seconds between two checks for room to grow while a call trains (default 2)."""
     return constants._env_float("SGD_GROW_CHECK_S", 2.0)
 
 
+def ask_s():
+    """``SGD_RESIZE_ASK_S``: how long a rank may take to answer a request to stop before it is asked again."""
+    return constants._env_float("SGD_RESIZE_ASK_S", 5.0)
+
+
+#: How many times a rank is asked to stop at most (the first request and its repeats), per attempt.
+MAX_ASKS = 3
+
+
 class StopWatch:
     """Base of the watches that, called on every tick of a committing ``train()`` attempt, ask the group to stop
     at its next commit point: a check at most every ``check_s`` seconds (a failing one only delays), at most
-    one request per attempt, the size to restart at kept in ``size``. A subclass names its ``reason`` and
+    one decision per attempt, the size to restart at kept in ``size``. A subclass names its ``reason`` and
     defines ``_check()``: ``(size, (call_id, attempt))`` to ask now, or None.
+
+    A rank whose answer to the request failed (a lost request) or did not come within ``SGD_RESIZE_ASK_S`` is
+    asked again on a later tick, while the attempt runs, at most :data:`MAX_ASKS` times in all (asking twice is
+    harmless: a rank acts on the request once). ``answered(call)`` reads an answer (True, False, None: not yet).
 
     Example:
         >>> StopWatch(group=None, check_s=0).requested  # nothing asked before the first tick
@@ -88,18 +99,22 @@ class StopWatch:
 
     reason = "to stop"
 
-    def __init__(self, group, check_s, clock=time.monotonic):
-        self._group, self._check_s, self._clock = group, check_s, clock
+    def __init__(self, group, check_s, clock=time.monotonic, answered=worker_handle.answered):
+        self._group, self._check_s, self._clock, self._answered = group, check_s, clock, answered
         self._last = clock()
         self.requested = False
         self.size = None
+        self._attempt, self._asking, self._asked_at, self._asks = None, {}, {}, {}
 
     def _check(self):
         return None
 
     def tick(self):
         now = self._clock()
-        if self.requested or now - self._last < self._check_s:
+        if self.requested:
+            self._ask_again(now)
+            return
+        if now - self._last < self._check_s:
             return
         self._last = now
         try:
@@ -109,9 +124,38 @@ class StopWatch:
             return
         if found is None:
             return
-        self.size, attempt = found
-        self._group.request_resize(*attempt)
+        self.size, self._attempt = found
+        self._asking = self._group.request_resize(*self._attempt) or {}
+        self._asked_at, self._asks = dict.fromkeys(self._asking, now), dict.fromkeys(self._asking, 1)
         self.requested = True
+
+    def _ask_again(self, now):
+        """Ask again the ranks whose answer failed or is overdue (see the class docstring)."""
+        if not self._asking:
+            return
+        try:
+            answers = {rank: self._answered(call) for rank, call in self._asking.items()}
+        except Exception as err:  # noqa: BLE001 (reading answers failed: try again at the next tick)
+            logger.debug("reading the answers %s failed: %s", self.reason, err)
+            return
+        self._asking = {rank: self._asking[rank] for rank, answer in answers.items() if answer is not True}
+        again = sorted(rank for rank, answer in answers.items()
+                       if answer is False or (answer is None and now - self._asked_at[rank] >= ask_s()))
+        given_up = [rank for rank in again if self._asks[rank] >= MAX_ASKS]
+        if given_up:
+            logger.warning("Rank(s) %s did not take the request to stop %s after %d tries; the attempt goes on",
+                           given_up, self.reason, MAX_ASKS)
+            self._asking = {rank: call for rank, call in self._asking.items() if rank not in given_up}
+        again = [rank for rank in again if rank not in given_up]
+        if not again:
+            return
+        logger.info("Asking rank(s) %s again to stop %s", again, self.reason)
+        try:
+            self._asking.update(self._group.request_resize(*self._attempt, ranks=again) or {})
+        except Exception as err:  # noqa: BLE001 (asked again at the next tick)
+            logger.debug("asking again %s failed: %s", self.reason, err)
+        for rank in again:
+            self._asked_at[rank], self._asks[rank] = now, self._asks[rank] + 1
 
 
 class GrowWatch(StopWatch):
@@ -174,14 +218,10 @@ def restart_group(trainer, state, max_retries=None, target=None):
     group.shutdown(force=True)
 
     def try_start(n):
-        try:
-            for size in restart_sizes(n, trainer.min_replicas):  # the resource view can lag a lost node
-                try:
-                    trainer._start_workers(size, pg_timeout_s=min(constants.SGD_PLACEMENT_GROUP_TIMEOUT_S, 10))
-                    break
-                except TimeoutError:
-                    if size == trainer.min_replicas:
-                        raise
+        try:  # the resource view can lag a lost node: a size that is not placed soon is not waited for
+            size = recovery.place_largest(lambda size, timeout_s: trainer._start_workers(size, pg_timeout_s=timeout_s),
+                                          group.how_many_fit, n, trainer.min_replicas, placement_try_s(),
+                                          min(constants.SGD_PLACEMENT_GROUP_TIMEOUT_S, 10))
             group.run("load_state_stream", ray.put(state), deadline_s=trainer.timeout_s)
         except BaseException:
             group.shutdown(force=True)

@@ -80,7 +80,7 @@ class Placement:
         Ray's resource view lags a release by a moment: with ``settle_s`` (a restart after a failure)
         it first waits until Ray reports dead every node whose raylet is gone (so no worker is placed
         on a node that is going away), then polls for up to ``settle_s`` until ``limit`` workers fit,
-        and returns the best count seen. A node Ray is draining holds no room. The strategy counts (``STRICT_SPREAD``: a node per worker, ``STRICT_PACK``:
+        and returns the latest count (a node Ray reports dead meanwhile stops counting). A node Ray is draining holds no room. The strategy counts (``STRICT_SPREAD``: a node per worker, ``STRICT_PACK``:
         one node), with ``own_pg``, the group's current placement group, telling which nodes it holds already.
         """
         trial_pg = get_current_placement_group()
@@ -89,7 +89,6 @@ class Placement:
         if settle_s > 0:
             cluster_state.wait_out_dying_nodes(DYING_NODE_WAIT_S)
         deadline = time.monotonic() + settle_s
-        best = 0
         while True:
             try:
                 from ray._private.state import state  # noqa: PLC0415 (per-node view; no public equivalent)
@@ -99,10 +98,9 @@ class Placement:
                     nodes.pop(node, None)
             except Exception:  # noqa: BLE001 (fall back to the cluster-wide sum)
                 nodes = {None: ray.available_resources()}
-            best = max(best, recovery.fit_for_strategy(nodes, _nodes_of(own_pg), self.strategy, self._cpus,
-                                                       self._gpus, limit))
-            if best >= limit or time.monotonic() >= deadline:
-                return best
+            fit = recovery.fit_for_strategy(nodes, _nodes_of(own_pg), self.strategy, self._cpus, self._gpus, limit)
+            if fit >= limit or time.monotonic() >= deadline:
+                return fit
             time.sleep(0.1)
 
 

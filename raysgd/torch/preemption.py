@@ -6,15 +6,25 @@ Layer 3 helper of :mod:`raysgd.torch.committer` (torch, no Ray). :func:`install`
 ``__init__``, which Ray runs on the process's main thread (the only thread where Python can set a
 signal handler; training calls run in another thread because of the ``"control"`` concurrency group).
 The handler only sets a flag. At each step boundary of a committing ``train()`` call the ranks agree
-whether any of them was signalled (:func:`agree`: one asynchronous ``all_reduce`` MAX of a CPU int on a
-gloo group, no GPU sync, read at the next boundary); if so every rank commits at that step and waits until its record is stored, then the
+whether any of them was signalled (:func:`exchange`: one asynchronous ``all_reduce`` MAX of two CPU numbers,
+the flag and the rank's step time, on a gloo group, no GPU sync, read at the next boundary); if so every rank
+commits at that step and waits until the commit is stored, then the
 signalled rank hands the signal to Ray's own handler (the process exits as Ray would have) and every
 rank raises :class:`~raysgd.torch.errors.CollectiveError`, so the trainer recovers from that commit (and,
 with a ``storage_path``, writes it there: :meth:`raysgd.torch.durable.DurableRun.on_recovery`).
 
+Every rank marks a preemption commit in the store before it sends its record, and no rank ends the call (or
+exits) before the store holds the whole commit (every rank's record): the driver, which kills the group at
+the first error, never cuts a slower rank's send short, and it finds the preemption from the store even when
+a process's death (the platform's SIGKILL after its grace) reaches it before the marked errors do. A stop to
+resize waits the same way.
+
 A SIGTERM outside a committing call (an idle worker, or commits off) goes to Ray's handler at once. A
-signalled worker that reaches no step boundary within ``SGD_PREEMPT_GRACE_S`` seconds (default 20)
-exits anyway; the latest regular commit then applies, as after a SIGKILL.
+signalled worker that reaches no agreed step boundary within ``SGD_PREEMPT_GRACE_S`` seconds (default 20)
+exits anyway, at once (Ray's own handler would wait for the running call to end); the latest regular commit
+then applies, as after a SIGKILL. That timer stops once the agreed commit starts: the commit then runs to
+its end (a large state's send takes what it takes), bounded by ``SGD_PREEMPT_COMMIT_S`` (default 120), after
+which the ranks end the call anyway. The platform's own grace period (its SIGKILL) bounds both.
 
 The driver's request to grow (:func:`request_resize`, sent while the call trains, when more workers
 fit) rides on the same agreement at a lower level: every rank commits at the agreed step and raises
@@ -35,6 +45,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -50,8 +61,10 @@ MARK = "preempted (SIGTERM)"
 RESIZE_MARK = "stopped at a commit point to grow the group"
 #: Agreement levels (the all-reduce takes the maximum): go on, stop to resize, stop for a SIGTERM.
 GO_ON, RESIZE, PREEMPT = 0, 1, 2
+#: What the ranks mark a preemption commit with in the commit store (see :func:`stopping`).
+PREEMPTION = "preemption"
 _STATE = {"requested": False, "exit_now": False, "active": False, "previous": None, "group": None, "pending": None,
-          "resize": None}
+          "resize": None, "timer": None}
 
 
 def check_every():
@@ -60,8 +73,14 @@ def check_every():
 
 
 def grace_s():
-    """``SGD_PREEMPT_GRACE_S``: how long a signalled worker waits for a step boundary before it exits."""
+    """``SGD_PREEMPT_GRACE_S``: how long a signalled worker waits for the agreed step boundary before it exits."""
     return constants._env_float("SGD_PREEMPT_GRACE_S", 20.0)
+
+
+def commit_s():
+    """``SGD_PREEMPT_COMMIT_S``: how long the agreed commit may take to be stored (complete) before the ranks end
+    the call anyway (its send is never cut short by :func:`grace_s`'s timer)."""
+    return constants._env_float("SGD_PREEMPT_COMMIT_S", 120.0)
 
 
 def install():
@@ -125,10 +144,35 @@ def _on_sigterm(signum, frame):
     if _STATE["requested"]:
         return
     _STATE["requested"] = True
-    logger.warning("SIGTERM: committing at the next step boundary, then exiting (within %.0f s)", grace_s())
-    timer = threading.Timer(grace_s(), _leave_now)
+    logger.warning("SIGTERM: committing at the next agreed step boundary (within %.0f s), then exiting", grace_s())
+    timer = threading.Timer(grace_s(), _exit_hard, args=(f"no agreed step boundary within {grace_s():.0f} s of "
+                                                         "SIGTERM (SGD_PREEMPT_GRACE_S)",))
     timer.daemon = True
+    _STATE["timer"] = timer
     timer.start()
+
+
+def _exit_hard(why):
+    """End this process now. Ray's own SIGTERM handling waits for the running call to end, which a rank stuck
+    inside a step never does; nothing is lost that a SIGKILL would keep (the latest commit is in the store)."""
+    logger.error("Exiting now: %s", why)
+    os._exit(1)
+
+
+def stopping(level=PREEMPT, sink=None, key=None):
+    """The ranks agreed to stop at this step, where they commit under ``key``: a SIGTERM's grace timer has done its
+    job (the commit is never cut short by it), and a preemption commit is marked in the store (``sink``) before
+    any record of it is sent, so a complete commit is always a marked one. Returns the ``time.monotonic()``
+    deadline for the commit to be stored (``SGD_PREEMPT_COMMIT_S``)."""
+    timer, _STATE["timer"] = _STATE["timer"], None
+    if timer is not None:
+        timer.cancel()
+    if level == PREEMPT and sink is not None:
+        try:
+            sink.mark(key, PREEMPTION)
+        except Exception as err:  # noqa: BLE001 (the marked errors still tell the driver)
+            logger.warning("Could not mark the preemption commit %s in the store: %s", key, err)
+    return time.monotonic() + commit_s()
 
 
 def _leave_now():
@@ -146,27 +190,45 @@ def _gloo_group(worker):
     return _STATE["group"][1]
 
 
-def agree(worker, last=False, resize=False):
-    """The highest level any rank asks for (:data:`GO_ON`, :data:`RESIZE` or :data:`PREEMPT`), agreed one step
-    late; every rank calls it at every step boundary (``resize``: this rank was asked to stop for a resize).
+def exchange(worker, last=False, resize=False, trained_s=0.0):
+    """``(level, slowest_s)``, agreed one step late by every rank, which calls it at every step boundary:
+    ``level`` is the highest any rank asks for (:data:`GO_ON`, :data:`RESIZE` or :data:`PREEMPT`; ``resize``:
+    this rank was asked to stop for a resize), ``slowest_s`` the most training time (``trained_s``, seconds
+    spent in steps since this rank's previous exchange) any rank reported. Every rank gets the same pair
+    at the same boundary, so decisions made from it (stop here, commit here) are the same everywhere.
 
-    Each call starts an asynchronous ``all_reduce`` (MAX) of this rank's flag and returns the result of
-    the previous call's, which finished during the step in between: the training loop does not wait for
+    Each call starts an asynchronous ``all_reduce`` (MAX) of this rank's two numbers and returns the result
+    of the previous call's, which finished during the step in between: the training loop does not wait for
     the network. ``last=True`` (after the call's last batch) waits for the one it starts.
     """
-    flag = torch.tensor([PREEMPT if _STATE["requested"] else RESIZE if resize else GO_ON], dtype=torch.int32)
+    level = PREEMPT if _STATE["requested"] else RESIZE if resize else GO_ON
     if worker.world_size == 1:
-        return int(flag.item())
+        return level, float(trained_s)
+    mine = torch.tensor([level, trained_s], dtype=torch.float64)
     previous = _STATE["pending"]
-    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_gloo_group(worker), async_op=True)
-    _STATE["pending"] = (work, flag)
+    work = dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=_gloo_group(worker), async_op=True)
+    _STATE["pending"] = (work, mine)
     if previous is not None:
         previous[0].wait()
     if last:
         drop_pending()
         work.wait()
-        return int(flag.item())
-    return int(previous[1].item()) if previous is not None else GO_ON
+        previous = (work, mine)
+    if previous is None:
+        return GO_ON, 0.0
+    agreed = previous[1].tolist()
+    return int(agreed[0]), agreed[1]
+
+
+def agree(worker, last=False, resize=False):
+    """The level of :func:`exchange` alone.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> agree(SimpleNamespace(world_size=1))
+        0
+    """
+    return exchange(worker, last, resize)[0]
 
 
 def drop_pending():
@@ -185,9 +247,22 @@ def was_resize(failure):
     return bool(causes) and all(RESIZE_MARK in str(cause) for cause in causes)
 
 
-def leave(worker, step, level=PREEMPT):
-    """After the agreed commit is stored: a signalled rank exits; every rank ends the call."""
+def _settle(sink, key, deadline):
+    """Wait (until ``deadline``) until the store holds every rank's record of the commit ``key``: no rank ends the
+    call (whereupon the driver kills the group) or exits before then."""
+    try:
+        if not sink.wait_complete(key, max(0.0, deadline - time.monotonic())):
+            logger.warning("The commit %s was not complete by its deadline (SGD_PREEMPT_COMMIT_S)", key)
+    except Exception as err:  # noqa: BLE001 (the latest complete commit applies)
+        logger.warning("Could not learn whether the commit %s is complete: %s", key, err)
+
+
+def leave(worker, step, level=PREEMPT, sink=None, key=None, deadline=None):
+    """After this rank's record of the agreed commit is stored: when ``sink`` and ``key`` name the commit, wait
+    until it is complete; then a signalled rank exits and every rank ends the call."""
     signalled = _STATE["requested"]
+    if sink is not None and key is not None:
+        _settle(sink, key, time.monotonic() + commit_s() if deadline is None else deadline)
     if level == RESIZE and not signalled:
         _STATE["resize"] = None
         message = f"{RESIZE_MARK}; committed at step {step} of the call"

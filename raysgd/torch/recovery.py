@@ -109,6 +109,35 @@ class PlacementWatch:
         return self.unplaced_s >= self.limit_s
 
 
+def place_largest(start, fit_now, first, low, try_s, full_s):
+    """Start the largest group from ``first`` down to ``low`` workers that can be placed; returns its size.
+
+    ``start(size, timeout_s)`` raises ``TimeoutError`` when ``size`` workers are not placed within ``timeout_s``;
+    ``fit_now(limit)`` counts how many fit now (Ray's resource view, at most ``limit``). A size the view says
+    fits is placed at once when it really fits, so a size above ``low`` gets only ``try_s``: one that is not
+    placed by then means the view lags (a lost node still counted). The next size tried is what fits now, not
+    merely one less, so no time goes to sizes that do not fit; ``low`` gets ``full_s``.
+
+    Example:
+        >>> tried = []
+        >>> def start(size, timeout_s):
+        ...     tried.append((size, timeout_s))
+        ...     if size > 2:
+        ...         raise TimeoutError
+        >>> place_largest(start, fit_now=lambda limit: min(limit, 2), first=5, low=1, try_s=3, full_s=10), tried
+        (2, [(5, 3), (2, 3)])
+    """
+    size = first
+    while True:
+        try:
+            start(size, full_s if size <= low else try_s)
+            return size
+        except TimeoutError:
+            if size <= low:
+                raise
+            size = max(low, min(size - 1, fit_now(size - 1)))
+
+
 class RestartGaveUp(RuntimeError):
     """No worker could be (re)started within the allowed tries; ``__cause__`` is the last failure."""
 

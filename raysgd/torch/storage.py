@@ -94,19 +94,43 @@ def check_state_bytes(stream, name="checkpoint", weights_only=True):
                                             "checkpoint, load it with TorchTrainer.load(path, weights_only=False)")
 
 
+def _is_local(filesystem):
+    return isinstance(filesystem, pafs.LocalFileSystem)
+
+
+def _fsync_file(path):
+    """Flush a closed local file's data to disk (``fsync`` through a fresh descriptor: Linux syncs the file)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_checkpoint_dir(filesystem, directory, stream, meta=None):
     """Write ``stream`` and then its marker into ``directory``; returns the marker dict.
 
     Until the marker is written the directory does not count: a crash mid-write leaves a directory that
-    readers skip. On an object store each file is one atomic PUT.
+    readers skip. On an object store each file is one atomic PUT. On a local disk (or NFS) the state
+    file is ``fsync``ed before the marker is written, then the marker, the directory and its parent
+    (the new entry), so once this returns a power loss cannot take the checkpoint back, and a marker
+    never reaches the disk before the state it describes.
     """
     filesystem.create_dir(directory, recursive=True)
-    with filesystem.open_output_stream(_join(directory, STATE_FILE)) as handle:
+    local = _is_local(filesystem)
+    state_path, marker_path = _join(directory, STATE_FILE), _join(directory, MARKER_FILE)
+    with filesystem.open_output_stream(state_path) as handle:
         handle.write(stream)
+    if local:
+        _fsync_file(state_path)
     marker = {"format": FORMAT, **(meta or {}), "file": STATE_FILE, "size": len(stream),
               "crc32": zlib.crc32(stream), "time": time.time()}
-    with filesystem.open_output_stream(_join(directory, MARKER_FILE)) as handle:
+    with filesystem.open_output_stream(marker_path) as handle:
         handle.write(json.dumps(marker, sort_keys=True).encode())
+    if local:
+        _fsync_file(marker_path)
+        checkpoint.fsync_directory(directory)
+        checkpoint.fsync_directory(os.path.dirname(directory))
     return marker
 
 
@@ -225,7 +249,9 @@ class CheckpointStorage:
         return sorted(found)
 
     def write(self, stream, meta=None):
-        """Write a new checkpoint (numbered after every existing one), then prune; returns its directory."""
+        """Write a new checkpoint (numbered after every existing one), then prune; returns its directory.
+
+        Older checkpoints are pruned only after the new one is durable (see :func:`write_checkpoint_dir`)."""
         existing = self.list()
         index = existing[-1][0] + 1 if existing else 1
         directory = _join(self.path, f"{PREFIX}{index:06d}")

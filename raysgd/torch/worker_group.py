@@ -339,10 +339,10 @@ class WorkerGroup:
         logger.warning("Ending the attempt: %s", failure)
         raise failure from (cause if isinstance(cause, BaseException) else None)  # a timeout's cause is text
 
-    def request_resize(self, call_id, attempt):
-        """Ask every rank to end the running call at its next agreed commit point (does not wait)."""
-        for handle in list(self._handles):
-            handle.control("request_resize", call_id, attempt)
+    def request_resize(self, call_id, attempt, ranks=None):
+        """Ask every rank (or ``ranks``) to end the call at its next agreed commit point; ``{rank: call}``, unread."""
+        return {h.rank: h.control("request_resize", call_id, attempt) for h in list(self._handles)
+                if ranks is None or h.rank in ranks}
 
     def stack_traces(self, timeout_s=diagnostics.STACK_TIMEOUT_S):
         """``{rank: text}``: every rank's Python stacks now (callable from another thread while a call runs);

@@ -100,6 +100,25 @@ class Handle:
 
 
 
+def answered(call):
+    """Whether a :meth:`Handle.control` call was answered: True, False (it failed: a lost or refused request),
+    or None (no answer yet). Never waits.
+
+    Example:
+        >>> answered(_Done(lambda: None)), answered(_Done(lambda: 1 / 0))
+        (True, False)
+    """
+    if isinstance(call, _Done):
+        return call.error is None
+    if not ray.wait([call], timeout=0)[0]:
+        return None
+    try:
+        ray.get(call, timeout=0)
+    except Exception:  # noqa: BLE001 (any failure: the request may not have arrived)
+        return False
+    return True
+
+
 def start_actor(rank, pg, bundle_index, cpus, gpus, operator_cls, config, options):
     """A :class:`Handle` of a new worker actor in bundle ``bundle_index`` of ``pg``."""
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index)
