@@ -1,6 +1,7 @@
-"""Metric meters, timers and the public constants shared by every layer.
+"""RaySGD 1.x's ``ray.util.sgd.utils``: the metric meters, timers, config keys and ``check_for_failure``.
 
-Layer 0: imports only the standard library, numpy and :mod:`raysgd.meters` (where the meters live).
+Package glue (1.x's public path): it defines only 1.x's ``override`` and imports the rest from their homes
+(:mod:`raysgd.meters`, :mod:`raysgd.timers`, :mod:`raysgd.torch.constants`); no library module imports it.
 
 Example:
     >>> from raysgd.utils import AverageMeterCollection, NUM_SAMPLES
@@ -10,149 +11,9 @@ Example:
     >>> meters.summary()["loss"], meters.summary()["last_loss"]
     (0.3, 0.1)
 """
-import collections
-import contextlib
-import time
-
-import numpy as np
-
 from raysgd.meters import BATCH_COUNT, NUM_SAMPLES, AverageMeter, AverageMeterCollection, to_host  # noqa: F401
-
-#: Config key for the *global* batch size; each worker's config holds ``global // num_workers``.
-BATCH_SIZE = "*batch_size"
-#: Config key for the seed of the epoch's sample order (an int, the same on every worker; default 0, or the
-#: loader's ``generator.initial_seed()``). Give each Tune trial its own to see different orders.
-DATA_SEED = "data_seed"
-
-
-class TimerStat:
-    """A context-manager timer keeping the last ``window_size`` durations.
-
-    Example:
-        >>> t = TimerStat()
-        >>> with t:
-        ...     pass
-        >>> t.count
-        1
-    """
-
-    def __init__(self, window_size=10):
-        self._window_size = window_size
-        self._samples = collections.deque(maxlen=window_size)
-        self._units_processed = collections.deque(maxlen=window_size)
-        self._start_time = None
-        self._total_time = 0.0
-        self.count = 0
-
-    def __enter__(self):
-        if self._start_time is not None:
-            raise RuntimeError("TimerStat is not re-entrant: it is already timing.")
-        self._start_time = time.perf_counter()
-        return self
-
-    def __exit__(self, exc_type, exc_value, tb):
-        self.push(time.perf_counter() - self._start_time)
-        self._start_time = None
-
-    def push(self, duration):
-        """Record one duration in seconds."""
-        self._samples.append(duration)
-        self._total_time += duration
-        self.count += 1
-
-    def push_units_processed(self, n):
-        """Record how many units the last timed block processed (for throughput)."""
-        self._units_processed.append(n)
-
-    def reset(self):
-        """Forget every sample."""
-        self._samples.clear()
-        self._units_processed.clear()
-        self._total_time = 0.0
-        self.count = 0
-
-    def _stat(self, fn):
-        return float(fn(self._samples)) if self._samples else 0.0
-
-    @property
-    def mean(self):
-        return self._stat(np.mean)
-
-    @property
-    def median(self):
-        return self._stat(np.median)
-
-    @property
-    def sum(self):
-        return self._stat(np.sum)
-
-    @property
-    def max(self):
-        return self._stat(np.max)
-
-    @property
-    def first(self):
-        return self._samples[0] if self._samples else None
-
-    @property
-    def last(self):
-        return self._samples[-1] if self._samples else None
-
-    @property
-    def size(self):
-        return len(self._samples)
-
-    @property
-    def mean_units_processed(self):
-        return float(np.mean(self._units_processed)) if self._units_processed else 0.0
-
-    @property
-    def mean_throughput(self):
-        time_total = float(np.sum(self._samples))
-        return float(np.sum(self._units_processed)) / time_total if time_total else 0.0
-
-
-class TimerCollection:
-    """Named :class:`TimerStat` timers that cost nothing while disabled.
-
-    Example:
-        >>> timers = TimerCollection()
-        >>> with timers.record("fwd"):
-        ...     pass
-        >>> sorted(timers.stats())
-        ['mean_fwd_s']
-    """
-
-    def __init__(self):
-        self._timers = collections.defaultdict(TimerStat)
-        self._enabled = True
-
-    def disable(self):
-        self._enabled = False
-
-    def enable(self):
-        self._enabled = True
-
-    def reset(self):
-        for timer in self._timers.values():
-            timer.reset()
-
-    def record(self, key):
-        """A context manager timing the block under ``key`` (a no-op while disabled)."""
-        if self._enabled:
-            return self._timers[key]
-        return contextlib.nullcontext()
-
-    def stats(self, mean=True, last=False):
-        """``{"mean_<key>_s": ..., "last_<key>_s": ...}`` for every timer that ran."""
-        out = {}
-        for key, timer in self._timers.items():
-            if timer.count > 0:
-                if mean:
-                    out[f"mean_{key}_s"] = timer.mean
-                if last:
-                    out[f"last_{key}_s"] = timer.last
-        return out
+from raysgd.timers import TimerCollection, TimerStat  # noqa: F401
+from raysgd.torch.constants import BATCH_SIZE, DATA_SEED  # noqa: F401
 
 
 def override(interface_class):

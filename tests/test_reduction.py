@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from raysgd.torch.reduction import reduce_worker_stats
+from raysgd.meters import reduce_worker_stats
 
 
 def test_sample_weighted_mean_and_summed_samples():
@@ -41,14 +41,14 @@ def test_a_nan_metric_is_logged_once_per_call_naming_the_ranks(caplog):
              {"num_samples": 8, "loss": float("nan"), "last_loss": float("nan")},
              {"num_samples": 8, "loss": 2.0, "last_loss": 2.0},
              {"num_samples": 8}]  # no batches on this rank: missing, not NaN
-    with caplog.at_level("WARNING", logger="raysgd.torch.reduction"):
+    with caplog.at_level("WARNING", logger="raysgd.meters"):
         out = reduce_worker_stats(stats)
     assert out["loss"] == pytest.approx(1.5) and out["num_samples"] == 32  # 1.12's nanmean is kept
-    warnings = [r for r in caplog.records if r.name == "raysgd.torch.reduction"]
+    warnings = [r for r in caplog.records if r.name == "raysgd.meters"]
     assert len(warnings) == 1
     assert "loss on rank(s) [1]" in warnings[0].getMessage() and "[3]" not in warnings[0].getMessage()
     caplog.clear()
-    with caplog.at_level("WARNING", logger="raysgd.torch.reduction"):
+    with caplog.at_level("WARNING", logger="raysgd.meters"):
         reduce_worker_stats([{"num_samples": 8, "loss": 1.0}, {"num_samples": 8, "loss": 3.0}])
     assert not caplog.records
 
@@ -74,7 +74,7 @@ def test_one_element_tensors_and_arrays_are_reduced_as_numbers():
 
 
 def test_merge_partial_counts_tensor_samples():
-    from raysgd.torch.reduction import merge_partial
+    from raysgd.meters import merge_partial
     import torch
 
     merged = merge_partial({"num_samples": torch.tensor(30), "loss": torch.tensor(1.0)},

@@ -70,7 +70,7 @@ def test_changelog_keeps_a_changelog_form():
     assert text.startswith("# Changelog") and "## [Unreleased]" in text and "### Added" in text
 
 
-DOCTESTED = ["raysgd.utils", "raysgd.optional", "raysgd.torch.recovery", "raysgd.torch.reduction", "raysgd.torch.arguments",
+DOCTESTED = ["raysgd.utils", "raysgd.optional", "raysgd.torch.recovery", "raysgd.meters", "raysgd.timers", "raysgd.torch.arguments",
              "raysgd.torch.checkpoint", "raysgd.torch.data", "raysgd.torch.errors", "raysgd.torch.precision",
              "raysgd.torch.worker", "raysgd.torch.constants", "raysgd.torch.examples.train_example",
              "raysgd.torch.progress", "raysgd.torch.results", "raysgd.torch.ray_data",

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from helpers import CountingOperator
-from raysgd.torch import checkpoint, reduction, state
+from raysgd.meters import merge_partial
+from raysgd.torch import checkpoint, state
 from raysgd.torch.committer import CommitPlan
 from raysgd.torch.worker import TorchWorker
 
@@ -73,7 +74,7 @@ def test_the_call_that_resumes_a_loaded_commit_reports_the_whole_epoch():
     without.load_state_dict({**commit, "meters": None})
     stats, rest = worker.train_epoch(), without.train_epoch()
     assert rest["num_samples"] == 6 and stats["num_samples"] == N and stats["batch_count"] == 6
-    assert stats == {"epoch": 1, **reduction.merge_partial(commit["meters"][0], rest)}
+    assert stats == {"epoch": 1, **merge_partial(commit["meters"][0], rest)}
     assert stats["train_loss"] == pytest.approx((3.0 * 6 + rest["train_loss"] * 6) / N)
     assert worker.train_epoch()["num_samples"] == N  # merged once: the next epoch reports itself
 

@@ -20,12 +20,9 @@ import warnings
 import torch.distributed as dist
 
 from raysgd.torch.compiled import find_ddp
-from raysgd.utils import BATCH_SIZE
+from raysgd.torch.constants import ACCUMULATION_STEPS, BATCH_SIZE
 
 logger = logging.getLogger(__name__)
-
-#: Worker-config key holding the micro-batches per optimizer step (absent: 1).
-ACCUMULATION_STEPS = "*accumulation_steps"
 
 
 def steps_for(num_workers, max_workers):

@@ -13,10 +13,9 @@ import warnings
 
 import torch
 
-from raysgd.torch.constants import VALID_SCHEDULER_STEP
+from raysgd.torch.constants import BATCH_SIZE, DATA_SEED, VALID_SCHEDULER_STEP
 from raysgd.torch.precision import validate_fp16
 from raysgd.torch.training_operator import TrainingOperator
-from raysgd.utils import BATCH_SIZE, DATA_SEED
 
 logger = logging.getLogger(__name__)
 

@@ -21,14 +21,14 @@ from raysgd.torch import checkpoint, constants, preemption
 from raysgd.torch import state as _state
 from raysgd.torch.commit_store import CommitStore
 from raysgd.torch.committer import CommitPlan
-from raysgd.torch.reduction import merge_partials
+from raysgd.meters import merge_partials
 
 logger = logging.getLogger(__name__)
 
 
 def commit_interval_s():
     """``SGD_COMMIT_INTERVAL_S`` (seconds between commits when ``commit_every_n_steps=None``)."""
-    return constants._env_float("SGD_COMMIT_INTERVAL_S", constants.SGD_COMMIT_INTERVAL_S)
+    return constants.env_float("SGD_COMMIT_INTERVAL_S", constants.SGD_COMMIT_INTERVAL_S)
 
 
 def check_every_n(value, caller="TorchTrainer"):

@@ -30,10 +30,10 @@ import time
 
 import torch
 
+from raysgd.meters import merge_partial
 from raysgd.torch import accumulation as _accumulation
 from raysgd.torch import data as _data
 from raysgd.torch import preemption
-from raysgd.torch import reduction as _reduction
 from raysgd.torch import state as _state
 
 logger = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ class Committer:
     def merge_carried(self, stats):
         """``stats`` of the call that resumed a loaded state, with the loaded committed metrics merged in (once)."""
         carried, self.carried = self.carried, None
-        return _reduction.merge_partial(carried, stats) if carried else stats
+        return merge_partial(carried, stats) if carried else stats
 
     def cursor_now(self, epochs, loader):
         """The cursor of an epoch stopped between calls (``train(num_steps=...)``), or None (none, or no cursor)."""
@@ -237,7 +237,7 @@ class Committer:
         started = time.perf_counter()
         op = worker.operator
         partial = op._partial_metrics()  # the epoch's metrics so far: a loaded committed part counts too
-        meters = None if partial is None else _reduction.merge_partial(self.carried, partial)
+        meters = None if partial is None else merge_partial(self.carried, partial)
         record = {"rng": _state.rng_state(), "meters": meters,
                   "cursor": {"epoch": worker.epochs, "consumed": int(consumed), "steps": self.epoch_steps,
                              "call_steps": self.call_steps, "attempt": plan.attempt, "call": plan.call_tag}}

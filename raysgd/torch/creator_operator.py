@@ -15,7 +15,7 @@ import torch
 from filelock import FileLock
 
 from raysgd.torch.training_operator import TrainingOperator
-from raysgd.utils import NUM_SAMPLES
+from raysgd.meters import NUM_SAMPLES
 
 #: Lock serialising data creation among the workers of one node (``serialize_data_creation=True``).
 DATA_LOCK_PATH = os.path.join(tempfile.gettempdir(), ".raydata.lock")

@@ -40,7 +40,7 @@ _STAY = "Draining node(s) %s: too few workers would fit elsewhere to move; stayi
 
 def drain_check_s():
     """``SGD_DRAIN_CHECK_S``: seconds between two checks for draining nodes while a call trains (default 1)."""
-    return constants._env_float("SGD_DRAIN_CHECK_S", 1.0)
+    return constants.env_float("SGD_DRAIN_CHECK_S", 1.0)
 
 
 def leaving(group):

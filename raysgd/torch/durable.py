@@ -176,5 +176,5 @@ class DurableRun:
     def close(self, timeout_s=None):
         """Flush (waiting at most ``timeout_s``, default ``SGD_CHECKPOINT_FLUSH_S``), then stop the writer thread.
         A write still running then raises ``TimeoutError`` naming it; a failed one its ``CheckpointError``."""
-        self._writer.close(constants._env_float("SGD_CHECKPOINT_FLUSH_S", constants.SGD_CHECKPOINT_FLUSH_S)
+        self._writer.close(constants.env_float("SGD_CHECKPOINT_FLUSH_S", constants.SGD_CHECKPOINT_FLUSH_S)
                            if timeout_s is None else timeout_s)

@@ -65,17 +65,17 @@ def scale_up_target(group, high, last_resize, cooldown_s, quiet=False):
 
 def placement_try_s():
     """``SGD_PLACEMENT_TRY_S``: how long a restart waits for a size above the minimum to be placed (default 3)."""
-    return constants._env_float("SGD_PLACEMENT_TRY_S", 3.0)
+    return constants.env_float("SGD_PLACEMENT_TRY_S", 3.0)
 
 
 def grow_check_s():
     """``SGD_GROW_CHECK_S``: seconds between two checks for room to grow while a call trains (default 2)."""
-    return constants._env_float("SGD_GROW_CHECK_S", 2.0)
+    return constants.env_float("SGD_GROW_CHECK_S", 2.0)
 
 
 def ask_s():
     """``SGD_RESIZE_ASK_S``: how long a rank may take to answer a request to stop before it is asked again."""
-    return constants._env_float("SGD_RESIZE_ASK_S", 5.0)
+    return constants.env_float("SGD_RESIZE_ASK_S", 5.0)
 
 
 #: How many times a rank is asked to stop at most (the first request and its repeats), per attempt.

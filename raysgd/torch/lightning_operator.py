@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raysgd.torch import lightning
 from raysgd.torch.training_operator import TrainingOperator
-from raysgd.utils import NUM_SAMPLES, AverageMeterCollection
+from raysgd.meters import NUM_SAMPLES, AverageMeterCollection
 
 logger = logging.getLogger(__name__)
 

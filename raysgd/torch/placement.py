@@ -21,7 +21,7 @@ from raysgd.torch.trial_placement import TrialPlacementWatch
 logger = logging.getLogger(__name__)
 
 #: How long a restart waits for Ray to report a node dead once its raylet stopped answering.
-DYING_NODE_WAIT_S = constants._env_float("SGD_DYING_NODE_WAIT_S", 30)
+DYING_NODE_WAIT_S = constants.env_float("SGD_DYING_NODE_WAIT_S", 30)
 
 
 class Placement:

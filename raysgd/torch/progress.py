@@ -30,18 +30,18 @@ import ray
 import torch
 
 from raysgd import optional
+from raysgd.meters import AverageMeterCollection
 from ray.exceptions import GetTimeoutError, RayError
 
-from raysgd.torch.constants import _env_float
+from raysgd.torch.constants import env_float
 from raysgd.torch.mailbox import Mailbox
-from raysgd.utils import AverageMeterCollection
 
 logger = logging.getLogger(__name__)
 
 #: Least seconds between two updates rank 0 sends (the last one of an epoch is always sent).
-PROGRESS_INTERVAL_S = _env_float("SGD_PROGRESS_INTERVAL_S", 0.5)
+PROGRESS_INTERVAL_S = env_float("SGD_PROGRESS_INTERVAL_S", 0.5)
 #: Deadline for rank 0's last update of an epoch, and for the driver's last read of it.
-FINAL_UPDATE_TIMEOUT_S = _env_float("SGD_PROGRESS_FINAL_TIMEOUT_S", 5)
+FINAL_UPDATE_TIMEOUT_S = env_float("SGD_PROGRESS_FINAL_TIMEOUT_S", 5)
 
 
 def require_tqdm():

@@ -39,8 +39,8 @@ from ray.util.placement_group import get_current_placement_group
 
 from raysgd import optional
 from raysgd.torch import cluster_state, constants
+from raysgd.torch.constants import BATCH_SIZE
 from raysgd.torch.training_operator import TrainingOperator
-from raysgd.utils import BATCH_SIZE
 
 logger = logging.getLogger(__name__)
 

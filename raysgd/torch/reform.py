@@ -29,12 +29,12 @@ from raysgd.torch.errors import CollectiveError
 
 def enabled():
     """``SGD_KEEP_SURVIVORS`` (default 1): whether survivors keep their processes after a failure."""
-    return constants._env_float("SGD_KEEP_SURVIVORS", 1) != 0
+    return constants.env_float("SGD_KEEP_SURVIVORS", 1) != 0
 
 
 def survivor_grace_s():
     """``SGD_SURVIVOR_GRACE_S`` (default 2): how long a survivor's call gets to end with an error after a death."""
-    return constants._env_float("SGD_SURVIVOR_GRACE_S", 2.0)
+    return constants.env_float("SGD_SURVIVOR_GRACE_S", 2.0)
 
 
 def can_stay(error):

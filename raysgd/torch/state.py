@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from raysgd.torch import compiled as _compiled
-from raysgd.torch.reduction import merge_partial
+from raysgd.meters import merge_partial
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ def rank_rng(state, rank):
 
 def meters_share(meters, rank, world_size):
     """Rank ``rank``'s part of a commit's per-rank ``meters`` resumed on ``world_size`` ranks: the committed metrics
-    of old rank ``i`` go to ``i % world_size`` (as :func:`raysgd.torch.reduction.merge_partials` maps them).
+    of old rank ``i`` go to ``i % world_size`` (as :func:`raysgd.meters.merge_partials` maps them).
 
     Example:
         >>> meters_share([{"num_samples": 4, "batch_count": 1}, {"num_samples": 2, "batch_count": 1}], 0, 1)

@@ -24,9 +24,9 @@ import ray
 from raysgd.torch import (accumulation, arguments, attempts, checkpoint, commits, constants, durable, elastic,
                           progress, ray_data, results, shipping, storage)
 from raysgd.torch.errors import WorkerFailure
-from raysgd.torch.reduction import reduce_worker_stats
 from raysgd.torch.worker_group import WorkerGroup
-from raysgd.utils import BATCH_SIZE
+from raysgd.meters import reduce_worker_stats
+from raysgd.torch.constants import BATCH_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class TorchTrainer:
         self._snapshot = None  # rank 0's state bytes: the restart point (kept until a fresher one is taken)
         self._snapshot_stale = True  # the state may have moved on since the snapshot
         self._commits = commits.CommitPolicy(commit_every_n_steps)
-        self._resize_cooldown_s = constants._env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S)
+        self._resize_cooldown_s = constants.env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S)
         self._progress = progress.ProgressBar() if use_tqdm else None  # ValueError without tqdm, as 1.12
         self._results = results.open_result_log(logdir)
         self._durable = durable.open_run(storage_path, num_to_keep, resume, self._results)  # checked before Ray

@@ -26,10 +26,11 @@ from raysgd.torch import accumulation as _accumulation
 from raysgd.torch import compiled as _compiled
 from raysgd.torch import data as _data
 from raysgd.torch import registration as _registration
-from raysgd.torch.constants import SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH
+from raysgd.torch.constants import ACCUMULATION_STEPS, DATA_SEED, SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH
 from raysgd.torch.operator_precision import PrecisionHelpers
 from raysgd.torch.precision import LegacyAmp, Precision
-from raysgd.utils import DATA_SEED, NUM_SAMPLES, AverageMeterCollection, TimerCollection
+from raysgd.meters import NUM_SAMPLES, AverageMeterCollection
+from raysgd.timers import TimerCollection
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +243,7 @@ class TrainingOperator(PrecisionHelpers):
     @property
     def accumulation_steps(self):
         """Micro-batches per optimizer step: ``max_workers / num_workers`` with ``fixed_worker_batch=True``, else 1."""
-        return int(self._config.get(_accumulation.ACCUMULATION_STEPS, 1))
+        return int(self._config.get(ACCUMULATION_STEPS, 1))
 
     def _after_optimizer_step(self):
         if self._scheduler_step_freq == SCHEDULER_STEP_BATCH:

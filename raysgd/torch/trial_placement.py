@@ -23,7 +23,7 @@ from raysgd.torch.errors import PlacementUnavailable
 
 def unplaced_limit_s():
     """Seconds a trial's bundles may stay unplaced: twice ``SGD_PLACEMENT_GROUP_TIMEOUT_S`` (read now)."""
-    return 2 * constants._env_float("SGD_PLACEMENT_GROUP_TIMEOUT_S", constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
+    return 2 * constants.env_float("SGD_PLACEMENT_GROUP_TIMEOUT_S", constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
 
 
 class TrialPlacementWatch:

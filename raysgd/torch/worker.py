@@ -37,10 +37,10 @@ from raysgd.torch import model_copy
 from raysgd.torch import preemption
 from raysgd.torch import state as _state
 from raysgd.torch.committer import Committer
+from raysgd.timers import TimerCollection
 from raysgd.torch.constants import NUM_STEPS, USE_FP16
 from raysgd.torch.epoch_iterators import CallBatches, PersistentIterator
 from raysgd.torch.errors import CollectiveError, is_collective_failure
-from raysgd.utils import TimerCollection
 
 logger = logging.getLogger(__name__)
 
