@@ -89,14 +89,14 @@ def test_a_resize_to_an_uneven_size_warns_once_per_size(tmp_path):
 
 
 def test_fixed_worker_batch_reports_a_changed_global_batch_as_a_warning():
-    from raysgd.torch import accumulation
+    from raysgd.torch.sharding import batch_split
 
     with pytest.warns(UserWarning, match=r"3 workers of at most 4 accumulate 1 .* global batch 3/4"):
-        worker_config, effective = accumulation.split_fixed({BATCH_SIZE: 8}, 3, 4)
+        worker_config, effective = batch_split.split_fixed({BATCH_SIZE: 8}, 3, 4)
     assert worker_config[BATCH_SIZE] == 2 and effective == 6
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert accumulation.split_fixed({BATCH_SIZE: 8}, 2, 4)[1] == 8  # an exact split says nothing
+        assert batch_split.split_fixed({BATCH_SIZE: 8}, 2, 4)[1] == 8  # an exact split says nothing
 
 
 # ----------------------------------------------------------------- load() of what is not a checkpoint

@@ -12,7 +12,7 @@ from torch.utils.data import RandomSampler
 from conftest import assert_released
 from helpers import CountingOperator, LinearOperator, counts, executed, kill_after_commit, seeding_hook
 from raysgd.torch import checkpoint, constants
-from raysgd.torch.epoch_order import draw_stream
+from raysgd.torch.sharding.epoch_order import draw_stream
 
 pytestmark = pytest.mark.usefixtures("ray_4cpus")
 

@@ -1,4 +1,4 @@
-"""The data cursor (raysgd.torch.cursor) without Ray: shards, the tail in lockstep, the cursor, seeded streams."""
+"""The data cursor (raysgd.torch.sharding.cursor) without Ray: shards, the tail in lockstep, the cursor, seeded streams."""
 import collections
 import itertools
 import random
@@ -9,8 +9,9 @@ import torch
 from torch.utils.data import (BatchSampler, RandomSampler, Sampler, SequentialSampler, SubsetRandomSampler,
                               WeightedRandomSampler)
 
-from raysgd.torch import cursor
-from raysgd.torch.cursor import ShardSampler, draw_stream, epoch_seed, shard_positions
+from raysgd.torch.sharding import cursor, epoch_order
+from raysgd.torch.sharding.cursor import ShardSampler, shard_positions
+from raysgd.torch.sharding.epoch_order import draw_stream, epoch_seed
 
 
 class EveryThird(Sampler):
@@ -241,14 +242,14 @@ class NumpyOwn(OwnGenerator):
 @pytest.mark.parametrize("name", sorted(samplers()))
 def test_samplers_raysgd_can_seed_draw_the_same_stream_twice(name):
     base = samplers()[name]
-    assert cursor.draws_repeat(base, seed=3, epoch=1)
-    assert cursor.draws_repeat(BatchSampler(base, batch_size=4, drop_last=False), seed=3)  # lists of indices
+    assert epoch_order.draws_repeat(base, seed=3, epoch=1)
+    assert epoch_order.draws_repeat(BatchSampler(base, batch_size=4, drop_last=False), seed=3)  # lists of indices
 
 
 @pytest.mark.parametrize("make", [OwnGenerator, NumpyOwn], ids=["random.Random", "numpy-default_rng"])
 def test_a_sampler_with_a_random_object_of_its_own_does_not_repeat(make):
     base = make()
-    assert not cursor.draws_repeat(base, seed=3)
+    assert not epoch_order.draws_repeat(base, seed=3)
     assert draw_stream(make(), 3, 0) != draw_stream(base, 3, 0)  # why: a fresh process draws another order
-    with pytest.raises(cursor.StreamTooLong):
-        cursor.draws_repeat(Endless(), 0, limit=50)
+    with pytest.raises(epoch_order.StreamTooLong):
+        epoch_order.draws_repeat(Endless(), 0, limit=50)

@@ -1,4 +1,4 @@
-"""Rebuilding DataLoaders with a shard of their own sampler (raysgd.torch.data), and batches moved to a device."""
+"""Rebuilding DataLoaders with a shard of their own sampler (raysgd.torch.sharding.loaders), and batches moved to a device."""
 import collections
 import itertools
 import logging
@@ -12,8 +12,9 @@ import torch
 from torch.utils.data import (BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler,
                               SubsetRandomSampler, TensorDataset)
 
-from raysgd.torch import data
-from raysgd.torch.cursor import ShardSampler, StreamShardSampler, draw_stream
+from raysgd.torch.sharding import loaders as data
+from raysgd.torch.sharding.cursor import ShardSampler, StreamShardSampler
+from raysgd.torch.sharding.epoch_order import draw_stream
 from raysgd.utils import DATA_SEED
 
 DATASET = TensorDataset(torch.arange(40))
@@ -209,7 +210,7 @@ def test_a_sampler_whose_draws_do_not_repeat_has_no_cursor_and_is_sharded_lazily
     """Such a sampler's epoch cannot be replayed: a resume at a cursor would read the rest of another order (some
     samples twice, others never). It is read lazily, once per pass, with no cursor (so no commit inside its
     epochs); a sampler that draws from a `generator` raysgd seeds keeps its cursor."""
-    with caplog.at_level(logging.WARNING, logger="raysgd.torch.data"):
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.sharding.loaders"):
         shards = [data.shard_loader(DataLoader(DATASET, batch_size=4, sampler=OwnRandom(40, kind)), r, 2,
                                     training=True) for r in range(2)]  # as two worker processes would
     assert "draws another order each time" in caplog.text

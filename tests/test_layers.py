@@ -19,6 +19,8 @@ LAYERS = {
     # 0: exceptions and failure text, keys and tunables, meters (and their reduction) and timers, optional imports
     "raysgd.torch.errors": 0, "raysgd.torch.constants": 0, "raysgd.meters": 0, "raysgd.timers": 0,
     "raysgd.optional": 0,
+    # 1: one rank's data order and shards, one rank's training helpers, the pure failure and sizing policies
+    "raysgd.torch.sharding": 1,
     "raysgd.plot": 5,  # plotting a result log: a tool at the edge
     # the packages' public names, RaySGD 1.x's paths and the 1.x import mapping
     "raysgd": GLUE, "raysgd.torch": GLUE, "raysgd.utils": GLUE, "raysgd.compat": GLUE, "raysgd.legacy": GLUE,
@@ -27,9 +29,9 @@ LAYERS = {
 # The flat modules of raysgd/torch that have not moved into their folder yet: the old layering (<= within them).
 FLAT = {
     "raysgd.torch.shipping": 0, "raysgd.torch.compiled": 0, "raysgd.torch.async_writer": 0,
-    "raysgd.torch.precision": 1, "raysgd.torch.data": 1, "raysgd.torch.checkpoint": 1,
+    "raysgd.torch.precision": 1, "raysgd.torch.checkpoint": 1,
     "raysgd.torch.registration": 1, "raysgd.torch.resnet": 1, "raysgd.torch.epoch_iterators": 1,
-    "raysgd.torch.cursor": 1, "raysgd.torch.epoch_order": 1, "raysgd.torch.evaluation": 1,
+    "raysgd.torch.evaluation": 1,
     "raysgd.torch.model_copy": 1, "raysgd.torch.accumulation": 1, "raysgd.torch.storage": 1,
     "raysgd.torch.training_operator": 2, "raysgd.torch.creator_operator": 2, "raysgd.torch.state": 2,
     "raysgd.torch.operator_precision": 2,
@@ -86,7 +88,7 @@ def imports(path):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            for alias in node.names:  # "from raysgd.torch import data" imports raysgd.torch.data
+            for alias in node.names:  # "from raysgd.torch import state" imports raysgd.torch.state
                 full = f"{node.module}.{alias.name}"
                 yield full if full in MODULES else node.module
 

@@ -3,31 +3,25 @@
 Layer 1 (torch and layer 0). With ``TorchTrainer(fixed_worker_batch=True)`` every worker trains on
 ``BATCH_SIZE / max_workers`` samples per micro-batch at every size, and with ``n`` workers one optimizer
 step accumulates ``k = round(max_workers / n)`` micro-batches, so that the optimizer sees the same global
-batch whatever the size. The trainer puts ``k`` in the worker config under :data:`ACCUMULATION_STEPS`; the
+batch whatever the size. The trainer puts ``k`` in the worker config under ``ACCUMULATION_STEPS``; the
 operator reads it as ``operator.accumulation_steps``. Inner micro-batches run under every DDP model's
 ``no_sync()`` (no allreduce); the last one synchronises and steps.
 
+How a worker's config gets ``k`` and the per-worker batch: :mod:`raysgd.torch.sharding.batch_split`.
+
 Example:
-    >>> steps_for(num_workers=1, max_workers=4), steps_for(3, 4)
-    (4, 1)
-    >>> split_fixed({"*batch_size": 8}, num_workers=1, max_workers=2)
-    ({'*batch_size': 4, '*accumulation_steps': 2}, 8)
+    >>> check(True, {"*batch_size": 8}, max_workers=2, use_fp16=False)
+    True
 """
 import contextlib
 import logging
-import warnings
 
 import torch.distributed as dist
 
 from raysgd.torch.compiled import find_ddp
-from raysgd.torch.constants import ACCUMULATION_STEPS, BATCH_SIZE
+from raysgd.torch.constants import BATCH_SIZE
 
 logger = logging.getLogger(__name__)
-
-
-def steps_for(num_workers, max_workers):
-    """Micro-batches per optimizer step at ``num_workers`` of ``max_workers``: ``max / n`` rounded to nearest, >= 1."""
-    return max(1, (max_workers + num_workers // 2) // num_workers)
 
 
 def check(fixed_worker_batch, config, max_workers, use_fp16):
@@ -51,33 +45,6 @@ def check(fixed_worker_batch, config, max_workers, use_fp16):
         raise ValueError(f"TorchTrainer: config[BATCH_SIZE] expects a multiple of the maximum number of workers "
                          f"({max_workers}) with fixed_worker_batch=True; got {total!r}")
     return True
-
-
-def split_fixed(config, num_workers, max_workers, warn=True):
-    """``(worker_config, effective_global)``: ``BATCH_SIZE / max_workers`` per worker and ``k`` micro-batches.
-
-    Without ``BATCH_SIZE`` the loaders' own batch size is the fixed per-worker batch; the effective
-    global size is then None. When ``max_workers`` is no multiple of ``num_workers`` the global batch
-    differs from the requested one: a ``UserWarning`` (when ``warn``) says so.
-    """
-    steps = steps_for(num_workers, max_workers)
-    if steps * num_workers != max_workers and warn:
-        warnings.warn(f"fixed_worker_batch: {num_workers} workers of at most {max_workers} accumulate {steps} "
-                      f"micro-batch(es) per optimizer step, a global batch {steps * num_workers}/{max_workers} of "
-                      f"the requested one (BATCH_SIZE or the loaders' batch times {max_workers}).", UserWarning,
-                      stacklevel=3)
-    worker_config = dict(config)
-    worker_config[ACCUMULATION_STEPS] = steps
-    if BATCH_SIZE not in config:
-        return worker_config, None
-    per_worker = config[BATCH_SIZE] // max_workers
-    worker_config[BATCH_SIZE] = per_worker
-    return worker_config, per_worker * num_workers * steps
-
-
-def fixed_split(max_workers):
-    """:func:`split_fixed` for ``max_workers``, called like ``arguments.split_batch_size(config, num_workers, warn)``."""
-    return lambda config, num_workers, warn=True: split_fixed(config, num_workers, max_workers, warn)
 
 
 def ddp_models(operator):

@@ -4,8 +4,8 @@ Layer 5 helper of :mod:`raysgd.torch.torch_trainer`: standard library, torch and
 Every error names the argument, the expected form and the value given.
 
 Example:
-    >>> split_batch_size({"*batch_size": 21}, 2, warn=False)  # 21 on 2 workers: 10 each (warns by default)
-    ({'*batch_size': 10}, 20)
+    >>> worker_range((2, 4))
+    (2, 4)
 """
 import logging
 import numbers
@@ -158,33 +158,3 @@ def check_arguments(*, training_operator_cls, initialization_hook, config, num_w
     if worker_range(num_workers)[1] > 1 and not torch.distributed.is_available():
         raise ValueError("num_workers > 1 needs torch.distributed, which this torch build lacks")
     return use_gpu, backend
-
-
-def split_batch_size(config, num_workers, warn=True):
-    """``(worker_config, effective_global)``: a copy of ``config`` with ``BATCH_SIZE`` divided among workers.
-
-    An uneven total is rounded down to a multiple of ``num_workers``, with a ``UserWarning`` (when ``warn``)
-    naming ``BATCH_SIZE``, the workers and each one's batch. A total smaller than ``num_workers`` (a worker
-    would get 0) raises ``ValueError``. Without ``BATCH_SIZE`` the config is copied unchanged and the effective
-    global size is None.
-
-    Example:
-        >>> split_batch_size({"*batch_size": 2}, 3)
-        Traceback (most recent call last):
-        ValueError: TorchTrainer: config[BATCH_SIZE] expects an int >= the number of workers (3), so that every worker's batch holds a sample; got 2
-    """
-    worker_config = dict(config)
-    if BATCH_SIZE not in config:
-        return worker_config, None
-    total = config[BATCH_SIZE]
-    _expect(isinstance(total, int) and not isinstance(total, bool) and total > 0, "config[BATCH_SIZE]",
-            "an int > 0 (the global batch size)", total)
-    _expect(total >= num_workers, "config[BATCH_SIZE]", f"an int >= the number of workers ({num_workers}), so "
-            f"that every worker's batch holds a sample", total)
-    per_worker = total // num_workers
-    if per_worker * num_workers != total and warn:
-        warnings.warn(f"BATCH_SIZE {total} does not divide among {num_workers} workers: each worker gets a batch "
-                      f"of {per_worker}, a global batch of {per_worker * num_workers}. Use a multiple of "
-                      f"{num_workers} to train with exactly {total}.", UserWarning, stacklevel=3)
-    worker_config[BATCH_SIZE] = per_worker
-    return worker_config, per_worker * num_workers

@@ -32,7 +32,7 @@ import torch
 
 from raysgd.meters import merge_partial
 from raysgd.torch import accumulation as _accumulation
-from raysgd.torch import data as _data
+from raysgd.torch.sharding import loaders as _data
 from raysgd.torch import preemption
 from raysgd.torch import state as _state
 
@@ -74,7 +74,7 @@ class CommitPlan:
 
 
 def _cursor_of(loader, batches_taken):
-    """The global cursor after ``batches_taken`` batches of ``loader`` (:func:`raysgd.torch.data.loader_cursor`)."""
+    """The global cursor after ``batches_taken`` batches of ``loader`` (:func:`raysgd.torch.sharding.loaders.loader_cursor`)."""
     return _data.loader_cursor(loader, batches_taken) if loader is not None else None
 
 

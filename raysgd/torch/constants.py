@@ -70,5 +70,5 @@ SGD_COMMIT_INTERVAL_S = env_float("SGD_COMMIT_INTERVAL_S", 30)
 #: How long ``TorchTrainer.shutdown()`` waits for the last ``storage_path`` checkpoint to be stored.
 SGD_CHECKPOINT_FLUSH_S = env_float("SGD_CHECKPOINT_FLUSH_S", 600)
 #: The longest epoch stream (sampler positions) drawn whole for the data cursor; a longer sampler, or one with
-#: no length whose stream does not end, is sharded lazily without a cursor (``raysgd.torch.data.shard_loader``).
+#: no length whose stream does not end, is sharded lazily without a cursor (``raysgd.torch.sharding.loaders.shard_loader``).
 SGD_MAX_CURSOR_POSITIONS = int(env_float("SGD_MAX_CURSOR_POSITIONS", 2**24))

@@ -24,6 +24,7 @@ import ray
 from raysgd.torch import (accumulation, arguments, attempts, checkpoint, commits, constants, durable, elastic,
                           progress, ray_data, results, shipping, storage)
 from raysgd.torch.errors import WorkerFailure
+from raysgd.torch.sharding import batch_split
 from raysgd.torch.worker_group import WorkerGroup
 from raysgd.meters import reduce_worker_stats
 from raysgd.torch.constants import BATCH_SIZE
@@ -71,7 +72,7 @@ class TorchTrainer:
         self.min_replicas, self.max_replicas = arguments.worker_range(num_workers)
         self._fixed_worker_batch = accumulation.check(fixed_worker_batch, config, self.max_replicas, use_fp16)
         # BATCH_SIZE against the largest size (a smaller one gives every worker more); warns if it is uneven
-        arguments.split_batch_size(self._requested_config, self.max_replicas)
+        batch_split.split_batch_size(self._requested_config, self.max_replicas)
         self._split_warned = {self.max_replicas}  # sizes whose uneven split was reported: once per size
         self._config = dict(self._requested_config)
         self.num_cpus_per_worker, self.num_gpus_per_worker = num_cpus_per_worker, num_gpus_per_worker
@@ -131,7 +132,7 @@ class TorchTrainer:
 
     def _worker_config(self, num_workers):
         """The config each of ``num_workers`` workers gets (the batch size divided among them)."""
-        split = accumulation.fixed_split(self.max_replicas) if self._fixed_worker_batch else arguments.split_batch_size
+        split = batch_split.splitter(self._fixed_worker_batch, self.max_replicas)
         worker_config, effective = split(self._requested_config, num_workers,
                                          warn=num_workers not in self._split_warned)
         self._split_warned.add(num_workers)

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raysgd.torch import accumulation as _accumulation
 from raysgd.torch import compiled as _compiled
-from raysgd.torch import data as _data
+from raysgd.torch.sharding import loaders as _data
 from raysgd.torch import registration as _registration
 from raysgd.torch.constants import ACCUMULATION_STEPS, DATA_SEED, SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH
 from raysgd.torch.operator_precision import PrecisionHelpers
@@ -117,7 +117,7 @@ class TrainingOperator(PrecisionHelpers):
 
     def register_data(self, *, train_loader=None, validation_loader=None):
         """Register the loaders (any iterables); map-style DataLoaders are sharded by their own samplers."""
-        if self._add_dist_sampler:  # seeded by config[DATA_SEED]: see raysgd.torch.data.resolve_seed
+        if self._add_dist_sampler:  # seeded by config[DATA_SEED]: see raysgd.torch.sharding.loaders.resolve_seed
             shard = functools.partial(_data.shard_loader, rank=self._world_rank, world_size=self._world_size,
                                       seed=self._config.get(DATA_SEED))
             train_loader, validation_loader = shard(train_loader, training=True), shard(validation_loader,

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from raysgd.torch import checkpoint
-from raysgd.torch import data as _data
+from raysgd.torch.sharding import loaders as _data
 from raysgd.torch import evaluation
 from raysgd.torch import model_copy
 from raysgd.torch import preemption

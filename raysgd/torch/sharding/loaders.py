@@ -1,16 +1,16 @@
 """Sharding registered DataLoaders across workers by their own samplers, and moving batches to a device.
 
-Layer 1: imports torch and :mod:`raysgd.torch.cursor` (which decides the positions each rank reads).
+Layer 1: imports torch and :mod:`raysgd.torch.sharding.cursor` (which decides the positions each rank reads).
 
 A map-style ``DataLoader`` is rebuilt with every setting it had, its sampler (or custom
-``batch_sampler``) wrapped in a :class:`~raysgd.torch.cursor.ShardSampler`: each rank reads every
+``batch_sampler``) wrapped in a :class:`~raysgd.torch.sharding.cursor.ShardSampler`: each rank reads every
 ``world_size``-th position of the sampler's stream for the epoch, so a ``SubsetRandomSampler`` over
 the training indices stays exactly those indices. Training shards keep DDP in lockstep; validation
 shards are exact (``drop_last`` drops one process's partial batch, not each rank's).
 
 A sampler whose epoch cannot be drawn whole (endless, or longer than ``SGD_MAX_CURSOR_POSITIONS``), or
 whose draws do not repeat for the same ``(seed, epoch)`` (it shuffles with a random object of its own), is
-wrapped in a :class:`~raysgd.torch.cursor.StreamShardSampler` instead: read lazily, with no data cursor.
+wrapped in a :class:`~raysgd.torch.sharding.cursor.StreamShardSampler` instead: read lazily, with no data cursor.
 
 A training loader with a cursor reads its batches in the sampler's order: ``in_order=False`` (with
 ``num_workers > 0``) is turned into ``in_order=True``, since the cursor counts the first ``k`` batches as the
@@ -34,8 +34,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from raysgd.torch.constants import SGD_MAX_CURSOR_POSITIONS
-from raysgd.torch.cursor import ShardSampler, StreamShardSampler
-from raysgd.torch.epoch_order import StreamTooLong, draws_repeat, stream_length
+from raysgd.torch.sharding.cursor import ShardSampler, StreamShardSampler
+from raysgd.torch.sharding.epoch_order import StreamTooLong, draws_repeat, stream_length
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def _keep_order(kwargs, kind, training, rank):
 
 
 def shard_sampler(loader, kinds=(ShardSampler,)):
-    """The :class:`~raysgd.torch.cursor.ShardSampler` (one of ``kinds``) of a loader built by :func:`shard_loader`.
+    """The :class:`~raysgd.torch.sharding.cursor.ShardSampler` (one of ``kinds``) of a loader built by :func:`shard_loader`.
 
     None when the loader has none (it was passed through, or is read lazily without a cursor).
     """

@@ -1,9 +1,9 @@
 """The data cursor: which positions of an epoch's index stream each rank reads, and how many are consumed.
 
-Layer 1: imports torch and :mod:`raysgd.torch.epoch_order`. No Ray, no process group.
+Layer 1: imports torch and :mod:`raysgd.torch.sharding.epoch_order`. No Ray, no process group.
 
 The epoch's *global stream* is the loader's own sampler (or batch sampler) iterated once, with every
-random stream it could use seeded from ``(seed, epoch)`` (:func:`~raysgd.torch.epoch_order.draw_stream`):
+random stream it could use seeded from ``(seed, epoch)`` (:func:`~raysgd.torch.sharding.epoch_order.draw_stream`):
 the same list on every rank, and a replay of it after a failure.
 
 Rank ``r`` of ``W`` reads the stream's positions ``start + r, start + r + W, ...``, where the **cursor**
@@ -31,9 +31,9 @@ batch), so N ranks validate exactly what one process validates.
 
 An epoch's stream is drawn whole only up to ``SGD_MAX_CURSOR_POSITIONS`` positions
 (:mod:`raysgd.torch.constants`). An endless sampler (no length, e.g. detectron2's ``TrainingSampler``),
-a longer one, or one whose draws do not repeat (:func:`~raysgd.torch.epoch_order.draws_repeat`) is read
+a longer one, or one whose draws do not repeat (:func:`~raysgd.torch.sharding.epoch_order.draws_repeat`) is read
 by a :class:`StreamShardSampler` instead: lazily, rank ``r`` taking positions ``r, r + W, ...`` as the
-stream goes, with no cursor (see :func:`raysgd.torch.data.shard_loader`).
+stream goes, with no cursor (see :func:`raysgd.torch.sharding.loaders.shard_loader`).
 
 Example:
     >>> list(shard_positions(10, 0, rank=1, world_size=3))
@@ -52,9 +52,7 @@ import logging
 
 from torch.utils.data import Sampler
 
-# The epoch's order lives in raysgd.torch.epoch_order; its names stay importable from here.
-from raysgd.torch.epoch_order import (StreamTooLong, draw_stream, draws_repeat, epoch_seed,  # noqa: F401
-                                      isolated_random_streams, seeded, stream_length)
+from raysgd.torch.sharding.epoch_order import draw_stream, seeded, stream_length
 
 logger = logging.getLogger(__name__)
 _END = object()

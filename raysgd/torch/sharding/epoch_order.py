@@ -2,7 +2,7 @@
 
 Layer 1: imports torch (and numpy, only to isolate its global random stream). No Ray, no process group.
 
-The data cursor (:mod:`raysgd.torch.cursor`) needs the epoch's *global stream*, the loader's own sampler
+The data cursor (:mod:`raysgd.torch.sharding.cursor`) needs the epoch's *global stream*, the loader's own sampler
 (or batch sampler) iterated once, to be the same list on every rank and again after a restart. It is
 drawn with every random stream the sampler could use seeded from ``(seed, epoch)``: a ``generator``
 attribute (of the sampler or of a batch sampler's inner sampler) and the process's global streams
