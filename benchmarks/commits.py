@@ -142,7 +142,7 @@ def latency(smoke, repeats):
 
 
 def _commit_stats():
-    from raysgd.torch import committer  # noqa: PLC0415 (in the worker)
+    from raysgd.torch.state import committer  # noqa: PLC0415 (in the worker)
 
     deadline = time.monotonic() + 60
     while committer.STATS["latency_s"] is None and time.monotonic() < deadline:

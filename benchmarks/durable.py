@@ -31,8 +31,8 @@ from tabulate import tabulate  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from raysgd import TorchTrainer, TrainingOperator  # noqa: E402
-from raysgd.torch import storage  # noqa: E402
-from raysgd.torch.checkpoint import state_to_bytes  # noqa: E402
+from raysgd.torch.storage import filesystem as storage  # noqa: E402
+from raysgd.torch.state.checkpoint import state_to_bytes  # noqa: E402
 
 
 class WideOperator(TrainingOperator):

@@ -193,7 +193,7 @@ class CountingOperator(TrainingOperator):
             if fault.get("exit"):
                 os._exit(1)
             if fault.get("until_sigterm") or fault.get("until_resize"):  # finish this step once it arrived
-                from raysgd.torch import preemption
+                from raysgd.torch.fault_tolerance import preemption
 
                 arrived = (lambda: preemption._STATE["resize"] is not None) if fault.get("until_resize") \
                     else preemption.requested
@@ -244,7 +244,7 @@ class SlowToSave:
         self.seconds = seconds
 
     def __reduce__(self):
-        from raysgd.torch import preemption
+        from raysgd.torch.fault_tolerance import preemption
 
         if preemption.requested():
             time.sleep(self.seconds)

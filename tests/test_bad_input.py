@@ -13,7 +13,7 @@ import torch.distributed as dist
 from conftest import assert_released
 from helpers import FaultyOperator, LinearOperator
 from raysgd import TorchTrainer, TrainingOperator
-from raysgd.torch import checkpoint
+from raysgd.torch.state import checkpoint
 from raysgd.torch.errors import CheckpointError
 from raysgd.utils import BATCH_SIZE
 from s3_server import moto_s3
@@ -257,7 +257,7 @@ sys.path.insert(0, {tests!r})
 import ray
 from helpers import FaultyOperator, LinearOperator
 from raysgd import TorchTrainer
-from raysgd.torch.storage import CheckpointStorage
+from raysgd.torch.storage.filesystem import CheckpointStorage
 
 run, script_ended = sys.argv[1], threading.Event()
 real_write = CheckpointStorage.write

@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from raysgd.torch import checkpoint
+from raysgd.torch.state import checkpoint
 from raysgd.torch.errors import CheckpointError
 
 

@@ -11,7 +11,8 @@ from torch.utils.data import RandomSampler
 
 from conftest import assert_released
 from helpers import CountingOperator, LinearOperator, counts, executed, kill_after_commit, seeding_hook
-from raysgd.torch import checkpoint, constants
+from raysgd.torch import constants
+from raysgd.torch.state import checkpoint
 from raysgd.torch.sharding.epoch_order import draw_stream
 
 pytestmark = pytest.mark.usefixtures("ray_4cpus")
@@ -69,7 +70,7 @@ def test_time_based_commits_follow_the_training_time_not_the_first_steps(trainer
     """About one commit per SGD_COMMIT_INTERVAL_S (1 s here) of training, over 24 steps: a slow warm-up (2.5 s)
     must not make every later fast step count as slow (the cadence agreed once from the first 5 steps committed
     every 2 steps to the end), and steps that slow down later (3.8 s) must still commit (it never did)."""
-    from raysgd.torch import committer
+    from raysgd.torch.state import committer
 
     monkeypatch.setenv("SGD_COMMIT_INTERVAL_S", "1")
     trainer = trainers(commit_every_n_steps=None, config={"n": 96, "batch_size": 2, "step_sleeps": step_sleeps})

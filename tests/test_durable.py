@@ -10,7 +10,7 @@ import torch
 
 from conftest import assert_released
 from helpers import LinearOperator
-from raysgd.torch import storage
+from raysgd.torch.storage import filesystem as storage
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.results import read_results
 from s3_server import moto_s3
@@ -45,7 +45,7 @@ def test_second_trainer_continues_from_the_first(ray_2cpus, trainer_factory, tmp
     first.shutdown()  # flushes the upload of epoch 2
     assert storage.CheckpointStorage(path).latest().marker["epoch"] == 2
 
-    with caplog.at_level(logging.INFO, logger="raysgd.torch.durable"):
+    with caplog.at_level(logging.INFO, logger="raysgd.torch.storage.durable"):
         second = trainer_factory(training_operator_cls=LinearOperator, num_workers=2, config=CONFIG,
                                  storage_path=path, logdir=logdir, num_to_keep=1)
     assert "Resuming from" in caplog.text and "checkpoint_000002" in caplog.text
@@ -75,7 +75,7 @@ def test_truncated_newest_uses_the_previous_checkpoint(ray_2cpus, trainer_factor
     newest = os.path.join(storage.CheckpointStorage(path).list()[-1][1], storage.STATE_FILE)
     with open(newest, "r+b") as handle:
         handle.truncate(os.path.getsize(newest) // 2)
-    with caplog.at_level(logging.WARNING, logger="raysgd.torch.storage"):
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.storage.filesystem"):
         resumed = trainer_factory(training_operator_cls=LinearOperator, config=CONFIG, storage_path=path)
     assert "checkpoint_000002" in caplog.text and "damaged" in caplog.text
     assert_same(weights(resumed), after_one)
@@ -148,7 +148,7 @@ def test_shutdown_raises_a_failed_upload_and_load_takes_a_checkpoint_directory(r
 def test_closing_a_durable_run_gives_up_on_a_stuck_upload_at_its_deadline(tmp_path, monkeypatch):
     """A storage write that never returns (a hung network mount, which cannot be made here: a blocked write
     stands in for it) ends ``close()`` with a TimeoutError naming the checkpoint, after SGD_CHECKPOINT_FLUSH_S."""
-    from raysgd.torch import durable
+    from raysgd.torch.storage import durable
 
     run, release = durable.open_run(str(tmp_path / "run")), threading.Event()
     run.storage.write = lambda stream, meta: release.wait(60)

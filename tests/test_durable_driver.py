@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from raysgd.torch import storage
+from raysgd.torch.storage import filesystem as storage
 from raysgd.torch.results import read_results
 from s3_server import HoldingProxy, moto_s3
 

@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from raysgd.torch.model_copy import cpu_copy
+from raysgd.torch.state.model_copy import cpu_copy
 from raysgd.torch.training_operator import TrainingOperator
 from raysgd.torch.worker import TorchWorker
 

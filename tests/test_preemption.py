@@ -12,7 +12,7 @@ import torch
 
 from helpers import (CountingOperator, SlowCleanupOperator, SlowCommitOperator, env_hook, seeding_hook,
                      signal_at_marker)
-from raysgd.torch import storage
+from raysgd.torch.storage import filesystem as storage
 from raysgd.torch.errors import CheckpointError
 
 pytestmark = pytest.mark.usefixtures("ray_4cpus")
@@ -130,7 +130,7 @@ def test_an_earlier_failed_upload_does_not_abort_the_recovery_from_a_preemption(
     if path.exists():
         path.rmdir()
     path.write_text("not a folder any more")
-    with caplog.at_level(logging.ERROR, logger="raysgd.torch.async_writer"):
+    with caplog.at_level(logging.ERROR, logger="raysgd.torch.storage.async_writer"):
         trainer.train()  # its checkpoint's upload fails on the writer thread, which logs it at once
         deadline = time.monotonic() + 60
         while "checkpoint of epoch 1" not in caplog.text and time.monotonic() < deadline:
@@ -213,7 +213,7 @@ def test_an_agreement_left_by_an_aborted_call_is_never_read_by_the_next():
     """Rank 0 under use_local lives on in the driver: a call that ended with an error must not hand its
     in-flight agreement (on a process group that is gone) to the next call, whose first agreement would
     then re-raise the old call's gloo error (seen as a second, spurious failure after a recovery)."""
-    from raysgd.torch import preemption
+    from raysgd.torch.fault_tolerance import preemption
 
     class DeadGroupWork:
         def wait(self):
@@ -233,7 +233,7 @@ def test_a_resize_request_applies_to_its_own_call_and_attempt_and_sigterm_outran
     attempt) is never acted on; a call ended for a resize is told apart from a failure or a preemption."""
     from types import SimpleNamespace
 
-    from raysgd.torch import preemption
+    from raysgd.torch.fault_tolerance import preemption
     from raysgd.torch.errors import WorkerFailure
 
     one_rank = SimpleNamespace(world_size=1)

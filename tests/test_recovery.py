@@ -1,7 +1,7 @@
 """The pure recovery policy, with a fake clock and no Ray."""
 import pytest
 
-from raysgd.torch import recovery
+from raysgd.torch.fault_tolerance import recovery
 
 
 def test_backoff_is_capped_exponential():
@@ -243,7 +243,8 @@ def test_a_failing_drain_check_only_delays_the_move():
 
 
 def test_which_ranks_may_join_a_re_formed_group():
-    from raysgd.torch import preemption, reform
+    from raysgd.torch import reform
+    from raysgd.torch.fault_tolerance import preemption
     from raysgd.torch.errors import CollectiveError
 
     assert reform.can_stay(None)  # its call finished
@@ -285,7 +286,7 @@ def test_an_nccl_misuse_is_a_user_error_and_a_lost_nccl_peer_a_collective_failur
 
 
 def test_fit_counts_what_the_placement_strategy_allows():
-    from raysgd.torch.recovery import fit_for_strategy
+    from raysgd.torch.fault_tolerance.recovery import fit_for_strategy
 
     free = {"a": {"CPU": 3.0}, "b": {"CPU": 1.0}, "c": {"CPU": 0.0}}
     assert fit_for_strategy(free, set(), "STRICT_SPREAD", 1, 0, 8) == 2  # one per node that has room

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from helpers import LinearOperator
-from raysgd.torch import checkpoint, state
+from raysgd.torch.state import checkpoint
+from raysgd.torch.state import training_state as state
 from raysgd.torch.worker import TorchWorker
 
 
@@ -132,7 +133,7 @@ def test_a_loaded_commit_continues_the_step_count_only_of_its_own_call(same_call
     step count at 0, so a retry of ``train(num_steps=k)`` still trains all k steps; a retry inside the same call
     goes on counting. Commit keys carry the attempt, so records of two attempts never complete one commit."""
     from helpers import CountingOperator
-    from raysgd.torch.committer import CommitPlan
+    from raysgd.torch.state.committer import CommitPlan
 
     worker = TorchWorker(CountingOperator, {"n": 24, "batch_size": 2}, is_local=True)
     worker.setup_operator()
@@ -150,7 +151,7 @@ def test_a_loaded_commit_continues_the_step_count_only_of_its_own_call(same_call
 
 
 def test_the_commit_store_completes_a_commit_from_one_attempt_only():
-    from raysgd.torch.commit_store import _StoreActor
+    from raysgd.torch.state.commit_store import _StoreActor
 
     store = _StoreActor()
     store.begin(1)

@@ -6,8 +6,10 @@ import threading
 import pytest
 import torch
 
-from raysgd.torch import async_writer, durable, storage
-from raysgd.torch.checkpoint import state_to_bytes
+from raysgd.torch.storage import async_writer
+from raysgd.torch.storage import durable
+from raysgd.torch.storage import filesystem as storage
+from raysgd.torch.state.checkpoint import state_to_bytes
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.results import ResultLogger, read_results
 from s3_server import moto_s3
@@ -37,7 +39,7 @@ def test_truncated_newest_falls_back_to_the_previous_with_a_warning(tmp_path, ca
     newest = os.path.join(store.list()[-1][1], storage.STATE_FILE)
     with open(newest, "r+b") as handle:
         handle.truncate(os.path.getsize(newest) // 2)
-    with caplog.at_level(logging.WARNING, logger="raysgd.torch.storage"):
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.storage.filesystem"):
         assert store.latest().marker["epoch"] == 1
     assert "checkpoint_000002" in caplog.text and "damaged" in caplog.text
 
@@ -48,7 +50,7 @@ def test_a_checkpoint_without_its_marker_does_not_count(tmp_path, caplog):
     partial = tmp_path / "checkpoint_000002"  # a crash after the state file, before the marker
     partial.mkdir()
     (partial / storage.STATE_FILE).write_bytes(state_to_bytes(state(2)))
-    with caplog.at_level(logging.WARNING, logger="raysgd.torch.storage"):
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.storage.filesystem"):
         assert store.latest().marker["epoch"] == 1
     assert "incomplete" in caplog.text
     store.write(state_to_bytes(state(3)), {"epoch": 3})  # numbered after the partial one, which is pruned
@@ -192,7 +194,7 @@ def test_a_marker_naming_another_file_is_a_damaged_checkpoint(tmp_path, caplog, 
     newest = store.list()[-1][1]
     os.rename(os.path.join(newest, storage.STATE_FILE), os.path.join(newest, "other.checkpoint"))
     _rewrite_marker(newest, file=file)
-    with caplog.at_level(logging.WARNING, logger="raysgd.torch.storage"):
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.storage.filesystem"):
         assert store.latest().marker["epoch"] == 1  # skipped like any damaged checkpoint
     assert "checkpoint_000002" in caplog.text and storage.STATE_FILE in caplog.text
     with pytest.raises(CheckpointError, match=f"checkpoint_000002.*{storage.STATE_FILE}"):
@@ -205,7 +207,7 @@ def test_a_state_file_that_is_not_a_checkpoint_is_damaged(tmp_path, caplog):
     store = storage.CheckpointStorage(str(tmp_path / "run"), num_to_keep=3)
     store.write(state_to_bytes(state(1)), {"epoch": 1})
     store.write(pickle.dumps({}), {"epoch": 2})  # the marker matches the bytes: only their content is wrong
-    with caplog.at_level(logging.WARNING, logger="raysgd.torch.storage"):
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.storage.filesystem"):
         assert store.latest().marker["epoch"] == 1
     assert "checkpoint_000002" in caplog.text and "not a raysgd checkpoint" in caplog.text
     with pytest.raises(CheckpointError, match="not a raysgd checkpoint"):
@@ -214,7 +216,7 @@ def test_a_state_file_that_is_not_a_checkpoint_is_damaged(tmp_path, caplog):
 
 EXIT_SCRIPT = """
 import threading
-from raysgd.torch import async_writer
+from raysgd.torch.storage import async_writer
 
 started = threading.Event()
 

@@ -18,7 +18,8 @@ from conftest import local_cluster, worker_env
 tune = pytest.importorskip("ray.tune", reason="needs ray[tune]")
 
 from raysgd import TorchTrainer  # noqa: E402
-from raysgd.torch import errors, recovery  # noqa: E402
+from raysgd.torch import errors  # noqa: E402
+from raysgd.torch.fault_tolerance import recovery
 from tune_operators import StallOnGoOperator  # noqa: E402
 
 pytestmark = pytest.mark.slow

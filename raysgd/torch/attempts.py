@@ -28,7 +28,9 @@ import numbers
 
 import ray
 
-from raysgd.torch import draining, elastic, preemption, recovery
+from raysgd.torch import draining, elastic
+from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.fault_tolerance import recovery
 from raysgd.torch.errors import WorkerFailure
 
 logger = logging.getLogger(__name__)

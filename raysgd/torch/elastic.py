@@ -17,7 +17,9 @@ import time
 
 import ray
 
-from raysgd.torch import checkpoint, constants, recovery, worker_handle
+from raysgd.torch import constants, worker_handle
+from raysgd.torch.fault_tolerance import recovery
+from raysgd.torch.state import checkpoint
 from raysgd.torch.errors import WorkerFailure
 
 logger = logging.getLogger(__name__)

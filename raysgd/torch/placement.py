@@ -15,7 +15,8 @@ import ray
 from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
 
-from raysgd.torch import cluster_state, constants, recovery
+from raysgd.torch import cluster_state, constants
+from raysgd.torch.fault_tolerance import recovery
 from raysgd.torch.trial_placement import TrialPlacementWatch
 
 logger = logging.getLogger(__name__)

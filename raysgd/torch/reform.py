@@ -23,7 +23,7 @@ Example:
 import ray
 
 from raysgd.torch import cluster_state, constants
-from raysgd.torch import preemption
+from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.errors import CollectiveError
 
 

@@ -1,7 +1,7 @@
 """TorchTrainer: the driver-side API. Runs train/validate through the recovery loop and reduces metrics.
 
 Layer 5: imports layers 0-4. Argument checks live in :mod:`raysgd.torch.arguments`, the worker pool
-in :mod:`raysgd.torch.worker_group`, the retry policy in :mod:`raysgd.torch.recovery`, a call's
+in :mod:`raysgd.torch.worker_group`, the retry policy in :mod:`raysgd.torch.fault_tolerance.recovery`, a call's
 attempts (retries, resuming from commits, growing) in :mod:`raysgd.torch.attempts`.
 
 Example:
@@ -21,8 +21,11 @@ import types
 
 import ray
 
-from raysgd.torch import (accumulation, arguments, attempts, checkpoint, commits, constants, durable, elastic,
-                          progress, ray_data, results, shipping, storage)
+from raysgd.torch import accumulation, arguments, attempts, constants, elastic, progress, ray_data, results, shipping
+from raysgd.torch.state import checkpoint
+from raysgd.torch.state import commit_policy as commits
+from raysgd.torch.storage import durable
+from raysgd.torch.storage import filesystem as storage
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.sharding import batch_split
 from raysgd.torch.worker_group import WorkerGroup

@@ -261,7 +261,7 @@ class TrainingOperator(PrecisionHelpers):
             reporter(batch_idx, metrics, info)
 
     def _state_parts(self):
-        """What this operator owns of the training state, for :mod:`raysgd.torch.state` (the one reader)."""
+        """What this operator owns of the training state, for :mod:`raysgd.torch.state.training_state` (the one reader)."""
         self._require_registered()
         return dict(models=self._original_models, optimizers=self._optimizers, precision=self._precision,
                     schedulers=self._schedulers)

@@ -7,7 +7,7 @@ restart try would wait ``timeout_s`` for them. Only Tune can place the trial els
 ``2 x SGD_PLACEMENT_GROUP_TIMEOUT_S`` unplaced the watch raises
 :class:`~raysgd.torch.errors.PlacementUnavailable`, which the trainer does not retry: the trial
 fails and ``FailureConfig(max_failures=...)`` restores it. The timing policy is
-:class:`raysgd.torch.recovery.PlacementWatch` (pure).
+:class:`raysgd.torch.fault_tolerance.recovery.PlacementWatch` (pure).
 
 Example:
     >>> watch = TrialPlacementWatch(pg)  # doctest: +SKIP
@@ -17,7 +17,8 @@ import time
 
 import ray
 
-from raysgd.torch import constants, recovery
+from raysgd.torch import constants
+from raysgd.torch.fault_tolerance import recovery
 from raysgd.torch.errors import PlacementUnavailable
 
 

@@ -29,7 +29,8 @@ import logging
 import os
 
 from raysgd import optional
-from raysgd.torch import arguments, checkpoint, cluster_state, shipping
+from raysgd.torch import arguments, cluster_state, shipping
+from raysgd.torch.state import checkpoint
 
 try:
     from ray.tune import PlacementGroupFactory, Trainable
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 #: The file a trial's checkpoint directory holds (the 1.x name).
 CHECKPOINT_FILE = "trainer.checkpoint"
-#: Its completion marker (the format of ``storage_path`` checkpoints, :mod:`raysgd.torch.storage`).
+#: Its completion marker (the format of ``storage_path`` checkpoints, :mod:`raysgd.torch.storage.filesystem`).
 MARKER_FILE = "checkpoint.json"
 #: Keys that shape the resource request; read from the Tune config first, then from ``as_trainable``'s kwargs.
 RESOURCE_KEYS = ("num_workers", "num_cpus_per_worker", "use_gpu", "use_local", "num_gpus_per_worker")
@@ -214,11 +215,11 @@ class BaseTorchTrainable(Trainable):
     def save_checkpoint(self, checkpoint_dir):
         """Write the trainer state into ``checkpoint_dir``; returns None (Ray 2.x's contract).
 
-        The format is that of ``TorchTrainer(storage_path=...)`` checkpoints (:mod:`raysgd.torch.storage`):
+        The format is that of ``TorchTrainer(storage_path=...)`` checkpoints (:mod:`raysgd.torch.storage.filesystem`):
         ``trainer.checkpoint`` (the bytes :meth:`TorchTrainer.save` writes), then its ``checkpoint.json``
         marker with size and CRC-32, so a damaged trial checkpoint is detected when it is loaded.
         """
-        from raysgd.torch import storage  # noqa: PLC0415 (pyarrow comes with ray[tune])
+        from raysgd.torch.storage import filesystem as storage  # noqa: PLC0415 (pyarrow comes with ray[tune])
 
         filesystem, path = storage.resolve(checkpoint_dir)
         state = self.trainer.state_dict()

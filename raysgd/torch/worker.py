@@ -30,13 +30,13 @@ import socket
 import torch
 import torch.distributed as dist
 
-from raysgd.torch import checkpoint
+from raysgd.torch.state import checkpoint
 from raysgd.torch.sharding import loaders as _data
 from raysgd.torch import evaluation
-from raysgd.torch import model_copy
-from raysgd.torch import preemption
-from raysgd.torch import state as _state
-from raysgd.torch.committer import Committer
+from raysgd.torch.state import model_copy
+from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.state import training_state as _state
+from raysgd.torch.state.committer import Committer
 from raysgd.timers import TimerCollection
 from raysgd.torch.constants import NUM_STEPS, USE_FP16
 from raysgd.torch.epoch_iterators import CallBatches, PersistentIterator
@@ -186,7 +186,7 @@ class TorchWorker:
         ``iterator`` (e.g. a Ray Data shard) replaces the registered loader for this call and
         counts as one epoch. ``progress`` (rank 0 with ``use_tqdm``) is a
         :class:`~raysgd.torch.progress.ProgressReporter` fed by the operator's per-batch hook.
-        ``commit`` (a :class:`~raysgd.torch.committer.CommitPlan`) commits between batches.
+        ``commit`` (a :class:`~raysgd.torch.state.committer.CommitPlan`) commits between batches.
         The operator's iterator has ``end_epoch()``: the epoch ends with this call (Lightning's ``-1``).
         """
         self._begin(profile)
@@ -234,7 +234,7 @@ class TorchWorker:
         return pending[_state.CURSOR]["epoch"] if pending else self.epochs
 
     def state_dict(self, rngs=None):
-        """This worker's state (see :mod:`raysgd.torch.state`) with the random streams of every rank: ``rngs``
+        """This worker's state (see :mod:`raysgd.torch.state.training_state`) with the random streams of every rank: ``rngs``
         (``{rank: rng_state}`` the driver gathered) in rank order, this rank's own in its place.
 
         While a loaded mid-epoch state waits for its epoch (no batch of it trained yet), the state holds its
@@ -270,7 +270,7 @@ class TorchWorker:
         return checkpoint.state_to_bytes(self.state_dict(rngs))
 
     def rng_state(self):
-        """This process's random streams (see :func:`raysgd.torch.state.rng_state`), or those of a loaded state
+        """This process's random streams (see :func:`raysgd.torch.state.training_state.rng_state`), or those of a loaded state
         still waiting for its epoch (they apply when it starts)."""
         pending = self.committer.pending_rng()
         return pending if pending is not None else _state.rng_state()
@@ -293,7 +293,7 @@ class TorchWorker:
     def request_resize(self, call_id, attempt):
         """The driver asks the running call to stop at the next agreed commit point (to grow the group).
 
-        Answered from the ``"control"`` concurrency group while a call trains (see :mod:`raysgd.torch.preemption`).
+        Answered from the ``"control"`` concurrency group while a call trains (see :mod:`raysgd.torch.fault_tolerance.preemption`).
         """
         preemption.request_resize(call_id, attempt)
 

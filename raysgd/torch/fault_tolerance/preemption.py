@@ -2,7 +2,7 @@
 
 A SIGTERM to a worker process becomes a commit at a step every rank agrees on, then an exit.
 
-Layer 3 helper of :mod:`raysgd.torch.committer` (torch, no Ray). :func:`install` runs in the actor's
+Layer 3 helper of :mod:`raysgd.torch.state.committer` (torch, no Ray). :func:`install` runs in the actor's
 ``__init__``, which Ray runs on the process's main thread (the only thread where Python can set a
 signal handler; training calls run in another thread because of the ``"control"`` concurrency group).
 The handler only sets a flag. At each step boundary of a committing ``train()`` call the ranks agree
@@ -11,7 +11,7 @@ the flag and the rank's step time, on a gloo group, no GPU sync, read at the nex
 commits at that step and waits until the commit is stored, then the
 signalled rank hands the signal to Ray's own handler (the process exits as Ray would have) and every
 rank raises :class:`~raysgd.torch.errors.CollectiveError`, so the trainer recovers from that commit (and,
-with a ``storage_path``, writes it there: :meth:`raysgd.torch.durable.DurableRun.on_recovery`).
+with a ``storage_path``, writes it there: :meth:`raysgd.torch.storage.durable.DurableRun.on_recovery`).
 
 Every rank marks a preemption commit in the store before it sends its record, and no rank ends the call (or
 exits) before the store holds the whole commit (every rank's record): the driver, which kills the group at

@@ -17,7 +17,7 @@ complete checkpoint is used instead. Loads are safe (``torch.load(..., weights_o
 
 Example:
     >>> import tempfile
-    >>> from raysgd.torch.checkpoint import state_to_bytes
+    >>> from raysgd.torch.state.checkpoint import state_to_bytes
     >>> store = CheckpointStorage(tempfile.mkdtemp(), num_to_keep=2)
     >>> stream = state_to_bytes({"epoch": 1, "models": [], "optimizers": [], "operator": None})
     >>> for epoch in (1, 2, 3):
@@ -36,7 +36,7 @@ import uuid
 import zlib
 
 from raysgd import optional
-from raysgd.torch import checkpoint
+from raysgd.torch.state import checkpoint
 from raysgd.torch.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def read_marker(filesystem, directory):
 
 
 def read_path(path, weights_only=True):
-    """What ``TorchTrainer.load(path)`` loads: the state in a file :func:`raysgd.torch.checkpoint.save_state` wrote
+    """What ``TorchTrainer.load(path)`` loads: the state in a file :func:`raysgd.torch.state.checkpoint.save_state` wrote
     (a dict), or the bytes of a checkpoint directory (``storage_path``'s ``checkpoint_000007/``, a Tune
     checkpoint, or such a directory's URI), checked against its marker.
 

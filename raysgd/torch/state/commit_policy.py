@@ -1,7 +1,7 @@
 """The trainer's side of commits: one store per trainer, a plan per attempt, the restart point after a failure.
 
 Layer 5 helper of :mod:`raysgd.torch.torch_trainer`. Commits are taken by the workers
-(:mod:`raysgd.torch.committer`) and kept in a store next to the driver (:mod:`raysgd.torch.commit_store`).
+(:mod:`raysgd.torch.state.committer`) and kept in a store next to the driver (:mod:`raysgd.torch.state.commit_store`).
 After a failure the call resumes from the latest complete commit, on however many workers fit; the
 metrics of the committed part are merged with those of the rest, so the call reports the whole epoch.
 
@@ -17,10 +17,12 @@ import uuid
 import ray
 from ray.exceptions import RayActorError
 
-from raysgd.torch import checkpoint, constants, preemption
-from raysgd.torch import state as _state
-from raysgd.torch.commit_store import CommitStore
-from raysgd.torch.committer import CommitPlan
+from raysgd.torch import constants
+from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.state import checkpoint
+from raysgd.torch.state import training_state as _state
+from raysgd.torch.state.commit_store import CommitStore
+from raysgd.torch.state.committer import CommitPlan
 from raysgd.meters import merge_partials
 
 logger = logging.getLogger(__name__)

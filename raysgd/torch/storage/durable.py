@@ -5,12 +5,12 @@ resume=True)`` opens a :class:`DurableRun`; it checks the arguments before any a
 reading the newest complete checkpoint while the workers start (:meth:`DurableRun.restore`), and
 uploads the state bytes the trainer hands it at the end of every ``train()``, at ``save()`` and, after a
 worker's preemption, the commit it took (:meth:`DurableRun.on_recovery`), on a
-background thread (:class:`~raysgd.torch.async_writer.AsyncWriter`: one upload in flight, the newest
-waiting one wins). The storage format is :mod:`raysgd.torch.storage`'s.
+background thread (:class:`~raysgd.torch.storage.async_writer.AsyncWriter`: one upload in flight, the newest
+waiting one wins). The storage format is :mod:`raysgd.torch.storage.filesystem`'s.
 
 Example:
     >>> import tempfile
-    >>> from raysgd.torch.checkpoint import state_to_bytes
+    >>> from raysgd.torch.state.checkpoint import state_to_bytes
     >>> path = tempfile.mkdtemp()
     >>> run = open_run(path, num_to_keep=2, resume=True)
     >>> run.submit(state_to_bytes({"epoch": 1, "models": [], "optimizers": [], "operator": None}), epoch=1)
@@ -23,7 +23,10 @@ Example:
 import logging
 import threading
 
-from raysgd.torch import async_writer, checkpoint, constants, preemption
+from raysgd.torch import constants
+from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.storage import async_writer
+from raysgd.torch.state import checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ def open_run(storage_path, num_to_keep=2, resume=True, result_log=None):
         raise TypeError(f"TorchTrainer: resume expects True or False; got {resume!r}")
     if storage_path is None:
         return NoStorage()
-    from raysgd.torch import storage  # noqa: PLC0415 (without pyarrow, resolving storage_path says what to install)
+    from raysgd.torch.storage import filesystem as storage  # noqa: PLC0415 (without pyarrow, resolving storage_path says what to install)
 
     checkpoints = storage.CheckpointStorage(storage_path, num_to_keep)
     checkpoints.check_writable()  # a real write and delete, before any actor starts
@@ -104,7 +107,7 @@ class DurableRun:
             self._read_error = err
 
     def restore(self, timeout_s=None):
-        """The :class:`~raysgd.torch.storage.Restored` checkpoint to resume from, or None; logs which one."""
+        """The :class:`~raysgd.torch.storage.filesystem.Restored` checkpoint to resume from, or None; logs which one."""
         if self._reader is None:
             return None
         self._reader.join(timeout_s)
@@ -124,7 +127,7 @@ class DurableRun:
     def resume(self, load_stream, timeout_s=None):
         """Load the checkpoint to resume from with ``load_stream(stream, blocking=True)``; rewind the result log.
 
-        Returns the :class:`~raysgd.torch.storage.Restored` checkpoint, or None (nothing to resume from).
+        Returns the :class:`~raysgd.torch.storage.filesystem.Restored` checkpoint, or None (nothing to resume from).
         """
         restored = self.restore(timeout_s)
         if restored is not None:
@@ -137,7 +140,7 @@ class DurableRun:
     def submit(self, stream, raise_error=True, **meta):
         """Write ``stream`` (trainer state bytes, or a function returning them) with ``meta`` in its marker.
 
-        Asynchronous: see :class:`~raysgd.torch.async_writer.AsyncWriter`; an earlier write's failure is raised
+        Asynchronous: see :class:`~raysgd.torch.storage.async_writer.AsyncWriter`; an earlier write's failure is raised
         here (``raise_error=False``: later). The marker also records how many train rows the result log holds,
         for :meth:`resume`.
         """

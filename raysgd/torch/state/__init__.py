@@ -1,0 +1,14 @@
+"""The training state: one format, its files, and the commits that make restart points inside an epoch.
+
+Layer 2 (torch, numpy; Ray only for the commit store's actor): the state of one worker's operator built and
+restored in one place (:mod:`~raysgd.torch.state.training_state`), checkpoint files written atomically and
+loaded safely (:mod:`~raysgd.torch.state.checkpoint`), CPU copies of models (:mod:`~raysgd.torch.state.model_copy`),
+and commits: taken by each worker (:mod:`~raysgd.torch.state.committer`), kept next to the driver
+(:mod:`~raysgd.torch.state.commit_store`) and planned and resumed by the driver
+(:mod:`~raysgd.torch.state.commit_policy`).
+
+Example:
+    >>> from raysgd.torch.state.checkpoint import state_from_bytes, state_to_bytes
+    >>> state_from_bytes(state_to_bytes({"epoch": 1}))
+    {'epoch': 1}
+"""
