@@ -54,7 +54,7 @@ GONE = {
         "raysgd.torch.worker.TorchWorker, the same class as a Ray actor or in the driver (use_local=True)."),
     "ray.util.sgd.torch.utils": (
         "setup_address/setup_process_group are methods of raysgd.torch.worker.TorchWorker now, and "
-        "choose_amp_backend is replaced by raysgd.torch.precision.Precision (use_fp16=False/True/'apex'/'bf16')."),
+        "choose_amp_backend is replaced by raysgd.torch.operator.precision.Precision (use_fp16=False/True/'apex'/'bf16')."),
     "ray.util.sgd.torch.func_trainable": (
         "DistributedTrainableCreator moved to ray.tune.integration.torch in Ray 1.0 and was later removed: "
         "use TorchTrainer.as_trainable(...) with Ray Tune, or Ray Train's TorchTrainer."),

@@ -57,7 +57,7 @@ class ClassifierOperator(TrainingOperator):
 
 def parameters_of(operator):
     """Flat copy of every parameter of the operator's registered models."""
-    return torch.cat([p.detach().reshape(-1).clone() for m in operator._get_original_models() for p in m.parameters()])
+    return torch.cat([p.detach().reshape(-1).clone() for m in operator.registered_models() for p in m.parameters()])
 
 
 def pid_and_threads():

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from helpers import LinearOperator
-from raysgd.torch import compiled
+from raysgd.torch.operator import compiled
 
 pytestmark = pytest.mark.usefixtures("ray_2cpus")
 
@@ -24,7 +24,7 @@ def kinds(op):
     """What trains (outer wrapper, and what it wraps) and what is saved."""
     inner = compiled.compiled_inner(op.model)
     return (type(op.model).__name__, type(inner).__name__ if inner is not None else None,
-            type(op._get_original_models()[0]).__name__)
+            type(op.registered_models()[0]).__name__)
 
 
 @pytest.mark.parametrize("num_workers", [1, 2])

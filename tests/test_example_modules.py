@@ -58,11 +58,11 @@ def test_dcgan_operator_trains_both_models_under_bf16(tmp_path):
     worker = TorchWorker(dcgan.GANOperator, {BATCH_SIZE: 16, "limit": 64, "classification_model_path": path},
                          use_fp16="bf16", is_local=True)
     worker.setup_operator()
-    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in worker.operator._get_original_models()]
+    before = [{k: v.clone() for k, v in m.state_dict().items()} for m in worker.operator.registered_models()]
     stats = worker.train_epoch(num_steps=3)
     assert stats["batch_count"] == 3 and stats["num_samples"] == 48
     assert {"loss_d", "loss_g", "inception"} <= set(stats) and 1.0 <= stats["inception"] <= 10.0
-    for old, model in zip(before, worker.operator._get_original_models()):  # discriminator and generator
+    for old, model in zip(before, worker.operator.registered_models()):  # discriminator and generator
         assert any(not torch.equal(old[k], v) for k, v in model.state_dict().items())
     assert worker.operator.sample(4).shape == (4, 1, 8, 8)
 

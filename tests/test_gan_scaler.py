@@ -6,7 +6,7 @@ so the tests put an enabled CPU scaler that counts its calls in its place. No Ra
 import pytest
 import torch
 
-from raysgd.torch.precision import Precision
+from raysgd.torch.operator.precision import Precision
 from raysgd.torch.worker import TorchWorker
 from raysgd.utils import BATCH_SIZE
 

@@ -20,25 +20,20 @@ LAYERS = {
     "raysgd.torch.errors": 0, "raysgd.torch.constants": 0, "raysgd.meters": 0, "raysgd.timers": 0,
     "raysgd.optional": 0,
     # 1: one rank's data order and shards, one rank's training helpers, the pure failure and sizing policies
-    "raysgd.torch.sharding": 1, "raysgd.torch.fault_tolerance": 1,
+    "raysgd.torch.sharding": 1, "raysgd.torch.operator": 1, "raysgd.torch.fault_tolerance": 1,
     # 2: the user's operator; the training state, checkpoint files, commits
-    "raysgd.torch.state": 2,
+    "raysgd.torch.training_operator": 2, "raysgd.torch.state": 2,
     # 3: durable storage of checkpoints
     "raysgd.torch.storage": 3,
     "raysgd.plot": 5,  # plotting a result log: a tool at the edge
     # the packages' public names, RaySGD 1.x's paths and the 1.x import mapping
     "raysgd": GLUE, "raysgd.torch": GLUE, "raysgd.utils": GLUE, "raysgd.compat": GLUE, "raysgd.legacy": GLUE,
-    "raysgd.data": GLUE,
+    "raysgd.data": GLUE, "raysgd.torch.lightning_operator": GLUE,
 }
 # The flat modules of raysgd/torch that have not moved into their folder yet: the old layering (<= within them).
 FLAT = {
-    "raysgd.torch.shipping": 0, "raysgd.torch.compiled": 0,
-    "raysgd.torch.precision": 1,
-    "raysgd.torch.registration": 1, "raysgd.torch.resnet": 1, "raysgd.torch.epoch_iterators": 1,
-    "raysgd.torch.evaluation": 1,
-    "raysgd.torch.accumulation": 1,
-    "raysgd.torch.training_operator": 2, "raysgd.torch.creator_operator": 2,
-    "raysgd.torch.operator_precision": 2,
+    "raysgd.torch.shipping": 0,
+    "raysgd.torch.resnet": 1, "raysgd.torch.epoch_iterators": 1,
     "raysgd.torch.worker": 3,
     "raysgd.torch.local_runner": 3,
     "raysgd.torch.reform": 4, "raysgd.torch.worker_group": 4,
@@ -48,12 +43,10 @@ FLAT = {
     "raysgd.torch.elastic": 5, "raysgd.torch.attempts": 5, "raysgd.torch.draining": 5,
     "raysgd.torch.arguments": 5, "raysgd.torch.torch_trainer": 5, "raysgd.torch.progress": 5,
     "raysgd.torch.results": 5, "raysgd.torch.ray_data": 5,
-    "raysgd.torch.tune": 6, "raysgd.torch.lightning": 6, "raysgd.torch.lightning_operator": 6,
+    "raysgd.torch.tune": 6,
 }
 # Lazy imports kept for 1.x's API while the flat modules remain.
-UPWARD_EXCEPTIONS = {("raysgd.torch.torch_trainer", "raysgd.torch.tune"),
-                     ("raysgd.torch.training_operator", "raysgd.torch.lightning_operator"),
-                     ("raysgd.torch.training_operator", "raysgd.torch.creator_operator")}
+UPWARD_EXCEPTIONS = {("raysgd.torch.torch_trainer", "raysgd.torch.tune")}
 # What each layer may import from outside the package (beyond the standard library).
 THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex", "filelock"},
                2: {"torch", "numpy", "filelock", "ray"}, 3: {"torch", "numpy", "ray"}, 4: {"ray", "torch", "numpy"},

@@ -15,7 +15,7 @@ import torch.nn as nn  # noqa: E402
 from lightning_modules import Classifier, NotAModule, PointsData, StepScheduled, TinyGAN  # noqa: E402
 from lightning_pytorch_modules import PlateauClassifier  # noqa: E402
 from raysgd import TrainingOperator  # noqa: E402
-from raysgd.torch import lightning  # noqa: E402
+from raysgd.torch.operator import lightning_bridge as lightning  # noqa: E402
 from raysgd.torch.lightning_operator import LightningOperator  # noqa: E402
 from raysgd.torch.worker import TorchWorker  # noqa: E402
 

@@ -7,8 +7,8 @@ import torch.nn as nn
 
 from helpers import ClassifierOperator, DtypeRecorder
 from raysgd import TorchTrainer
-from raysgd.torch import precision as precision_module
-from raysgd.torch.precision import Precision
+from raysgd.torch.operator import precision as precision_module
+from raysgd.torch.operator.precision import Precision
 
 CPU = torch.device("cpu")
 
@@ -35,7 +35,7 @@ def test_disabled_precision_is_plain_fp32():
 
 def test_fp16_on_cpu_keeps_fp32_and_says_so_once(caplog, monkeypatch):
     monkeypatch.setattr(precision_module, "_warned_cpu_fp16", False)
-    caplog.set_level(logging.WARNING, logger="raysgd.torch.precision")
+    caplog.set_level(logging.WARNING, logger="raysgd.torch.operator.precision")
     first, second = Precision(True, CPU), Precision(True, CPU)
     assert first.autocast_dtype is None and not first.scaler.is_enabled() and not second.enabled
     messages = [r.getMessage() for r in caplog.records]

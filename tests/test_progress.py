@@ -12,9 +12,9 @@ from raysgd.torch.progress import ProgressBar, ProgressReporter, describe
 
 
 class _Operator:
-    """Stands in for an operator: the reporter only sets and clears ``_progress_reporter`` on it."""
+    """Stands in for an operator: the reporter only sets and clears ``progress_reporter`` on it."""
 
-    _progress_reporter = None
+    progress_reporter = None
 
 
 def test_describe_matches_1x():
@@ -28,14 +28,14 @@ def test_reporter_is_rate_limited_and_always_sends_the_end():
     reporter = ProgressReporter(lambda state, final: sent.append((state, final)), call_id=3, interval_s=0.05)
     operator = _Operator()
     with reporter.attach(operator, num_steps=None, source=range(400)):
-        assert operator._progress_reporter is reporter
+        assert operator.progress_reporter is reporter
         start = time.monotonic()
         for batch_idx in range(400):
             reporter(batch_idx, {"train_loss": float(batch_idx % 2), "loss_g": 2.0, "acc": 0.5},
                      {"epoch_idx": 4, "num_epochs": 9})
             time.sleep(0.0005)
         elapsed = time.monotonic() - start
-    assert operator._progress_reporter is None
+    assert operator.progress_reporter is None
     assert sent[0][0]["n"] == 1 and not sent[0][1]  # the first batch shows at once
     last, final = sent[-1]
     assert final and [f for _, f in sent].count(True) == 1
@@ -84,7 +84,7 @@ class ReportingOperator(LinearOperator):
     def train_batch(self, batch, batch_info):
         time.sleep(0.004)
         metrics = super().train_batch(batch, batch_info)
-        metrics["has_reporter"] = float(getattr(self, "_progress_reporter", None) is not None)
+        metrics["has_reporter"] = float(getattr(self, "progress_reporter", None) is not None)
         return metrics
 
 

@@ -4,9 +4,8 @@ Example:
     >>> from raysgd.torch import TorchTrainer, TrainingOperator, BaseTorchTrainable
 """
 from raysgd.torch import shipping as _shipping
-from raysgd.torch.creator_operator import CreatorOperator
 from raysgd.torch.torch_trainer import TorchTrainer
-from raysgd.torch.training_operator import TrainingOperator
+from raysgd.torch.training_operator import CreatorOperator, TrainingOperator
 
 _shipping.install()  # torch's config modules pickle by name from here on (see raysgd.torch.shipping)
 

@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from raysgd.torch.constants import BATCH_SIZE, DATA_SEED, VALID_SCHEDULER_STEP
-from raysgd.torch.precision import validate_fp16
+from raysgd.torch.operator.precision import validate_fp16
 from raysgd.torch.training_operator import TrainingOperator
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Helper of layer 5 (:mod:`raysgd.torch.torch_trainer`): imports ray, and tqdm once a bar is shown.
 The worker never imports this module. Rank 0 alone receives a :class:`ProgressReporter` as an
-argument of ``train_epoch``; the operator's per-batch hook (``_report_progress``) calls it. The
+argument of ``train_epoch``; the operator's per-batch hook calls it (``operator.progress_reporter``). The
 reporter keeps the epoch's running losses and forwards a small state dict at most every
 ``SGD_PROGRESS_INTERVAL_S`` seconds (default 0.5), plus a last one when the epoch ends: to a
 :class:`~raysgd.torch.mailbox.Mailbox` (a 0-CPU actor next to the driver) when rank 0 is a Ray
@@ -124,11 +124,11 @@ class ProgressReporter:
         The total is ``num_steps`` when given, else ``len(source)`` when it has a length.
         """
         self.begin(num_steps if num_steps is not None else _length(source))
-        operator._progress_reporter = self
+        operator.progress_reporter = self
         try:
             yield self
         finally:
-            operator._progress_reporter = None
+            operator.progress_reporter = None
             self.end()
 
     def __call__(self, batch_idx, metrics, info):

@@ -21,7 +21,8 @@ import types
 
 import ray
 
-from raysgd.torch import accumulation, arguments, attempts, constants, elastic, progress, ray_data, results, shipping
+from raysgd.torch import arguments, attempts, constants, elastic, progress, ray_data, results, shipping
+from raysgd.torch.operator import accumulation
 from raysgd.torch.state import checkpoint
 from raysgd.torch.state import commit_policy as commits
 from raysgd.torch.storage import durable

@@ -1,7 +1,9 @@
 """TrainingOperator: what users subclass to register models and data, and the default epoch and batch loops.
 
 Layer 2: imports torch and layers 0-1. One operator lives in every worker; ``setup(config)``
-calls :meth:`TrainingOperator.register` and :meth:`TrainingOperator.register_data`.
+calls :meth:`TrainingOperator.register` and :meth:`TrainingOperator.register_data`. The operator's helpers are
+mixins of :mod:`raysgd.torch.operator` (precision, accumulation); RaySGD 1.x's :class:`CreatorOperator` and the
+Lightning operator are this class with the creator or Lightning loops of that folder mixed in.
 
 Example:
     >>> import torch
@@ -22,25 +24,29 @@ import logging
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from raysgd.torch import accumulation as _accumulation
-from raysgd.torch import compiled as _compiled
-from raysgd.torch.sharding import loaders as _data
-from raysgd.torch import registration as _registration
-from raysgd.torch.constants import ACCUMULATION_STEPS, DATA_SEED, SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH
-from raysgd.torch.operator_precision import PrecisionHelpers
-from raysgd.torch.precision import LegacyAmp, Precision
 from raysgd.meters import NUM_SAMPLES, AverageMeterCollection
 from raysgd.timers import TimerCollection
+from raysgd.torch.constants import DATA_SEED, SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH
+from raysgd.torch.operator import compiled as _compiled
+from raysgd.torch.operator import creators as _creators
+from raysgd.torch.operator import lightning as _lightning
+from raysgd.torch.operator import registration as _registration
+from raysgd.torch.operator.accumulation import AccumulationHelpers, zero_grad_now
+from raysgd.torch.operator.creators import get_test_metrics_operator, get_test_operator  # noqa: F401 (1.x's names)
+from raysgd.torch.operator.precision import LegacyAmp, Precision, PrecisionHelpers
+from raysgd.torch.sharding import loaders as _data
 
 logger = logging.getLogger(__name__)
 
 
-class TrainingOperator(PrecisionHelpers):
+class TrainingOperator(PrecisionHelpers, AccumulationHelpers):
     """Defines the training components of one worker and how an epoch and a batch are run.
 
     Subclass it and implement :meth:`setup`; override :meth:`train_batch`, :meth:`train_epoch`,
     :meth:`validate_batch` or :meth:`validate` for custom loops. The constructor is internal: the
-    trainer builds one operator per worker.
+    trainer builds one operator per worker, and the worker reads it through the methods under "what the
+    worker reads" (:meth:`state_parts`, :meth:`registered_models`, :meth:`registered_loader`,
+    :meth:`metrics_so_far`, :meth:`at_step_boundary`) and ``progress_reporter``.
 
     Example:
         >>> class Op(TrainingOperator):
@@ -68,6 +74,7 @@ class TrainingOperator(PrecisionHelpers):
         self._train_loader = self._validation_loader = None
         self.timers = TimerCollection()
         self.global_step, self._running_meters = 0, None  # the meters of the running default-loop epoch
+        self.progress_reporter = None  # set by the worker while rank 0 feeds the driver's progress bar
         self.setup(config)
         self._check_models_registered()
 
@@ -133,7 +140,7 @@ class TrainingOperator(PrecisionHelpers):
         info = dict(info or {})
         self._set_mode(training=True)
         meters = self._running_meters = AverageMeterCollection()
-        accumulation = _accumulation.begin(self)  # micro-batches per optimizer step (1 unless fixed_worker_batch)
+        accumulation = self._begin_accumulation()  # micro-batches per optimizer step (1 unless fixed_worker_batch)
         for batch_idx, batch in enumerate(iterator):
             batch_info = {"batch_idx": batch_idx, "global_step": self.global_step, **accumulation.next_info(), **info}
             metrics = dict(self.train_batch(batch, batch_info))
@@ -142,7 +149,7 @@ class TrainingOperator(PrecisionHelpers):
                 self._after_optimizer_step()
             meters.update(metrics, n=metrics.pop(NUM_SAMPLES, 1))
             self._report_progress(batch_idx, metrics, info)
-        if _accumulation.flush(self):  # an optimizer step left partial by the end of the epoch or call
+        if self._flush_accumulation():  # an optimizer step left partial by the end of the epoch or call
             self._after_optimizer_step()
         if self._scheduler_step_freq == SCHEDULER_STEP_EPOCH:
             self._step_schedulers()
@@ -163,9 +170,9 @@ class TrainingOperator(PrecisionHelpers):
                 output = model(*features)
                 loss = criterion(output, target)
             with self.timers.record("grad"):
-                if _accumulation.zero_grad_now(batch_info):
+                if zero_grad_now(batch_info):
                     optimizer.zero_grad()
-                self.backward(_accumulation.scale_loss(self, loss), optimizer)
+                self.backward(self._scale_for_accumulation(loss), optimizer)
         if step_now:
             with self.timers.record("apply"):
                 self.step(optimizer)
@@ -233,18 +240,6 @@ class TrainingOperator(PrecisionHelpers):
         for model in models:
             model.train(training)
 
-    def accumulate(self, step_now=True):
-        """Context for a micro-batch's forward and backward: every DDP model's ``no_sync()`` unless ``step_now``
-        (see :mod:`raysgd.torch.accumulation` and README "Global batch" for custom ``train_batch`` code). Example:
-            >>> # with self.accumulate(batch_info["step_now"]): loss = ...; self.backward(loss / k, optimizer)
-        """
-        return _accumulation.no_sync(self, step_now)
-
-    @property
-    def accumulation_steps(self):
-        """Micro-batches per optimizer step: ``max_workers / num_workers`` with ``fixed_worker_batch=True``, else 1."""
-        return int(self._config.get(ACCUMULATION_STEPS, 1))
-
     def _after_optimizer_step(self):
         if self._scheduler_step_freq == SCHEDULER_STEP_BATCH:
             self._step_schedulers()
@@ -255,39 +250,39 @@ class TrainingOperator(PrecisionHelpers):
             scheduler.step()
 
     def _report_progress(self, batch_idx, metrics, info):
-        """Hook for the driver's progress bar; set by the worker when ``use_tqdm`` is on."""
-        reporter = getattr(self, "_progress_reporter", None)
+        """Hook for the driver's progress bar: calls ``progress_reporter`` (set by the worker with ``use_tqdm``)."""
+        reporter = getattr(self, "progress_reporter", None)
         if reporter is not None:
             reporter(batch_idx, metrics, info)
 
-    def _state_parts(self):
-        """What this operator owns of the training state, for :mod:`raysgd.torch.state.training_state` (the one reader)."""
+    # ----------------------------------------------------------------- what the worker reads
+    def state_parts(self):
+        """What this operator owns of the training state, for :mod:`raysgd.torch.state.training_state` (its one
+        reader): ``{"models" (unwrapped), "optimizers", "precision", "schedulers"}``."""
         self._require_registered()
         return dict(models=self._original_models, optimizers=self._optimizers, precision=self._precision,
                     schedulers=self._schedulers)
 
-    def _partial_metrics(self):  # the default loop's metrics of the running epoch so far (else None)
+    def metrics_so_far(self):
+        """The default loop's metrics of the running epoch so far (what a commit stores), else None."""
         return self._running_meters.summary() if self._running_meters is not None else None
 
-    def _get_original_models(self):
+    def registered_models(self):
+        """The registered models, unwrapped (no DDP, no ``torch.compile`` wrapper): what checkpoints hold."""
         self._require_registered()
         return self._original_models
 
-    def _get_optimizers(self):
-        self._require_registered()
-        return self._optimizers
-
-    def _get_train_loader(self):
-        if self._train_loader is None:
-            raise RuntimeError("No training loader: call self.register_data(train_loader=...) in setup(), "
-                               "or pass train(dataset=...).")
-        return self._train_loader
-
-    def _get_validation_loader(self):
-        if self._validation_loader is None:
+    def registered_loader(self, kind="train", required=True):
+        """The registered ``"train"`` or ``"validation"`` loader (as sharded); None when there is none and not
+        ``required``, else a ``RuntimeError`` saying how to register one."""
+        loader = self._train_loader if kind == "train" else self._validation_loader
+        if loader is None and required:
+            if kind == "train":
+                raise RuntimeError("No training loader: call self.register_data(train_loader=...) in setup(), "
+                                   "or pass train(dataset=...).")
             raise RuntimeError("validate() needs a validation loader: call "
                                "self.register_data(validation_loader=...) in your operator's setup().")
-        return self._validation_loader
+        return loader
 
     def _check_models_registered(self):
         """Refuse an operator whose ``setup`` registered no model: the state, ``get_model()`` and DDP need one."""
@@ -345,7 +340,7 @@ class TrainingOperator(PrecisionHelpers):
 
     @property
     def precision(self):
-        """The :class:`~raysgd.torch.precision.Precision` object behind the fp16 helpers."""
+        """The :class:`~raysgd.torch.operator.precision.Precision` object behind the fp16 helpers."""
         return self._precision
 
     @property
@@ -367,23 +362,35 @@ class TrainingOperator(PrecisionHelpers):
     @classmethod
     def from_creators(cls, model_creator, optimizer_creator, data_creator=None, loss_creator=None,
                       scheduler_creator=None, serialize_data_creation=True):
-        """Build an operator class from 1.x creator functions (see :mod:`raysgd.torch.creator_operator`)."""
-        from raysgd.torch.creator_operator import make_creator_operator  # noqa: PLC0415 (cycle)
-
-        return make_creator_operator(cls, model_creator, optimizer_creator, data_creator, loss_creator,
-                                     scheduler_creator, serialize_data_creation)
+        """Build an operator class from 1.x creator functions: a :class:`CreatorOperator` (this class, when it is not
+        one yet, with the creator loop mixed in; see :mod:`raysgd.torch.operator.creators`)."""
+        base = cls if issubclass(cls, CreatorOperator) else type("CreatorOperator", (CreatorOperator, cls), {})
+        return _creators.make_creator_operator(base, model_creator, optimizer_creator, data_creator, loss_creator,
+                                               scheduler_creator, serialize_data_creation)
 
     @classmethod
     def from_ptl(cls, lightning_module_cls, train_dataloader=None, val_dataloader=None, **options):
-        """An operator class training a LightningModule (see :mod:`raysgd.torch.lightning_operator`)."""
-        from raysgd.torch.lightning_operator import from_ptl  # noqa: PLC0415 (Lightning is optional)
-        return from_ptl(lightning_module_cls, train_dataloader, val_dataloader, **options)
+        """An operator class training a LightningModule: a :class:`LightningOperator` (see
+        :mod:`raysgd.torch.operator.lightning`; Lightning is imported only here)."""
+        return _lightning.make_lightning_operator(LightningOperator, lightning_module_cls, train_dataloader,
+                                                  val_dataloader, **options)
 
 
-def __getattr__(name):
-    """1.x's names in this module, defined in :mod:`raysgd.torch.creator_operator` (which imports this one)."""
-    if name in ("CreatorOperator", "get_test_operator", "get_test_metrics_operator"):
-        from raysgd.torch import creator_operator  # noqa: PLC0415 (cycle)
+class CreatorOperator(_creators.CreatorLoops, TrainingOperator):
+    """A :class:`TrainingOperator` whose ``setup`` calls the creator functions held as class attributes (RaySGD 1.x's
+    class; :meth:`TrainingOperator.from_creators` builds one).
 
-        return getattr(creator_operator, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    After setup, ``models``/``optimizers``/``schedulers`` hold what ``register`` returned and
+    ``model``/``optimizer``/``scheduler``/``criterion`` the first (or only) one; an attribute whose
+    creator was not given is absent.
+    """
+
+
+class LightningOperator(_lightning.LightningLoops, TrainingOperator):
+    """A :class:`TrainingOperator` training the LightningModule class held in ``_lightning_module_cls``
+    (:meth:`TrainingOperator.from_ptl` builds one; RaySGD 1.x's ``lightning_operator.LightningOperator``).
+
+    ``self.model`` is the module as registered (DDP-wrapped when distributed), :meth:`get_model` the module
+    itself; ``self.optimizers`` and ``self.scheduler_dicts`` hold what ``configure_optimizers`` returned.
+    Subclass the class that ``from_ptl`` returns to change a loop.
+    """

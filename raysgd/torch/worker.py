@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from raysgd.torch.state import checkpoint
 from raysgd.torch.sharding import loaders as _data
-from raysgd.torch import evaluation
+from raysgd.torch.operator import evaluation
 from raysgd.torch.state import model_copy
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.state import training_state as _state
@@ -159,10 +159,10 @@ class TorchWorker:
 
     # ----------------------------------------------------------------- epochs
     def _train_loader(self):
-        return self.operator._get_train_loader()
+        return self.operator.registered_loader("train")
 
     def _validation_loader(self):
-        return self.operator._get_validation_loader()
+        return self.operator.registered_loader("validation")
 
     def _on_new_train_epoch(self, loader):
         _data.set_sampler_epoch(loader, self.epochs)
@@ -218,7 +218,7 @@ class TorchWorker:
     def validate(self, num_steps=None, profile=False, info=None):
         """Validate on ``num_steps`` batches (default: the rest of the validation set); returns metrics."""
         self._begin(profile)
-        self.operator._get_validation_loader()  # a clear error before anything else
+        self.operator.registered_loader("validation")  # a clear error before anything else
         with self.timers.record("validation"), self._val_iter.fresh_after_error(), _state.preserved_rng(), \
                 evaluation.quiet_forward(evaluation.ddp_modules(self.operator)):  # no collective per batch
             stats = self.operator.validate(self._val_iter.take(num_steps), dict(info or {}))
@@ -284,7 +284,7 @@ class TorchWorker:
     # ----------------------------------------------------------------- access
     def get_models(self, to_cpu=False):
         """The unwrapped models; with ``to_cpu`` CPU copies (the worker's own models never move)."""
-        models = self.operator._get_original_models()
+        models = self.operator.registered_models()
         return [model_copy.cpu_copy(model) for model in models] if to_cpu else models
 
     def apply(self, fn):
@@ -301,7 +301,7 @@ class TorchWorker:
         return fn(self.operator)
 
     def update_scheduler(self, metric):
-        schedulers = self.operator._state_parts()["schedulers"]
+        schedulers = self.operator.state_parts()["schedulers"]
         if not schedulers:
             raise TypeError("update_scheduler needs registered schedulers: pass register(schedulers=...) in setup()")
         for scheduler in schedulers:

@@ -196,7 +196,7 @@ class GANOperator(TrainingOperator):
     Example:
         >>> images = trainer.apply_all_operators(lambda op: op.sample(16))[0]  # doctest: +SKIP
     """
-        generator = self._get_original_models()[1]  # unwrapped: no DDP collectives for a local sample
+        generator = self.registered_models()[1]  # unwrapped: no DDP collectives for a local sample
         noise = torch.randn(n, self.latent_dim, generator=torch.Generator().manual_seed(seed)).to(self.device)
         generator.eval()
         with torch.no_grad():

@@ -31,7 +31,6 @@ import time
 import torch
 
 from raysgd.meters import merge_partial
-from raysgd.torch import accumulation as _accumulation
 from raysgd.torch.sharding import loaders as _data
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.state import training_state as _state
@@ -186,7 +185,7 @@ class Committer:
                 self._count()
                 if plan is None:
                     continue
-                boundary = _accumulation.at_step_boundary(worker.operator)  # grads aren't state: no mid-step commit
+                boundary = worker.operator.at_step_boundary()  # grads aren't state: no mid-step commit
                 if boundary and self.call_steps % check_every == 0:
                     level, slowest_s = preemption.exchange(worker, resize=self._resize(plan), trained_s=self._unsent_s)
                     self._unsent_s, self._trained_s = 0.0, self._trained_s + slowest_s
@@ -195,7 +194,7 @@ class Committer:
                 if self._due and boundary:
                     self._due, self._trained_s = False, 0.0
                     self._commit(worker, plan, loader_of())
-            if plan is not None and _accumulation.at_step_boundary(worker.operator):  # a signal in the last step
+            if plan is not None and worker.operator.at_step_boundary():  # a signal in the last step
                 level = preemption.agree(worker, last=True)
                 self._maybe_stop(worker, plan, loader_of(), preemption.PREEMPT if level == preemption.PREEMPT else 0)
         finally:
@@ -236,7 +235,7 @@ class Committer:
             return None
         started = time.perf_counter()
         op = worker.operator
-        partial = op._partial_metrics()  # the epoch's metrics so far: a loaded committed part counts too
+        partial = op.metrics_so_far()  # the epoch's metrics so far: a loaded committed part counts too
         meters = None if partial is None else merge_partial(self.carried, partial)
         record = {"rng": _state.rng_state(), "meters": meters,
                   "cursor": {"epoch": worker.epochs, "consumed": int(consumed), "steps": self.epoch_steps,

@@ -2,7 +2,7 @@
 
 Layer 2 (torch, numpy, layers 0-1). Snapshots, commits, ``save``/``load`` and Tune checkpoints all go
 through :func:`capture` and :func:`restore`. The operator owns what is its own and hands it over
-through ``TrainingOperator._state_parts()``; nobody else reads its private attributes.
+through ``TrainingOperator.state_parts()``; nobody reads its private attributes.
 
 The state is a dict that ``torch.load(weights_only=True)`` accepts (tensors, numbers, strings, lists,
 dicts; random states as bytes and lists, so two states compare with ``==`` where their tensors do)::
@@ -31,7 +31,7 @@ import random
 import numpy as np
 import torch
 
-from raysgd.torch import compiled as _compiled
+from raysgd.torch.operator import compiled as _compiled
 from raysgd.meters import merge_partial
 
 logger = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ def capture(operator, epoch, copy=False):
     Models are unwrapped (no DDP prefix). With ``copy`` every tensor is a host copy, so the result
     stays valid while training goes on (a commit serialises it in the background).
     """
-    parts = operator._state_parts()
+    parts = operator.state_parts()
     state = {
         "epoch": epoch,
         "global_step": operator.global_step,
@@ -190,7 +190,7 @@ def restore(operator, state):
     Example:
         >>> # epoch = restore(worker.operator, state)
     """
-    parts = operator._state_parts()
+    parts = operator.state_parts()
     schedulers = parts["schedulers"] or []
     _check_count("models", parts["models"], state["models"])
     _check_count("optimizers", parts["optimizers"], state["optimizers"])

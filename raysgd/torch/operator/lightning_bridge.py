@@ -1,6 +1,6 @@
-"""The Lightning-facing parts of :mod:`raysgd.torch.lightning_operator`: what a LightningModule talks to.
+"""The Lightning-facing parts of :mod:`raysgd.torch.operator.lightning`: what a LightningModule talks to.
 
-An integration at the edge: Lightning is imported only when these functions run, under either of its
+Layer 1 (torch): Lightning is imported only when these functions run, under either of its
 names (``pytorch_lightning`` or ``lightning.pytorch``). Here: finding Lightning, parsing
 ``configure_optimizers``, the stand-in a module reaches as ``self.trainer`` (``self.log``,
 ``self.optimizers()``, ``manual_backward``), the mapping from Lightning's ``precision`` setting to

@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from raysgd.torch.compiled import find_ddp
+from raysgd.torch.operator.compiled import find_ddp
 
 logger = logging.getLogger(__name__)
 

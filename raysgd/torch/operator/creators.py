@@ -1,6 +1,8 @@
-"""Operators built from 1.x creator functions (``TrainingOperator.from_creators``) and the 1.x test helpers.
+"""The creator loop of RaySGD 1.x (``TrainingOperator.from_creators``) as a mixin, and the 1.x test helpers.
 
-Layer 2, beside :mod:`raysgd.torch.training_operator`.
+Layer 1 (torch, filelock): :class:`CreatorLoops` is a mixin that never imports the operator:
+:class:`~raysgd.torch.training_operator.CreatorOperator` is ``TrainingOperator`` with it mixed in, and
+:func:`make_creator_operator` builds the class from the base it is given.
 
 Example:
     >>> from raysgd.torch import TrainingOperator
@@ -14,19 +16,25 @@ import tempfile
 import torch
 from filelock import FileLock
 
-from raysgd.torch.training_operator import TrainingOperator
 from raysgd.meters import NUM_SAMPLES
 
 #: Lock serialising data creation among the workers of one node (``serialize_data_creation=True``).
 DATA_LOCK_PATH = os.path.join(tempfile.gettempdir(), ".raydata.lock")
 
 
-class CreatorOperator(TrainingOperator):
-    """A :class:`TrainingOperator` whose ``setup`` calls the creator functions held as class attributes.
+class CreatorLoops:
+    """The ``setup`` of an operator built from creator functions held as class attributes (a mixin: the operator's
+    ``register`` and ``register_data`` do the rest).
 
     After setup, ``models``/``optimizers``/``schedulers`` hold what ``register`` returned and
     ``model``/``optimizer``/``scheduler``/``criterion`` the first (or only) one; an attribute whose
     creator was not given is absent.
+
+    Example:
+        >>> class Op(CreatorLoops):
+        ...     _data_creator = staticmethod(lambda config: ([1, 2], [3]))
+        >>> Op()._create_loaders({})
+        ([1, 2], [3])
     """
 
     _model_creator = _optimizer_creator = _data_creator = _loss_creator = _scheduler_creator = None
@@ -79,7 +87,8 @@ def _first(value):
 
 def make_creator_operator(base, model_creator, optimizer_creator, data_creator=None, loss_creator=None,
                           scheduler_creator=None, serialize_data_creation=True):
-    """The class behind ``TrainingOperator.from_creators``; checks the creators first."""
+    """The class behind ``TrainingOperator.from_creators``: ``base`` (a class with :class:`CreatorLoops`) holding the
+    creators; they are checked first."""
     for name, creator in (("model_creator", model_creator), ("optimizer_creator", optimizer_creator)):
         if not callable(creator):
             raise ValueError(f"from_creators needs a callable {name}; got {creator!r}")
@@ -87,8 +96,9 @@ def make_creator_operator(base, model_creator, optimizer_creator, data_creator=N
                           ("scheduler_creator", scheduler_creator)):
         if creator is not None and not callable(creator):
             raise ValueError(f"from_creators: {name} must be callable or None; got {creator!r}")
-    parent = base if issubclass(base, CreatorOperator) else type("CreatorOperator", (CreatorOperator, base), {})
-    return type("CustomCreatorOperator", (parent,), {
+    if not issubclass(base, CreatorLoops):
+        raise TypeError(f"make_creator_operator needs a base class with CreatorLoops; got {base!r}")
+    return type("CustomCreatorOperator", (base,), {
         "_model_creator": staticmethod(model_creator),
         "_optimizer_creator": staticmethod(optimizer_creator),
         "_data_creator": staticmethod(data_creator) if data_creator else None,
