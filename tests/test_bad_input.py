@@ -179,7 +179,7 @@ def test_worker_loads_user_bytes_safely(tmp_path):
 
 def test_tune_load_checkpoint_of_what_is_not_a_checkpoint(trainer, tmp_path):
     pytest.importorskip("ray.tune")
-    from raysgd.torch import tune as raysgd_tune
+    from raysgd.torch.integrations import tune as raysgd_tune
 
     trainable = object.__new__(raysgd_tune.BaseTorchTrainable)  # no Tune run needed for load_checkpoint
     trainable._trainer = trainer

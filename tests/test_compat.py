@@ -82,7 +82,8 @@ def test_1x_names_behind_mapped_module_paths(installed):
     from ray.util.sgd.torch.worker_group import RESIZE_COOLDOWN_S
     from ray.util.sgd.utils import check_for_failure
 
-    from raysgd.torch import constants, tune
+    from raysgd.torch import constants
+    from raysgd.torch.integrations import tune
 
     assert BaseTorchTrainable is tune.BaseTorchTrainable and TorchTrainer is raysgd.TorchTrainer
     assert issubclass(CreatorOperator, TrainingOperator) and CreatorOperator is raysgd.torch.CreatorOperator

@@ -12,7 +12,7 @@ from conftest import assert_released
 from helpers import LinearOperator
 from raysgd.torch.storage import filesystem as storage
 from raysgd.torch.errors import CheckpointError
-from raysgd.torch.results import read_results
+from raysgd.torch.integrations.results import read_results
 from s3_server import moto_s3
 
 CONFIG = {"lr": 0.05, "momentum": 0.9, "batch_size": 8, "data_size": 32}
@@ -97,7 +97,7 @@ def test_s3_round_trip_through_a_trainer(ray_2cpus, trainer_factory):
 
 def test_tune_checkpoint_has_the_storage_format(ray_2cpus, trainer_factory, tmp_path):
     pytest.importorskip("ray.tune")
-    from raysgd.torch import tune as raysgd_tune
+    from raysgd.torch.integrations import tune as raysgd_tune
 
     assert raysgd_tune.CHECKPOINT_FILE == storage.STATE_FILE and raysgd_tune.MARKER_FILE == storage.MARKER_FILE
     trainer = trainer_factory(training_operator_cls=LinearOperator, config=CONFIG)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from raysgd.torch.storage import filesystem as storage
-from raysgd.torch.results import read_results
+from raysgd.torch.integrations.results import read_results
 from s3_server import HoldingProxy, moto_s3
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durable_driver.py")

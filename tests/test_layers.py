@@ -25,6 +25,8 @@ LAYERS = {
     "raysgd.torch.training_operator": 2, "raysgd.torch.state": 2,
     # 3: durable storage of checkpoints
     "raysgd.torch.storage": 3,
+    # 5: Tune, Ray Data, the progress bar, result logs: at the edge, never imported by the core
+    "raysgd.torch.integrations": 5,
     "raysgd.plot": 5,  # plotting a result log: a tool at the edge
     # the packages' public names, RaySGD 1.x's paths and the 1.x import mapping
     "raysgd": GLUE, "raysgd.torch": GLUE, "raysgd.utils": GLUE, "raysgd.compat": GLUE, "raysgd.legacy": GLUE,
@@ -37,16 +39,13 @@ FLAT = {
     "raysgd.torch.worker": 3,
     "raysgd.torch.local_runner": 3,
     "raysgd.torch.reform": 4, "raysgd.torch.worker_group": 4,
-    "raysgd.torch.mailbox": 4, "raysgd.torch.failures": 4, "raysgd.torch.worker_handle": 4,
+    "raysgd.torch.failures": 4, "raysgd.torch.worker_handle": 4,
     "raysgd.torch.placement": 4, "raysgd.torch.trial_placement": 4, "raysgd.torch.cluster_state": 4,
     "raysgd.torch.diagnostics": 4,
     "raysgd.torch.elastic": 5, "raysgd.torch.attempts": 5, "raysgd.torch.draining": 5,
-    "raysgd.torch.arguments": 5, "raysgd.torch.torch_trainer": 5, "raysgd.torch.progress": 5,
-    "raysgd.torch.results": 5, "raysgd.torch.ray_data": 5,
-    "raysgd.torch.tune": 6,
+    "raysgd.torch.arguments": 4, "raysgd.torch.torch_trainer": 5,
 }
-# Lazy imports kept for 1.x's API while the flat modules remain.
-UPWARD_EXCEPTIONS = {("raysgd.torch.torch_trainer", "raysgd.torch.tune")}
+UPWARD_EXCEPTIONS = set()
 # What each layer may import from outside the package (beyond the standard library).
 THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex", "filelock"},
                2: {"torch", "numpy", "filelock", "ray"}, 3: {"torch", "numpy", "ray"}, 4: {"ray", "torch", "numpy"},
@@ -160,7 +159,7 @@ def test_modules_say_their_job_and_stay_readable(path):
 
 def test_only_the_worker_group_touches_actor_handles():
     for path in library_modules():
-        if module_name(path) in ("raysgd.torch.worker_group", "raysgd.torch.worker_handle", "raysgd.torch.mailbox",
+        if module_name(path) in ("raysgd.torch.worker_group", "raysgd.torch.worker_handle", "raysgd.torch.integrations.mailbox",
                                  "raysgd.torch.state.commit_store"):
             continue
         assert ".remote(" not in path.read_text(), f"{path.name} calls actors directly"

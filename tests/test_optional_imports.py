@@ -105,7 +105,7 @@ SCRIPT = textwrap.dedent('''
     from raysgd.data import Dataset
     from raysgd.plot import plot_training_curve
     from raysgd.torch.examples import dcgan
-    from raysgd.torch.results import ResultLogger
+    from raysgd.torch.integrations.results import ResultLogger
     expect(ImportError, "data", lambda: Dataset([(1.0, 2.0)], batch_size=1).ray_dataset())
     expect(ImportError, "logging", lambda: plot_training_curve([{"train_loss": 1.0}], "curve.png"))
     expect(ValueError, "logging", lambda: ResultLogger(tempfile.mkdtemp(), tensorboard=True))

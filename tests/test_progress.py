@@ -8,7 +8,7 @@ import pytest
 from conftest import assert_released
 from helpers import LinearOperator
 from raysgd import TorchTrainer
-from raysgd.torch.progress import ProgressBar, ProgressReporter, describe
+from raysgd.torch.integrations.progress import ProgressBar, ProgressReporter, describe
 
 
 class _Operator:

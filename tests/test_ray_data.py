@@ -8,7 +8,7 @@ import pytest
 from conftest import live_actors, live_placement_groups
 from helpers import LinearOperator
 from raysgd import TorchTrainer
-from raysgd.torch.ray_data import DatasetInput, ShardCache, _with_deadline, as_input
+from raysgd.torch.integrations.ray_data import DatasetInput, ShardCache, _with_deadline, as_input
 from raysgd.utils import BATCH_SIZE
 
 N = 200

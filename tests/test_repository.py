@@ -73,7 +73,7 @@ def test_changelog_keeps_a_changelog_form():
 DOCTESTED = ["raysgd.utils", "raysgd.optional", "raysgd.torch.fault_tolerance.recovery", "raysgd.meters", "raysgd.timers", "raysgd.torch.arguments",
              "raysgd.torch.state.checkpoint", "raysgd.torch.sharding.loaders", "raysgd.torch.errors", "raysgd.torch.operator.precision",
              "raysgd.torch.worker", "raysgd.torch.constants", "raysgd.torch.examples.train_example",
-             "raysgd.torch.progress", "raysgd.torch.results", "raysgd.torch.ray_data",
+             "raysgd.torch.integrations.progress", "raysgd.torch.integrations.results", "raysgd.torch.integrations.ray_data",
              "raysgd.torch.sharding", "raysgd.torch.sharding.cursor", "raysgd.torch.sharding.batch_split", "raysgd.torch.sharding.epoch_order", "raysgd.torch.operator.evaluation",
              "raysgd.torch.state.model_copy", "raysgd.data.dataset", "raysgd.data.examples.mlp_identity",
              "raysgd.torch.state.training_state", "raysgd.torch.state.committer", "raysgd.torch.state.commit_policy", "raysgd.torch.elastic", "raysgd.torch.attempts",
@@ -81,7 +81,7 @@ DOCTESTED = ["raysgd.utils", "raysgd.optional", "raysgd.torch.fault_tolerance.re
              "raysgd.torch.operator", "raysgd.torch.operator.accumulation", "raysgd.torch.operator.creators",
              "raysgd.torch.operator.registration", "raysgd.torch.lightning_operator", "raysgd.torch.state",
              "raysgd.torch.storage", "raysgd.torch.fault_tolerance", "raysgd.torch.failures",
-             "raysgd.torch.draining", "raysgd.torch.tune", "raysgd.torch.shipping",
+             "raysgd.torch.draining", "raysgd.torch.integrations.tune", "raysgd.torch.shipping",
              "raysgd.torch.epoch_iterators"]
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import LinearOperator
 from raysgd import TorchTrainer
-from raysgd.torch.results import ResultLogger, open_result_log, read_results
+from raysgd.torch.integrations.results import ResultLogger, open_result_log, read_results
 
 
 def read_scalars(logdir):

@@ -11,7 +11,7 @@ from raysgd.torch.storage import durable
 from raysgd.torch.storage import filesystem as storage
 from raysgd.torch.state.checkpoint import state_to_bytes
 from raysgd.torch.errors import CheckpointError
-from raysgd.torch.results import ResultLogger, read_results
+from raysgd.torch.integrations.results import ResultLogger, read_results
 from s3_server import moto_s3
 
 

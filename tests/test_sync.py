@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd.torch import TrainingOperator
-from raysgd.torch.progress import ProgressReporter
+from raysgd.torch.integrations.progress import ProgressReporter
 from raysgd.torch.worker import TorchWorker
 from raysgd.utils import NUM_SAMPLES, AverageMeter, AverageMeterCollection
 

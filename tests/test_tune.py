@@ -16,7 +16,7 @@ tune = pytest.importorskip("ray.tune", reason="needs ray[tune]")
 
 from raysgd import TorchTrainer  # noqa: E402
 from raysgd.torch import BaseTorchTrainable  # noqa: E402
-from raysgd.torch import tune as raysgd_tune  # noqa: E402
+from raysgd.torch.integrations import tune as raysgd_tune  # noqa: E402
 from raysgd.utils import BATCH_SIZE  # noqa: E402
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

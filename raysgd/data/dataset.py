@@ -1,7 +1,7 @@
 """RaySGD 1.x's sharded ``Dataset`` for ``train(dataset=...)``, as a thin adapter over Ray Data.
 
 Outside the core layers (an integration at the edge, like Tune): imports ray, torch, numpy and
-:mod:`raysgd.torch.ray_data`, whose streaming split and shards do the work. RaySGD 1.12 built this
+:mod:`raysgd.torch.integrations.ray_data`, whose streaming split and shards do the work. RaySGD 1.12 built this
 class on ``ray.util.iter`` (deprecated and unmaintained in Ray 2.x); here the items become a Ray
 Data dataset of ``{"x", "y"}`` rows, ``download_func`` runs as a Ray Data ``map`` (at most
 ``max_concurrency`` tasks at a time), and the trainer splits it with ``streaming_split``.
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from raysgd import optional
-from raysgd.torch.ray_data import DatasetInput
+from raysgd.torch.integrations.ray_data import DatasetInput
 
 
 def _as_array(value, what):
@@ -108,7 +108,7 @@ class Dataset:
         if type(data).__name__ == "ParallelIterator":
             raise TypeError("raysgd.data.Dataset takes the items themselves (a list), not a ray.util.iter "
                             "ParallelIterator (deprecated in Ray 2.x); for Ray Data datasets use "
-                            "raysgd.torch.ray_data.DatasetInput")
+                            "raysgd.torch.integrations.ray_data.DatasetInput")
         if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
             raise TypeError(f"raysgd.data.Dataset(data=...) expects an iterable of items; got {type(data).__name__}")
         if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool) or batch_size < 1:
@@ -143,7 +143,7 @@ class Dataset:
         return self._ray_dataset
 
     def as_dataset_input(self, repeat=True):
-        """What ``train(dataset=self)`` reads: a :class:`~raysgd.torch.ray_data.DatasetInput` (1.12's batches)."""
+        """What ``train(dataset=self)`` reads: a :class:`~raysgd.torch.integrations.ray_data.DatasetInput` (1.12's batches)."""
         return DatasetInput(self.ray_dataset(), label_column="y", feature_columns=["x"], batch_size=self.batch_size,
                             repeat=repeat, convert=ConcatBatch(self.transform))
 

@@ -14,7 +14,7 @@ __all__ = ["TorchTrainer", "TrainingOperator", "CreatorOperator", "BaseTorchTrai
 
 def __getattr__(name):
     if name == "BaseTorchTrainable":  # imports Ray Tune, which stays optional until used
-        from raysgd.torch.tune import BaseTorchTrainable  # noqa: PLC0415
+        from raysgd.torch.integrations.tune import BaseTorchTrainable  # noqa: PLC0415
 
         return BaseTorchTrainable
     raise AttributeError(f"module 'raysgd.torch' has no attribute {name!r}")

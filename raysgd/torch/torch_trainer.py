@@ -21,7 +21,10 @@ import types
 
 import ray
 
-from raysgd.torch import arguments, attempts, constants, elastic, progress, ray_data, results, shipping
+from raysgd.torch import arguments, attempts, constants, elastic, shipping
+from raysgd.torch.integrations import progress
+from raysgd.torch.integrations import ray_data
+from raysgd.torch.integrations import results
 from raysgd.torch.operator import accumulation
 from raysgd.torch.state import checkpoint
 from raysgd.torch.state import commit_policy as commits
@@ -48,7 +51,7 @@ class TorchTrainer:
 
     Every argument is keyword-only and checked before any actor starts. See the README for each one;
     the defaults follow RaySGD 1.12. ``use_tqdm=True`` shows one progress bar on the driver's stderr,
-    fed by rank 0; ``logdir`` (a path or a :class:`~raysgd.torch.results.ResultLogger`) appends every
+    fed by rank 0; ``logdir`` (a path or a :class:`~raysgd.torch.integrations.results.ResultLogger`) appends every
     ``train()``/``validate()`` result to CSV files and TensorBoard there. ``storage_path``: see Durable runs.
 
     Example:
@@ -201,7 +204,7 @@ class TorchTrainer:
         A worker that dies or stops answering ends the attempt; the call goes on from its latest commit
         (or its start) on as many workers as fit, at most ``max_retries`` times. When more workers fit
         meanwhile, the call grows at a commit point (see :mod:`raysgd.torch.attempts`).
-        ``dataset`` (a ``ray.data.Dataset`` or :class:`~raysgd.torch.ray_data.DatasetInput`) replaces
+        ``dataset`` (a ``ray.data.Dataset`` or :class:`~raysgd.torch.integrations.ray_data.DatasetInput`) replaces
         the registered train loader for this call: each worker reads its own streaming-split shard.
 
         Example:
@@ -384,16 +387,16 @@ class TorchTrainer:
 
     @classmethod
     def as_trainable(cls, *args, override_tune_step=None, **kwargs):
-        """A Ray Tune ``Trainable`` class training with ``TorchTrainer(**kwargs)`` (see :mod:`raysgd.torch.tune`)."""
-        from raysgd.torch.tune import make_trainable  # noqa: PLC0415 (Tune stays optional)
+        """A Ray Tune ``Trainable`` class training with ``TorchTrainer(**kwargs)`` (see :mod:`raysgd.torch.integrations.tune`)."""
+        from raysgd.torch.integrations.tune import make_trainable  # noqa: PLC0415 (Tune stays optional)
 
         return make_trainable(cls, *args, override_tune_step=override_tune_step, **kwargs)
 
 
 def __getattr__(name):
-    """``BaseTorchTrainable``, where 1.x defined it; :mod:`raysgd.torch.tune` imports Ray Tune, so on first use."""
+    """``BaseTorchTrainable``, where 1.x defined it; :mod:`raysgd.torch.integrations.tune` imports Ray Tune, so on first use."""
     if name == "BaseTorchTrainable":
-        from raysgd.torch.tune import BaseTorchTrainable  # noqa: PLC0415 (Tune stays optional until used)
+        from raysgd.torch.integrations.tune import BaseTorchTrainable  # noqa: PLC0415 (Tune stays optional until used)
 
         return BaseTorchTrainable
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -185,7 +185,7 @@ class TorchWorker:
 
         ``iterator`` (e.g. a Ray Data shard) replaces the registered loader for this call and
         counts as one epoch. ``progress`` (rank 0 with ``use_tqdm``) is a
-        :class:`~raysgd.torch.progress.ProgressReporter` fed by the operator's per-batch hook.
+        :class:`~raysgd.torch.integrations.progress.ProgressReporter` fed by the operator's per-batch hook.
         ``commit`` (a :class:`~raysgd.torch.state.committer.CommitPlan`) commits between batches.
         The operator's iterator has ``end_epoch()``: the epoch ends with this call (Lightning's ``-1``).
         """

@@ -59,7 +59,7 @@ class NoStorage:
 def open_run(storage_path, num_to_keep=2, resume=True, result_log=None):
     """``TorchTrainer(storage_path=...)``: a checked :class:`DurableRun`, or :class:`NoStorage` without a path.
 
-    ``result_log`` (the trainer's :class:`~raysgd.torch.results.ResultLogger`, if any) is rewound on resume.
+    ``result_log`` (the trainer's :class:`~raysgd.torch.integrations.results.ResultLogger`, if any) is rewound on resume.
 
     Example:
         >>> open_run(None).resume(None) is None

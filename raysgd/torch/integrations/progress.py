@@ -5,7 +5,7 @@ The worker never imports this module. Rank 0 alone receives a :class:`ProgressRe
 argument of ``train_epoch``; the operator's per-batch hook calls it (``operator.progress_reporter``). The
 reporter keeps the epoch's running losses and forwards a small state dict at most every
 ``SGD_PROGRESS_INTERVAL_S`` seconds (default 0.5), plus a last one when the epoch ends: to a
-:class:`~raysgd.torch.mailbox.Mailbox` (a 0-CPU actor next to the driver) when rank 0 is a Ray
+:class:`~raysgd.torch.integrations.mailbox.Mailbox` (a 0-CPU actor next to the driver) when rank 0 is a Ray
 actor, or straight to the bar when rank 0 lives in the driver (``use_local=True``). While it waits
 for the workers, the driver reads the mailbox without blocking (the worker group's ``on_tick``).
 With ``use_tqdm=False`` none of this exists.
@@ -34,7 +34,7 @@ from raysgd.meters import AverageMeterCollection
 from ray.exceptions import GetTimeoutError, RayError
 
 from raysgd.torch.constants import env_float
-from raysgd.torch.mailbox import Mailbox
+from raysgd.torch.integrations.mailbox import Mailbox
 
 logger = logging.getLogger(__name__)
 

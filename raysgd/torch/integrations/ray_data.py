@@ -130,7 +130,7 @@ def as_input(dataset, operator_cls, num_steps=None):
     if isinstance(dataset, Dataset):
         dataset = DatasetInput(dataset)
     elif not isinstance(dataset, DatasetInput):
-        raise TypeError(f"train(dataset=...) expects a ray.data.Dataset or a raysgd.torch.ray_data.DatasetInput; "
+        raise TypeError(f"train(dataset=...) expects a ray.data.Dataset or a raysgd.torch.integrations.ray_data.DatasetInput; "
                         f"got {type(dataset).__name__}")
     default_loop = (operator_cls.train_batch is TrainingOperator.train_batch
                     and operator_cls.train_epoch is TrainingOperator.train_epoch)
