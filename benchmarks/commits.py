@@ -73,7 +73,7 @@ def overhead(model, smoke, repeats):
         trainer.train(num_steps=max(5, steps // 4))  # warm-up
         for round_ in range(repeats):
             for label, every in SETTINGS[round_ % len(SETTINGS):] + SETTINGS[:round_ % len(SETTINGS)]:
-                trainer._commits.every_n = every
+                trainer.controller.commits.every_n = every
                 start = time.perf_counter()
                 trainer.train(num_steps=steps)
                 rates[label].append(2 * sizes["batch_size"] * steps / (time.perf_counter() - start))

@@ -110,7 +110,7 @@ def epoch_times(size, storage_path):
             trainer.train()
             times.append(time.perf_counter() - start)
         if storage_path:
-            trainer._durable.flush(timeout_s=600)
+            trainer.controller.durable.flush(timeout_s=600)
     finally:
         trainer.shutdown()
     return times[1:]  # the first epoch warms up

@@ -47,13 +47,13 @@ _DATA_HINT = ("Pass a Ray Data Dataset to TorchTrainer.train(dataset=...) instea
 GONE = {
     "ray.util.sgd.torch.torch_dataset": "TorchMLDataset bridged MLDataset, which Ray removed. " + _DATA_HINT,
     "ray.util.sgd.torch.torch_runner": (
-        "TorchRunner was an internal class: one worker is now raysgd.torch.worker.TorchWorker, the same class "
+        "TorchRunner was an internal class: one worker is now raysgd.torch.execution.worker.TorchWorker, the same class "
         "as a Ray actor or in the driver (use_local=True)."),
     "ray.util.sgd.torch.distributed_torch_runner": (
         "DistributedTorchRunner/LocalDistributedRunner were internal classes: one worker is now "
-        "raysgd.torch.worker.TorchWorker, the same class as a Ray actor or in the driver (use_local=True)."),
+        "raysgd.torch.execution.worker.TorchWorker, the same class as a Ray actor or in the driver (use_local=True)."),
     "ray.util.sgd.torch.utils": (
-        "setup_address/setup_process_group are methods of raysgd.torch.worker.TorchWorker now, and "
+        "setup_address/setup_process_group are methods of raysgd.torch.execution.worker.TorchWorker now, and "
         "choose_amp_backend is replaced by raysgd.torch.operator.precision.Precision (use_fp16=False/True/'apex'/'bf16')."),
     "ray.util.sgd.torch.func_trainable": (
         "DistributedTrainableCreator moved to ray.tune.integration.torch in Ray 1.0 and was later removed: "

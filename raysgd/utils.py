@@ -38,7 +38,7 @@ def override(interface_class):
 def __getattr__(name):
     """``check_for_failure`` (1.x), defined with the worker group (it needs Ray) and imported on first use."""
     if name == "check_for_failure":
-        from raysgd.torch.failures import check_for_failure  # noqa: PLC0415 (keeps this layer-0 module Ray-free)
+        from raysgd.torch.execution.calls import check_for_failure  # noqa: PLC0415 (imports Ray: on first use)
 
         return check_for_failure
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -58,7 +58,7 @@ def main():
         if not args.counting:
             trainer.validate()
         if epoch == args.pause_after:
-            trainer._durable.flush(timeout_s=60)  # the checkpoint of this epoch is durable now
+            trainer.controller.durable.flush(timeout_s=60)  # the checkpoint of this epoch is durable now
             with open(args.marker, "w") as handle:
                 handle.write(str(os.getpid()))
             time.sleep(args.pause_s)  # the test kills this process group here

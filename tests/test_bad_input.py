@@ -164,7 +164,7 @@ def test_load_state_dict_bytes_are_loaded_safely_unless_trusted(trainer):
 
 def test_worker_loads_user_bytes_safely(tmp_path):
     """The worker's own safety, whatever the driver checked: ``load_state_stream(..., weights_only=True)``."""
-    from raysgd.torch.worker import TorchWorker
+    from raysgd.torch.execution.worker import TorchWorker
 
     worker = TorchWorker(LinearOperator, {"data_size": 8}, is_local=True)
     worker.setup_operator()

@@ -14,7 +14,7 @@ import torch
 from conftest import local_cluster
 from helpers import CountingOperator
 from raysgd import TorchTrainer
-from raysgd.torch import cluster_state, reform
+from raysgd.torch.execution import cluster_state, placement
 
 pytestmark = pytest.mark.slow
 
@@ -116,10 +116,10 @@ def test_a_bundle_on_a_draining_node_takes_no_replacement(cluster):
     ray.get(pg.ready(), timeout=60)
     try:
         placed = ray.util.placement_group_table(pg)["bundles_to_node_id"]
-        assert reform.plan_in(pg, {0: "survivor"}, 1, lambda n: 0) == [(0, "survivor"), (1, None)]  # not draining
+        assert placement.reform_plan(pg, {0: "survivor"}, 1, lambda n: 0) == [(0, "survivor"), (1, None)]  # not draining
         drain(made, placed[1])
-        assert reform.plan_in(pg, {0: "survivor"}, 1, lambda n: 0) == [(0, "survivor")]  # nothing fits elsewhere
-        assert reform.plan_in(pg, {0: "survivor"}, 1, lambda n: 1) is None  # one fits elsewhere: restart there
+        assert placement.reform_plan(pg, {0: "survivor"}, 1, lambda n: 0) == [(0, "survivor")]  # nothing fits elsewhere
+        assert placement.reform_plan(pg, {0: "survivor"}, 1, lambda n: 1) is None  # one fits elsewhere: restart there
     finally:
         ray.util.remove_placement_group(pg)
 

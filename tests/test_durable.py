@@ -68,7 +68,7 @@ def test_truncated_newest_uses_the_previous_checkpoint(ray_2cpus, trainer_factor
     path = str(tmp_path / "run")
     trainer = trainer_factory(training_operator_cls=LinearOperator, config=CONFIG, storage_path=path)
     trainer.train()
-    trainer._durable.flush(timeout_s=60)
+    trainer.controller.durable.flush(timeout_s=60)
     after_one = weights(trainer)
     trainer.train()
     trainer.shutdown()
@@ -123,7 +123,7 @@ def test_shutdown_raises_a_failed_upload_and_load_takes_a_checkpoint_directory(r
     trainer = trainer_factory(training_operator_cls=LinearOperator, config=CONFIG, storage_path=str(run),
                               use_local=True)
     trainer.train()
-    trainer._durable.flush(timeout_s=60)
+    trainer.controller.durable.flush(timeout_s=60)
     stored = storage.CheckpointStorage(str(run), 2).list()[-1][1]
     expected = weights(trainer)
     trainer.load(stored)  # a checkpoint directory (it used to say that the directory "does not exist")

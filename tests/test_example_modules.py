@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from raysgd.torch.examples import cifar_pytorch_example as cifar
-from raysgd.torch.worker import TorchWorker
+from raysgd.torch.execution.worker import TorchWorker
 from raysgd.utils import BATCH_SIZE
 
 

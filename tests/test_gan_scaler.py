@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from raysgd.torch.operator.precision import Precision
-from raysgd.torch.worker import TorchWorker
+from raysgd.torch.execution.worker import TorchWorker
 from raysgd.utils import BATCH_SIZE
 
 

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from helpers import FaultyOperator
-from raysgd.torch import diagnostics
+from raysgd.torch.execution import diagnostics
 from raysgd.torch.errors import WorkerFailure
 
 pytestmark = pytest.mark.usefixtures("ray_2cpus")

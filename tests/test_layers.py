@@ -25,26 +25,18 @@ LAYERS = {
     "raysgd.torch.training_operator": 2, "raysgd.torch.state": 2,
     # 3: durable storage of checkpoints
     "raysgd.torch.storage": 3,
+    # 4: the run: the controller, the worker group and its workers; the options (the facade's and Tune's)
+    "raysgd.torch.execution": 4, "raysgd.torch.options": 4,
     # 5: Tune, Ray Data, the progress bar, result logs: at the edge, never imported by the core
     "raysgd.torch.integrations": 5,
     "raysgd.plot": 5,  # plotting a result log: a tool at the edge
+    # 6: the facade
+    "raysgd.torch.torch_trainer": 6, "raysgd.torch.resnet": 1,
     # the packages' public names, RaySGD 1.x's paths and the 1.x import mapping
     "raysgd": GLUE, "raysgd.torch": GLUE, "raysgd.utils": GLUE, "raysgd.compat": GLUE, "raysgd.legacy": GLUE,
-    "raysgd.data": GLUE, "raysgd.torch.lightning_operator": GLUE,
+    "raysgd.data": GLUE, "raysgd.torch.lightning_operator": GLUE, "raysgd.torch.worker_group": GLUE,
 }
-# The flat modules of raysgd/torch that have not moved into their folder yet: the old layering (<= within them).
-FLAT = {
-    "raysgd.torch.shipping": 0,
-    "raysgd.torch.resnet": 1, "raysgd.torch.epoch_iterators": 1,
-    "raysgd.torch.worker": 3,
-    "raysgd.torch.local_runner": 3,
-    "raysgd.torch.reform": 4, "raysgd.torch.worker_group": 4,
-    "raysgd.torch.failures": 4, "raysgd.torch.worker_handle": 4,
-    "raysgd.torch.placement": 4, "raysgd.torch.trial_placement": 4, "raysgd.torch.cluster_state": 4,
-    "raysgd.torch.diagnostics": 4,
-    "raysgd.torch.elastic": 5, "raysgd.torch.attempts": 5, "raysgd.torch.draining": 5,
-    "raysgd.torch.arguments": 4, "raysgd.torch.torch_trainer": 5,
-}
+FLAT = {}
 UPWARD_EXCEPTIONS = set()
 # What each layer may import from outside the package (beyond the standard library).
 THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex", "filelock"},
@@ -52,7 +44,8 @@ THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex"
                5: {"ray", "torch", "numpy", "tqdm", "tensorboardX"},  # the last two optional, imported when used
                6: {"ray", "torch", "numpy", "pytorch_lightning", "lightning"}, GLUE: None}
 # Units that must stay lighter than their layer allows: the pure policies are tested without Ray or torch.
-PURE = {"raysgd.torch.fault_tolerance.recovery": set(), "raysgd.torch.errors": {"torch"}, "raysgd.torch.constants": set(),
+PURE = {"raysgd.torch.fault_tolerance.recovery": set(), "raysgd.torch.fault_tolerance.watches": set(),
+        "raysgd.torch.fault_tolerance.reform": set(), "raysgd.torch.errors": {"torch"}, "raysgd.torch.constants": set(),
         "raysgd.torch.storage.async_writer": set(), "raysgd.torch.storage.filesystem": {"torch", "pyarrow"}, "raysgd.torch.storage.durable": set()}
 
 
@@ -159,7 +152,7 @@ def test_modules_say_their_job_and_stay_readable(path):
 
 def test_only_the_worker_group_touches_actor_handles():
     for path in library_modules():
-        if module_name(path) in ("raysgd.torch.worker_group", "raysgd.torch.worker_handle", "raysgd.torch.integrations.mailbox",
+        if module_name(path) in ("raysgd.torch.execution.worker_group", "raysgd.torch.execution.worker_handle", "raysgd.torch.integrations.mailbox",
                                  "raysgd.torch.state.commit_store"):
             continue
         assert ".remote(" not in path.read_text(), f"{path.name} calls actors directly"

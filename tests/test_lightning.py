@@ -17,7 +17,7 @@ from lightning_pytorch_modules import PlateauClassifier  # noqa: E402
 from raysgd import TrainingOperator  # noqa: E402
 from raysgd.torch.operator import lightning_bridge as lightning  # noqa: E402
 from raysgd.torch.lightning_operator import LightningOperator  # noqa: E402
-from raysgd.torch.worker import TorchWorker  # noqa: E402
+from raysgd.torch.execution.worker import TorchWorker  # noqa: E402
 
 
 def flat_params(op):

@@ -6,7 +6,7 @@ import torch
 
 from raysgd.torch.state.model_copy import cpu_copy
 from raysgd.torch.training_operator import TrainingOperator
-from raysgd.torch.worker import TorchWorker
+from raysgd.torch.execution.worker import TorchWorker
 
 
 class NoDeepcopyParameter(torch.nn.Parameter):

@@ -8,7 +8,7 @@ from helpers import ClassifierOperator
 from raysgd.torch import TrainingOperator
 from raysgd.torch.examples import train_example as ex
 from raysgd.torch.training_operator import get_test_metrics_operator, get_test_operator
-from raysgd.torch.worker import TorchWorker
+from raysgd.torch.execution.worker import TorchWorker
 from raysgd.utils import NUM_SAMPLES
 
 

@@ -124,7 +124,8 @@ def test_workers_holding_every_cpu_fail_a_read_within_seconds_saying_what_to_fre
     import pandas as pd
     import ray
 
-    from raysgd.torch import cluster_state, constants
+    from raysgd.torch import constants
+    from raysgd.torch.execution import cluster_state
 
     assert cluster_state.ceiling() == {"CPU": 2, "GPU": 0}  # a local cluster cannot grow
     pd.DataFrame(linear_items()).to_parquet(tmp_path / "data.parquet")

@@ -110,50 +110,41 @@ def test_a_restart_behind_a_lagging_resource_view_does_not_wait_the_full_timeout
     assert tried[-2:] == [(4, 3), (3, 10)]
 
 
-class _Group:
-    def __init__(self):
-        self.requests = []
+def test_grow_watch_decides_once_only_when_more_fit_and_the_attempt_has_a_commit():
+    from raysgd.torch.fault_tolerance.watches import GrowWatch, Stop
 
-    def request_resize(self, call_id, attempt):
-        self.requests.append((call_id, attempt))
-
-
-def test_grow_watch_asks_once_only_when_more_fit_and_the_attempt_has_a_commit():
-    from raysgd.torch.elastic import GrowWatch
-
-    now, fit, committed, group = [0.0], [None], [None], _Group()
-    watch = GrowWatch(group, target=lambda: fit[0], committed=lambda: committed[0], check_s=2.0,
-                      clock=lambda: now[0])
-    for step in range(1, 4):  # nothing fits: no request
+    now, fit, committed = [0.0], [None], [None]
+    watch = GrowWatch(target=lambda: fit[0], committed=lambda: committed[0], check_s=2.0, clock=lambda: now[0])
+    decisions = []
+    for step in range(1, 4):  # nothing fits: no decision
         now[0] = 2.0 * step
-        watch.tick()
+        decisions.append(watch.tick())
     fit[0] = 3
     now[0] = 8.0
-    watch.tick()
-    assert group.requests == [] and not watch.requested  # more fit, but no commit of this attempt yet
+    decisions.append(watch.tick())
+    assert decisions == [None] * 4 and not watch.requested  # more fit, but no commit of this attempt yet
     committed[0] = (7, 1)
     now[0] = 9.0
-    watch.tick()
-    assert group.requests == []  # within check_s of the last check: not asked yet
+    assert watch.tick() is None  # within check_s of the last check: not decided yet
     now[0] = 10.0
-    watch.tick()
-    assert group.requests == [(7, 1)] and watch.requested and watch.size == 3
+    assert watch.tick() == Stop(3, (7, 1), "to grow") and watch.requested and watch.size == 3
     now[0] = 20.0
-    watch.tick()
-    assert group.requests == [(7, 1)]  # one request per attempt
+    assert watch.tick() is None  # one decision per attempt
 
 
 def test_a_lost_or_unanswered_request_to_stop_is_asked_again_while_the_attempt_runs(caplog):
     """A request's answer that failed (a lost request) is asked again at the next tick; one that did not come
     within SGD_RESIZE_ASK_S (5 s) too; at most MAX_ASKS (3) requests per rank; an answered rank is never
     asked again. The answers are read with ``answered`` (a Ray ObjectRef's state, here a table of them)."""
-    from raysgd.torch import elastic
+    from raysgd.torch.execution.restarts import StopRequest
+    from raysgd.torch.fault_tolerance.watches import Stop
 
     class Group:
         def __init__(self):
             self.requests, self.calls = [], 0
 
         def request_resize(self, call_id, attempt, ranks=None):
+            assert (call_id, attempt) == (7, 1)
             self.requests.append(sorted(ranks) if ranks is not None else "all")
             made = {}
             for rank in (ranks if ranks is not None else (0, 1, 2)):
@@ -163,87 +154,80 @@ def test_a_lost_or_unanswered_request_to_stop_is_asked_again_while_the_attempt_r
 
     # call id -> its answer: rank 0 answers, rank 1's request is lost, rank 2 never answers
     answers = {1: True, 2: False, 3: None, 4: True}
-
-    class Watch(elastic.StopWatch):
-        def _check(self):
-            return 3, (7, 1)
-
     now, group = [0.0], Group()
-    watch = Watch(group, check_s=0, clock=lambda: now[0], answered=lambda call: answers.get(call))
-    watch.tick()
-    assert group.requests == ["all"] and watch.requested
+    request = StopRequest(group, Stop(3, (7, 1), "to grow"), clock=lambda: now[0],
+                          answered=lambda call: answers.get(call)).send()
+    assert group.requests == ["all"]
     now[0] = 0.5
-    watch.tick()
+    request.tick()
     assert group.requests == ["all", [1]]  # lost: asked again at once (call 4, answered)
     now[0] = 4.0
-    watch.tick()
+    request.tick()
     assert group.requests == ["all", [1]]  # rank 2 has 5 s to answer
     now[0] = 5.5
-    watch.tick()
+    request.tick()
     assert group.requests == ["all", [1], [2]]  # overdue: asked again (call 5, never answered)
     for later in (8.0, 11.0, 20.0, 30.0):
         now[0] = later
-        with caplog.at_level("WARNING", logger="raysgd.torch.elastic"):
-            watch.tick()
+        with caplog.at_level("WARNING", logger="raysgd.torch.execution.restarts"):
+            request.tick()
     assert group.requests == ["all", [1], [2], [2]]  # 3 requests to rank 2 in all, then it gives up (logged)
     assert caplog.text.count("did not take the request to stop") == 1
 
 
 def test_a_failing_grow_check_only_delays_growing():
-    from raysgd.torch.elastic import GrowWatch
+    from raysgd.torch.fault_tolerance.watches import GrowWatch
 
     def broken():
         raise ConnectionError("the GCS is restarting")
 
-    group = _Group()
-    watch = GrowWatch(group, target=broken, committed=lambda: (1, 0), check_s=0)
-    watch.tick()
-    assert group.requests == [] and not watch.requested
+    watch = GrowWatch(target=broken, committed=lambda: (1, 0), check_s=0)
+    assert watch.tick() is None and not watch.requested
 
 
-def test_drain_watch_asks_once_when_a_worker_node_drains_and_the_group_can_move(caplog):
-    from raysgd.torch.draining import DrainWatch
+def test_drain_watch_decides_once_when_a_worker_node_drains_and_the_group_can_move(caplog):
+    from raysgd.torch.fault_tolerance.watches import DrainWatch, Stop
 
-    now, found, size, group = [0.0], [{}], [None], _Group()
-    watch = DrainWatch(group, find=lambda: found[0], size_for=lambda ranks: size[0], attempt=lambda: (4, 2),
+    now, found, size = [0.0], [{}], [None]
+    watch = DrainWatch(find=lambda: found[0], size_for=lambda ranks: size[0], attempt=lambda: (4, 2),
                        check_s=1.0, clock=lambda: now[0])
     now[0] = 1.0
-    watch.tick()
-    assert group.requests == [] and not watch.requested  # no worker's node is draining
+    assert watch.tick() is None and not watch.requested  # no worker's node is draining
     found[0] = {1: "node-b"}
     now[0] = 2.0
-    with caplog.at_level("WARNING", logger="raysgd.torch.draining"):
-        watch.tick()
+    with caplog.at_level("WARNING", logger="raysgd.torch.fault_tolerance.watches"):
+        assert watch.tick() is None
         now[0] = 3.0
-        watch.tick()
-    assert group.requests == [] and not watch.requested  # too few would fit elsewhere: stay
+        assert watch.tick() is None
+    assert not watch.requested  # too few would fit elsewhere: stay
     assert sum("staying until they go" in r.getMessage() for r in caplog.records) == 1  # logged once, not per tick
     size[0] = 2
     now[0] = 3.5
-    watch.tick()
-    assert group.requests == []  # within check_s of the last check
+    assert watch.tick() is None  # within check_s of the last check
     now[0] = 4.0
-    watch.tick()
-    assert group.requests == [(4, 2)] and watch.requested and watch.size == 2
+    assert watch.tick() == Stop(2, (4, 2), "to leave the draining node(s)") and watch.requested and watch.size == 2
     now[0] = 9.0
-    watch.tick()
-    assert group.requests == [(4, 2)]  # one request per attempt
+    assert watch.tick() is None  # one decision per attempt
 
 
 def test_a_failing_drain_check_only_delays_the_move():
-    from raysgd.torch.draining import DrainWatch
+    from raysgd.torch.fault_tolerance.watches import DrainWatch
 
     def broken():
         raise ConnectionError("the GCS is restarting")
 
-    group = _Group()
-    watch = DrainWatch(group, find=broken, size_for=len, attempt=lambda: (1, 0), check_s=0)
-    watch.tick()
-    assert group.requests == [] and not watch.requested
+    watch = DrainWatch(find=broken, size_for=len, attempt=lambda: (1, 0), check_s=0)
+    assert watch.tick() is None and not watch.requested
+
+
+def test_a_group_moves_off_draining_nodes_only_when_enough_workers_fit_elsewhere():
+    assert recovery.move_size(2, leaving=1, fit=lambda limit: min(limit, 1), low=1, high=2) == 2
+    assert recovery.move_size(3, leaving=1, fit=lambda limit: 0, low=1, high=3) == 2  # the others go on alone
+    assert recovery.move_size(2, leaving=2, fit=lambda limit: min(limit, 1), low=2, high=2) is None  # stay
 
 
 def test_which_ranks_may_join_a_re_formed_group():
-    from raysgd.torch import reform
+    from raysgd.torch.fault_tolerance import reform
     from raysgd.torch.fault_tolerance import preemption
     from raysgd.torch.errors import CollectiveError
 
@@ -255,7 +239,7 @@ def test_which_ranks_may_join_a_re_formed_group():
 
 
 def test_a_re_formed_group_is_never_smaller_than_a_restart_or_the_minimum():
-    from raysgd.torch.reform import plan
+    from raysgd.torch.fault_tolerance.reform import plan
 
     kept = {0: "r0", 2: "r2"}
     # bundle 1's node is alive: a replacement there, ranks in bundle order

@@ -70,19 +70,23 @@ def test_changelog_keeps_a_changelog_form():
     assert text.startswith("# Changelog") and "## [Unreleased]" in text and "### Added" in text
 
 
-DOCTESTED = ["raysgd.utils", "raysgd.optional", "raysgd.torch.fault_tolerance.recovery", "raysgd.meters", "raysgd.timers", "raysgd.torch.arguments",
-             "raysgd.torch.state.checkpoint", "raysgd.torch.sharding.loaders", "raysgd.torch.errors", "raysgd.torch.operator.precision",
-             "raysgd.torch.worker", "raysgd.torch.constants", "raysgd.torch.examples.train_example",
-             "raysgd.torch.integrations.progress", "raysgd.torch.integrations.results", "raysgd.torch.integrations.ray_data",
-             "raysgd.torch.sharding", "raysgd.torch.sharding.cursor", "raysgd.torch.sharding.batch_split", "raysgd.torch.sharding.epoch_order", "raysgd.torch.operator.evaluation",
-             "raysgd.torch.state.model_copy", "raysgd.data.dataset", "raysgd.data.examples.mlp_identity",
-             "raysgd.torch.state.training_state", "raysgd.torch.state.committer", "raysgd.torch.state.commit_policy", "raysgd.torch.elastic", "raysgd.torch.attempts",
-             "raysgd.torch.reform", "raysgd.torch.operator.compiled",
-             "raysgd.torch.operator", "raysgd.torch.operator.accumulation", "raysgd.torch.operator.creators",
-             "raysgd.torch.operator.registration", "raysgd.torch.lightning_operator", "raysgd.torch.state",
-             "raysgd.torch.storage", "raysgd.torch.fault_tolerance", "raysgd.torch.failures",
-             "raysgd.torch.draining", "raysgd.torch.integrations.tune", "raysgd.torch.shipping",
-             "raysgd.torch.epoch_iterators"]
+DOCTESTED = ["raysgd.utils", "raysgd.optional", "raysgd.meters", "raysgd.timers", "raysgd.torch.constants",
+             "raysgd.torch.errors", "raysgd.torch.options", "raysgd.torch.lightning_operator",
+             "raysgd.torch.worker_group", "raysgd.torch.examples.train_example", "raysgd.torch.sharding",
+             "raysgd.torch.sharding.cursor", "raysgd.torch.sharding.epoch_order", "raysgd.torch.sharding.loaders",
+             "raysgd.torch.sharding.batch_split", "raysgd.torch.operator", "raysgd.torch.operator.precision",
+             "raysgd.torch.operator.accumulation", "raysgd.torch.operator.compiled",
+             "raysgd.torch.operator.evaluation", "raysgd.torch.operator.registration",
+             "raysgd.torch.operator.creators", "raysgd.torch.fault_tolerance",
+             "raysgd.torch.fault_tolerance.recovery", "raysgd.torch.fault_tolerance.watches",
+             "raysgd.torch.fault_tolerance.reform", "raysgd.torch.state", "raysgd.torch.state.training_state",
+             "raysgd.torch.state.checkpoint", "raysgd.torch.state.model_copy", "raysgd.torch.state.committer",
+             "raysgd.torch.state.commit_policy", "raysgd.torch.storage", "raysgd.torch.execution",
+             "raysgd.torch.execution.controller", "raysgd.torch.execution.restarts", "raysgd.torch.execution.calls",
+             "raysgd.torch.execution.worker", "raysgd.torch.execution.epoch_iterators",
+             "raysgd.torch.execution.shipping", "raysgd.torch.integrations", "raysgd.torch.integrations.progress",
+             "raysgd.torch.integrations.results", "raysgd.torch.integrations.ray_data",
+             "raysgd.torch.integrations.tune", "raysgd.data.dataset", "raysgd.data.examples.mlp_identity"]
 
 
 @pytest.mark.parametrize("name", DOCTESTED)

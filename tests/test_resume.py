@@ -8,7 +8,7 @@ from raysgd.meters import merge_partial
 from raysgd.torch.state import checkpoint
 from raysgd.torch.state import training_state as state
 from raysgd.torch.state.committer import CommitPlan
-from raysgd.torch.worker import TorchWorker
+from raysgd.torch.execution.worker import TorchWorker
 
 N, BATCH = 12, 2  # one worker: 6 batches an epoch
 

@@ -9,7 +9,7 @@ import torch
 from helpers import LinearOperator
 from raysgd.torch.state import checkpoint
 from raysgd.torch.state import training_state as state
-from raysgd.torch.worker import TorchWorker
+from raysgd.torch.execution.worker import TorchWorker
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from raysgd.torch import TrainingOperator
 from raysgd.torch.integrations.progress import ProgressReporter
-from raysgd.torch.worker import TorchWorker
+from raysgd.torch.execution.worker import TorchWorker
 from raysgd.utils import NUM_SAMPLES, AverageMeter, AverageMeterCollection
 
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "numpy", "cpu")

@@ -3,11 +3,11 @@
 Example:
     >>> from raysgd.torch import TorchTrainer, TrainingOperator, BaseTorchTrainable
 """
-from raysgd.torch import shipping as _shipping
+from raysgd.torch.execution import shipping as _shipping
 from raysgd.torch.torch_trainer import TorchTrainer
 from raysgd.torch.training_operator import CreatorOperator, TrainingOperator
 
-_shipping.install()  # torch's config modules pickle by name from here on (see raysgd.torch.shipping)
+_shipping.install()  # torch's config modules pickle by name from here on (see raysgd.torch.execution.shipping)
 
 __all__ = ["TorchTrainer", "TrainingOperator", "CreatorOperator", "BaseTorchTrainable"]
 

@@ -1,8 +1,10 @@
-"""Pure recovery policy: backoff schedule, how many workers fit, when to scale up, when to give up.
+"""Pure recovery policy: backoff schedule, how many workers fit, the sizes to restart or move at, when to give up.
 
 Giving up includes a placement group whose bundles stay unplaced (:class:`PlacementWatch`).
 
-Layer 3: standard library only (no Ray, no torch), so it is unit-tested with fake clocks.
+Layer 1: the standard library and layer 0 (no Ray, no torch), so it is unit-tested with fake clocks.
+``num_workers=(min, max)`` starts with as many workers as fit now between the two, and a restart never goes
+below ``min``; an int ``N`` keeps 1.x's meaning: ``N`` at start, down to 1 after a failure.
 
 Example:
     >>> list(backoff_delays(tries=5, base_s=1, cap_s=4))
@@ -13,6 +15,8 @@ Example:
 import logging
 import math
 import time
+
+from raysgd.torch.constants import env_float
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +73,27 @@ def fit_for_strategy(free_by_node, own_nodes, strategy, cpus_per_worker, gpus_pe
         return max((workers_that_fit([free], cpus_per_worker, gpus_per_worker, limit) for free in candidates),
                    default=0)
     return workers_that_fit(list(free_by_node.values()), cpus_per_worker, gpus_per_worker, limit)
+
+
+def placement_try_s():
+    """``SGD_PLACEMENT_TRY_S``: how long a restart waits for a size above the minimum to be placed (default 3)."""
+    return env_float("SGD_PLACEMENT_TRY_S", 3.0)
+
+
+def move_size(num_workers, leaving, fit, low, high):
+    """The size to restart a group of ``num_workers`` at without its ``leaving`` workers (on draining nodes), at most
+    ``high``: those that stay plus ``fit(limit)``, the workers that fit elsewhere now (at most ``limit``); None
+    when fewer than ``low`` would remain (the group then stays until the nodes go).
+
+    Example:
+        >>> move_size(2, leaving=1, fit=lambda limit: min(limit, 1), low=1, high=2)  # one leaves, one fits elsewhere
+        2
+        >>> move_size(2, leaving=2, fit=lambda limit: min(limit, 1), low=2, high=2) is None  # only 1 fits: stay
+        True
+    """
+    stay = num_workers - leaving
+    size = min(high, stay + fit(max(0, high - stay)))
+    return size if size >= max(low, 1) else None
 
 
 def should_scale_up(current, target, extra_fit, now, last_resize, cooldown_s):

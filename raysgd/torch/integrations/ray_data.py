@@ -38,7 +38,8 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 
 from raysgd import optional
-from raysgd.torch import cluster_state, constants
+from raysgd.torch import constants
+from raysgd.torch.execution import cluster_state
 from raysgd.torch.constants import BATCH_SIZE
 from raysgd.torch.training_operator import TrainingOperator
 
@@ -145,7 +146,7 @@ def no_cpu_left(held_cpus, most):
     """Why Ray Data's tasks can never get a CPU, as a sentence, or None when they can.
 
     ``held_cpus``: what the trainer holds (its workers, or a Tune trial's whole placement group); ``most``: the
-    most CPUs and GPUs the cluster can ever have (:func:`raysgd.torch.cluster_state.ceiling`; None: unknown).
+    most CPUs and GPUs the cluster can ever have (:func:`raysgd.torch.execution.cluster_state.ceiling`; None: unknown).
 
     Example:
         >>> no_cpu_left(2, {"CPU": 2, "GPU": 0})

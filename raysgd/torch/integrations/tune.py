@@ -29,7 +29,8 @@ import logging
 import os
 
 from raysgd import optional
-from raysgd.torch import arguments, cluster_state, shipping
+from raysgd.torch import options
+from raysgd.torch.execution import cluster_state, shipping
 from raysgd.torch.state import checkpoint
 
 try:
@@ -50,8 +51,6 @@ CHECKPOINT_FILE = "trainer.checkpoint"
 MARKER_FILE = "checkpoint.json"
 #: Keys that shape the resource request; read from the Tune config first, then from ``as_trainable``'s kwargs.
 RESOURCE_KEYS = ("num_workers", "num_cpus_per_worker", "use_gpu", "use_local", "num_gpus_per_worker")
-_DEFAULTS = {"num_workers": 1, "num_cpus_per_worker": 1, "use_gpu": "auto", "use_local": False,
-             "num_gpus_per_worker": 1}
 
 
 def merge_dicts(first, second):
@@ -91,8 +90,8 @@ def resolve_resources(tune_config, trainer_kwargs):
         {'num_workers': 3, 'num_cpus_per_worker': 1, 'use_gpu': False, 'use_local': False, 'num_gpus_per_worker': 1}
     """
     tune_config = tune_config or {}
-    values = {key: tune_config.get(key, trainer_kwargs.get(key, _DEFAULTS[key])) for key in RESOURCE_KEYS}
-    arguments.check_resources(**values, caller="as_trainable")
+    values = {key: tune_config.get(key, trainer_kwargs.get(key, options.TrainerOptions.default(key))) for key in RESOURCE_KEYS}
+    options.check_resources(**values, caller="as_trainable")  # TorchTrainer's own checks
     use_gpu = values["use_gpu"]
     values["use_gpu"] = _gpus_available() if use_gpu == "auto" else use_gpu
     return values
@@ -114,7 +113,7 @@ def resource_bundles(resources):
     if resources["use_gpu"]:
         worker["GPU"] = resources.get("num_gpus_per_worker", 1)
     head = [] if resources["use_local"] else [{"CPU": 1}]
-    return head + [dict(worker) for _ in range(arguments.worker_range(resources["num_workers"])[1])]
+    return head + [dict(worker) for _ in range(options.worker_range(resources["num_workers"])[1])]
 
 
 def _need(bundles, key):
@@ -124,7 +123,7 @@ def _need(bundles, key):
 def check_trial_fits(bundles, most, nodes=None):
     """Raise ``ValueError`` when a trial's ``bundles`` can never be placed, so it would stay PENDING forever.
 
-    ``most``: the most CPUs and GPUs the cluster can ever have (:func:`raysgd.torch.cluster_state.ceiling`;
+    ``most``: the most CPUs and GPUs the cluster can ever have (:func:`raysgd.torch.execution.cluster_state.ceiling`;
     None, unknown: no check). ``nodes``: each node's CPUs and GPUs when the cluster cannot grow, else None:
     then every bundle must also fit on one node.
 

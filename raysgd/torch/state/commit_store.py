@@ -1,6 +1,6 @@
 """Where commits live: a 0-CPU actor on the driver's node holding the latest complete commit of the call.
 
-Layer 4, beside :mod:`raysgd.torch.worker_group` and :mod:`raysgd.torch.integrations.mailbox` (the modules that touch
+Layer 4, beside :mod:`raysgd.torch.execution.worker_group` and :mod:`raysgd.torch.integrations.mailbox` (the modules that touch
 actor handles). Workers push their records to it (each ``put`` returns once the bytes are in the
 actor's memory, so a commit never depends on an object owned by a worker that may die); it survives
 the loss of any worker node. The driver reads the latest complete commit after a failure. Ranks that stop

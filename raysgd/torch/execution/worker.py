@@ -39,7 +39,7 @@ from raysgd.torch.state import training_state as _state
 from raysgd.torch.state.committer import Committer
 from raysgd.timers import TimerCollection
 from raysgd.torch.constants import NUM_STEPS, USE_FP16
-from raysgd.torch.epoch_iterators import CallBatches, PersistentIterator
+from raysgd.torch.execution.epoch_iterators import CallBatches, PersistentIterator
 from raysgd.torch.errors import CollectiveError, is_collective_failure
 
 logger = logging.getLogger(__name__)

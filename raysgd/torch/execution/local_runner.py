@@ -1,7 +1,7 @@
 """The thread that runs rank 0's calls when rank 0 lives in the driver (``use_local=True``) beside remote ranks.
 
 Layer 3: standard library only. While rank 0 trains in this thread, the driver's main thread keeps
-watching the remote ranks (:mod:`raysgd.torch.worker_group`), so a remote error or death is seen at
+watching the remote ranks (:mod:`raysgd.torch.execution.worker_group`), so a remote error or death is seen at
 once instead of when rank 0's collective times out. All of rank 0's calls run in the same thread,
 one at a time, so per-thread state (the current CUDA device) stays put between calls.
 

@@ -1,7 +1,8 @@
-"""Re-forming a group from the survivors of a failure: the processes that stay, the bundles that take a
-replacement, the new ranks.
+"""Re-forming a group from the survivors of a failure: which processes stay, which bundles take a replacement,
+the new ranks. The plan only: the worker group carries it out (:meth:`raysgd.torch.execution.worker_group.WorkerGroup.reform`,
+which reads the placement group's bundles from Ray in :mod:`raysgd.torch.execution.placement`).
 
-Layer 4 helper of :mod:`raysgd.torch.worker_group` (Ray and layers 0-3). When a worker dies, the ranks
+Layer 1: the standard library and layer 0. When a worker dies, the ranks
 whose call ended cleanly (finished, or with a :class:`~raysgd.torch.errors.CollectiveError` because their
 peer vanished) keep their processes: they leave the old process group and join a new one, so only a
 replacement, if one is needed, pays the start-up of a worker process (``import torch``, ``torch._dynamo``).
@@ -20,21 +21,19 @@ Example:
     >>> plan({0: "a"}, {"a"}, kept={0: "survivor"}, size=2, min_size=1, fit_elsewhere=1) is None  # restart: 2 fit
     True
 """
-import ray
-
-from raysgd.torch import cluster_state, constants
-from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.constants import env_float
 from raysgd.torch.errors import CollectiveError
+from raysgd.torch.fault_tolerance import preemption
 
 
 def enabled():
     """``SGD_KEEP_SURVIVORS`` (default 1): whether survivors keep their processes after a failure."""
-    return constants.env_float("SGD_KEEP_SURVIVORS", 1) != 0
+    return env_float("SGD_KEEP_SURVIVORS", 1) != 0
 
 
 def survivor_grace_s():
     """``SGD_SURVIVOR_GRACE_S`` (default 2): how long a survivor's call gets to end with an error after a death."""
-    return constants.env_float("SGD_SURVIVOR_GRACE_S", 2.0)
+    return env_float("SGD_SURVIVOR_GRACE_S", 2.0)
 
 
 def can_stay(error):
@@ -72,34 +71,3 @@ def plan(bundles_to_node, alive_nodes, kept, min_size, fit_elsewhere, size=None)
     if not kept or len(new) < min_size or (lost and fit_elsewhere > 0):
         return None
     return new
-
-
-def _alive_nodes(skip_dying=False):
-    """Ids of the live nodes that are not draining (Ray would never place a replacement there); with ``skip_dying``,
-    without those whose raylet is already gone either (Ray's health check reports a lost node dead only after
-    a few seconds, and a replacement placed there would be lost)."""
-    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]} - set(cluster_state.draining_nodes())
-    return alive - set(cluster_state.dying_nodes()) if skip_dying else alive
-
-
-def plan_in(pg, kept, min_size, how_many_fit):
-    """:func:`plan` for placement group ``pg`` as Ray sees it now (``how_many_fit(n)``: workers that fit outside)."""
-    placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
-    alive, size = _alive_nodes(skip_dying=True), len(pg.bundle_specs)
-    lost = sum(1 for b in range(size) if b not in kept and placed.get(b) not in alive)
-    return plan(placed, alive, kept, min_size, how_many_fit(lost) if lost else 0, size=size)
-
-
-def nodes_of(pg, handles):
-    """``{rank: node id}`` of the workers of ``handles`` that are actors in bundles of ``pg``."""
-    placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {}) if pg is not None else {}
-    return {h.rank: placed.get(h.bundle) for h in handles if h.actor is not None}
-
-
-def spare_bundles(pg, handles):
-    """How many bundles of ``pg`` are placed on a live node with no worker of ``handles`` in them."""
-    if pg is None or len(handles) >= len(pg.bundle_specs):
-        return 0
-    placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
-    used, alive = {h.bundle for h in handles}, _alive_nodes()
-    return sum(1 for b, node in placed.items() if b not in used and node in alive)

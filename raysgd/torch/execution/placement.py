@@ -1,8 +1,15 @@
-"""Where the workers go: their bundles, the placement group (the group's own or a Tune trial's), how many fit.
+"""Where the workers go: their bundles, the placement group (the group's own or a Tune trial's), how many fit,
+which nodes hold them.
 
-Layer 4 helper of :mod:`raysgd.torch.worker_group`: imports ray and layers 0-3. The strategy is
+Layer 4 helper of :mod:`raysgd.torch.execution.worker_group`: imports ray and layers 0-3. The strategy is
 ``TorchTrainer(placement_strategy=...)`` (1.x's ``"SPREAD"`` by default); inside a Tune trial the
-trial's own placement group is used instead.
+trial's own placement group is used instead, watched by :class:`TrialPlacementWatch`: when a node holding some
+of the trial's bundles is lost, Ray marks the group RESCHEDULING, and if nothing can take those bundles, actors
+scheduled into them would wait forever. Only Tune can place the trial elsewhere, so after
+``2 x SGD_PLACEMENT_GROUP_TIMEOUT_S`` unplaced the watch raises :class:`~raysgd.torch.errors.PlacementUnavailable`,
+which the trainer does not retry: the trial fails and ``FailureConfig(max_failures=...)`` restores it (the timing
+policy is :class:`raysgd.torch.fault_tolerance.recovery.PlacementWatch`, pure). After a failure, the bundles a
+re-formed group can use come from Ray's view of the placement group (:func:`reform_plan`).
 
 Example:
     >>> Placement(cpus=2, gpus=1, use_local=False, strategy="PACK").bundle(1)
@@ -15,14 +22,16 @@ import ray
 from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
 
-from raysgd.torch import cluster_state, constants
-from raysgd.torch.fault_tolerance import recovery
-from raysgd.torch.trial_placement import TrialPlacementWatch
+from raysgd.torch import constants
+from raysgd.torch.constants import env_float
+from raysgd.torch.errors import PlacementUnavailable
+from raysgd.torch.execution import cluster_state
+from raysgd.torch.fault_tolerance import recovery, reform
 
 logger = logging.getLogger(__name__)
 
 #: How long a restart waits for Ray to report a node dead once its raylet stopped answering.
-DYING_NODE_WAIT_S = constants.env_float("SGD_DYING_NODE_WAIT_S", 30)
+DYING_NODE_WAIT_S = env_float("SGD_DYING_NODE_WAIT_S", 30)
 
 
 class Placement:
@@ -113,3 +122,69 @@ def _nodes_of(pg):
         return set(ray.util.placement_group_table(pg).get("bundles_to_node_id", {}).values())
     except Exception:  # noqa: BLE001 (a removed group: holds nothing)
         return set()
+
+
+def unplaced_limit_s():
+    """Seconds a trial's bundles may stay unplaced: twice ``SGD_PLACEMENT_GROUP_TIMEOUT_S`` (read now)."""
+    return 2 * env_float("SGD_PLACEMENT_GROUP_TIMEOUT_S", constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
+
+
+class TrialPlacementWatch:
+    """Looks at a placement group's state; raises once it has been unplaced for ``limit_s``.
+
+    Args:
+        pg: the enclosing ``PlacementGroup``.
+        limit_s: default :func:`unplaced_limit_s`.
+        poll_s: pause between looks in :meth:`wait`.
+    """
+
+    def __init__(self, pg, limit_s=None, poll_s=0.2):
+        self.pg = pg
+        self.poll_s = poll_s
+        self._watch = recovery.PlacementWatch(unplaced_limit_s() if limit_s is None else limit_s)
+
+    def check(self):
+        """One look: True if every bundle is placed, False if not (yet); raises PlacementUnavailable at the limit."""
+        state = ray.util.placement_group_table(self.pg).get("state")
+        placed = state == "CREATED"
+        if self._watch.observe(placed):
+            raise PlacementUnavailable(f"the workers' bundles of the enclosing placement group {self.pg.id.hex()} "
+                                       f"cannot be placed (state {state})", self._watch.unplaced_s)
+        return placed
+
+    def wait(self):
+        """Return once the group is placed; raise PlacementUnavailable if it stays unplaced for the limit."""
+        while not self.check():
+            time.sleep(self.poll_s)
+
+
+# ----------------------------------------------------------------- the nodes of the bundles
+def _alive_nodes(skip_dying=False):
+    """Ids of the live nodes that are not draining (Ray would never place a replacement there); with ``skip_dying``,
+    without those whose raylet is already gone either (Ray's health check reports a lost node dead only after
+    a few seconds, and a replacement placed there would be lost)."""
+    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]} - set(cluster_state.draining_nodes())
+    return alive - set(cluster_state.dying_nodes()) if skip_dying else alive
+
+
+def reform_plan(pg, kept, min_size, how_many_fit):
+    """:func:`~raysgd.torch.fault_tolerance.reform.plan` for placement group ``pg`` as Ray sees it now (``how_many_fit(n)``: workers that fit outside)."""
+    placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
+    alive, size = _alive_nodes(skip_dying=True), len(pg.bundle_specs)
+    lost = sum(1 for b in range(size) if b not in kept and placed.get(b) not in alive)
+    return reform.plan(placed, alive, kept, min_size, how_many_fit(lost) if lost else 0, size=size)
+
+
+def nodes_of(pg, handles):
+    """``{rank: node id}`` of the workers of ``handles`` that are actors in bundles of ``pg``."""
+    placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {}) if pg is not None else {}
+    return {h.rank: placed.get(h.bundle) for h in handles if h.actor is not None}
+
+
+def spare_bundles(pg, handles):
+    """How many bundles of ``pg`` are placed on a live node with no worker of ``handles`` in them."""
+    if pg is None or len(handles) >= len(pg.bundle_specs):
+        return 0
+    placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
+    used, alive = {h.bundle for h in handles}, _alive_nodes()
+    return sum(1 for b, node in placed.items() if b not in used and node in alive)

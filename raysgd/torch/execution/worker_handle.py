@@ -1,13 +1,13 @@
 """A worker as the worker group sees it: a Ray actor, or rank 0 in the driver (``use_local``), behind one ``call``.
 
-Layer 4 helper of :mod:`raysgd.torch.worker_group`, which alone uses it: with the group, the only
+Layer 4 helper of :mod:`raysgd.torch.execution.worker_group`, which alone uses it: with the group, the only
 code that touches actor handles. ``call`` returns an ObjectRef for an actor, a
-:class:`~raysgd.torch.local_runner.LocalCall` for a local rank 0 running in its thread beside
-remote ranks, or a finished :class:`_Done` for a local rank 0 alone. Actors get a second Ray
+:class:`~raysgd.torch.execution.local_runner.LocalCall` for a local rank 0 running in its thread beside
+remote ranks, or a finished :class:`Done` for a local rank 0 alone. Actors get a second Ray
 concurrency group (``"control"``) that answers stack requests while they train.
 
 Example:
-    >>> done = _Done(lambda: 1 / 0)
+    >>> done = Done(lambda: 1 / 0)
     >>> done.value, type(done.error).__name__
     (None, 'ZeroDivisionError')
 """
@@ -18,9 +18,12 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raysgd.torch import constants, diagnostics, shipping
-from raysgd.torch.local_runner import LocalCall
-from raysgd.torch.worker import TorchWorker
+from raysgd.torch import constants
+from raysgd.torch.execution import diagnostics
+from raysgd.torch.execution import shipping
+from raysgd.torch.execution.calls import Done
+from raysgd.torch.execution.local_runner import LocalCall
+from raysgd.torch.execution.worker import TorchWorker
 
 _RemoteWorker = None
 
@@ -39,19 +42,9 @@ def _legacy_runtime_env():
     return {"runtime_env": {"env_vars": {constants.LEGACY_IMPORTS_ENV: "1"}}}
 
 
-class _Done:
-    """A call the local worker already finished: its value or its exception."""
-
-    def __init__(self, fn):
-        try:
-            self.value, self.error = fn(), None
-        except Exception as err:  # noqa: BLE001 (sorted out by the caller, like a remote result)
-            self.value, self.error = None, err
-
-
 class Handle:
     """A worker as the group sees it: ``call`` returns an ObjectRef (actor), or for the local rank a
-    :class:`LocalCall` running in its thread (beside remote ranks) or a finished :class:`_Done` (alone)."""
+    :class:`LocalCall` running in its thread (beside remote ranks) or a finished :class:`Done` (alone)."""
 
     def __init__(self, rank, actor=None, local=None, runner=None, bundle=None):
         self.rank, self.actor, self.local, self.runner = rank, actor, local, runner
@@ -61,7 +54,7 @@ class Handle:
         if self.local is not None:  # resolve ObjectRef arguments as Ray does for actors
             args = [ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args]
             run = lambda: getattr(self.local, method)(*args, **kwargs)  # noqa: E731
-            return self.runner.submit(run) if self.runner is not None else _Done(run)
+            return self.runner.submit(run) if self.runner is not None else Done(run)
         return getattr(self.actor, method).remote(*args, **kwargs)
 
     def answer(self, call, deadline_s):
@@ -69,7 +62,7 @@ class Handle:
         ``deadline_s``; an error raised by the method itself (user code) is raised here."""
         if isinstance(call, LocalCall) and not call.wait(deadline_s):
             return None, GetTimeoutError(f"rank {self.rank} did not answer within {deadline_s} s")
-        if isinstance(call, (_Done, LocalCall)):
+        if isinstance(call, (Done, LocalCall)):
             if call.error is not None:
                 raise call.error
             return call.value, None
@@ -81,7 +74,7 @@ class Handle:
     def control(self, method, *args):
         """Call ``method`` beside a running call: in the actor's ``"control"`` group, or at once for the local rank."""
         if self.local is not None:
-            return _Done(lambda: getattr(self.local, method)(*args))
+            return Done(lambda: getattr(self.local, method)(*args))
         return getattr(self.actor, method).options(concurrency_group=diagnostics.CONTROL_GROUP).remote(*args)
 
     def stacks_request(self):
@@ -105,10 +98,10 @@ def answered(call):
     or None (no answer yet). Never waits.
 
     Example:
-        >>> answered(_Done(lambda: None)), answered(_Done(lambda: 1 / 0))
+        >>> answered(Done(lambda: None)), answered(Done(lambda: 1 / 0))
         (True, False)
     """
-    if isinstance(call, _Done):
+    if isinstance(call, Done):
         return call.error is None
     if not ray.wait([call], timeout=0)[0]:
         return None

@@ -1,0 +1,378 @@
+"""The run controller: the one owner of a trainer's run, from the first worker group to the last call's restart point.
+
+Layer 4 (ray, layers 0-3). ``TorchTrainer`` (the facade) checks its options and hands every call here. The
+:class:`RunController` owns the run's state: the worker group, the restart point (rank 0's state bytes, the
+*snapshot*, and whether the workers may have moved on since), the failures counted, the time of the last
+resize, the commit policy and the durable run's hooks. A ``train()`` or ``validate()`` call runs through its
+attempts (:meth:`RunController.run_call`):
+
+- A :class:`~raysgd.torch.errors.WorkerFailure` counts as a failure (``num_failures``) and uses one of
+  ``max_retries``: the group restarts on as many workers as fit (never below the minimum) from the
+  call's latest commit, or from the snapshot taken at the call's start when there is none.
+- While a committing call trains below the largest size, a :class:`~raysgd.torch.fault_tolerance.watches.GrowWatch`
+  checks every ``SGD_GROW_CHECK_S`` seconds whether more workers fit (after the resize cooldown); when a worker's
+  node is draining (a preemption notice), a :class:`~raysgd.torch.fault_tolerance.watches.DrainWatch` decides to
+  leave it. Either way the ranks are asked to stop at their next agreed commit point, and the same call goes on
+  from that commit at the new size (no failure, no retry used); between calls the group moves before the call.
+- A user error ends the call; a ``train()`` puts the workers back to the call's starting state.
+
+Starting and restarting the group are :mod:`raysgd.torch.execution.restarts`' functions; the sizes come from the
+pure policies of :mod:`raysgd.torch.fault_tolerance`.
+
+Example:
+    >>> # controller = RunController(group, operator_cls=Op, ...); controller.start()
+    >>> # stats = controller.run_call("train_epoch", max_retries=3, kwargs={"num_steps": None})
+    >>> RunController.check_max_retries(-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: max_retries expects an int >= 0; got -1
+"""
+import logging
+import time
+import types
+
+import ray
+
+from raysgd.torch import constants
+from raysgd.torch.errors import WorkerFailure
+from raysgd.torch.execution import restarts
+from raysgd.torch.fault_tolerance import preemption, recovery
+from raysgd.torch.fault_tolerance.watches import DrainWatch, GrowWatch
+from raysgd.torch.state import checkpoint
+from raysgd.torch.storage import filesystem
+
+logger = logging.getLogger(__name__)
+
+
+class ShutDownGroup:
+    """Stands in for the worker group after ``shutdown()``: any use says the trainer is gone."""
+
+    def __getattr__(self, name):
+        raise RuntimeError("This TorchTrainer was shut down and its workers are gone: create a new TorchTrainer.")
+
+
+class RunController:
+    """Owns one trainer's run (see the module docstring).
+
+    Args:
+        group: the :class:`~raysgd.torch.execution.worker_group.WorkerGroup` (not started yet).
+        operator_cls, initialization_hook: what every worker builds and runs.
+        config: the trainer config as given; ``split(config, n, warn)`` gives the config of each of ``n`` workers
+            and the effective global batch size (:mod:`raysgd.torch.sharding.batch_split`).
+        worker_range: ``(min, max)`` workers; ``is_range``: ``num_workers`` was given as a range.
+        timeout_s: the process-group timeout, also the deadline of a call's single answers.
+        commits: the :class:`~raysgd.torch.state.commit_policy.CommitPolicy`; ``durable``: the durable run
+            (:func:`raysgd.torch.storage.durable.open_run`).
+    """
+
+    def __init__(self, group, *, operator_cls, initialization_hook, config, split, worker_range, is_range, timeout_s,
+                 commits, durable, resize_cooldown_s=None):
+        self.group, self.commits, self.durable = group, commits, durable
+        self._operator_cls, self.initialization_hook = operator_cls, initialization_hook  # settable: later starts
+        self._requested_config, self._config, self._split = dict(config or {}), dict(config or {}), split
+        self.min_workers, self.max_workers = worker_range
+        self._split_warned = {self.max_workers}  # sizes whose uneven split was reported (the first, when checked)
+        self._is_range, self._timeout_s = is_range, timeout_s
+        self._num_failures = 0
+        self._last_resize = float("-inf")
+        self._snapshot = None  # rank 0's state bytes: the restart point (kept until a fresher one is taken)
+        self._snapshot_stale = True  # the state may have moved on since the snapshot
+        self._resize_cooldown_s = constants.env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S) \
+            if resize_cooldown_s is None else resize_cooldown_s
+
+    # ----------------------------------------------------------------- the group
+    @property
+    def config(self):
+        """The trainer config, read-only, with ``BATCH_SIZE`` as it is divided among the current workers."""
+        return types.MappingProxyType(self._config)
+
+    @property
+    def num_failures(self):
+        """How many worker failures the calls have recovered from (or met) so far."""
+        return self._num_failures
+
+    def start(self):
+        """Start the first group, then load ``storage_path``'s newest checkpoint (if resuming). A worker death while
+        starting raises ``RuntimeError`` from the :class:`WorkerFailure`."""
+        try:
+            restarts.start_first_group(self._start_workers, self.group.how_many_fit, self.min_workers,
+                                       self.max_workers, self._is_range, constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
+            self.durable.resume(self.load_stream, self._timeout_s)  # storage_path's newest checkpoint (checked, safe)
+        except WorkerFailure as err:
+            raise RuntimeError("Worker startup failed: a worker died while starting (see the cause).") from err
+
+    def worker_config(self, num_workers):
+        """The config each of ``num_workers`` workers gets (the batch size divided among them)."""
+        worker_config, effective = self._split(self._requested_config, num_workers,
+                                               warn=num_workers not in self._split_warned)
+        self._split_warned.add(num_workers)
+        self._config = dict(self._requested_config)
+        if effective is not None:
+            self._config[constants.BATCH_SIZE] = effective
+        return worker_config
+
+    def _start_workers(self, num_workers, pg_timeout_s=None):
+        """Start ``num_workers`` workers with the batch size divided among them; returns the count."""
+        return self.group.start(num_workers, self._operator_cls, self.worker_config(num_workers), pg_timeout_s,
+                                initialization_hook=self.initialization_hook)
+
+    def _restart(self, state, max_retries=None, target=None):
+        """Restart the group loading ``state`` (a state dict or its bytes), which becomes the snapshot; returns the
+        size (see :func:`raysgd.torch.execution.restarts.restart_group`)."""
+        state = checkpoint.state_to_bytes(state) if isinstance(state, dict) else state
+        started = restarts.restart_group(
+            self.group, state, start=lambda n, timeout_s: self._start_workers(n, pg_timeout_s=timeout_s),
+            config_for=self.worker_config, operator_cls=self._operator_cls, initialization_hook=self.initialization_hook,
+            low=self.min_workers, high=self.max_workers, timeout_s=self._timeout_s, target=target,
+            max_retries=max_retries)
+        self._snapshot = state
+        self._last_resize = time.monotonic()
+        return started
+
+    def ensure_workers(self):
+        """Restart a group torn down by a failure (from the last snapshot) before using it."""
+        group = self.group  # raises after shutdown()
+        if group.broken or group.num_workers == 0:
+            if self._snapshot is None:
+                raise RuntimeError("The workers were lost and no state snapshot exists to restart them from.")
+            self._restart(self._snapshot)
+
+    def first_answer(self, method, *args):
+        """The group's ``first_answer``; when every worker was lost between calls, they restart from the last
+        restart point (what they trained since is lost: logged, counted as a failure) and are asked again."""
+        try:
+            return self.group.first_answer(method, *args, deadline_s=self._timeout_s)
+        except WorkerFailure as failure:
+            if not self.group.broken or self._snapshot is None:
+                raise
+            self._num_failures += 1
+            logger.warning("Every worker was lost between calls (%s); restarting them from the state at the start "
+                           "of the last call: what they trained since is lost", failure)
+            self.ensure_workers()
+            return self.group.first_answer(method, *args, deadline_s=self._timeout_s)
+
+    def take_snapshot(self):
+        """Rank 0's current state bytes (any live rank's if rank 0 is gone: DDP replicas hold the same state), with
+        every rank's random streams, so a retry from it puts each rank's streams back (dropout draws the same)."""
+        if self._snapshot is None or self._snapshot_stale:
+            rngs = self.group.answers("rng_state", deadline_s=self._timeout_s) if self.group.num_workers > 1 else None
+            self._snapshot = self.first_answer("state_stream", rngs)
+            self._snapshot_stale = False
+        return self._snapshot
+
+    def _scale_up_target(self, quiet=False):
+        """The larger size to restart at now (resources returned, cooldown passed), or None to stay."""
+        current = self.group.num_workers
+        if current >= self.max_workers:
+            return None
+        extra = self.group.how_many_fit(self.max_workers - current)
+        logger.debug("scale-up check: %d of %d workers, %d more fit, %.1f s since the last resize", current,
+                     self.max_workers, extra, time.monotonic() - self._last_resize)
+        if not recovery.should_scale_up(current, self.max_workers, extra, time.monotonic(), self._last_resize,
+                                        self._resize_cooldown_s):
+            return None
+        if not quiet:
+            logger.info("Scaling up from %d to %d workers", current, current + extra)
+        return current + extra
+
+    def _move_size(self, ranks):
+        return recovery.move_size(self.group.num_workers, len(ranks), self.group.how_many_fit, self.min_workers,
+                                  self.max_workers)
+
+    def _move_off_draining(self, state):
+        """Before a call: restart the group off draining nodes from ``state`` (the call's starting state) when a
+        worker sits on one and the group can move; returns whether it moved."""
+        try:
+            ranks = restarts.leaving(self.group)
+        except Exception as err:  # noqa: BLE001 (a failed check: the node's loss is recovered from as a failure)
+            logger.debug("drain check failed: %s", err)
+            return False
+        if not ranks:
+            return False
+        size = self._move_size(ranks)
+        if size is None:
+            logger.warning(DrainWatch.STAY, restarts.describe_draining(ranks))
+            return False
+        logger.warning("Draining node(s) %s: restarting the workers elsewhere (%d) before the call",
+                       restarts.describe_draining(ranks), size)
+        self._restart(state, target=size)
+        return True
+
+    # ----------------------------------------------------------------- calls
+    @staticmethod
+    def check_max_retries(max_retries):
+        """``max_retries`` of ``train()``/``validate()``: an int >= 0, else ``ValueError``."""
+        if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
+            raise ValueError(f"max_retries expects an int >= 0; got {max_retries!r}")
+
+    def run_call(self, method, max_retries, kwargs, replay=False, on_tick=None):
+        """Run ``method`` on every worker through its attempts (see the module docstring); returns per-worker stats.
+
+        ``kwargs`` go to the group's ``run`` (and the workers' method); ``replay``: the call's input has no data
+        cursor (it takes no commits); ``on_tick()`` runs while the group waits for the workers."""
+        self.check_max_retries(max_retries)
+        self.ensure_workers()
+        state = self.take_snapshot()  # the restart point, even with max_retries=0 (for the next call)
+        if not self._move_off_draining(state):
+            target = self._scale_up_target()
+            if target is not None:
+                self._restart(state, target=target)
+        self.commits.begin_call(method == "train_epoch", replay=replay)
+        retries = 0
+        while True:
+            watches, requests = self._watches(), []
+            try:
+                results = self.group.run(method, on_tick=self._ticks(watches, requests, on_tick),
+                                         **self.commits.with_plan(kwargs))
+                self._snapshot_stale = True  # train and validate (custom ones too) may change the state
+                return self.commits.finish(results)
+            except WorkerFailure as failure:
+                stop = next((w for w in watches if w.requested), None)
+                if stop is not None and preemption.was_resize(failure):
+                    logger.info("Restarting at %d workers from the commit point (%s)", stop.size, stop.reason)
+                    self._restart_in_call(state, kwargs, failure, stop.size)
+                    continue
+                self._num_failures += 1
+                if retries == max_retries:
+                    raise RuntimeError(f"Training run failed: {method} did not succeed after {max_retries} "
+                                       f"retries; the last failure is the cause.") from failure
+                retries += 1
+                logger.warning("%s failed (%s); restarting workers, retry %d of %d", method, failure, retries,
+                               max_retries)
+                self._restart_in_call(state, kwargs, failure, None)
+            except Exception:
+                if method == "train_epoch":
+                    self._undo_partial_call(state)
+                raise
+
+    def _watches(self):
+        """The watches of the next attempt: to grow (below the largest size) and to leave draining nodes, only while
+        the call commits."""
+        if not self.commits.active:
+            return []
+        watches = []
+        if self.group.num_workers < self.max_workers:
+            watches.append(GrowWatch(lambda: self._scale_up_target(quiet=True), self.commits.committed_this_attempt))
+        watches.append(DrainWatch(lambda: restarts.leaving(self.group), self._move_size,
+                                  self.commits.running_attempt, describe=restarts.describe_draining))
+        return watches
+
+    def _ticks(self, watches, requests, on_tick):
+        """The group's ``on_tick`` for an attempt: each watch's decision becomes a request to the ranks to stop,
+        asked again while unanswered; then the caller's ``on_tick``."""
+        if not watches:
+            return on_tick
+
+        def tick():
+            for request in list(requests):  # sent at an earlier tick: ask again where unanswered
+                request.tick()
+            for watch in watches:
+                stop = watch.tick()
+                if stop is not None:
+                    requests.append(restarts.StopRequest(self.group, stop).send())
+            if on_tick is not None:
+                on_tick()
+
+        return tick
+
+    def _restart_in_call(self, state, kwargs, failure, size):
+        """Restart for the rest of the call: from its latest commit (or its start, ``state``), at ``size`` (a resize)
+        or as many as fit (a failure: a preemption commit goes to ``storage_path`` too)."""
+        try:
+            resumed = self.commits.restart_state(kwargs)  # the latest commit, or None
+            if size is None:
+                self.durable.on_recovery(failure, resumed, preempted=self.commits.resumed_preemption)
+            self._restart(resumed if resumed is not None else state, target=size)
+            self._snapshot = state  # a commit is a restart point inside this call only
+        except recovery.RestartGaveUp as err:
+            raise RuntimeError(f"Training run failed: the workers could not be restarted ({err}).") from failure
+
+    def _undo_partial_call(self, state):
+        """After user code raised mid-call, put the workers back to the call's starting state."""
+        try:  # a torn-down group restarts from the snapshot at the next call
+            if not self.group.broken:
+                self.group.run("load_state_stream", ray.put(state), deadline_s=self._timeout_s)
+        except Exception as err:  # noqa: BLE001 (the user's error is the one to raise)
+            logger.warning("Could not restore the state after a failed call: %s", err)
+
+    def run(self, method, *args, **kwargs):
+        """Run ``method`` everywhere (outside train/validate); a lost worker restarts from the last snapshot at the
+        next call."""
+        self.ensure_workers()
+        self.take_snapshot()  # a current restart point before anything can change the state
+        try:
+            result = self.group.run(method, *args, **kwargs)
+            self._snapshot_stale = True
+            return result
+        except WorkerFailure as failure:
+            self._num_failures += 1
+            raise RuntimeError(f"{method} failed: a worker was lost (it restarts at the next call).") from failure
+
+    # ----------------------------------------------------------------- state
+    def on_result(self, phase, reduced):
+        """A call's reduced result: checkpoint to ``storage_path`` when the durable run asks for it."""
+        self.durable.on_result(phase, reduced, self.take_snapshot)
+
+    def state_dict(self):
+        """Rank 0's current state as a dict on CPU (always fresh: a custom validate or ``get_local_operator`` may
+        have changed it)."""
+        self.ensure_workers()
+        self._snapshot_stale = True
+        return checkpoint.state_from_bytes(self.take_snapshot())
+
+    def models(self, to_cpu=False):
+        """Rank 0's unwrapped models (CPU copies with ``to_cpu``)."""
+        self.ensure_workers()
+        return self.first_answer("get_models", to_cpu)
+
+    def local_operator(self):
+        """The rank-0 operator living in this process, or None without ``use_local``."""
+        self.ensure_workers()
+        local = self.group.local_worker
+        return local.operator if local is not None else None
+
+    def load_stream(self, stream, weights_only=True, blocking=False):
+        """Send checked state bytes to every worker (loaded there with ``weights_only``); they are the restart point."""
+        self.ensure_workers()
+        ref = ray.put(stream)
+        if blocking:
+            self.run("load_state_stream", ref, weights_only)
+        else:
+            self.group.submit("load_state_stream", ref, weights_only)
+        self._snapshot, self._snapshot_stale = stream, False
+
+    def load_path(self, path, weights_only=True, blocking=False):
+        """Load a file written by ``save`` or a checkpoint directory (see ``TorchTrainer.load``)."""
+        state = filesystem.read_path(path, weights_only=weights_only)  # checked: a dict or state bytes
+        if isinstance(state, bytes):
+            self.load_stream(state, weights_only, blocking=blocking)
+        else:
+            self.load_stream(checkpoint.state_to_bytes(state), weights_only=False, blocking=blocking)  # made here
+
+    def save(self, path):
+        """Write the current state to ``path`` atomically (and to ``storage_path``); returns the path."""
+        return checkpoint.save_state(self.durable.on_save(self.state_dict(), self.take_snapshot), path)
+
+    def latest_commit(self):
+        """The latest complete commit of the running (or last) ``train()`` call as a state dict, or None."""
+        return self.commits.latest_state()
+
+    # ----------------------------------------------------------------- the end
+    def shutdown(self, force=False):
+        """Stop the workers (their resources are free when it returns, bounded); the group is gone afterwards."""
+        group, self.group = self.group, ShutDownGroup()
+        if not isinstance(group, ShutDownGroup):
+            group.shutdown(force=force)
+
+    def close(self):
+        """Close the durable run (waiting for its last upload, at most ``SGD_CHECKPOINT_FLUSH_S``) and the commit
+        store; the durable run's failure, if any, is raised once both are closed."""
+        upload_error = None
+        for name, part in (("_durable", self.durable), ("_commits", self.commits)):
+            try:
+                part.close()
+            except Exception as err:  # noqa: BLE001 (close the other anyway)
+                logger.warning("Closing %s at shutdown failed: %s", name, err)
+                upload_error = err if name == "_durable" else upload_error
+        if upload_error is not None:
+            raise upload_error

@@ -1,0 +1,300 @@
+"""The worker pool: placement group, actors, rendezvous, fan-out under deadlines, failure detection, shutdown.
+
+Layer 4: with :mod:`~raysgd.torch.execution.worker_handle`, the only module that touches Ray actor handles. Each
+round of calls is collected by :func:`raysgd.torch.execution.calls.collect`, whose outcome the group acts on: a
+dead actor, a lost node or a collective that timed out ends the attempt at once as
+:class:`~raysgd.torch.errors.WorkerFailure`: ranks still stuck are killed, those whose call ended are kept for
+:meth:`WorkerGroup.reform`. An exception raised by user code is re-raised with its original type.
+
+Example:
+    >>> # group = WorkerGroup(worker_options, num_cpus_per_worker=1, num_gpus=0, use_local=False, timeout_s=60)
+    >>> # group.start(2, operator_cls, config); group.run("train_epoch"); group.shutdown()
+"""
+import logging
+
+import ray
+
+from raysgd.torch import constants
+from raysgd.torch.errors import WorkerFailure
+from raysgd.torch.execution import calls as _calls
+from raysgd.torch.execution import cluster_state, diagnostics, placement
+from raysgd.torch.execution.local_runner import LocalRunner
+from raysgd.torch.execution.placement import Placement
+from raysgd.torch.execution.worker import TorchWorker
+from raysgd.torch.execution.worker_handle import Handle, start_actor
+from raysgd.torch.fault_tolerance import reform
+
+logger = logging.getLogger(__name__)
+
+_LOCAL_STOP_S = 10.0  # how long rank 0's call gets to end once its peers were killed
+
+
+class WorkerGroup:
+    """``num_workers`` replicas: rank 0 optionally in the driver, the rest Ray actors in one placement group.
+
+    Args:
+        worker_options: keyword arguments for every :class:`TorchWorker` (backend, fp16, ...).
+        num_cpus_per_worker, num_gpus: resources of each worker (``num_gpus`` may be a fraction of one GPU).
+        use_local: run rank 0 in this process.
+        timeout_s: process-group timeout; also how long the rest may lag once one worker finished.
+        placement_strategy: of the placement group this group creates (not used inside a Tune trial).
+    """
+
+    def __init__(self, worker_options, *, num_cpus_per_worker=1, num_gpus=0, use_local=False, timeout_s=1800,
+                 placement_strategy="SPREAD"):
+        self._worker_options, self._cpus, self._gpus = worker_options, num_cpus_per_worker, num_gpus
+        self._use_local, self._timeout_s = use_local, timeout_s
+        self._placement = Placement(num_cpus_per_worker, self._gpus, use_local, placement_strategy)
+        self._handles = []
+        self._kept = []  # survivors of a failure, waiting for reform() (or the next start, which kills them)
+        self._pg, self._own_pg = None, False
+        self._submitted = None
+        self._runner = None  # rank 0's thread (use_local with remote ranks)
+        self.broken = False
+        self.generation = 0  # counts start(): per-rank inputs built for one generation die with it
+
+    @property
+    def num_workers(self):
+        return len(self._handles)
+
+    @property
+    def remote_workers(self):
+        """The actor handles (1.x name)."""
+        return [h.actor for h in self._handles if h.actor is not None]
+
+    @property
+    def local_worker(self):
+        """The :class:`TorchWorker` living in the driver (``use_local``), else None."""
+        return self._handles[0].local if self._handles and self._handles[0].local is not None else None
+
+    def how_many_fit(self, limit, settle_s=0.0):
+        """How many workers fit now, at most ``limit`` (:meth:`Placement.how_many_fit`), plus the group's own
+        placed bundles no worker uses (a lost node's, placed again): growing frees them."""
+        spare = placement.spare_bundles(self._pg, self._handles) if self._own_pg and not self.broken else 0
+        own = self._pg if self._own_pg and not self.broken else None
+        return min(limit, spare + self._placement.how_many_fit(max(0, limit - spare), settle_s, own_pg=own))
+
+    def placed_on(self):
+        """``{rank: node id}`` of the remote workers a restart could place elsewhere (none inside a Tune trial)."""
+        return placement.nodes_of(self._pg, self._handles) if self._own_pg and not self.broken else {}
+
+    # ----------------------------------------------------------------- start-up
+    def start(self, n, operator_cls, config, pg_timeout_s=None, initialization_hook=None):
+        """Start ``n`` workers running ``operator_cls(config)``; raises WorkerFailure if one dies meanwhile.
+
+        ``initialization_hook`` runs on every worker before the process group is set up.
+        """
+        if self._handles:
+            raise RuntimeError("WorkerGroup.start called on a running group; shut it down first")
+        if self._kept:
+            self._kill_all()
+        pg_timeout_s = constants.SGD_PLACEMENT_GROUP_TIMEOUT_S if pg_timeout_s is None else pg_timeout_s
+        self.broken = False
+        self.generation += 1
+        self._pg, offset, self._own_pg = self._placement.reserve(n, pg_timeout_s)
+        options = dict(self._worker_options, num_cpus=self._cpus, world_size=n)
+        for rank in range(n):
+            if rank == 0 and self._use_local:
+                local = TorchWorker(operator_cls, config, is_local=True, **options)
+                self._runner = LocalRunner() if n > 1 else None  # the driver watches the others meanwhile
+                self._handles.append(Handle(0, local=local, runner=self._runner))
+                continue
+            self._handles.append(start_actor(rank, self._pg, offset + rank, self._cpus, self._gpus, operator_cls,
+                                             config, options))
+        self.run("run_hook", initialization_hook, deadline_s=self._timeout_s + 60,
+                 on_tick=self._placement.watch.check if self._placement.watch is not None else None)
+        self._connect(n)
+        logger.info("Started %d worker(s)%s", n, " (rank 0 local)" if self._use_local else "")
+        return n
+
+    def reform(self, operator_cls, config_for, min_size, initialization_hook=None):
+        """Re-form the group from the survivors of the last failure (see :mod:`raysgd.torch.fault_tolerance.reform`); returns the
+        size, or None when the whole group must restart instead. ``config_for(n)``: the worker config at ``n``."""
+        kept = {h.bundle: h for h in self._kept}
+        new = placement.reform_plan(self._pg, kept, min_size, self.how_many_fit) if kept and self._own_pg and \
+            self._pg is not None and (not self._use_local or 0 in kept) else None
+        if new is None:
+            self._kill_all()
+            return None
+        n, config, fresh = len(new), config_for(len(new)), set()
+        self._kept, self._handles, self.broken = [], [], False
+        self.generation += 1
+        for rank, (bundle, handle) in enumerate(new):
+            if handle is None:
+                handle = start_actor(rank, self._pg, bundle, self._cpus, self._gpus, operator_cls, config,
+                                     dict(self._worker_options, num_cpus=self._cpus, world_size=n))
+                fresh.add(rank)
+            handle.rank = rank
+            self._handles.append(handle)
+        local = self._handles[0] if self._handles[0].local is not None else None
+        if local is not None and (n > 1) != (local.runner is not None):  # rank 0's thread only beside others
+            if local.runner is not None:
+                local.runner.stop(_LOCAL_STOP_S)
+            local.runner = self._runner = LocalRunner() if n > 1 else None
+        self._collect({h.rank: h.call("run_hook", initialization_hook) if h.rank in fresh else h.call("rejoin", config, h.rank, n)
+                       for h in self._ordered()}, deadline_s=self._timeout_s + 60)
+        self._connect(n)
+        logger.info("Re-formed the group: %d worker(s), %d kept, %d new", n, n - len(fresh), len(fresh))
+        return n
+
+    def _connect(self, n):
+        """Rendezvous (the process group) and each rank's operator."""
+        deadline = self._timeout_s + 60
+        local_ranks = [0] * n
+        if n > 1:
+            url = self._collect({0: self._handles[0].call("setup_address")}, deadline_s=deadline)[0]
+            self._collect({h.rank: h.call("setup_process_group", url, h.rank, n, self._timeout_s)
+                           for h in self._ordered()}, deadline_s=deadline)
+            ips = self.run("node_ip", deadline_s=deadline)
+            local_ranks = [ips[:rank].count(ip) for rank, ip in enumerate(ips)]
+        self._collect({h.rank: h.call("setup_operator", local_ranks[h.rank]) for h in self._ordered()})
+
+    # ----------------------------------------------------------------- calls
+    def run(self, method, *args, deadline_s=None, on_tick=None, lockstep=False, rank_kwargs=None, **kwargs):
+        """Call ``method`` on every worker and return the results in rank order.
+
+        Remote calls are sent first, then the local worker's (in its own thread when remote ranks run
+        beside it, so this thread keeps watching them; in this thread when it is alone). With ``lockstep``
+        (train and validate), the others must finish within ``timeout_s`` of the first.
+        ``rank_kwargs(num_workers)``, if given, returns one dict of extra keyword arguments per rank
+        (e.g. each rank's data shard); it is called for every run, so a retry gets fresh ones.
+        """
+        self._drain_submitted()
+        handles = self._ordered()
+        extra = rank_kwargs(len(handles)) if rank_kwargs is not None else None
+        calls = {h.rank: h.call(method, *args, **kwargs, **(extra[h.rank] if extra else {})) for h in handles}
+        return self._collect(calls, deadline_s=deadline_s, on_tick=on_tick, lockstep=lockstep)
+
+    def submit(self, method, *args, **kwargs):
+        """Call ``method`` on every worker without waiting; errors surface at the next :meth:`run`."""
+        self._drain_submitted()
+        self._submitted = {h.rank: h.call(method, *args, **kwargs) for h in self._ordered()}
+
+    def first_answer(self, method, *args, deadline_s=None, **kwargs):
+        """Call ``method`` on rank 0, or the next rank while the ones before are dead; returns one result.
+
+        Dead workers are skipped here and not torn down (the next :meth:`run` finds them).
+        """
+        self._drain_submitted()
+        lost = {}
+        for handle in self._handles:
+            value, error = handle.answer(handle.call(method, *args, **kwargs), deadline_s)
+            if error is None:
+                return value
+            lost[handle.rank] = error
+        self.broken = True  # every rank is gone: the next call restarts the group
+        raise WorkerFailure(f"no worker answered {method}", {r: _calls.describe(e) for r, e in lost.items()})
+
+    def answers(self, method, *args, deadline_s=None, **kwargs):
+        """``{rank: result}`` of ``method`` from every rank that answers (sent to all at once); like
+        :meth:`first_answer`, dead or silent ranks are left out, not torn down."""
+        self._drain_submitted()
+        calls = [(handle, handle.call(method, *args, **kwargs)) for handle in self._handles]
+        found = {handle.rank: handle.answer(call, deadline_s) for handle, call in calls}
+        return {rank: value for rank, (value, error) in found.items() if error is None}
+
+    def _ordered(self):
+        if self.broken:
+            raise RuntimeError("the worker group was torn down after a failure; it must be restarted")
+        return list(reversed(self._handles))  # the local rank 0 runs last: it blocks this thread
+
+    def _drain_submitted(self):
+        submitted, self._submitted = self._submitted, None
+        if submitted:
+            self._collect(submitted, deadline_s=self._timeout_s)
+
+    def _collect(self, calls, deadline_s=None, on_tick=None, lockstep=False):
+        """Wait for every call (:func:`~raysgd.torch.execution.calls.collect`) and act on the outcome: the results in
+        rank order, the user error raised (ranks stuck waiting for the failed one killed first), or a failure: the
+        group is killed but for the survivors kept for :meth:`reform`, and :class:`WorkerFailure` raised. Ctrl-C
+        stops every worker."""
+        try:
+            outcome = _calls.collect(calls, timeout_s=self._timeout_s, deadline_s=deadline_s, on_tick=on_tick,
+                                     lockstep=lockstep,
+                                     survivor_grace_s=reform.survivor_grace_s() if self._can_keep() else None)
+        except KeyboardInterrupt:
+            logger.warning("Interrupted: stopping the workers (the next call restarts them)")
+            self._kill_all()
+            raise
+        if outcome.kind == _calls.DONE:
+            return outcome.results
+        if outcome.kind == _calls.USER_ERROR:
+            if outcome.stuck:  # the others are stuck waiting for the failed rank
+                self._kill_all()
+            raise outcome.error
+        return self._fail(outcome.failures, outcome.unanswered, outcome.cause, outcome.message, outcome.keep)
+
+    def _can_keep(self):
+        return self._own_pg and reform.enabled()
+
+    def _fail(self, failures, unresponsive, cause, message, keep=()):
+        stacks = {}
+        if unresponsive:  # where is everyone? taken before the kill, while they are stuck
+            try:
+                stacks = self.stack_traces()
+            except Exception as err:  # noqa: BLE001 (the failure matters more than its forensics)
+                stacks = {rank: f"no stack: {type(err).__name__}: {err}" for rank in unresponsive}
+        self._kill_all(keep)
+        descriptions = {rank: _calls.describe(err) for rank, err in failures.items()}
+        failure = WorkerFailure(message, descriptions, unresponsive, stacks)
+        logger.warning("Ending the attempt: %s", failure)
+        raise failure from (cause if isinstance(cause, BaseException) else None)  # a timeout's cause is text
+
+    def request_resize(self, call_id, attempt, ranks=None):
+        """Ask every rank (or ``ranks``) to end the call at its next agreed commit point; ``{rank: call}``, unread."""
+        return {h.rank: h.control("request_resize", call_id, attempt) for h in list(self._handles)
+                if ranks is None or h.rank in ranks}
+
+    def stack_traces(self, timeout_s=diagnostics.STACK_TIMEOUT_S):
+        """``{rank: text}``: every rank's Python stacks now (callable from another thread while a call runs);
+        remote ranks answer from their ``"control"`` concurrency group, or py-spy dumps them (same machine)."""
+        return diagnostics.gather_stacks({h.rank: h.stacks_request() for h in list(self._handles)}, timeout_s)
+
+    # ----------------------------------------------------------------- teardown
+    def _kill_all(self, keep=()):
+        """Kill every worker but the ranks in ``keep`` (kept for :meth:`reform`); the placement group stays for them."""
+        handles = [h for h in self._handles if h.rank not in keep] + self._kept
+        self._kept, self._handles = [h for h in self._handles if h.rank in keep], []
+        self._submitted = None
+        self.broken = True
+        for handle in sorted(handles, key=lambda h: h.local is not None):  # remote ranks first: closing their
+            if handle.runner is not None:  # connections ends rank 0's collective, so its thread can end
+                self._runner = None
+                handle.runner.stop(_LOCAL_STOP_S)
+            try:
+                handle.kill()
+            except Exception as err:  # noqa: BLE001 (already gone)
+                logger.debug("kill rank %d: %s", handle.rank, err)
+        if not self._kept:
+            self._remove_pg()
+
+    def _remove_pg(self):
+        pg, self._pg = self._pg, None
+        if pg is not None and self._own_pg:
+            Placement.remove(pg)
+
+    def shutdown(self, force=False):
+        """Stop every worker (gracefully unless ``force``) and release the placement group.
+
+        Whatever fails on the way (a pending non-blocking call that raised, a dead worker), every actor
+        is killed and the placement group removed; it returns once Ray shows them released (bounded
+        wait), so ``ray.available_resources()`` right after counts them free.
+        """
+        actor_ids = [h.actor._actor_id.hex() for h in self._handles + self._kept if h.actor is not None]
+        pg = self._pg if self._own_pg else None
+        before = ray.available_resources() if pg is not None else {}
+        try:
+            if self._handles and not force and not self.broken:
+                self.run("shutdown", deadline_s=constants.SGD_SHUTDOWN_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 (a pending call's error must not stop the release)
+            logger.warning("Graceful shutdown failed (%s: %s); killing the workers", type(err).__name__, err)
+        finally:
+            self._kill_all()
+            self.broken = False
+            if actor_ids or pg is not None:
+                held = cluster_state.held_by(pg.bundle_specs) if pg is not None else {}
+                cluster_state.wait_until_released(
+                    actor_ids, pg.id.hex() if pg is not None else None,
+                    {key: before.get(key, 0) + amount for key, amount in held.items()},
+                    timeout_s=constants.SGD_SHUTDOWN_TIMEOUT_S)
+
