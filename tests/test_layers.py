@@ -36,8 +36,6 @@ LAYERS = {
     "raysgd": GLUE, "raysgd.torch": GLUE, "raysgd.utils": GLUE, "raysgd.compat": GLUE, "raysgd.legacy": GLUE,
     "raysgd.data": GLUE, "raysgd.torch.lightning_operator": GLUE, "raysgd.torch.worker_group": GLUE,
 }
-FLAT = {}
-UPWARD_EXCEPTIONS = set()
 # What each layer may import from outside the package (beyond the standard library).
 THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex", "filelock"},
                2: {"torch", "numpy", "filelock", "ray"}, 3: {"torch", "numpy", "ray"}, 4: {"ray", "torch", "numpy"},
@@ -63,8 +61,6 @@ MODULES = {module_name(p) for p in library_modules()}
 
 def unit_of(name):
     """``(unit, layer)`` of a raysgd module: the longest entry it is or lies under (the packages only as themselves)."""
-    if name in FLAT:
-        return name, FLAT[name]
     for unit in sorted(LAYERS, key=len, reverse=True):
         if name == unit or (unit not in ("raysgd", "raysgd.torch") and name.startswith(unit + ".")):
             return unit, LAYERS[unit]
@@ -91,10 +87,7 @@ def test_imports_point_down_the_layers(path):
         if imported.startswith("raysgd"):
             target, target_layer = unit_of(imported)
             assert target is not None, f"{name} imports {imported}, which has no layer"
-            if target == unit or layer == GLUE or (name, target) in UPWARD_EXCEPTIONS:
-                continue
-            if name in FLAT:
-                assert target_layer <= layer, f"{name} (layer {layer}) imports {target} (layer {target_layer})"
+            if target == unit or layer == GLUE:
                 continue
             assert target_layer < layer, (f"{name} ({unit}, layer {layer}) imports {target} (layer {target_layer}): "
                                           "imports point down, never sideways or up")
@@ -112,8 +105,7 @@ def test_no_import_circle():
         for imported in imports(path):
             while imported not in MODULES and "." in imported:
                 imported = imported.rpartition(".")[0]
-            if imported in MODULES and imported != module_name(path) and \
-                    (module_name(path), imported) not in UPWARD_EXCEPTIONS:
+            if imported in MODULES and imported != module_name(path):
                 graph[module_name(path)].add(imported)
     done, stack = set(), []
 
@@ -156,3 +148,47 @@ def test_only_the_worker_group_touches_actor_handles():
                                  "raysgd.torch.state.commit_store"):
             continue
         assert ".remote(" not in path.read_text(), f"{path.name} calls actors directly"
+
+
+def _private(name):
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_reaches_into_another_modules_private_attributes():
+    """``x._name`` outside ``self``/``cls``/``super()`` only for a private name that no other raysgd module defines:
+    a module uses another's objects through their public methods (the facade never reads ``trainer._``-style
+    state of the controller, the worker never reads the operator's registered loaders directly)."""
+    trees = {path: ast.parse(path.read_text()) for path in library_modules()}
+    defined = {}  # private name -> the modules that define it (a def, a class or a self./cls. assignment)
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _private(node.name):
+                defined.setdefault(node.name, set()).add(path)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and _private(node.attr) \
+                    and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                defined.setdefault(node.attr, set()).add(path)
+    reaching = []
+    for path, tree in trees.items():
+        foreign = {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
+                   if isinstance(node, (ast.Import, ast.ImportFrom)) and not (getattr(node, "module", "") or "")
+                   .startswith("raysgd") for alias in node.names if not alias.name.startswith("raysgd")}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _private(node.attr) and node.attr in defined):
+                continue
+            owner = node.value
+            if isinstance(owner, ast.Name) and owner.id in ({"self", "cls"} | foreign):
+                continue  # its own state, or a third-party module's name (os._exit)
+            if isinstance(owner, ast.Call) and getattr(owner.func, "id", "") == "super":
+                continue
+            if defined[node.attr] != {path}:
+                reaching.append(f"{module_name(path)}:{node.lineno}: {ast.unparse(owner)}.{node.attr} "
+                                f"(defined in {sorted(module_name(p) for p in defined[node.attr])})")
+    assert not reaching, "modules reach into others' private attributes:\n" + "\n".join(reaching)
+
+
+def test_the_tests_use_the_trainers_public_surface():
+    """The tests drive a trainer as a user does: no ``trainer._`` attribute."""
+    tests = pathlib.Path(__file__).resolve().parent
+    uses = [f"{path.name}:{number}" for path in sorted(tests.glob("*.py")) if path.name != "test_layers.py"
+            for number, line in enumerate(path.read_text().splitlines(), 1) if "trainer._" in line]
+    assert not uses, f"tests read a trainer's private state: {uses}"

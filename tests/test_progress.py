@@ -94,7 +94,7 @@ def test_one_bar_on_driver_stderr_fed_by_rank0(ray_2cpus, capfd, use_local):
                            use_tqdm=True, timeout_s=60, config={"data_size": 400, "batch_size": 2})
     try:
         per_worker = [trainer.train(info={"num_epochs": 3}, reduce_results=False) for _ in range(2)]
-        state = trainer._progress.last_state
+        state = trainer.progress_bar.last_state
         time.sleep(0.5)  # let Ray forward anything the workers printed
     finally:
         trainer.shutdown()

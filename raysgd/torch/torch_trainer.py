@@ -111,6 +111,12 @@ class TorchTrainer:
         return self._controller.group
 
     @property
+    def progress_bar(self):
+        """The driver's :class:`~raysgd.torch.integrations.progress.ProgressBar` with ``use_tqdm=True`` (its
+        ``last_state`` is what the bar showed last), else None."""
+        return self._progress
+
+    @property
     def config(self):
         """The trainer config, read-only, with ``BATCH_SIZE`` as it is divided among the current workers."""
         return self._controller.config

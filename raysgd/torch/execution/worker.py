@@ -161,6 +161,9 @@ class TorchWorker:
     def _train_loader(self):
         return self.operator.registered_loader("train")
 
+    def _train_loader_if_any(self):
+        return self.operator.registered_loader("train", required=False)
+
     def _validation_loader(self):
         return self.operator.registered_loader("validation")
 
@@ -201,9 +204,9 @@ class TorchWorker:
             else:
                 batches = self._train_iter.take(num_steps)
             batches = CallBatches(self.committer.batches(self, batches, commit if iterator is None else None,
-                                                          lambda: self.operator._train_loader))
+                                                          self._train_loader_if_any))
             reporting = contextlib.nullcontext() if progress is None else progress.attach(
-                self.operator, num_steps, iterator if iterator is not None else self.operator._train_loader)
+                self.operator, num_steps, iterator if iterator is not None else self._train_loader_if_any())
             fresh = self._train_iter.fresh_after_error() if iterator is None else contextlib.nullcontext()
             with reporting, fresh, contextlib.closing(batches):  # its cleanup runs now, even after an error
                 stats = self.committer.merge_carried(self.operator.train_epoch(batches, info))
@@ -246,7 +249,7 @@ class TorchWorker:
         if pending is not None:
             state.update(pending)
         elif self._train_iter.mid_epoch:  # train(num_steps=...) stopped inside an epoch: say where
-            cursor = self.committer.cursor_now(self.epochs, self.operator._train_loader)
+            cursor = self.committer.cursor_now(self.epochs, self._train_loader_if_any())
             if cursor is not None:
                 state[_state.CURSOR] = cursor
         return state

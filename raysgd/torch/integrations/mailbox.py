@@ -12,13 +12,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 class _MailboxActor:
     def __init__(self):
-        self._latest = (None, None, 0)  # value, tag, how many posts under that tag
+        self._newest = (None, None, 0)  # value, tag, how many posts under that tag
 
     def post(self, value, tag):
-        self._latest = (value, tag, self._latest[2] + 1 if tag == self._latest[1] else 1)
+        self._newest = (value, tag, self._newest[2] + 1 if tag == self._newest[1] else 1)
 
     def read(self):
-        return self._latest
+        return self._newest
 
 
 class Mailbox:
