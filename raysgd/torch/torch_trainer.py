@@ -26,6 +26,7 @@ from raysgd.torch.execution import shipping
 from raysgd.torch.execution.controller import RunController
 from raysgd.torch.execution.worker_group import WorkerGroup
 from raysgd.torch.integrations import progress, ray_data, results
+from raysgd.torch.operator import tracing
 from raysgd.torch.options import TrainerOptions, check_num_steps
 from raysgd.torch.sharding import batch_split
 from raysgd.torch.state import checkpoint
@@ -167,6 +168,30 @@ class TorchTrainer:
             self._results.log(phase, reduced)
         self._controller.on_result(phase, reduced)
         return reduced if reduce_results else stats
+
+    def profile(self, num_steps, logdir, max_retries=3, info=None):
+        """Train ``num_steps`` batches per worker (as ``train(num_steps=...)``) under ``torch.profiler`` on every
+        rank, and write one Chrome trace per rank to ``logdir`` (``rank_<r>.pt.trace.json``: Perfetto,
+        ``chrome://tracing`` and TensorBoard's PyTorch profiler plugin open them). Returns ``train()``'s reduced
+        result with ``"traces"``: the paths written. The steps count as training (the data cursor, commits,
+        ``logdir``/``storage_path`` results as for ``train()``); a rank replaced during the call has no trace.
+        ``train(profile=True)`` keeps its 1.x meaning (timings of the call's parts).
+
+        Example:
+            >>> result = trainer.profile(num_steps=5, logdir="traces")  # doctest: +SKIP
+            >>> result["traces"]  # doctest: +SKIP
+            ['traces/rank_0.pt.trace.json', 'traces/rank_1.pt.trace.json']
+        """
+        num_steps = check_num_steps(num_steps)
+        if num_steps is None or num_steps < 1:
+            raise ValueError(f"profile: num_steps expects an int >= 1 (batches per worker to profile); "
+                             f"got {num_steps!r}")
+        folder = tracing.prepare_logdir(logdir)
+        stats = self._controller.run_call("train_epoch", max_retries, dict(
+            num_steps=num_steps, profile=False, info=dict(info or {}), lockstep=True, trace=True))
+        paths = tracing.write_traces(self._controller.take_traces(), folder)
+        logger.info("profile: %d trace(s) written to %s", len(paths), folder)
+        return dict(self._log_result("train", stats, True), traces=paths)
 
     def validate(self, num_steps=None, profile=False, reduce_results=True, info=None, max_retries=3):
         """Validate on every worker's shard of the validation set; returns the metrics.

@@ -308,6 +308,12 @@ class RunController:
             self._num_failures += 1
             raise RuntimeError(f"{method} failed: a worker was lost (it restarts at the next call).") from failure
 
+    def take_traces(self):
+        """``{rank: trace bytes}`` of the last call recorded with ``trace=True``, from every rank that has one (a
+        rank replaced during the call has none)."""
+        answers = self.group.answers("take_trace", deadline_s=self._timeout_s)
+        return {rank: trace for rank, trace in answers.items() if trace is not None}
+
     # ----------------------------------------------------------------- state
     def on_result(self, phase, reduced):
         """A call's reduced result: checkpoint to ``storage_path`` when the durable run asks for it."""

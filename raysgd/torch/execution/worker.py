@@ -33,6 +33,7 @@ import torch.distributed as dist
 from raysgd.torch.state import checkpoint
 from raysgd.torch.sharding import loaders as _data
 from raysgd.torch.operator import evaluation
+from raysgd.torch.operator.tracing import TraceRecorder
 from raysgd.torch.state import model_copy
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.state import training_state as _state
@@ -76,6 +77,7 @@ class TorchWorker:
         self.world_rank = 0
         self.operator = None
         self.timers = TimerCollection()
+        self._traces = TraceRecorder()  # torch.profiler traces of train calls (TorchTrainer.profile)
         self.timers.disable()
         self._is_local = is_local
         self._options = dict(use_fp16=use_fp16, use_tqdm=use_tqdm, wrap_ddp=wrap_ddp,
@@ -183,7 +185,8 @@ class TorchWorker:
             self.timers.disable()
 
     @_guard_collectives
-    def train_epoch(self, num_steps=None, profile=False, info=None, iterator=None, progress=None, commit=None):
+    def train_epoch(self, num_steps=None, profile=False, info=None, iterator=None, progress=None, commit=None,
+                    trace=False):
         """Train ``num_steps`` batches (default: the rest of the epoch); returns ``{"epoch", **metrics}``.
 
         ``iterator`` (e.g. a Ray Data shard) replaces the registered loader for this call and
@@ -191,13 +194,14 @@ class TorchWorker:
         :class:`~raysgd.torch.integrations.progress.ProgressReporter` fed by the operator's per-batch hook.
         ``commit`` (a :class:`~raysgd.torch.state.committer.CommitPlan`) commits between batches.
         The operator's iterator has ``end_epoch()``: the epoch ends with this call (Lightning's ``-1``).
+        ``trace``: record the call with ``torch.profiler`` (:meth:`take_trace` hands the trace out).
         """
         self._begin(profile)
         if iterator is not None and self.committer.resume is not None:
             raise ValueError("train(dataset=...) cannot run while a loaded state waits to resume an epoch of the "
                              f"registered train loader (cursor {self.committer.resume['cursor']}): call train() first")
         info = {**(info or {}), NUM_STEPS: num_steps, USE_FP16: self.operator.use_fp16, "epoch_idx": self.epochs}
-        with self.timers.record("train_epoch"):
+        with self._traces.record(trace), self.timers.record("train_epoch"):
             if iterator is not None:
                 self.epochs += 1
                 batches = iterator if num_steps is None else itertools.islice(iterator, num_steps)
@@ -285,6 +289,10 @@ class TorchWorker:
         self.load_state_dict(checkpoint.state_from_bytes(stream, map_location=location, weights_only=weights_only))
 
     # ----------------------------------------------------------------- access
+    def take_trace(self):
+        """The Chrome trace (bytes) of the latest call recorded with ``trace=True``, or None; handed out once."""
+        return self._traces.take()
+
     def get_models(self, to_cpu=False):
         """The unwrapped models; with ``to_cpu`` CPU copies (the worker's own models never move)."""
         models = self.operator.registered_models()
