@@ -14,10 +14,12 @@ For each size N: a model of N MB of float32 parameters (one square ``nn.Linear``
 - ``overhead_ms``: per-call driver overhead, the call's wall time minus the slowest worker's own time in it
   (``profile=True``'s ``mean_train_epoch_s``; it includes waiting until the worker's commit is stored), median;
 - ``commit_ms``: commit latency on rank 0 (the rank that sends the state), from the host copy's start until the
-  store holds it (``raysgd.torch.state.committer.STATS``), median;
+  store holds it (``raysgd.torch.state.committer.STATS``), median; ``in_loop_ms`` the part of it the training loop
+  waits for;
 - ``worker_peak_rss_mb``: rank 0's peak RSS in a call with a commit (``VmHWM``, reset at the call's start, read
-  once its commit is stored); ``commit_rise_mb`` that peak minus the RSS at the call's start, ``base_rise_mb`` the
-  same for calls without commits, and ``commit_extra_x`` = (commit_rise - base_rise) / state: the commit's own
+  once its commit is stored), ``worker_start_anon_mb`` and ``worker_start_shm_mb`` its private and shared
+  (``RssAnon``, ``RssShmem``) RSS at the call's start; ``commit_rise_mb`` that peak minus the RSS at the call's
+  start, ``base_rise_mb`` the same for calls without commits, and ``commit_extra_x`` = (commit_rise - base_rise) / state: the commit's own
   peak host memory on the sending rank, in multiples of the state (the live state itself not counted). RSS that
   stays mapped between calls (Ray's object store pages, memory the allocator keeps) is not a rise, so
   ``anon_extra_x`` and ``shm_extra_x`` also give the commit's peaks of private memory (``RssAnon``) and of shared
@@ -117,16 +119,18 @@ class ScalingOperator(BenchOperator):
 
         count = committer.STATS["count"]
         reset_peak()
-        before = read_status()["VmRSS"]
         sampler = Sampler()
+        before = sampler.start["VmRSS"]
         stats = super().train_epoch(iterator, info)
         deadline = time.monotonic() + DEADLINE_S
         committing = bool((info or {}).get("commits"))
         while committing and committer.STATS["count"] == count and time.monotonic() < deadline:
             time.sleep(0.005)
         self.calls.append({"rss_before_mb": before, "peak_mb": read_status()["VmHWM"], **sampler.stop(),
+                           "start_anon_mb": sampler.start["RssAnon"], "start_shm_mb": sampler.start["RssShmem"],
                            "commits": committing,
                            "commit_s": committer.STATS["latency_s"] if committing else None,
+                           "in_loop_s": committer.STATS["in_loop_s"] if committing else None,
                            "bytes": committer.STATS["bytes"]})
         return stats
 
@@ -197,7 +201,10 @@ def measure(size_mb, calls, work_dir):
                 "driver_peak_rss_mb": driver_peak, "driver_growth_mb": driver_peak - driver_before,
                 "overhead_ms": 1000 * _median(overheads),
                 "commit_ms": 1000 * _median([r["commit_s"] for r in committed]),
+                "in_loop_ms": 1000 * _median([r["in_loop_s"] for r in committed]),
                 "worker_peak_rss_mb": _median([r["peak_mb"] for r in committed]),
+                "worker_start_anon_mb": _median([r["start_anon_mb"] for r in committed]),
+                "worker_start_shm_mb": _median([r["start_shm_mb"] for r in committed]),
                 "commit_rise_mb": commit_rise, "base_rise_mb": base_rise,
                 "commit_extra_x": (commit_rise - base_rise) / state_mb,
                 "anon_extra_x": rises["anon_mb"], "shm_extra_x": rises["shm_mb"],
