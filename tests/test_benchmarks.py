@@ -90,3 +90,23 @@ def test_ratios_and_targets():
                        "mlp: raysgd 1 / plain loop, steady state": False,
                        "mlp: 3-epoch job, raysgd 2 / Ray Train 2": True,
                        "recovery: worker death to next batch trained (s)": False}
+
+
+@pytest.mark.slow
+def test_state_scaling_smoke_test_measures_every_column(tmp_path):
+    out = tmp_path / "state.json"
+    command = [sys.executable, os.path.join(BENCH_DIR, "state_scaling.py"), "--smoke-test", "--json", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["meta"]["smoke"] and len(result["meta"]["loadavg"]) == 3
+    (row,) = result["rows"]
+    assert row["size_mb"] == 1 and row["calls"] == 2 and 0.9 < row["state_mb"] < 1.1
+    for key in ("driver_peak_rss_mb", "worker_peak_rss_mb", "commit_ms", "call_s"):
+        assert row[key] > 0, (key, row)
+    assert row["driver_peak_rss_mb"] >= row["driver_growth_mb"] >= 0
+    assert row["commit_rise_mb"] >= 0 and row["base_rise_mb"] >= 0 and "commit_extra_x" in row
+    assert {"anon_extra_x", "shm_extra_x", "overhead_ms"} <= set(row)  # toy-size memory is allocator noise
+    assert row["recover_s"] > 0 and row["failures"] == 1  # the killed worker was replaced inside the call
+    assert "driver_peak_rss_mb" in proc.stdout  # the table

@@ -12,6 +12,7 @@ Example:
 """
 import io
 import logging
+import pickle
 import time
 
 import ray
@@ -33,6 +34,7 @@ class _StoreActor:
             self._call, self._pending, self._complete, self._reasons = call_id, {}, None, {}
 
     def put(self, key, rank, world_size, blob):
+        blob = blob if isinstance(blob, bytes) else bytes(blob)  # one copy of our own: none depends on the sender
         self.begin(key[0])  # a worker's record may arrive before the driver's begin: calls only move forward
         if key[0] != self._call:
             return False  # a late record of a finished call
@@ -84,7 +86,12 @@ class CommitStore:
         return self._actor.begin.remote(call_id)
 
     def put(self, key, rank, world_size, blob, timeout_s=600):
-        """Store one rank's record (blocking until the store holds it)."""
+        """Store one rank's record, bytes or any contiguous buffer (blocking until the store holds it).
+
+        A buffer travels out of band (``pickle.PickleBuffer``): Ray writes it straight into its object store, with no
+        copy on this side; the store keeps one copy of its own."""
+        if not isinstance(blob, bytes):
+            blob = pickle.PickleBuffer(blob)
         return ray.get(self._actor.put.remote(tuple(key), rank, world_size, blob), timeout=timeout_s)
 
     def latest(self, call_id, timeout_s=60):

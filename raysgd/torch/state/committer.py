@@ -3,7 +3,9 @@
 Layer 3 (torch and layers 0-2, no Ray). The worker wraps the batches it hands to the operator with
 :meth:`Committer.batches`; the operator's loop (the default one or a custom one) finishes a batch
 before it pulls the next, so a commit taken at the pull holds a consistent state. The training loop
-pays a host copy of the state; ``torch.save`` and the transfer run in a background thread.
+pays one serialisation of the state (``torch.save`` of the live tensors into a buffer: no separate host copy);
+the transfer runs in a background thread and hands the buffer over without copying it, so a commit holds at most
+one serialised copy of the state besides the live one (and the transport's, in Ray's object store).
 
 When to commit: every ``every_n`` steps of the epoch, or, for a time interval, once the training time since
 the call's start or its last commit reaches ``interval_s``. That time is counted from what every rank
@@ -37,8 +39,8 @@ from raysgd.torch.state import training_state as _state
 
 logger = logging.getLogger(__name__)
 
-#: This process's latest commit timings (for benchmarks): ``in_loop_s`` (the host copy the loop waits for,
-#: including a wait for the previous commit), ``latency_s`` (from the copy's start until the store holds it),
+#: This process's latest commit timings (for benchmarks): ``in_loop_s`` (the serialisation the loop waits for,
+#: including a wait for the previous commit), ``latency_s`` (from its start until the store holds it),
 #: ``bytes`` and ``count``.
 STATS = {"in_loop_s": None, "latency_s": None, "bytes": None, "count": 0}
 
@@ -49,6 +51,20 @@ def commit_due(every_n, epoch_steps, interval_s, trained_s):
     if every_n:
         return epoch_steps % int(every_n) == 0
     return trained_s >= interval_s
+
+
+def serialise(record):
+    """``record`` serialised once with ``torch.save``, as a read-only ``memoryview`` of the buffer it was written to
+    (no ``getvalue()`` copy); ``torch.load(io.BytesIO(view))`` reads it back.
+
+    Example:
+        >>> view = serialise({"x": torch.arange(3)})
+        >>> torch.load(io.BytesIO(view))["x"].tolist(), view.readonly
+        ([0, 1, 2], True)
+    """
+    buffer = io.BytesIO()
+    torch.save(record, buffer)
+    return buffer.getbuffer().toreadonly()
 
 
 class CommitPlan:
@@ -240,23 +256,28 @@ class Committer:
         record = {"rng": _state.rng_state(), "meters": meters,
                   "cursor": {"epoch": worker.epochs, "consumed": int(consumed), "steps": self.epoch_steps,
                              "call_steps": self.call_steps, "attempt": plan.attempt, "call": plan.call_tag}}
+        self.flush()  # at most one commit in flight: its buffer is gone before the next one is made
         if worker.world_rank == 0:
-            record["state"] = _state.capture(op, worker.epochs, copy=True)
-        self.flush()  # at most one commit in flight: a slow sink slows training rather than piling up
+            record["state"] = _state.capture(op, worker.epochs)  # the live tensors: serialised now, in the loop
         key = (plan.call_id, plan.attempt, self.call_steps)  # records of one attempt only complete a commit
+        try:
+            blob = serialise(record)
+        except Exception as err:  # noqa: BLE001 (as a failed send: a lost commit only costs recomputation)
+            logger.warning("Commit %s of rank %d was not stored: %s", key, worker.world_rank, err)
+            return key
+        finally:
+            del record
         self._thread = threading.Thread(target=self._send, args=(plan.sink, key, worker.world_rank,
-                                                                 worker.world_size, record, started), daemon=True)
+                                                                 worker.world_size, blob, started), daemon=True)
         self._thread.start()
         STATS["in_loop_s"] = time.perf_counter() - started
         return key
 
-    def _send(self, sink, key, rank, world_size, record, started):
+    def _send(self, sink, key, rank, world_size, blob, started):
         try:
-            buffer = io.BytesIO()
-            torch.save(record, buffer)
-            sink.put(key, rank, world_size, buffer.getvalue())
+            sink.put(key, rank, world_size, blob)
             self.sent += 1
-            STATS.update(latency_s=time.perf_counter() - started, bytes=buffer.tell(), count=STATS["count"] + 1)
+            STATS.update(latency_s=time.perf_counter() - started, bytes=blob.nbytes, count=STATS["count"] + 1)
         except Exception as err:  # noqa: BLE001 (a lost commit only costs recomputation)
             logger.warning("Commit %s of rank %d was not stored: %s", key, rank, err)
 
