@@ -18,7 +18,7 @@ GLUE = 7
 LAYERS = {
     # 0: exceptions and failure text, keys and tunables, meters (and their reduction) and timers, optional imports
     "raysgd.torch.errors": 0, "raysgd.torch.constants": 0, "raysgd.meters": 0, "raysgd.timers": 0,
-    "raysgd.optional": 0,
+    "raysgd.optional": 0, "raysgd.callbacks": 0,
     # 1: one rank's data order and shards, one rank's training helpers, the pure failure and sizing policies
     "raysgd.torch.sharding": 1, "raysgd.torch.operator": 1, "raysgd.torch.fault_tolerance": 1,
     # 2: the user's operator; the training state, checkpoint files, commits

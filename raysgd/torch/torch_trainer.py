@@ -21,6 +21,7 @@ import os
 
 import ray
 
+from raysgd.callbacks import CallbackList
 from raysgd.meters import reduce_worker_stats
 from raysgd.torch.execution import shipping
 from raysgd.torch.execution.controller import RunController
@@ -59,7 +60,10 @@ class TorchTrainer:
         self._options = options
         self._progress = progress.ProgressBar() if options.use_tqdm else None  # ValueError without tqdm, as 1.12
         self._results = results.open_result_log(options.logdir)
-        run = durable.open_run(options.storage_path, options.num_to_keep, options.resume, self._results)  # checked
+        self._callbacks = CallbackList(([results.ResultLogCallback(self._results)] if self._results else [])
+                                       + options.callbacks)  # the result log first, then the user's, in order
+        run = durable.open_run(options.storage_path, options.num_to_keep, options.resume, self._results,  # checked
+                               callbacks=self._callbacks, on_written=self._on_checkpoint)
         self._shards = ray_data.ShardCache()
         self._controller = None
         shipping.install()  # before any class is shipped: see raysgd.torch.execution.shipping
@@ -80,7 +84,7 @@ class TorchTrainer:
                 group, operator_cls=options.training_operator_cls, initialization_hook=options.initialization_hook,
                 config=options.config, split=batch_split.splitter(options.fixed_worker_batch, self.max_replicas),
                 worker_range=(self.min_replicas, self.max_replicas), is_range=isinstance(options.num_workers, tuple),
-                timeout_s=options.timeout_s, commits=commits, durable=run)
+                timeout_s=options.timeout_s, commits=commits, durable=run, on_event=self._on_event)
             self._controller.start()
         except BaseException:
             if self._controller is None:  # what the controller would have closed
@@ -109,6 +113,18 @@ class TorchTrainer:
     def worker_group(self):
         """The :class:`~raysgd.torch.execution.worker_group.WorkerGroup` (``num_workers``, ``remote_workers``...)."""
         return self._controller.group
+
+    @property
+    def callbacks(self):
+        """The :class:`~raysgd.callbacks.CallbackList` the trainer calls (``logdir``'s result log first)."""
+        return self._callbacks
+
+    def _on_event(self, kind, *args):
+        """The controller's events, as callback hooks: ``failure`` -> ``on_failure``, ``resize`` -> ``on_resize``."""
+        self._callbacks.call({"failure": "on_failure", "resize": "on_resize"}[kind], self, *args)
+
+    def _on_checkpoint(self, path):
+        self._callbacks.call("on_checkpoint", self, path)
 
     @property
     def progress_bar(self):
@@ -163,8 +179,7 @@ class TorchTrainer:
     def _log_result(self, phase, stats, reduce_results):
         """Reduce the per-worker stats, log them (``logdir``), checkpoint (``storage_path``), return what was asked."""
         reduced = reduce_worker_stats(stats)
-        if self._results is not None:
-            self._results.log(phase, reduced)
+        self._callbacks.call(f"on_{phase}_result", self, reduced)  # the result log, then the user's callbacks
         self._controller.on_result(phase, reduced)
         return reduced if reduce_results else stats
 
@@ -267,15 +282,20 @@ class TorchTrainer:
             if controller is not None:
                 controller.shutdown(force=force)  # returns once Ray shows the resources free (bounded)
         finally:
-            for name in ("_progress", "_results", "_shards"):  # the bar, the logs, the Ray Data splits
-                part = self.__dict__.get(name)
-                try:
-                    if part is not None:
-                        part.close()
-                except Exception as err:  # noqa: BLE001 (close the others anyway)
-                    logger.warning("Closing %s at shutdown failed: %s", name, err)
-            if controller is not None:
-                controller.close()  # the uploads, then the commit store; raises an upload's failure
+            try:
+                for name in ("_progress", "_results", "_shards"):  # the bar, the logs, the Ray Data splits
+                    part = self.__dict__.get(name)
+                    try:
+                        if part is not None:
+                            part.close()
+                    except Exception as err:  # noqa: BLE001 (close the others anyway)
+                        logger.warning("Closing %s at shutdown failed: %s", name, err)
+                if controller is not None:
+                    controller.close()  # the uploads, then the commit store; raises an upload's failure
+            finally:
+                callbacks, self._callbacks = self.__dict__.get("_callbacks"), CallbackList()  # once only
+                if callbacks is not None:
+                    callbacks.call("on_shutdown", self)  # after the last checkpoint is written
 
     def _close_parts(self, run, commits):
         for name, part in (("_durable", run), ("_commits", commits)):
