@@ -30,6 +30,7 @@ EXTRAS = {
     "ray.data": ("data", "ray[data]"),
     "sklearn": ("examples", "scikit-learn"),
     "py-spy": ("diagnostics", "py-spy"),
+    "mlflow": ("mlflow", "mlflow"),
 }
 
 
