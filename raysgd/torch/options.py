@@ -347,12 +347,15 @@ class TrainerOptions:
         None, "a list of `raysgd.Callback` instances called on the driver after every result, durable checkpoint, "
         "worker failure, resize and at `shutdown()` (`raysgd.loggers.MLflowLogger` is one; see Callbacks, MLflow and "
         "Ray metrics)", _callbacks, shown="`[]`")
+    ray_metrics: bool = option(
+        True, "record the run's steps/s, samples/s, workers, failures, resizes and checkpoints with `ray.util.metrics` "
+        "(Ray's dashboard and Prometheus; see Callbacks, MLflow and Ray metrics)", _flag("ray_metrics"))
 
     #: The order the checks run in (each may rely on those before it); ``use_gpu`` is resolved before ``backend``.
     ORDER = ("placement_strategy", "training_operator_cls", "initialization_hook", "config", "num_workers",
              "num_cpus_per_worker", "use_gpu", "use_local", "num_gpus_per_worker", "backend", "timeout_s", "use_fp16",
              "wrap_ddp", "use_tqdm", "add_dist_sampler", "scheduler_step_freq", "fixed_worker_batch",
-             "commit_every_n_steps", "callbacks")
+             "commit_every_n_steps", "callbacks", "ray_metrics")
 
     @classmethod
     def from_kwargs(cls, kwargs):

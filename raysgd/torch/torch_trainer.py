@@ -18,6 +18,7 @@ Example:
 """
 import logging
 import os
+import time
 
 import ray
 
@@ -27,6 +28,7 @@ from raysgd.torch.execution import shipping
 from raysgd.torch.execution.controller import RunController
 from raysgd.torch.execution.worker_group import WorkerGroup
 from raysgd.torch.integrations import progress, ray_data, results
+from raysgd.torch.integrations.ray_metrics import RayMetrics
 from raysgd.torch.options import TrainerOptions, check_num_steps
 from raysgd.torch.sharding import batch_split
 from raysgd.torch.state import checkpoint
@@ -66,11 +68,14 @@ class TorchTrainer:
                                callbacks=self._callbacks, on_written=self._on_checkpoint)
         self._shards = ray_data.ShardCache()
         self._controller = None
+        self._last_call_s = None
         shipping.install()  # before any class is shipped: see raysgd.torch.execution.shipping
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS", "local")
             logger.info("Ray is not initialized: starting it (address=%r)", address)
             ray.init(address=address)
+        if options.ray_metrics:
+            self._callbacks.add(RayMetrics())  # after Ray starts: its metrics need a connected driver
         commits = CommitPolicy(options.commit_every_n_steps)
         try:
             if options.use_gpu and ray.cluster_resources().get("GPU", 0) < min(1, options.num_gpus_per_worker):
@@ -113,6 +118,11 @@ class TorchTrainer:
     def worker_group(self):
         """The :class:`~raysgd.torch.execution.worker_group.WorkerGroup` (``num_workers``, ``remote_workers``...)."""
         return self._controller.group
+
+    @property
+    def last_call_s(self):
+        """How many seconds the last ``train()``/``validate()`` call took (None before any)."""
+        return self._last_call_s
 
     @property
     def callbacks(self):
@@ -159,7 +169,7 @@ class TorchTrainer:
         num_steps = check_num_steps(num_steps)  # before any work: None, or an int >= 0 (0: no batch)
         data = ray_data.as_input(dataset, self.training_operator_cls, num_steps) if dataset is not None else None
         reporter = self._progress.start(local=self.use_local) if self._progress is not None else None
-        completed = False
+        completed, started = False, time.monotonic()
         try:
             rank_kwargs = ray_data.rank_inputs(data, reporter, self._shards, self.worker_group,
                                                dict(self._options.config or {}), self.timeout_s,
@@ -174,6 +184,7 @@ class TorchTrainer:
                 self._progress.finish(completed)
             if data is not None and (not completed or num_steps is not None):
                 self._shards.drop()  # the split is mid-pass (stuck, or stopped by num_steps): split afresh next time
+        self._last_call_s = time.monotonic() - started
         return self._log_result("train", stats, reduce_results)
 
     def _log_result(self, phase, stats, reduce_results):
@@ -190,8 +201,10 @@ class TorchTrainer:
             >>> trainer.validate()["val_loss"]  # doctest: +SKIP
         """
         num_steps = check_num_steps(num_steps)
+        started = time.monotonic()
         stats = self._controller.run_call("validate", max_retries, dict(num_steps=num_steps, profile=profile,
                                                                           info=dict(info or {}), lockstep=True))
+        self._last_call_s = time.monotonic() - started
         return self._log_result("validate", stats, reduce_results)
 
     # ----------------------------------------------------------------- operators and models
