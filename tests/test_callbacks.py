@@ -151,3 +151,15 @@ def test_callback_list_state_is_matched_by_position_and_class():
     assert recorder.loaded == {"results": 5}
     with pytest.raises(ValueError, match="unknown hook"):
         callbacks.call("on_epoch_end", None)
+
+
+def test_the_callbacks_benchmark_runs_and_prints_its_table():
+    """``benchmarks/callbacks.py --smoke-test`` never rots (speeds are not asserted: the machine is shared)."""
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "callbacks.py")
+    done = subprocess.run([sys.executable, script, "--smoke-test"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for row in ("0 no-op callbacks", "100 no-op callbacks", "RayMetrics (the default)", "CSV result log"):
+        assert row in done.stdout
