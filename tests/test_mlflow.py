@@ -147,3 +147,11 @@ def test_a_driver_killed_after_logging_continues_the_same_run_with_every_step_on
     train = history(client, run.info.run_id, "train/train_loss")
     assert [step for step, _ in train] == [1, 2, 3, 4] and train[:3] == first_three
     assert [step for step, _ in history(client, run.info.run_id, "validate/val_loss")] == [1, 2, 3, 4]
+
+
+def test_a_logger_is_picklable_for_tune_trials(tmp_path):
+    import pickle
+
+    logger = MLflowLogger(tracking_uri=str(tmp_path / "runs"), experiment_name="pickled", tags={"a": "b"})
+    copy = pickle.loads(pickle.dumps(logger))
+    assert copy.tags == {"a": "b"} and copy.client.tracking_uri == logger.tracking_uri

@@ -124,6 +124,14 @@ class MLflowLogger(Callback):
         self._logged_before = None  # resumed: {metric: its last step already in the run}, read at the first result
         self._resumed_from = None  # the step of the checkpoint resumed from
 
+    def __getstate__(self):
+        """Picklable (a Tune trial ships its trainer's options): the module and the client are made again there."""
+        return {**self.__dict__, "_mlflow": None, "_client": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._mlflow = optional.require("mlflow", "raysgd.loggers.MLflowLogger")
+
     @property
     def client(self):
         """The ``mlflow.MlflowClient`` this logger uses (made on first use)."""
