@@ -9,6 +9,7 @@ minute of training on 2 CPU cores.
     python examples/digits_classifier.py                      # the real run
     python examples/digits_classifier.py --smoke-test         # a quick check
     python examples/digits_classifier.py --plot docs/images/digits_training_curve.png
+    python examples/digits_classifier.py --smoke-test --mlflow runs/mlflow   # also log to MLflow (a folder or URI)
 """
 import argparse
 import time
@@ -80,16 +81,25 @@ def main(argv=None):
     parser.add_argument("--use-gpu", action="store_true")
     parser.add_argument("--use-tqdm", action="store_true", help="show a progress bar")
     parser.add_argument("--plot", metavar="PNG", default=None, help="write the training curve to this PNG")
+    parser.add_argument("--mlflow", metavar="URI", default=None,
+                        help="log params, metrics and the run to MLflow there (a tracking server URI or a folder; "
+                             'pip install "raysgd[mlflow]")')
     args = parser.parse_args(argv)
     if args.smoke_test:
         args.epochs = 2
     if args.plot:  # matplotlib: checked before training, not after it
         optional.require("matplotlib.figure", "examples/digits_classifier.py --plot", extra="examples")
+    callbacks = []
+    if args.mlflow:  # mlflow: checked before training, not after it
+        from raysgd.loggers import MLflowLogger
+
+        callbacks.append(MLflowLogger(tracking_uri=args.mlflow, experiment_name="digits_classifier"))
     ray.init(address=args.address or "local", include_dashboard=False)
     config = {"lr": args.lr, "epochs": args.epochs, BATCH_SIZE: args.batch_size,
               "limit": 600 if args.smoke_test else None}
     trainer = TorchTrainer(training_operator_cls=DigitsOperator, num_workers=args.num_workers, config=config,
-                           use_gpu=args.use_gpu, use_tqdm=args.use_tqdm, scheduler_step_freq="epoch")
+                           use_gpu=args.use_gpu, use_tqdm=args.use_tqdm, scheduler_step_freq="epoch",
+                           callbacks=callbacks)
     history, start = [], time.monotonic()
     for epoch in range(1, args.epochs + 1):
         train_stats = trainer.train(info={"epoch_idx": epoch - 1, "num_epochs": args.epochs})
@@ -100,6 +110,8 @@ def main(argv=None):
               f"val_accuracy {val_stats['val_accuracy']:.4f}  ({val_stats['num_samples']} validation samples)")
     elapsed = time.monotonic() - start
     trainer.shutdown()
+    if callbacks:
+        print(f"MLflow run {callbacks[0].run_id} in {args.mlflow} (experiment digits_classifier)")
     final = history[-1]["val_accuracy"]
     print(f"final val_accuracy {final:.4f} with {args.num_workers} workers, {args.epochs} epochs in {elapsed:.1f} s")
     if args.plot:

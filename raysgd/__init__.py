@@ -7,11 +7,12 @@ Example:
 import logging
 import os
 
+from raysgd.callbacks import Callback
 from raysgd.torch import TorchTrainer, TrainingOperator
 from raysgd.torch.constants import LEGACY_IMPORTS_ENV
 
 __version__ = "0.1.0"
-__all__ = ["TorchTrainer", "TrainingOperator", "PyTorchTrainer", "__version__"]
+__all__ = ["TorchTrainer", "TrainingOperator", "Callback", "PyTorchTrainer", "__version__"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 

@@ -30,6 +30,8 @@ EXTRAS = {
     "ray.data": ("data", "ray[data]"),
     "sklearn": ("examples", "scikit-learn"),
     "py-spy": ("diagnostics", "py-spy"),
+    "mlflow": ("mlflow", "mlflow"),
+    "prometheus_client": ("metrics", "ray[default]"),  # with it, Ray's node agent exports ray.util.metrics
 }
 
 

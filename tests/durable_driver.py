@@ -8,6 +8,8 @@ OUT. With ``--pause-after N`` it waits, after epoch N's checkpoint is durable, u
 ``--marker`` first, so the test knows when to kill it). The operator is ``FaultyOperator`` (input dropout),
 or with ``--counting`` ``CountingOperator`` (``p[i]`` counts how often sample ``i`` was trained; dropout; a
 commit only where the ranks stop for a SIGTERM). ``--config`` adds to the operator's config (its faults).
+``--mlflow URI`` logs to MLflow (experiment ``durable``); ``--pause-at-result N`` pauses (marker, then sleep) inside
+a callback at epoch N's train result, after MLflow logged it and before its checkpoint is written.
 """
 import argparse
 import json
@@ -24,9 +26,23 @@ sys.path.insert(0, TESTS)
 
 from helpers import CountingOperator, FaultyOperator, seeding_hook  # noqa: E402
 
-from raysgd import TorchTrainer  # noqa: E402
+from raysgd import Callback, TorchTrainer  # noqa: E402
 
 EPOCHS = 4
+
+
+class PauseAtResult(Callback):
+    """Writes the marker and waits to be killed at epoch ``epoch``'s train result (after the callbacks before it)."""
+
+    def __init__(self, epoch, marker, pause_s):
+        self.epoch, self.marker, self.pause_s = epoch, marker, pause_s
+
+    def on_train_result(self, trainer, result):
+        if result["epoch"] == self.epoch:
+            with open(self.marker, "w") as handle:
+                handle.write(str(os.getpid()))
+            time.sleep(self.pause_s)  # the test kills this process group here
+            os._exit(3)  # not killed in time (a raise would be logged and skipped)
 
 
 def main():
@@ -39,6 +55,8 @@ def main():
     parser.add_argument("--pause-s", type=float, default=120)
     parser.add_argument("--counting", action="store_true")
     parser.add_argument("--config", default="{}")
+    parser.add_argument("--mlflow", default=None)
+    parser.add_argument("--pause-at-result", type=int, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     pythonpath = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH", "")) if p)
@@ -52,6 +70,14 @@ def main():
                        config={"lr": 0.05, "momentum": 0.9, "shuffle": True, "batch_size": 8, "data_size": 64,
                                "input_dropout": 0.3})  # random draws every batch; validate() between
     options["config"].update(json.loads(args.config))
+    callbacks = []
+    if args.mlflow:
+        from raysgd.loggers import MLflowLogger  # noqa: PLC0415 (mlflow only when asked)
+
+        callbacks.append(MLflowLogger(tracking_uri=args.mlflow, experiment_name="durable"))
+    if args.pause_at_result is not None:
+        callbacks.append(PauseAtResult(args.pause_at_result, args.marker, args.pause_s))
+    options["callbacks"] = callbacks
     trainer = TorchTrainer(num_workers=2, storage_path=args.storage, logdir=args.logdir, timeout_s=60, **options)
     while True:
         epoch = trainer.train()["epoch"]

@@ -13,8 +13,8 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 EXPECTED = ["train_linear.py", "digits_classifier.py", "dcgan.py", "cifar_resnet.py", "tune_example.py",
             "fault_tolerance.py"]
 FOUND = sorted(p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_"))
-# Extra arguments: the digits example also draws its training curve, so the plot path is covered.
-EXTRA_ARGS = {"digits_classifier.py": lambda tmp: ["--plot", str(tmp / "curve.png")]}
+# Extra arguments: the digits example also draws its training curve and logs to MLflow, so both paths are covered.
+EXTRA_ARGS = {"digits_classifier.py": lambda tmp: ["--plot", str(tmp / "curve.png"), "--mlflow", str(tmp / "mlflow")]}
 SMOKE_DEADLINE_S = 240  # a smoke test takes under a minute; the margin is for a loaded 2-core machine
 
 
@@ -38,3 +38,4 @@ def test_example_smoke_test(name, tmp_path):
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
         width, height = struct.unpack(">II", png[16:24])
         assert width > 300 and height > 200
+        assert "MLflow run " in result.stdout and (tmp_path / "mlflow" / "mlflow.db").stat().st_size > 0

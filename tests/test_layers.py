@@ -18,7 +18,7 @@ GLUE = 7
 LAYERS = {
     # 0: exceptions and failure text, keys and tunables, meters (and their reduction) and timers, optional imports
     "raysgd.torch.errors": 0, "raysgd.torch.constants": 0, "raysgd.meters": 0, "raysgd.timers": 0,
-    "raysgd.optional": 0,
+    "raysgd.optional": 0, "raysgd.callbacks": 0,
     # 1: one rank's data order and shards, one rank's training helpers, the pure failure and sizing policies
     "raysgd.torch.sharding": 1, "raysgd.torch.operator": 1, "raysgd.torch.fault_tolerance": 1,
     # 2: the user's operator; the training state, checkpoint files, commits
@@ -34,12 +34,12 @@ LAYERS = {
     "raysgd.torch.torch_trainer": 6, "raysgd.torch.resnet": 1,
     # the packages' public names, RaySGD 1.x's paths and the 1.x import mapping
     "raysgd": GLUE, "raysgd.torch": GLUE, "raysgd.utils": GLUE, "raysgd.compat": GLUE, "raysgd.legacy": GLUE,
-    "raysgd.data": GLUE, "raysgd.torch.lightning_operator": GLUE, "raysgd.torch.worker_group": GLUE,
+    "raysgd.data": GLUE, "raysgd.loggers": GLUE, "raysgd.torch.lightning_operator": GLUE, "raysgd.torch.worker_group": GLUE,
 }
 # What each layer may import from outside the package (beyond the standard library).
 THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex", "filelock"},
                2: {"torch", "numpy", "filelock", "ray"}, 3: {"torch", "numpy", "ray"}, 4: {"ray", "torch", "numpy"},
-               5: {"ray", "torch", "numpy", "tqdm", "tensorboardX"},  # the last two optional, imported when used
+               5: {"ray", "torch", "numpy", "tqdm", "tensorboardX", "mlflow"},  # the last three optional, imported when used
                6: {"ray", "torch", "numpy", "pytorch_lightning", "lightning"}, GLUE: None}
 # Units that must stay lighter than their layer allows: the pure policies are tested without Ray or torch.
 PURE = {"raysgd.torch.fault_tolerance.recovery": set(), "raysgd.torch.fault_tolerance.watches": set(),

@@ -22,6 +22,7 @@ import numbers
 
 import torch
 
+from raysgd.callbacks import check_callbacks
 from raysgd.torch.constants import BATCH_SIZE, DATA_SEED, VALID_SCHEDULER_STEP
 from raysgd.torch.operator.precision import validate_fp16
 from raysgd.torch.sharding import batch_split
@@ -258,6 +259,10 @@ def _strategy(v, caller):
     return v["placement_strategy"]
 
 
+def _callbacks(v, caller):
+    return check_callbacks(v["callbacks"], caller)
+
+
 def option(default, doc, check=None, *, shown=None, attribute=False, worker=False, opened_by=None):
     """A field of :class:`TrainerOptions`: ``default``, ``doc`` (README's line), ``check(values, caller)`` returning
     the value kept; ``shown``: README's default when not the value; ``attribute``: a ``TorchTrainer`` attribute;
@@ -338,12 +343,19 @@ class TrainerOptions:
         "machine; the backend is then gloo, since nccl takes one rank per GPU), a whole number ≥ 1 reserves that "
         "many (the worker trains on the first; your operator may use the rest). Counted by placement, the elastic "
         "range and Tune's resource request", _gpus, attribute=True)
+    callbacks: list = option(
+        None, "a list of `raysgd.Callback` instances called on the driver after every result, durable checkpoint, "
+        "worker failure, resize and at `shutdown()` (`raysgd.loggers.MLflowLogger` is one; see Callbacks, MLflow and "
+        "Ray metrics)", _callbacks, shown="`[]`")
+    ray_metrics: bool = option(
+        True, "record the run's steps/s, samples/s, workers, failures, resizes and checkpoints with `ray.util.metrics` "
+        "(Ray's dashboard and Prometheus; see Callbacks, MLflow and Ray metrics)", _flag("ray_metrics"))
 
     #: The order the checks run in (each may rely on those before it); ``use_gpu`` is resolved before ``backend``.
     ORDER = ("placement_strategy", "training_operator_cls", "initialization_hook", "config", "num_workers",
              "num_cpus_per_worker", "use_gpu", "use_local", "num_gpus_per_worker", "backend", "timeout_s", "use_fp16",
              "wrap_ddp", "use_tqdm", "add_dist_sampler", "scheduler_step_freq", "fixed_worker_batch",
-             "commit_every_n_steps")
+             "commit_every_n_steps", "callbacks", "ray_metrics")
 
     @classmethod
     def from_kwargs(cls, kwargs):

@@ -18,14 +18,17 @@ Example:
 """
 import logging
 import os
+import time
 
 import ray
 
+from raysgd.callbacks import CallbackList
 from raysgd.meters import reduce_worker_stats
 from raysgd.torch.execution import shipping
 from raysgd.torch.execution.controller import RunController
 from raysgd.torch.execution.worker_group import WorkerGroup
 from raysgd.torch.integrations import progress, ray_data, results
+from raysgd.torch.integrations.ray_metrics import RayMetrics
 from raysgd.torch.operator import tracing
 from raysgd.torch.options import TrainerOptions, check_num_steps
 from raysgd.torch.sharding import batch_split
@@ -60,14 +63,20 @@ class TorchTrainer:
         self._options = options
         self._progress = progress.ProgressBar() if options.use_tqdm else None  # ValueError without tqdm, as 1.12
         self._results = results.open_result_log(options.logdir)
-        run = durable.open_run(options.storage_path, options.num_to_keep, options.resume, self._results)  # checked
+        self._callbacks = CallbackList(([results.ResultLogCallback(self._results)] if self._results else [])
+                                       + options.callbacks)  # the result log first, then the user's, in order
+        run = durable.open_run(options.storage_path, options.num_to_keep, options.resume, self._results,  # checked
+                               callbacks=self._callbacks, on_written=self._on_checkpoint)
         self._shards = ray_data.ShardCache()
         self._controller = None
+        self._last_call_s = None
         shipping.install()  # before any class is shipped: see raysgd.torch.execution.shipping
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS", "local")
             logger.info("Ray is not initialized: starting it (address=%r)", address)
             ray.init(address=address)
+        if options.ray_metrics:
+            self._callbacks.add(RayMetrics())  # after Ray starts: its metrics need a connected driver
         commits = CommitPolicy(options.commit_every_n_steps)
         try:
             if options.use_gpu and ray.cluster_resources().get("GPU", 0) < min(1, options.num_gpus_per_worker):
@@ -81,7 +90,7 @@ class TorchTrainer:
                 group, operator_cls=options.training_operator_cls, initialization_hook=options.initialization_hook,
                 config=options.config, split=batch_split.splitter(options.fixed_worker_batch, self.max_replicas),
                 worker_range=(self.min_replicas, self.max_replicas), is_range=isinstance(options.num_workers, tuple),
-                timeout_s=options.timeout_s, commits=commits, durable=run)
+                timeout_s=options.timeout_s, commits=commits, durable=run, on_event=self._on_event)
             self._controller.start()
         except BaseException:
             if self._controller is None:  # what the controller would have closed
@@ -110,6 +119,23 @@ class TorchTrainer:
     def worker_group(self):
         """The :class:`~raysgd.torch.execution.worker_group.WorkerGroup` (``num_workers``, ``remote_workers``...)."""
         return self._controller.group
+
+    @property
+    def last_call_s(self):
+        """How many seconds the last ``train()``/``validate()`` call took (None before any)."""
+        return self._last_call_s
+
+    @property
+    def callbacks(self):
+        """The :class:`~raysgd.callbacks.CallbackList` the trainer calls (``logdir``'s result log first)."""
+        return self._callbacks
+
+    def _on_event(self, kind, *args):
+        """The controller's events, as callback hooks: ``failure`` -> ``on_failure``, ``resize`` -> ``on_resize``."""
+        self._callbacks.call({"failure": "on_failure", "resize": "on_resize"}[kind], self, *args)
+
+    def _on_checkpoint(self, path):
+        self._callbacks.call("on_checkpoint", self, path)
 
     @property
     def progress_bar(self):
@@ -144,7 +170,7 @@ class TorchTrainer:
         num_steps = check_num_steps(num_steps)  # before any work: None, or an int >= 0 (0: no batch)
         data = ray_data.as_input(dataset, self.training_operator_cls, num_steps) if dataset is not None else None
         reporter = self._progress.start(local=self.use_local) if self._progress is not None else None
-        completed = False
+        completed, started = False, time.monotonic()
         try:
             rank_kwargs = ray_data.rank_inputs(data, reporter, self._shards, self.worker_group,
                                                dict(self._options.config or {}), self.timeout_s,
@@ -159,13 +185,13 @@ class TorchTrainer:
                 self._progress.finish(completed)
             if data is not None and (not completed or num_steps is not None):
                 self._shards.drop()  # the split is mid-pass (stuck, or stopped by num_steps): split afresh next time
+        self._last_call_s = time.monotonic() - started
         return self._log_result("train", stats, reduce_results)
 
     def _log_result(self, phase, stats, reduce_results):
         """Reduce the per-worker stats, log them (``logdir``), checkpoint (``storage_path``), return what was asked."""
         reduced = reduce_worker_stats(stats)
-        if self._results is not None:
-            self._results.log(phase, reduced)
+        self._callbacks.call(f"on_{phase}_result", self, reduced)  # the result log, then the user's callbacks
         self._controller.on_result(phase, reduced)
         return reduced if reduce_results else stats
 
@@ -186,9 +212,10 @@ class TorchTrainer:
         if num_steps is None or num_steps < 1:
             raise ValueError(f"profile: num_steps expects an int >= 1 (batches per worker to profile); "
                              f"got {num_steps!r}")
-        folder = tracing.prepare_logdir(logdir)
+        folder, started = tracing.prepare_logdir(logdir), time.monotonic()
         stats = self._controller.run_call("train_epoch", max_retries, dict(
             num_steps=num_steps, profile=False, info=dict(info or {}), lockstep=True, trace=True))
+        self._last_call_s = time.monotonic() - started
         paths = tracing.write_traces(self._controller.take_traces(), folder)
         logger.info("profile: %d trace(s) written to %s", len(paths), folder)
         return dict(self._log_result("train", stats, True), traces=paths)
@@ -200,8 +227,10 @@ class TorchTrainer:
             >>> trainer.validate()["val_loss"]  # doctest: +SKIP
         """
         num_steps = check_num_steps(num_steps)
+        started = time.monotonic()
         stats = self._controller.run_call("validate", max_retries, dict(num_steps=num_steps, profile=profile,
                                                                           info=dict(info or {}), lockstep=True))
+        self._last_call_s = time.monotonic() - started
         return self._log_result("validate", stats, reduce_results)
 
     # ----------------------------------------------------------------- operators and models
@@ -292,15 +321,20 @@ class TorchTrainer:
             if controller is not None:
                 controller.shutdown(force=force)  # returns once Ray shows the resources free (bounded)
         finally:
-            for name in ("_progress", "_results", "_shards"):  # the bar, the logs, the Ray Data splits
-                part = self.__dict__.get(name)
-                try:
-                    if part is not None:
-                        part.close()
-                except Exception as err:  # noqa: BLE001 (close the others anyway)
-                    logger.warning("Closing %s at shutdown failed: %s", name, err)
-            if controller is not None:
-                controller.close()  # the uploads, then the commit store; raises an upload's failure
+            try:
+                for name in ("_progress", "_results", "_shards"):  # the bar, the logs, the Ray Data splits
+                    part = self.__dict__.get(name)
+                    try:
+                        if part is not None:
+                            part.close()
+                    except Exception as err:  # noqa: BLE001 (close the others anyway)
+                        logger.warning("Closing %s at shutdown failed: %s", name, err)
+                if controller is not None:
+                    controller.close()  # the uploads, then the commit store; raises an upload's failure
+            finally:
+                callbacks, self._callbacks = self.__dict__.get("_callbacks"), CallbackList()  # once only
+                if callbacks is not None:
+                    callbacks.call("on_shutdown", self)  # after the last checkpoint is written
 
     def _close_parts(self, run, commits):
         for name, part in (("_durable", run), ("_commits", commits)):

@@ -33,6 +33,7 @@ import types
 
 import ray
 
+from raysgd.callbacks import Failure
 from raysgd.torch import constants
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.execution import restarts
@@ -63,10 +64,13 @@ class RunController:
         timeout_s: the process-group timeout, also the deadline of a call's single answers.
         commits: the :class:`~raysgd.torch.state.commit_policy.CommitPolicy`; ``durable``: the durable run
             (:func:`raysgd.torch.storage.durable.open_run`).
+        on_event: ``on_event(kind, *args)`` hears the run's events: ``("failure", Failure)`` for every worker failure
+            met (a :class:`~raysgd.callbacks.Failure`, recovered from or not) and ``("resize", old, new)`` whenever
+            the group's size changes. Its errors are logged, never raised.
     """
 
     def __init__(self, group, *, operator_cls, initialization_hook, config, split, worker_range, is_range, timeout_s,
-                 commits, durable, resize_cooldown_s=None):
+                 commits, durable, resize_cooldown_s=None, on_event=None):
         self.group, self.commits, self.durable = group, commits, durable
         self._operator_cls, self.initialization_hook = operator_cls, initialization_hook  # settable: later starts
         self._requested_config, self._config, self._split = dict(config or {}), dict(config or {}), split
@@ -74,6 +78,7 @@ class RunController:
         self._split_warned = {self.max_workers}  # sizes whose uneven split was reported (the first, when checked)
         self._is_range, self._timeout_s = is_range, timeout_s
         self._num_failures = 0
+        self._on_event, self._size = on_event, 0  # the size the events last reported
         self._last_resize = float("-inf")
         self._snapshot = None  # rank 0's state bytes: the restart point (kept until a fresher one is taken)
         self._snapshot_stale = True  # the state may have moved on since the snapshot
@@ -97,6 +102,7 @@ class RunController:
         try:
             restarts.start_first_group(self._start_workers, self.group.how_many_fit, self.min_workers,
                                        self.max_workers, self._is_range, constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
+            self._size = self.group.num_workers
             self.durable.resume(self.load_stream, self._timeout_s)  # storage_path's newest checkpoint (checked, safe)
         except WorkerFailure as err:
             raise RuntimeError("Worker startup failed: a worker died while starting (see the cause).") from err
@@ -127,7 +133,23 @@ class RunController:
             max_retries=max_retries)
         self._snapshot = state
         self._last_resize = time.monotonic()
+        old, self._size = self._size, self.group.num_workers
+        if old != self._size:
+            self._emit("resize", old, self._size)
         return started
+
+    def _emit(self, kind, *args):
+        """Tell ``on_event`` (see the class docstring); its error is logged."""
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(kind, *args)
+        except Exception:  # noqa: BLE001 (an event listener never changes the run)
+            logger.warning("The run's event listener raised on %r", kind, exc_info=True)
+
+    def _failed(self, failure, method, retry=0, max_retries=0, gave_up=False):
+        self._num_failures += 1
+        self._emit("failure", Failure(failure, method, retry, max_retries, gave_up))
 
     def ensure_workers(self):
         """Restart a group torn down by a failure (from the last snapshot) before using it."""
@@ -145,7 +167,7 @@ class RunController:
         except WorkerFailure as failure:
             if not self.group.broken or self._snapshot is None:
                 raise
-            self._num_failures += 1
+            self._failed(failure, method)
             logger.warning("Every worker was lost between calls (%s); restarting them from the state at the start "
                            "of the last call: what they trained since is lost", failure)
             self.ensure_workers()
@@ -232,7 +254,8 @@ class RunController:
                     logger.info("Restarting at %d workers from the commit point (%s)", stop.size, stop.reason)
                     self._restart_in_call(state, kwargs, failure, stop.size)
                     continue
-                self._num_failures += 1
+                self._failed(failure, method, retries + 1 if retries < max_retries else 0, max_retries,
+                             gave_up=retries == max_retries)
                 if retries == max_retries:
                     raise RuntimeError(f"Training run failed: {method} did not succeed after {max_retries} "
                                        f"retries; the last failure is the cause.") from failure
@@ -305,7 +328,7 @@ class RunController:
             self._snapshot_stale = True
             return result
         except WorkerFailure as failure:
-            self._num_failures += 1
+            self._failed(failure, method, gave_up=True)
             raise RuntimeError(f"{method} failed: a worker was lost (it restarts at the next call).") from failure
 
     def take_traces(self):

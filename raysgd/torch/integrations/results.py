@@ -28,6 +28,7 @@ import os
 import time
 
 from raysgd import optional
+from raysgd.callbacks import Callback
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +211,27 @@ class ResultLogger:
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
+
+
+class ResultLogCallback(Callback):
+    """``TorchTrainer(logdir=...)`` as a callback: every result goes to the :class:`ResultLogger` ``log``.
+
+    Example:
+        >>> import tempfile
+        >>> log = ResultLogger(tempfile.mkdtemp(), tensorboard=False)
+        >>> ResultLogCallback(log).on_train_result(None, {"train_loss": 0.5})
+        >>> read_results(log.logdir)[0]["train_loss"]
+        0.5
+    """
+
+    def __init__(self, log):
+        self.log = log
+
+    def on_train_result(self, trainer, result):
+        self.log.log("train", result)
+
+    def on_validate_result(self, trainer, result):
+        self.log.log("validate", result)
 
 
 def open_result_log(logdir):

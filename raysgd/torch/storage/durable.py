@@ -56,10 +56,13 @@ class NoStorage:
         pass
 
 
-def open_run(storage_path, num_to_keep=2, resume=True, result_log=None):
+def open_run(storage_path, num_to_keep=2, resume=True, result_log=None, callbacks=None, on_written=None):
     """``TorchTrainer(storage_path=...)``: a checked :class:`DurableRun`, or :class:`NoStorage` without a path.
 
-    ``result_log`` (the trainer's :class:`~raysgd.torch.integrations.results.ResultLogger`, if any) is rewound on resume.
+    ``result_log`` (the trainer's :class:`~raysgd.torch.integrations.results.ResultLogger`, if any) is rewound on resume;
+    ``callbacks`` (anything with ``state_dict()`` and ``load_state_dict(state)``, such as a
+    :class:`~raysgd.callbacks.CallbackList`) has its state kept in every marker (``callback_state``) and handed back on
+    resume; ``on_written(path)`` runs (on the writer thread) after each checkpoint is complete.
 
     Example:
         >>> open_run(None).resume(None) is None
@@ -76,7 +79,7 @@ def open_run(storage_path, num_to_keep=2, resume=True, result_log=None):
 
     checkpoints = storage.CheckpointStorage(storage_path, num_to_keep)
     checkpoints.check_writable()  # a real write and delete, before any actor starts
-    run = DurableRun(checkpoints, resume=resume, result_log=result_log)
+    run = DurableRun(checkpoints, resume=resume, result_log=result_log, callbacks=callbacks, on_written=on_written)
     run.start_restore()  # reads the newest checkpoint while Ray and the workers start
     return run
 
@@ -84,10 +87,11 @@ def open_run(storage_path, num_to_keep=2, resume=True, result_log=None):
 class DurableRun:
     """Automatic checkpoints of one trainer (see the module docstring)."""
 
-    def __init__(self, checkpoint_storage, resume=True, result_log=None):
+    def __init__(self, checkpoint_storage, resume=True, result_log=None, callbacks=None, on_written=None):
         self.storage = checkpoint_storage
         self.resume_enabled = resume
         self.result_log = result_log
+        self.callbacks, self._on_written = callbacks, on_written
         self._writer = async_writer.AsyncWriter()
         self._reader = None
         self._restored = None
@@ -135,20 +139,33 @@ class DurableRun:
             rows = restored.marker.get("result_rows")
             if self.result_log is not None and rows is not None:
                 self.result_log.rewind(rows)  # rows logged after the checkpoint are redone: no duplicates
+            if self.callbacks is not None:
+                self.callbacks.load_state_dict(restored.marker.get("callback_state"))
         return restored
 
     def submit(self, stream, raise_error=True, **meta):
         """Write ``stream`` (trainer state bytes, or a function returning them) with ``meta`` in its marker.
 
         Asynchronous: see :class:`~raysgd.torch.storage.async_writer.AsyncWriter`; an earlier write's failure is raised
-        here (``raise_error=False``: later). The marker also records how many train rows the result log holds,
-        for :meth:`resume`.
+        here (``raise_error=False``: later). The marker also records how many train rows the result log holds
+        and the callbacks' state (``callback_state``), for :meth:`resume`.
         """
         stream = stream() if callable(stream) else stream
         if self.result_log is not None:
             meta["result_rows"] = self.result_log.train_rows
-        self._writer.submit(self.storage.write, stream, meta, raise_error=raise_error,
+        if self.callbacks is not None:
+            meta["callback_state"] = self.callbacks.state_dict()  # now: it matches the results logged so far
+        self._writer.submit(self._write, stream, meta, raise_error=raise_error,
                             description=f"checkpoint of epoch {meta.get('epoch')} to {self.storage.storage_path}")
+
+    def _write(self, stream, meta):
+        path = self.storage.write(stream, meta)
+        if self._on_written is not None:
+            try:
+                self._on_written(path)
+            except Exception:  # noqa: BLE001 (the checkpoint is durable: a listener's error must not fail it)
+                logger.warning("on_written(%s) raised", path, exc_info=True)
+        return path
 
     def on_result(self, phase, result, stream):
         """After a ``train()`` result was logged: checkpoint the state (``stream``: bytes or a function returning them)."""

@@ -1,0 +1,166 @@
+"""Driver-side callbacks: the :class:`Callback` base class and the :class:`CallbackList` that calls them safely.
+
+Layer 0: the standard library only. ``TorchTrainer(callbacks=[...])`` calls every callback's hooks on the driver,
+in the order given: after each reduced ``train()``/``validate()`` result, after each durable checkpoint is written
+(``storage_path``), when the run controller meets a worker failure (recovered from or given up on), when the
+worker group changes size, and at ``shutdown()``. Every hook is a no-op by default: override the ones you need.
+
+A hook that raises is logged (``logging.warning`` naming the callback's class and the hook, with the traceback)
+and skipped: training goes on and the next hook is called as usual. A callback that wants to survive a driver
+crash with a durable run returns a JSON-able dict from :meth:`Callback.state_dict`; it is saved in every
+checkpoint's marker and handed back to :meth:`Callback.load_state_dict` when the run resumes.
+
+Example:
+    >>> class PrintLoss(Callback):
+    ...     def on_train_result(self, trainer, result):
+    ...         print("loss", result["train_loss"])
+    >>> callbacks = CallbackList([PrintLoss()])
+    >>> callbacks.call("on_train_result", None, {"train_loss": 0.5})
+    loss 0.5
+    >>> trainer = TorchTrainer(training_operator_cls=MyOperator, callbacks=[PrintLoss()])  # doctest: +SKIP
+"""
+import collections
+import logging
+import threading
+
+logger = logging.getLogger(__name__)
+
+#: The hooks a :class:`Callback` may override, in the order a run meets them.
+HOOKS = ("on_train_result", "on_validate_result", "on_checkpoint", "on_failure", "on_resize", "on_shutdown")
+
+
+#: What ``on_failure`` gets: the :class:`~raysgd.torch.errors.WorkerFailure` (``error``), the call's method
+#: (``"train_epoch"``, ``"validate"``...), the retry it starts (1-based; 0 when none), ``max_retries``, and
+#: ``gave_up`` (True when the call fails with it).
+Failure = collections.namedtuple("Failure", ["error", "method", "retry", "max_retries", "gave_up"])
+
+
+class Callback:
+    """Hooks the trainer calls on the driver; subclass it and override what you need (every hook does nothing).
+
+    Example:
+        >>> class Count(Callback):
+        ...     def __init__(self):
+        ...         self.results = 0
+        ...     def on_train_result(self, trainer, result):
+        ...         self.results += 1
+        >>> count = Count(); CallbackList([count]).call("on_train_result", None, {}); count.results
+        1
+    """
+
+    def on_train_result(self, trainer, result):
+        """After ``train()``: ``result`` is the reduced result dict (``epoch``, ``train_loss``, ``num_samples``...)."""
+
+    def on_validate_result(self, trainer, result):
+        """After ``validate()``: the reduced result dict."""
+
+    def on_checkpoint(self, trainer, path):
+        """A durable checkpoint (``storage_path``) was written completely to ``path`` (its directory or URI).
+
+        Called on the checkpoint writer's thread, never at the same time as another hook."""
+
+    def on_failure(self, trainer, failure):
+        """The controller met a worker failure: ``failure`` is a :data:`Failure` (``gave_up`` says whether the call
+        fails with it, else it restarts the workers)."""
+
+    def on_resize(self, trainer, old, new):
+        """The worker group went from ``old`` to ``new`` workers (a failure, a grow, a move off a draining node)."""
+
+    def on_shutdown(self, trainer):
+        """At ``trainer.shutdown()``, once the workers stopped and the last durable checkpoint is written."""
+
+    def state_dict(self):
+        """A JSON-able dict kept with every durable checkpoint (``storage_path``), or None (nothing to keep)."""
+        return None
+
+    def load_state_dict(self, state):
+        """A resumed durable run hands back what :meth:`state_dict` returned when its checkpoint was written."""
+
+
+class CallbackList:
+    """The trainer's callbacks, called in order; a raising hook is logged and skipped (see the module docstring).
+
+    Example:
+        >>> class Broken(Callback):
+        ...     def on_shutdown(self, trainer):
+        ...         raise RuntimeError("boom")
+        >>> CallbackList([Broken()]).call("on_shutdown", None)  # logged as a warning, not raised
+    """
+
+    def __init__(self, callbacks=()):
+        self.callbacks = list(callbacks)
+        self._lock = threading.RLock()  # on_checkpoint comes from the writer thread: one hook at a time
+
+    def __bool__(self):
+        return bool(self.callbacks)
+
+    def __len__(self):
+        return len(self.callbacks)
+
+    def add(self, callback):
+        """Append ``callback`` (called after the others)."""
+        self.callbacks.append(callback)
+
+    def call(self, hook, *args):
+        """Call ``hook(*args)`` on every callback that overrides it; a raising one is logged and the rest run."""
+        if hook not in HOOKS:
+            raise ValueError(f"CallbackList.call: unknown hook {hook!r}; the hooks are {HOOKS}")
+        with self._lock:
+            for callback in self.callbacks:
+                method = getattr(callback, hook, None)
+                if method is None or getattr(type(callback), hook, None) is getattr(Callback, hook):
+                    continue  # the base class's no-op: skip the call
+                try:
+                    method(*args)
+                except Exception:  # noqa: BLE001 (a callback never corrupts the run)
+                    logger.warning("Callback %s.%s raised; training goes on without it for this event",
+                                   type(callback).__name__, hook, exc_info=True)
+
+    def state_dict(self):
+        """``{key: state}`` of the callbacks with a state (key: position and class name), or None."""
+        states = {}
+        with self._lock:
+            for index, callback in enumerate(self.callbacks):
+                try:
+                    state = callback.state_dict()
+                except Exception:  # noqa: BLE001
+                    logger.warning("Callback %s.state_dict raised; its state is not saved", type(callback).__name__,
+                                   exc_info=True)
+                    continue
+                if state is not None:
+                    states[f"{index}:{type(callback).__name__}"] = state
+        return states or None
+
+    def load_state_dict(self, states):
+        """Hand each callback its saved state (matched by position and class name); missing ones get nothing."""
+        for index, callback in enumerate(self.callbacks):
+            state = (states or {}).get(f"{index}:{type(callback).__name__}")
+            if state is None:
+                continue
+            try:
+                callback.load_state_dict(state)
+            except Exception:  # noqa: BLE001
+                logger.warning("Callback %s.load_state_dict raised; it starts afresh", type(callback).__name__,
+                               exc_info=True)
+
+
+def check_callbacks(callbacks, caller="TorchTrainer"):
+    """``callbacks``: None or a list/tuple of :class:`Callback` instances; returns a list, else ``TypeError``.
+
+    Example:
+        >>> check_callbacks(None)
+        []
+        >>> check_callbacks([Callback])
+        Traceback (most recent call last):
+        TypeError: TorchTrainer: callbacks expects a list of raysgd.Callback instances; got [<class 'raysgd.callbacks.Callback'>] (item 0 is a class, not an instance)
+    """
+    expected = "a list of raysgd.Callback instances"
+    if callbacks is None:
+        return []
+    if not isinstance(callbacks, (list, tuple)):
+        raise TypeError(f"{caller}: callbacks expects {expected}; got {callbacks!r}")
+    for index, callback in enumerate(callbacks):
+        if not isinstance(callback, Callback):
+            what = "a class, not an instance" if isinstance(callback, type) else f"of type {type(callback).__name__}"
+            raise TypeError(f"{caller}: callbacks expects {expected}; got {callbacks!r} (item {index} is {what})")
+    return list(callbacks)
