@@ -17,6 +17,8 @@ Layer 5 (the edge): wandb is optional (``pip install "raysgd[wandb]"``), importe
   crash but after the checkpoint it resumes from is not logged again: wandb refuses a step below its current one,
   so the logger skips those itself (online: the run's step from the server; offline: the history of the run's
   earlier offline segments in ``dir``, read with :func:`read_offline_history`). Every step appears once.
+  Offline, wandb's core process buffers the segment's log: what it had not written when the driver was killed is
+  lost (online, what reached the server stays).
 
 Example:
     >>> from raysgd.loggers import WandbLogger  # doctest: +SKIP
