@@ -156,7 +156,7 @@ class WandbLogger(Callback):
         self.dir = os.path.abspath(os.fspath(dir)) if dir is not None else None
         self.tags, self.log_checkpoints = list(tags or []), log_checkpoints
         self.run_id = None
-        self._run = None
+        self._wandb_run = None
         self._epoch = 0  # the step of validate() results: the last train() epoch
         self._resumed = False  # load_state_dict named a run to continue
         self._first_new_step = 0  # resumed: the steps below it are in the run already (logged before the crash)
@@ -164,7 +164,7 @@ class WandbLogger(Callback):
     def __getstate__(self):
         """Picklable (a Tune trial ships its trainer's options): the module is imported again there, the run is
         not shipped (a copy starts or continues its own)."""
-        return {**self.__dict__, "_wandb": None, "_run": None}
+        return {**self.__dict__, "_wandb": None, "_wandb_run": None}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -173,12 +173,12 @@ class WandbLogger(Callback):
     @property
     def run(self):
         """The ``wandb`` Run this logger logs to (None before the first result and after shutdown)."""
-        return self._run
+        return self._wandb_run
 
     # ----------------------------------------------------------------- the run
     def _ensure_run(self, trainer):
-        if self._run is not None:
-            return self._run
+        if self._wandb_run is not None:
+            return self._wandb_run
         if self.dir is not None:
             os.makedirs(self.dir, exist_ok=True)
         options = dict(project=self.project, name=self.name, mode=self.mode, dir=self.dir, tags=self.tags or None,
@@ -186,25 +186,25 @@ class WandbLogger(Callback):
                        reinit="create_new")
         if self.run_id is not None:
             options.update(id=self.run_id, resume="allow")
-        self._run = self._wandb.init(**options)
-        self.run_id = self._run.id
+        self._wandb_run = self._wandb.init(**options)
+        self.run_id = self._wandb_run.id
         if self._resumed:
             self._first_new_step = max(self._first_new_step, self._run_step(), self._offline_step() + 1)
             logger.info("Continuing wandb run %s after step %d (steps below %d are in it already)", self.run_id,
                         self._epoch, self._first_new_step)
         else:
             logger.info("wandb run %s in project %r (%s)", self.run_id, self.project, self.mode or "wandb's mode")
-        return self._run
+        return self._wandb_run
 
     def _run_step(self):
         """The run's next step as wandb knows it (online and resumed: the server's)."""
-        step = getattr(self._run, "step", 0)
+        step = getattr(self._wandb_run, "step", 0)
         return int(step) if _is_number(step) else 0
 
     def _offline_step(self):
         """Offline: the last step in the history of this run's earlier offline segments in its folder (-1: none)."""
-        run_dir = getattr(self._run, "dir", None)
-        if not run_dir or getattr(self._run.settings, "mode", None) != "offline":
+        run_dir = getattr(self._wandb_run, "dir", None)
+        if not run_dir or getattr(self._wandb_run.settings, "mode", None) != "offline":
             return -1
         segment = os.path.dirname(os.path.abspath(run_dir))  # <dir>/wandb/offline-run-<time>-<id>/files
         last = -1
@@ -241,7 +241,7 @@ class WandbLogger(Callback):
         self._log(trainer, "validate", result, self._epoch)
 
     def on_checkpoint(self, trainer, path):
-        if not self.log_checkpoints or self._run is None:
+        if not self.log_checkpoints or self._wandb_run is None:
             return
         local = path[len("file://"):] if path.startswith("file://") else path
         if "://" in local or not os.path.isdir(local):
@@ -250,11 +250,11 @@ class WandbLogger(Callback):
         artifact = self._wandb.Artifact(f"{self.run_id}-checkpoints", type="checkpoint",
                                         metadata={"epoch": self._epoch, "path": path})
         artifact.add_dir(local)
-        self._run.log_artifact(artifact, aliases=[os.path.basename(local), "latest"])
+        self._wandb_run.log_artifact(artifact, aliases=[os.path.basename(local), "latest"])
 
     def on_shutdown(self, trainer):
-        if self._run is not None:
-            run, self._run = self._run, None
+        if self._wandb_run is not None:
+            run, self._wandb_run = self._wandb_run, None
             run.finish()
 
     # ----------------------------------------------------------------- a durable run's state
