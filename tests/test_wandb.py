@@ -5,6 +5,8 @@ import glob
 import os
 import pickle
 import sys
+import time
+import types
 
 import pytest
 
@@ -18,6 +20,7 @@ from raysgd.torch.integrations.wandb_logger import read_offline_history, read_re
 from raysgd.torch.storage import filesystem as storage  # noqa: E402
 from test_durable_driver import finish_driver, kill_driver, start_driver, wait_until  # noqa: E402
 
+WRITE_TIMEOUT_S = 60
 CONFIG = {"lr": 0.01, "data_size": 40, "batch_size": 10, "nested": {"momentum": 0.0}}
 
 
@@ -34,10 +37,26 @@ def offline_wandb(monkeypatch, tmp_path):
             monkeypatch.delenv(key, raising=False)
 
 
-def segments(folder, run_id=None):
-    """The offline segments (transaction logs) under ``folder``, oldest first: one per ``wandb.init``."""
+def segments(folder, run_id=None, finished=None, timeout_s=WRITE_TIMEOUT_S):
+    """The offline segments (transaction logs) under ``folder``, oldest first: one per ``wandb.init``.
+
+    ``finished=n``: wait (up to ``timeout_s``) until there are ``n`` and each ends with its ``exit`` record:
+    wandb-core writes the log on its own after ``run.finish()`` returns."""
     pattern = os.path.join(folder, "wandb", f"offline-run-*-{run_id or '*'}", "run-*.wandb")
-    return sorted(glob.glob(pattern))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        paths = sorted(glob.glob(pattern))
+        if finished is None or (len(paths) == finished and all(ends_with_exit(path) for path in paths)):
+            return paths
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s: {finished} finished wandb logs in {folder}; "
+                                 f"{[(p, ends_with_exit(p)) for p in paths]}")
+        time.sleep(0.1)
+
+
+def ends_with_exit(path):
+    kinds = [r.WhichOneof("record_type") for r in read_records(path, wandb_internal_pb2.Record)]
+    return bool(kinds) and kinds[-1] == "exit"
 
 
 def rows(paths):
@@ -80,7 +99,7 @@ def test_a_run_logs_config_and_every_epoch_once_offline(trainer_factory, tmp_pat
         val_losses.append(trainer.validate()["val_loss"])
     trainer.shutdown()
     assert logger.run is None  # finished
-    (path,) = segments(tmp_path / "wandb-runs", logger.run_id)
+    (path,) = segments(tmp_path / "wandb-runs", logger.run_id, finished=1)
     (run,) = run_records(path)
     assert run.run_id == logger.run_id and run.project == "linear" and run.display_name == "two-workers"
     assert list(run.tags) == ["sgd"] and run.run_group == "tests"
@@ -112,7 +131,7 @@ def test_a_second_trainer_continues_the_same_run_without_logging_a_step_twice(tr
     newest = os.path.join(checkpoints[-1][1], storage.STATE_FILE)
     with open(newest, "r+b") as handle:
         handle.truncate(os.path.getsize(newest) // 2)
-    before = rows(segments(runs))
+    before = rows(segments(runs, finished=1))
 
     second_logger = WandbLogger(project="durable", mode="offline", dir=runs)
     with caplog.at_level("INFO", logger="raysgd.torch.integrations.wandb_logger"):
@@ -125,7 +144,7 @@ def test_a_second_trainer_continues_the_same_run_without_logging_a_step_twice(tr
         second.validate()
         second.shutdown()
     assert "already holds step 3" in caplog.text and "Continuing wandb run" in caplog.text
-    paths = segments(runs)
+    paths = segments(runs, finished=2)
     assert len(paths) == 2 and all(f"-{first_logger.run_id}" in p for p in paths)  # one run, two segments
     assert [r.run_id for p in paths for r in run_records(p)] == [first_logger.run_id] * 2
     all_rows = rows(paths)
@@ -134,10 +153,11 @@ def test_a_second_trainer_continues_the_same_run_without_logging_a_step_twice(tr
     assert [step for step, _ in history(all_rows, "validate/val_loss")] == [1, 2, 3, 4]
 
 
-def test_a_driver_killed_mid_run_continues_the_same_run_with_every_step_once(tmp_path):
+def test_a_driver_killed_mid_run_continues_the_same_run_with_every_step_once(tmp_path, monkeypatch):
     """The driver is SIGKILLed at epoch 3's train result (wandb's core process with it): the rerun resumes from
     epoch 2's checkpoint in the same run id and logs epochs 3-4; no step is in the run twice. (wandb-core buffers
     its offline transaction log: what it had not written when killed is lost, as any unflushed offline data.)"""
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)  # this process's wandb-core: each driver starts its own
     marker, runs = tmp_path / "paused", tmp_path / "wandb-runs"
     storage_path = str(tmp_path / "storage")
     proc = start_driver(tmp_path, "crash", "--wandb", str(runs), "--pause-at-result", "3", "--marker",
@@ -153,9 +173,28 @@ def test_a_driver_killed_mid_run_continues_the_same_run_with_every_step_once(tmp
                                                           storage_path=storage_path))
     assert f"Continuing wandb run {run_id}" in log
     paths = segments(runs, run_id)
-    assert len(paths) == 2 and paths[0] == killed and [r.run_id for r in run_records(paths[1])] == [run_id]
+    assert len(paths) == 2 and paths[0] == killed and ends_with_exit(paths[1])  # the rerun's process has ended
+    assert [r.run_id for r in run_records(paths[1])] == [run_id]
     steps = [row["_step"] for row in rows(paths)]
     assert [row["_step"] for row in rows(paths[1:])] == [3, 4] and sorted(steps) == sorted(set(steps))
+
+
+def test_a_step_below_the_runs_is_skipped_with_a_warning_not_an_error(tmp_path, caplog):
+    """After an older state is loaded (``trainer.load``) the epoch goes back: wandb takes no step below its
+    current one, so the logger says so and logs nothing for it (the hooks are called directly: only
+    ``trainer.config`` is read)."""
+    logger = WandbLogger(project="steps", mode="offline", dir=tmp_path)
+    trainer = types.SimpleNamespace(config={"lr": 0.5})
+    with caplog.at_level("WARNING", logger="raysgd.torch.integrations.wandb_logger"):
+        for epoch, loss in [(1, 3.0), (2, 2.0), (3, 1.0), (2, 9.0), (4, 0.5)]:
+            logger.on_train_result(trainer, {"epoch": epoch, "train_loss": loss})
+            logger.on_validate_result(trainer, {"val_loss": loss + 1})
+        logger.on_shutdown(trainer)
+    assert "the train result of step 2 is not logged" in caplog.text
+    assert "the validate result of step 2 is not logged" in caplog.text
+    all_rows = rows(segments(tmp_path, logger.run_id, finished=1))
+    assert history(all_rows, "train/train_loss") == [(1, 3.0), (2, 2.0), (3, 1.0), (4, 0.5)]
+    assert history(all_rows, "validate/val_loss") == [(1, 4.0), (2, 3.0), (3, 2.0), (4, 1.5)]
 
 
 def test_a_logger_is_picklable_for_tune_trials(tmp_path):

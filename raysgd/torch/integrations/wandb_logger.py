@@ -160,6 +160,7 @@ class WandbLogger(Callback):
         self._epoch = 0  # the step of validate() results: the last train() epoch
         self._resumed = False  # load_state_dict named a run to continue
         self._first_new_step = 0  # resumed: the steps below it are in the run already (logged before the crash)
+        self._last_step = 0  # the last step logged by this process (wandb refuses lower ones)
 
     def __getstate__(self):
         """Picklable (a Tune trial ships its trainer's options): the module is imported again there, the run is
@@ -197,8 +198,11 @@ class WandbLogger(Callback):
         return self._wandb_run
 
     def _run_step(self):
-        """The run's next step as wandb knows it (online and resumed: the server's)."""
-        step = getattr(self._wandb_run, "step", 0)
+        """The run's first step as wandb knows it (online and resumed: the server's last step + 1; offline: 0)."""
+        try:
+            step = self._wandb_run.starting_step
+        except Exception:  # noqa: BLE001 (a wandb without it, or a mode that does not know it)
+            return 0
         return int(step) if _is_number(step) else 0
 
     def _offline_step(self):
@@ -228,8 +232,13 @@ class WandbLogger(Callback):
             logger.info("wandb run %s already holds step %d (logged before the driver stopped): its %d %s "
                         "metrics are kept as they are", self.run_id, step, len(metrics), phase)
             return
+        if step < self._last_step:  # an older state loaded: wandb refuses a step below its current one
+            logger.warning("wandb run %s is at step %d: the %s result of step %d is not logged (wandb takes no "
+                           "step below its current one)", self.run_id, self._last_step, phase, step)
+            return
         if metrics:
             run.log(metrics, step=step)
+            self._last_step = step
 
     # ----------------------------------------------------------------- hooks
     def on_train_result(self, trainer, result):
