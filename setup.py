@@ -25,12 +25,13 @@ setup(
         "storage": ["pyarrow>=9"],
         "diagnostics": ["py-spy"],  # stacks of a rank that cannot answer (trainer.stack_traces, stuck-rank errors)
         "mlflow": ["mlflow"],  # raysgd.loggers.MLflowLogger
+        "wandb": ["wandb"],  # raysgd.loggers.WandbLogger
         "metrics": ["ray[default]>=2.9"],  # the node's metrics agent, which exports ray.util.metrics to Prometheus
         # what every script in examples/ needs beyond the plain install (README's examples table names each)
         "examples": ["scikit-learn", "matplotlib", "ray[tune]>=2.9", "pytorch-lightning>=2"],
         "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "tqdm", "ray[tune]>=2.9", "tensorboardX",
                  "matplotlib", "pandas", "pyarrow", "moto[server]", "py-spy",
-                 "pytorch-lightning>=2", "lightning>=2", "mlflow"],  # both of Lightning's import names are tested
+                 "pytorch-lightning>=2", "lightning>=2", "mlflow", "wandb"],  # both of Lightning's import names are tested
     },
     license="Apache-2.0",
 )

@@ -31,6 +31,7 @@ EXTRAS = {
     "sklearn": ("examples", "scikit-learn"),
     "py-spy": ("diagnostics", "py-spy"),
     "mlflow": ("mlflow", "mlflow"),
+    "wandb": ("wandb", "wandb"),
     "prometheus_client": ("metrics", "ray[default]"),  # with it, Ray's node agent exports ray.util.metrics
 }
 

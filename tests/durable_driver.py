@@ -10,6 +10,7 @@ or with ``--counting`` ``CountingOperator`` (``p[i]`` counts how often sample ``
 commit only where the ranks stop for a SIGTERM). ``--config`` adds to the operator's config (its faults).
 ``--mlflow URI`` logs to MLflow (experiment ``durable``); ``--pause-at-result N`` pauses (marker, then sleep) inside
 a callback at epoch N's train result, after MLflow logged it and before its checkpoint is written.
+``--wandb DIR`` logs to Weights & Biases offline under DIR (project ``durable``).
 """
 import argparse
 import json
@@ -57,6 +58,7 @@ def main():
     parser.add_argument("--config", default="{}")
     parser.add_argument("--mlflow", default=None)
     parser.add_argument("--pause-at-result", type=int, default=None)
+    parser.add_argument("--wandb", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     pythonpath = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH", "")) if p)
@@ -75,6 +77,10 @@ def main():
         from raysgd.loggers import MLflowLogger  # noqa: PLC0415 (mlflow only when asked)
 
         callbacks.append(MLflowLogger(tracking_uri=args.mlflow, experiment_name="durable"))
+    if args.wandb:
+        from raysgd.loggers import WandbLogger  # noqa: PLC0415 (wandb only when asked)
+
+        callbacks.append(WandbLogger(project="durable", mode="offline", dir=args.wandb))
     if args.pause_at_result is not None:
         callbacks.append(PauseAtResult(args.pause_at_result, args.marker, args.pause_s))
     options["callbacks"] = callbacks

@@ -39,7 +39,7 @@ LAYERS = {
 # What each layer may import from outside the package (beyond the standard library).
 THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex", "filelock"},
                2: {"torch", "numpy", "filelock", "ray"}, 3: {"torch", "numpy", "ray"}, 4: {"ray", "torch", "numpy"},
-               5: {"ray", "torch", "numpy", "tqdm", "tensorboardX", "mlflow"},  # the last three optional, imported when used
+               5: {"ray", "torch", "numpy", "tqdm", "tensorboardX", "mlflow", "wandb"},  # the last four optional, imported when used
                6: {"ray", "torch", "numpy", "pytorch_lightning", "lightning"}, GLUE: None}
 # Units that must stay lighter than their layer allows: the pure policies are tested without Ray or torch.
 PURE = {"raysgd.torch.fault_tolerance.recovery": set(), "raysgd.torch.fault_tolerance.watches": set(),

@@ -111,6 +111,8 @@ SCRIPT = textwrap.dedent('''
     expect(ValueError, "logging", lambda: ResultLogger(tempfile.mkdtemp(), tensorboard=True))
     expect(ImportError, "lightning", lambda: TrainingOperator.from_ptl(nn.Linear))
     expect(ImportError, "examples", lambda: dcgan.digits_images(limit=1))
+    from raysgd.loggers import WandbLogger
+    expect(ImportError, "wandb", lambda: WandbLogger(mode="offline"))
     print("PLAIN INSTALL OK")
 ''')
 
