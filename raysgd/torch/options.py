@@ -345,8 +345,8 @@ class TrainerOptions:
         "range and Tune's resource request", _gpus, attribute=True)
     callbacks: list = option(
         None, "a list of `raysgd.Callback` instances called on the driver after every result, durable checkpoint, "
-        "worker failure, resize and at `shutdown()` (`raysgd.loggers.MLflowLogger` is one; see Callbacks, MLflow and "
-        "Ray metrics)", _callbacks, shown="`[]`")
+        "worker failure, resize and at `shutdown()` (`raysgd.loggers.MLflowLogger` and `WandbLogger` are two; see "
+        "Callbacks, MLflow and Ray metrics)", _callbacks, shown="`[]`")
     ray_metrics: bool = option(
         True, "record the run's steps/s, samples/s, workers, failures, resizes and checkpoints with `ray.util.metrics` "
         "(Ray's dashboard and Prometheus; see Callbacks, MLflow and Ray metrics)", _flag("ray_metrics"))

@@ -54,7 +54,7 @@ def check_arguments(tracking_uri, experiment_name, run_name, tags, log_checkpoin
     expect(run_name is None or isinstance(run_name, str), "run_name", "None or a str", run_name)
     expect(tags is None or (isinstance(tags, dict) and all(isinstance(k, str) for k in tags)), "tags",
            "None or a dict with str keys", tags)
-    expect(log_checkpoints in (True, False), "log_checkpoints", "True or False", log_checkpoints)
+    expect(isinstance(log_checkpoints, bool), "log_checkpoints", "True or False", log_checkpoints)
 
 
 def resolve_tracking_uri(tracking_uri):
