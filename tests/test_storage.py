@@ -2,6 +2,7 @@
 import logging
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -128,13 +129,44 @@ def test_writer_errors_are_raised_at_the_next_call():
         raise OSError("disk full")
 
     with pytest.raises(CheckpointError, match="checkpoint 1.*disk full") as info:
-        writer.submit(fail, description="checkpoint 1")  # raises here if the job already failed ...
-        writer.flush(timeout_s=30)  # ... else here
+        writer.submit(fail, description="checkpoint 1")  # never its own job's error (see the next test) ...
+        writer.flush(timeout_s=30)  # ... here
     assert isinstance(info.value.__cause__, OSError)
     writer.flush(timeout_s=30)  # raised once
     with pytest.raises(CheckpointError):
         writer.submit(fail)
         writer.close(timeout_s=30)
+
+
+def test_submit_never_raises_the_error_of_the_job_it_queues():
+    """However fast a job fails, ``submit`` raises only an earlier job's error: here the job fails before submit
+    returns (its lock is left only once the writer has recorded the failure), and flush raises it. (A durable
+    run's first checkpoint failing at once used to fail the train() call that submitted it, on a loaded machine.)"""
+    writer, main = async_writer.AsyncWriter(), threading.current_thread()
+
+    class LeftOnceTheJobFailed(threading.Condition):
+        hold = False
+
+        def __exit__(self, *exc):
+            left = super().__exit__(*exc)
+            if self.hold and threading.current_thread() is main:
+                self.hold = False
+                deadline = time.monotonic() + 30
+                while writer.failed is None and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                assert writer.failed == "checkpoint 1"
+            return left
+
+    def fail():
+        raise OSError("not a directory")
+
+    writer._cond = LeftOnceTheJobFailed()
+    writer._cond.hold = True
+    writer.submit(fail, description="checkpoint 1")  # the job has failed by now: not raised here
+    with pytest.raises(CheckpointError, match="checkpoint 1.*not a directory"):
+        writer.flush(timeout_s=30)
+    writer.submit(lambda: None, description="checkpoint 2")
+    writer.close(timeout_s=30)
 
 
 def test_result_log_rewind_keeps_one_row_per_epoch(tmp_path):

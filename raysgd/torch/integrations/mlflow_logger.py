@@ -29,12 +29,11 @@ Example:
     TypeError: MLflowLogger: tracking_uri expects None, a URI or a local folder; got ''
 """
 import logging
-import numbers
 import os
 import time
 
 from raysgd import optional
-from raysgd.callbacks import Callback
+from raysgd.torch.integrations.tracker import EpochLogger, is_number
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +91,7 @@ def flatten(values, prefix=""):
     return flat
 
 
-def _is_number(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-class MLflowLogger(Callback):
+class MLflowLogger(EpochLogger):
     """Logs a trainer's run to MLflow (see the module docstring).
 
     Args:
@@ -120,7 +115,6 @@ class MLflowLogger(Callback):
         self.run_id = None
         self._client = None
         self._params_logged = False
-        self._epoch = 0  # the step of validate() results: the last train() epoch
         self._logged_before = None  # resumed: {metric: its last step already in the run}, read at the first result
         self._resumed_from = None  # the step of the checkpoint resumed from
 
@@ -175,14 +169,15 @@ class MLflowLogger(Callback):
                     self._logged_before[key] = max(steps)
         return self._logged_before
 
-    def _log(self, trainer, phase, result, step):
+    def log_result(self, trainer, phase, result, step):
+        """Log a result's numbers as ``<phase>/<name>`` at ``step`` (a step the run already holds is kept)."""
         self._ensure_run()
         self._log_params(trainer)
         before = self._already_logged() if self._resumed_from is not None else {}
         now = int(time.time() * 1000)
         metrics = [self._mlflow.entities.Metric(key, float(value), now, step)
                    for key, value in flatten(result, f"{phase}/").items()
-                   if _is_number(value) and step > before.get(key, -1)]
+                   if is_number(value) and step > before.get(key, -1)]
         skipped = sum(1 for key in before if key.startswith(f"{phase}/") and step <= before[key])
         if skipped:
             logger.info("MLflow run %s already holds step %d of %d %s metrics (logged before the driver "
@@ -191,22 +186,11 @@ class MLflowLogger(Callback):
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
     # ----------------------------------------------------------------- hooks
-    def on_train_result(self, trainer, result):
-        epoch = result.get("epoch")
-        self._epoch = int(epoch) if _is_number(epoch) else self._epoch + 1
-        self._log(trainer, "train", result, self._epoch)
+    def started(self):
+        return self.run_id is not None
 
-    def on_validate_result(self, trainer, result):
-        self._log(trainer, "validate", result, self._epoch)
-
-    def on_checkpoint(self, trainer, path):
-        if not self.log_checkpoints or self.run_id is None:
-            return
-        local = path[len("file://"):] if path.startswith("file://") else path
-        if "://" in local or not os.path.isdir(local):
-            logger.info("MLflowLogger(log_checkpoints=True) logs local checkpoints only; %s is not one", path)
-            return
-        self.client.log_artifacts(self.run_id, local, artifact_path=f"checkpoints/{os.path.basename(local)}")
+    def log_checkpoint(self, folder, path):
+        self.client.log_artifacts(self.run_id, folder, artifact_path=f"checkpoints/{os.path.basename(folder)}")
 
     def on_shutdown(self, trainer):
         if self.run_id is not None:
@@ -217,15 +201,15 @@ class MLflowLogger(Callback):
         """``{"run_id", "step", "params_logged"}``: kept in every durable checkpoint's marker."""
         if self.run_id is None:
             return None
-        return {"run_id": self.run_id, "step": self._epoch, "params_logged": self._params_logged}
+        return {"run_id": self.run_id, "step": self.epoch, "params_logged": self._params_logged}
 
     def load_state_dict(self, state):
         """Continue the run a durable checkpoint names, from its step."""
         self.run_id = state.get("run_id")
-        self._epoch = int(state.get("step") or 0)
+        self.epoch = int(state.get("step") or 0)
         self._params_logged = bool(state.get("params_logged"))
-        self._resumed_from = self._epoch
+        self._resumed_from = self.epoch
         self._logged_before = None
         if self.run_id is not None:
             self.client.update_run(self.run_id, status="RUNNING")
-            logger.info("Continuing MLflow run %s after step %d", self.run_id, self._epoch)
+            logger.info("Continuing MLflow run %s after step %d", self.run_id, self.epoch)

@@ -32,12 +32,11 @@ Example:
 import glob
 import json
 import logging
-import numbers
 import os
 import struct
 
 from raysgd import optional
-from raysgd.callbacks import Callback
+from raysgd.torch.integrations.tracker import EpochLogger, is_number, numbers
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +77,6 @@ def jsonable(value):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
-
-
-def _is_number(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def read_records(path, record_cls):
@@ -134,7 +129,7 @@ def read_offline_history(path):
     return rows
 
 
-class WandbLogger(Callback):
+class WandbLogger(EpochLogger):
     """Logs a trainer's run to Weights & Biases (see the module docstring).
 
     Args:
@@ -157,7 +152,6 @@ class WandbLogger(Callback):
         self.tags, self.log_checkpoints = list(tags or []), log_checkpoints
         self.run_id = None
         self._wandb_run = None
-        self._epoch = 0  # the step of validate() results: the last train() epoch
         self._resumed = False  # load_state_dict named a run to continue
         self._first_new_step = 0  # resumed: the steps below it are in the run already (logged before the crash)
         self._last_step = 0  # the last step logged by this process (wandb refuses lower ones)
@@ -192,7 +186,7 @@ class WandbLogger(Callback):
         if self._resumed:
             self._first_new_step = max(self._first_new_step, self._run_step(), self._offline_step() + 1)
             logger.info("Continuing wandb run %s after step %d (steps below %d are in it already)", self.run_id,
-                        self._epoch, self._first_new_step)
+                        self.epoch, self._first_new_step)
         else:
             logger.info("wandb run %s in project %r (%s)", self.run_id, self.project, self.mode or "wandb's mode")
         return self._wandb_run
@@ -203,7 +197,7 @@ class WandbLogger(Callback):
             step = self._wandb_run.starting_step
         except Exception:  # noqa: BLE001 (a wandb without it, or a mode that does not know it)
             return 0
-        return int(step) if _is_number(step) else 0
+        return int(step) if is_number(step) else 0
 
     def _offline_step(self):
         """Offline: the last step in the history of this run's earlier offline segments in its folder (-1: none)."""
@@ -222,12 +216,13 @@ class WandbLogger(Callback):
                 logger.warning("Cannot read wandb's offline log %s; its steps may be logged again", path,
                                exc_info=True)
                 continue
-            last = max([last] + [s for s in steps if _is_number(s)])
+            last = max([last] + [s for s in steps if is_number(s)])
         return int(last)
 
-    def _log(self, trainer, phase, result, step):
+    def log_result(self, trainer, phase, result, step):
+        """Log a result's numbers as ``<phase>/<name>`` at ``step`` (never a step below wandb's current one)."""
         run = self._ensure_run(trainer)
-        metrics = {f"{phase}/{key}": value for key, value in result.items() if _is_number(value)}
+        metrics = {f"{phase}/{key}": value for key, value in numbers(result).items()}
         if step < self._first_new_step:
             logger.info("wandb run %s already holds step %d (logged before the driver stopped): its %d %s "
                         "metrics are kept as they are", self.run_id, step, len(metrics), phase)
@@ -241,25 +236,14 @@ class WandbLogger(Callback):
             self._last_step = step
 
     # ----------------------------------------------------------------- hooks
-    def on_train_result(self, trainer, result):
-        epoch = result.get("epoch")
-        self._epoch = int(epoch) if _is_number(epoch) else self._epoch + 1
-        self._log(trainer, "train", result, self._epoch)
+    def started(self):
+        return self._wandb_run is not None
 
-    def on_validate_result(self, trainer, result):
-        self._log(trainer, "validate", result, self._epoch)
-
-    def on_checkpoint(self, trainer, path):
-        if not self.log_checkpoints or self._wandb_run is None:
-            return
-        local = path[len("file://"):] if path.startswith("file://") else path
-        if "://" in local or not os.path.isdir(local):
-            logger.info("WandbLogger(log_checkpoints=True) logs local checkpoints only; %s is not one", path)
-            return
+    def log_checkpoint(self, folder, path):
         artifact = self._wandb.Artifact(f"{self.run_id}-checkpoints", type="checkpoint",
-                                        metadata={"epoch": self._epoch, "path": path})
-        artifact.add_dir(local)
-        self._wandb_run.log_artifact(artifact, aliases=[os.path.basename(local), "latest"])
+                                        metadata={"epoch": self.epoch, "path": path})
+        artifact.add_dir(folder)
+        self._wandb_run.log_artifact(artifact, aliases=[os.path.basename(folder), "latest"])
 
     def on_shutdown(self, trainer):
         if self._wandb_run is not None:
@@ -271,11 +255,11 @@ class WandbLogger(Callback):
         """``{"run_id", "step"}``: kept in every durable checkpoint's marker."""
         if self.run_id is None:
             return None
-        return {"run_id": self.run_id, "step": self._epoch}
+        return {"run_id": self.run_id, "step": self.epoch}
 
     def load_state_dict(self, state):
         """Continue the run a durable checkpoint names, from its step (the run is resumed at the next result)."""
         self.run_id = state.get("run_id")
-        self._epoch = int(state.get("step") or 0)
+        self.epoch = int(state.get("step") or 0)
         self._resumed = self.run_id is not None
-        self._first_new_step = self._epoch + 1 if self._resumed else 0
+        self._first_new_step = self.epoch + 1 if self._resumed else 0

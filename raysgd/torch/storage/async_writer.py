@@ -78,6 +78,9 @@ class AsyncWriter:
         with self._cond:
             if self._closed:
                 raise RuntimeError("AsyncWriter.submit: the writer is closed")
+            earlier = None
+            if raise_error:  # taken before this job is queued: never this job's own error, however fast it fails
+                earlier, self._error = self._error, None
             if self._queued is not None:
                 logger.debug("%s replaces %s, which had not started", description, self._queued[2])
                 self.dropped += 1
@@ -86,8 +89,7 @@ class AsyncWriter:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
             self._cond.notify_all()
-        if raise_error:
-            self._raise_error()
+        self._raise(earlier)
 
     def flush(self, timeout_s=None):
         """Wait until no job runs or waits; raise the error of a failed job. ``TimeoutError`` past ``timeout_s``."""
@@ -114,6 +116,10 @@ class AsyncWriter:
     def _raise_error(self):
         with self._cond:
             failed, self._error = self._error, None
+        self._raise(failed)
+
+    @staticmethod
+    def _raise(failed):
         if failed is not None:
             description, err = failed
             raise CheckpointError(f"an asynchronous checkpoint write failed ({description}): "
