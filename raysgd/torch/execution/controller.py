@@ -27,6 +27,7 @@ Example:
     ...
     ValueError: max_retries expects an int >= 0; got -1
 """
+import itertools
 import logging
 import time
 import types
@@ -40,6 +41,7 @@ from raysgd.torch.execution import restarts
 from raysgd.torch.fault_tolerance import preemption, recovery
 from raysgd.torch.fault_tolerance.watches import DrainWatch, GrowWatch
 from raysgd.torch.state import checkpoint
+from raysgd.torch.state.restart_point import RestartPoint, copy_to, this_node
 from raysgd.torch.storage import filesystem
 
 logger = logging.getLogger(__name__)
@@ -80,7 +82,8 @@ class RunController:
         self._num_failures = 0
         self._on_event, self._size = on_event, 0  # the size the events last reported
         self._last_resize = float("-inf")
-        self._snapshot = None  # rank 0's state bytes: the restart point (kept until a fresher one is taken)
+        self._snapshot = None  # the restart point: a RestartPoint of rank 0's state (kept until a fresher one)
+        self._copies = itertools.count()  # spreads the snapshot's copies over the workers' nodes
         self._snapshot_stale = True  # the state may have moved on since the snapshot
         self._resize_cooldown_s = constants.env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S) \
             if resize_cooldown_s is None else resize_cooldown_s
@@ -123,9 +126,9 @@ class RunController:
                                 initialization_hook=self.initialization_hook)
 
     def _restart(self, state, max_retries=None, target=None):
-        """Restart the group loading ``state`` (a state dict or its bytes), which becomes the snapshot; returns the
-        size (see :func:`raysgd.torch.execution.restarts.restart_group`)."""
-        state = checkpoint.state_to_bytes(state) if isinstance(state, dict) else state
+        """Restart the group loading ``state`` (a :class:`RestartPoint`, a state dict or its bytes), which becomes the
+        snapshot; returns the size (see :func:`raysgd.torch.execution.restarts.restart_group`)."""
+        state = self.as_point(state)
         started = restarts.restart_group(
             self.group, state, start=lambda n, timeout_s: self._start_workers(n, pg_timeout_s=timeout_s),
             config_for=self.worker_config, operator_cls=self._operator_cls, initialization_hook=self.initialization_hook,
@@ -159,11 +162,19 @@ class RunController:
                 raise RuntimeError("The workers were lost and no state snapshot exists to restart them from.")
             self._restart(self._snapshot)
 
-    def first_answer(self, method, *args):
-        """The group's ``first_answer``; when every worker was lost between calls, they restart from the last
+    @staticmethod
+    def as_point(state):
+        """``state`` (a :class:`RestartPoint`, a state dict or its bytes) as a :class:`RestartPoint` (state the driver
+        holds is put into the object store once)."""
+        if isinstance(state, RestartPoint):
+            return state
+        return RestartPoint.of_bytes(checkpoint.state_to_bytes(state) if isinstance(state, dict) else state)
+
+    def _first(self, ask, method):
+        """``ask()`` (one rank's answer); when every worker was lost between calls, they restart from the last
         restart point (what they trained since is lost: logged, counted as a failure) and are asked again."""
         try:
-            return self.group.first_answer(method, *args, deadline_s=self._timeout_s)
+            return ask()
         except WorkerFailure as failure:
             if not self.group.broken or self._snapshot is None:
                 raise
@@ -171,16 +182,40 @@ class RunController:
             logger.warning("Every worker was lost between calls (%s); restarting them from the state at the start "
                            "of the last call: what they trained since is lost", failure)
             self.ensure_workers()
-            return self.group.first_answer(method, *args, deadline_s=self._timeout_s)
+            return ask()
+
+    def first_answer(self, method, *args):
+        """The group's ``first_answer`` (see :meth:`_first`)."""
+        return self._first(lambda: self.group.first_answer(method, *args, deadline_s=self._timeout_s), method)
 
     def take_snapshot(self):
-        """Rank 0's current state bytes (any live rank's if rank 0 is gone: DDP replicas hold the same state), with
-        every rank's random streams, so a retry from it puts each rank's streams back (dropout draws the same)."""
+        """The restart point: a :class:`RestartPoint` of rank 0's current state (any live rank's if rank 0 is gone:
+        DDP replicas hold the same state), with every rank's random streams, so a retry from it puts each rank's
+        streams back (dropout draws the same). Rank 0 writes it into its node's object store and a copy goes to
+        another node in the background; the driver never fetches it (see :mod:`raysgd.torch.state.restart_point`)."""
         if self._snapshot is None or self._snapshot_stale:
             rngs = self.group.answers("rng_state", deadline_s=self._timeout_s) if self.group.num_workers > 1 else None
-            self._snapshot = self.first_answer("state_stream", rngs)
+            point = self._first(lambda: self.group.snapshot(rngs, deadline_s=self._timeout_s), "state_snapshot")
+            self._copy_elsewhere(point)
+            self._snapshot = point
             self._snapshot_stale = False
         return self._snapshot
+
+    def _copy_elsewhere(self, point):
+        """Start a copy of ``point`` on another node than its holder's: the workers' other nodes in turn, else the
+        driver's node; none when everything runs on one node (a node loss then takes the driver too)."""
+        held = point.nodes[0]
+        try:
+            others = sorted({node for node in self.group.placed_on().values() if node and node != held})
+            if not others:
+                driver = this_node()
+                others = [driver] if held is not None and driver != held else []
+        except Exception as err:  # noqa: BLE001 (no copy: the point still has its primary)
+            logger.debug("no copy of the restart point: %s", err)
+            return
+        if others:
+            node = others[next(self._copies) % len(others)]
+            point.add_copy(copy_to(point.refs[0], node), node)
 
     def _scale_up_target(self, quiet=False):
         """The larger size to restart at now (resources returned, cooldown passed), or None to stay."""
@@ -314,7 +349,7 @@ class RunController:
         """After user code raised mid-call, put the workers back to the call's starting state."""
         try:  # a torn-down group restarts from the snapshot at the next call
             if not self.group.broken:
-                self.group.run("load_state_stream", ray.put(state), deadline_s=self._timeout_s)
+                self.group.run("load_restart_point", state.refs, deadline_s=self._timeout_s)
         except Exception as err:  # noqa: BLE001 (the user's error is the one to raise)
             logger.warning("Could not restore the state after a failed call: %s", err)
 
@@ -340,14 +375,18 @@ class RunController:
     # ----------------------------------------------------------------- state
     def on_result(self, phase, reduced):
         """A call's reduced result: checkpoint to ``storage_path`` when the durable run asks for it."""
-        self.durable.on_result(phase, reduced, self.take_snapshot)
+        self.durable.on_result(phase, reduced, lambda: self.take_snapshot().fetch(self._timeout_s))
 
     def state_dict(self):
         """Rank 0's current state as a dict on CPU (always fresh: a custom validate or ``get_local_operator`` may
         have changed it)."""
+        return checkpoint.state_from_bytes(self._fresh_stream())
+
+    def _fresh_stream(self):
+        """Rank 0's current state bytes, pulled into the driver (only where the user asks for the state)."""
         self.ensure_workers()
         self._snapshot_stale = True
-        return checkpoint.state_from_bytes(self.take_snapshot())
+        return self.take_snapshot().fetch(self._timeout_s)
 
     def models(self, to_cpu=False):
         """Rank 0's unwrapped models (CPU copies with ``to_cpu``)."""
@@ -363,12 +402,12 @@ class RunController:
     def load_stream(self, stream, weights_only=True, blocking=False):
         """Send checked state bytes to every worker (loaded there with ``weights_only``); they are the restart point."""
         self.ensure_workers()
-        ref = ray.put(stream)
+        point = RestartPoint.of_bytes(stream)
         if blocking:
-            self.run("load_state_stream", ref, weights_only)
+            self.run("load_restart_point", point.refs, weights_only)
         else:
-            self.group.submit("load_state_stream", ref, weights_only)
-        self._snapshot, self._snapshot_stale = stream, False
+            self.group.submit("load_restart_point", point.refs, weights_only)
+        self._snapshot, self._snapshot_stale = point, False
 
     def load_path(self, path, weights_only=True, blocking=False):
         """Load a file written by ``save`` or a checkpoint directory (see ``TorchTrainer.load``)."""
@@ -380,7 +419,8 @@ class RunController:
 
     def save(self, path):
         """Write the current state to ``path`` atomically (and to ``storage_path``); returns the path."""
-        return checkpoint.save_state(self.durable.on_save(self.state_dict(), self.take_snapshot), path)
+        stream = self._fresh_stream()
+        return checkpoint.save_state(self.durable.on_save(checkpoint.state_from_bytes(stream), stream), path)
 
     def latest_commit(self):
         """The latest complete commit of the running (or last) ``train()`` call as a state dict, or None."""

@@ -54,11 +54,12 @@ def start_first_group(start, how_many_fit, low, high, is_range, timeout_s):
 
 
 def _reform(group, state, operator_cls, config_for, low, initialization_hook, timeout_s):
-    """Re-form ``group`` from the last failure's survivors and load ``state``; the size, or None (restart all)."""
+    """Re-form ``group`` from the last failure's survivors and load ``state`` (a
+    :class:`~raysgd.torch.state.restart_point.RestartPoint`); the size, or None (restart all)."""
     try:
         started = group.reform(operator_cls, config_for, low, initialization_hook=initialization_hook)
         if started:
-            group.run("load_state_stream", ray.put(state), deadline_s=timeout_s)
+            group.run("load_restart_point", state.refs, deadline_s=timeout_s)
         return started
     except Exception as err:  # noqa: BLE001 (restarting every worker is the tried path)
         logger.warning("Re-forming the group from its survivors failed (%s: %s); restarting every worker",
@@ -68,7 +69,7 @@ def _reform(group, state, operator_cls, config_for, low, initialization_hook, ti
 
 def restart_group(group, state, *, start, config_for, operator_cls, initialization_hook, low, high, timeout_s,
                   target=None, max_retries=None):
-    """Restart ``group`` loading ``state`` (state bytes): after a failure (no ``target``) re-formed from its survivors
+    """Restart ``group`` loading ``state`` (a :class:`~raysgd.torch.state.restart_point.RestartPoint`): after a failure (no ``target``) re-formed from its survivors
     when it can be, else torn down and started with ``start(n, pg_timeout_s)`` as many workers as fit (up to
     ``target``, by default ``high``; never below ``low``; capped exponential backoff while none fit, at most
     ``max_retries`` tries). ``config_for(n)`` is the worker config at ``n``. Returns the number of workers started;
@@ -85,7 +86,7 @@ def restart_group(group, state, *, start, config_for, operator_cls, initializati
         try:  # the resource view can lag a lost node: a size that is not placed soon is not waited for
             size = recovery.place_largest(start, group.how_many_fit, n, low, recovery.placement_try_s(),
                                           min(constants.SGD_PLACEMENT_GROUP_TIMEOUT_S, 10))
-            group.run("load_state_stream", ray.put(state), deadline_s=timeout_s)
+            group.run("load_restart_point", state.refs, deadline_s=timeout_s)
         except BaseException:
             group.shutdown(force=True)
             raise

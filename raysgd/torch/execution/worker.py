@@ -25,19 +25,20 @@ import importlib
 import itertools
 import logging
 import os
+import pickle
 import socket
 
 import torch
 import torch.distributed as dist
 
-from raysgd.torch.state import checkpoint
+from raysgd.torch.state import checkpoint, restart_point
 from raysgd.torch.sharding import loaders as _data
 from raysgd.torch.operator import evaluation
 from raysgd.torch.operator.tracing import TraceRecorder
 from raysgd.torch.state import model_copy
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.state import training_state as _state
-from raysgd.torch.state.committer import Committer
+from raysgd.torch.state.committer import Committer, serialise
 from raysgd.timers import TimerCollection
 from raysgd.torch.constants import NUM_STEPS, USE_FP16
 from raysgd.torch.execution.epoch_iterators import CallBatches, PersistentIterator
@@ -275,6 +276,18 @@ class TorchWorker:
     def state_stream(self, rngs=None):
         """:meth:`state_dict` as ``torch.save`` bytes."""
         return checkpoint.state_to_bytes(self.state_dict(rngs))
+
+    def state_snapshot(self, rngs=None):
+        """``(info, state bytes)`` of a restart point, called with two return values: the driver waits for the small
+        ``info`` (``{"bytes": n, "node": node id}``) and keeps the bytes' ref without fetching them. The state is
+        serialised once, into a buffer handed to Ray's object store without a copy."""
+        view = serialise(self.state_dict(rngs))
+        return {"bytes": view.nbytes, "node": restart_point.this_node()}, pickle.PickleBuffer(view)
+
+    def load_restart_point(self, refs, weights_only=False, timeout_s=600):
+        """Load the first still available copy of a restart point (``refs``: the
+        :class:`~raysgd.torch.state.restart_point.RestartPoint`'s refs, fetched here from their nodes)."""
+        self.load_state_stream(restart_point.first_available(refs, timeout_s), weights_only)
 
     def rng_state(self):
         """This process's random streams (see :func:`raysgd.torch.state.training_state.rng_state`), or those of a loaded state

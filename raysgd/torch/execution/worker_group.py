@@ -23,6 +23,7 @@ from raysgd.torch.execution.placement import Placement
 from raysgd.torch.execution.worker import TorchWorker
 from raysgd.torch.execution.worker_handle import Handle, start_actor
 from raysgd.torch.fault_tolerance import reform
+from raysgd.torch.state.restart_point import RestartPoint
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +185,22 @@ class WorkerGroup:
             lost[handle.rank] = error
         self.broken = True  # every rank is gone: the next call restarts the group
         raise WorkerFailure(f"no worker answered {method}", {r: _calls.describe(e) for r, e in lost.items()})
+
+    def snapshot(self, rngs=None, deadline_s=None):
+        """A :class:`~raysgd.torch.state.restart_point.RestartPoint` of rank 0's state (the next live rank's while
+        the ones before are dead, as :meth:`first_answer`): serialised by that worker into its node's object store,
+        never fetched here. ``rngs`` (``{rank: rng_state}``) go into it. Raises :class:`WorkerFailure` when no rank
+        answers (the group is then broken)."""
+        self._drain_submitted()
+        lost = {}
+        for handle in self._handles:
+            call, data = handle.call_with_data("state_snapshot", rngs)
+            info, error = handle.answer(call, deadline_s)
+            if error is None:
+                return RestartPoint([data], nbytes=info["bytes"], nodes=[info["node"]])
+            lost[handle.rank] = error
+        self.broken = True
+        raise WorkerFailure("no worker answered state_snapshot", {r: _calls.describe(e) for r, e in lost.items()})
 
     def answers(self, method, *args, deadline_s=None, **kwargs):
         """``{rank: result}`` of ``method`` from every rank that answers (sent to all at once); like

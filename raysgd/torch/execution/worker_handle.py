@@ -57,6 +57,18 @@ class Handle:
             return self.runner.submit(run) if self.runner is not None else Done(run)
         return getattr(self.actor, method).remote(*args, **kwargs)
 
+    def call_with_data(self, method, *args):
+        """``(call, data ref)`` of ``method`` returning ``(answer, data)``: ``call`` gives the small answer (see
+        :meth:`answer`); the data stays in the object store of this worker's node, owned by the driver, unfetched
+        (the local rank's is put into the driver's node's store)."""
+        if self.local is not None:
+            done = Done(lambda: getattr(self.local, method)(*args))
+            if done.error is not None:
+                return done, None
+            answer, data = done.value
+            return Done(lambda: answer), ray.put(data)
+        return getattr(self.actor, method).options(num_returns=2).remote(*args)
+
     def answer(self, call, deadline_s):
         """``(value, None)`` of a ``call`` of this worker, or ``(None, error)`` when it is dead or silent past
         ``deadline_s``; an error raised by the method itself (user code) is raised here."""

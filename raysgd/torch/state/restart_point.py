@@ -1,0 +1,122 @@
+"""Restart points: the state a worker group restarts from, kept in Ray's object store near the workers, never in the
+driver process.
+
+Layer 2 (ray, torch). A :class:`RestartPoint` is a list of ObjectRefs to the same state bytes
+(:func:`raysgd.torch.state.checkpoint.state_to_bytes` format), each held by a different node:
+
+- the *primary* is the return value of rank 0's ``state_snapshot`` call: rank 0 serialises its state straight into
+  the object store of its own node. The driver owns the object (it made the call), so it outlives rank 0's process
+  (a SIGKILL, an OOM kill), and the driver never fetches it;
+- a *copy* on one other node (:func:`copy_to`: a 0-CPU task there fetches the primary and returns it, so the copy is
+  owned by the driver and stored on that node), made in the background while the call trains: the loss of any one
+  node leaves one of them. The controller spreads the copies over the workers' nodes, call after call.
+
+A restart sends the refs (inside a list, so Ray does not resolve them) to every new worker, which loads the first
+one still available (:func:`first_available`): the bytes move from the holder's node to each worker's node, never
+through the driver. State that the driver itself holds (a user's ``load_state_dict``, a checkpoint read back, a
+commit assembled from the store) becomes a one-ref point with :meth:`RestartPoint.of_bytes`.
+
+Example:
+    >>> # point = RestartPoint([ref], nbytes=n, nodes=[node]); group.run("load_restart_point", point.refs)
+    >>> RestartPoint([], nbytes=0)
+    RestartPoint(0 copies, 0.0 MB)
+"""
+import logging
+import pickle
+import time
+
+import ray
+from ray import exceptions as ray_errors
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+logger = logging.getLogger(__name__)
+
+#: Errors that mean "this copy is gone": its node died, its owner is gone, it could not be fetched in time, or the
+#: task making it (a copy) failed because its source was lost first.
+LOST = (ray_errors.RayError,)
+
+
+class RestartPointLost(RuntimeError):
+    """Every copy of a restart point is gone (each holder's node died): there is no state to restart from here."""
+
+
+class RestartPoint:
+    """Refs to one state's bytes on different nodes (see the module docstring).
+
+    Args:
+        refs: ObjectRefs of the same state bytes, the preferred one first.
+        nbytes: the state's size in bytes (for logs and benchmarks).
+        nodes: the node id holding each ref (None where unknown).
+
+    Example:
+        >>> point = RestartPoint([], nbytes=2_000_000)
+        >>> point.nbytes, point.refs
+        (2000000, [])
+    """
+
+    def __init__(self, refs, nbytes=None, nodes=None):
+        self.refs = list(refs)
+        self.nbytes = nbytes
+        self.nodes = list(nodes) if nodes is not None else [None] * len(self.refs)
+
+    @classmethod
+    def of_bytes(cls, stream):
+        """A one-copy point of state bytes held by this process (put into the local object store once)."""
+        return cls([ray.put(stream)], nbytes=len(stream), nodes=[this_node()])
+
+    def add_copy(self, ref, node):
+        """Add a copy held on ``node`` (preferred after the existing ones)."""
+        self.refs.append(ref)
+        self.nodes.append(node)
+
+    def fetch(self, timeout_s=600):
+        """The state bytes, pulled into this process (the driver does so only when the user asks for the state:
+        ``state_dict()``, ``save()``); :class:`RestartPointLost` when no copy is left."""
+        return first_available(self.refs, timeout_s)
+
+    def __repr__(self):
+        size = f"{self.nbytes / 1e6:.1f} MB" if self.nbytes is not None else "size unknown"
+        return f"RestartPoint({len(self.refs)} copies, {size})"
+
+
+def this_node():
+    """The id of the node this process runs on."""
+    return ray.get_runtime_context().get_node_id()
+
+
+def first_available(refs, timeout_s=600):
+    """The value of the first of ``refs`` that can still be fetched (a zero-copy buffer of the state bytes), trying
+    each in turn within ``timeout_s`` in all; :class:`RestartPointLost` names each copy's error when none can.
+
+    Example:
+        >>> first_available([], timeout_s=1)
+        Traceback (most recent call last):
+        ...
+        raysgd.torch.state.restart_point.RestartPointLost: no copy of the restart point is left ()
+    """
+    deadline = time.monotonic() + timeout_s
+    errors = []
+    for index, ref in enumerate(refs):
+        try:
+            return ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+        except LOST as err:
+            logger.warning("Copy %d of the restart point is lost (%s); trying the next", index, type(err).__name__)
+            errors.append(f"copy {index}: {type(err).__name__}: {err}".splitlines()[0])
+    raise RestartPointLost(f"no copy of the restart point is left ({'; '.join(errors)})")
+
+
+def _copy(value):
+    """Return the fetched ``value`` (state bytes) again: the task's node stores this copy."""
+    return pickle.PickleBuffer(memoryview(value))
+
+
+_copy_task = None
+
+
+def copy_to(ref, node):
+    """Start a copy of ``ref``'s bytes in ``node``'s object store (a 0-CPU task there); returns the copy's ref
+    without waiting. The driver owns the copy; it is lost only with ``node`` (or the driver)."""
+    global _copy_task
+    if _copy_task is None:
+        _copy_task = ray.remote(num_cpus=0, max_retries=0)(_copy)
+    return _copy_task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(ref)
