@@ -4,7 +4,14 @@ import os
 
 import pytest
 
+import s3_server
+
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# The test S3 server's (fake) credentials, set before any Ray cluster starts: checkpoint parts are written and read
+# by tasks on the workers' nodes, which need the bucket's credentials as the driver does (a real cluster's nodes get
+# them from their environment or instance role).
+for _key, _value in s3_server.CREDENTIALS.items():
+    os.environ.setdefault(_key, _value)
 
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))

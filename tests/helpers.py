@@ -342,3 +342,19 @@ def tune_two_workers_on_one_gpu(storage_path):
     (result,) = results
     assert result.metrics["training_iteration"] == 2 and result.checkpoint is not None
     return result
+
+
+class WideOperator(TrainingOperator):
+    """One ``width x width`` linear layer (``4 * width**2`` bytes of parameters) on ``data_size`` random rows: a
+    model whose size is set by the config, for tests of where the state travels."""
+
+    def setup(self, config):
+        width = config["width"]
+        torch.manual_seed(0)
+        model = nn.Linear(width, width, bias=False)
+        generator = torch.Generator().manual_seed(1)
+        x = torch.randn(config.get("data_size", 8), width, generator=generator)
+        self.model, self.optimizer, self.criterion = self.register(
+            models=model, optimizers=torch.optim.SGD(model.parameters(), lr=1e-3), criterion=nn.MSELoss())
+        self.register_data(train_loader=DataLoader(TensorDataset(x, x), batch_size=config.get("batch_size", 4)),
+                           validation_loader=DataLoader(TensorDataset(x, x), batch_size=config.get("batch_size", 4)))

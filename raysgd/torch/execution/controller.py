@@ -42,7 +42,7 @@ from raysgd.torch.fault_tolerance import preemption, recovery
 from raysgd.torch.fault_tolerance.watches import DrainWatch, GrowWatch
 from raysgd.torch.state import checkpoint
 from raysgd.torch.state.restart_point import RestartPoint, copy_to, this_node
-from raysgd.torch.storage import filesystem
+from raysgd.torch.storage import filesystem, parts
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class RunController:
             restarts.start_first_group(self._start_workers, self.group.how_many_fit, self.min_workers,
                                        self.max_workers, self._is_range, constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
             self._size = self.group.num_workers
-            self.durable.resume(self.load_stream, self._timeout_s)  # storage_path's newest checkpoint (checked, safe)
+            self.durable.resume(self.load_checkpoint, self._timeout_s)  # storage_path's newest (checked, safe)
         except WorkerFailure as err:
             raise RuntimeError("Worker startup failed: a worker died while starting (see the cause).") from err
 
@@ -192,7 +192,7 @@ class RunController:
         """The restart point: a :class:`RestartPoint` of rank 0's current state (any live rank's if rank 0 is gone:
         DDP replicas hold the same state), with every rank's random streams, so a retry from it puts each rank's
         streams back (dropout draws the same). Rank 0 writes it into its node's object store and a copy goes to
-        another node in the background; the driver never fetches it (see :mod:`raysgd.torch.state.restart_point`)."""
+        another node; the driver never fetches it (see :mod:`raysgd.torch.state.restart_point`)."""
         if self._snapshot is None or self._snapshot_stale:
             rngs = self.group.answers("rng_state", deadline_s=self._timeout_s) if self.group.num_workers > 1 else None
             point = self._first(lambda: self.group.snapshot(rngs, deadline_s=self._timeout_s), "state_snapshot")
@@ -202,8 +202,8 @@ class RunController:
         return self._snapshot
 
     def _copy_elsewhere(self, point):
-        """Start a copy of ``point`` on another node than its holder's: the workers' other nodes in turn, else the
-        driver's node; none when everything runs on one node (a node loss then takes the driver too)."""
+        """Copy ``point`` to another node than its holder's (waiting for it): the workers' other nodes in turn, else
+        the driver's node; none when everything runs on one node (a node loss then takes the driver too)."""
         held = point.nodes[0]
         try:
             others = sorted({node for node in self.group.placed_on().values() if node and node != held})
@@ -214,8 +214,7 @@ class RunController:
             logger.debug("no copy of the restart point: %s", err)
             return
         if others:
-            node = others[next(self._copies) % len(others)]
-            point.add_copy(copy_to(point.refs[0], node), node)
+            copy_to(point, others[next(self._copies) % len(others)], timeout_s=self._timeout_s)
 
     def _scale_up_target(self, quiet=False):
         """The larger size to restart at now (resources returned, cooldown passed), or None to stay."""
@@ -375,7 +374,13 @@ class RunController:
     # ----------------------------------------------------------------- state
     def on_result(self, phase, reduced):
         """A call's reduced result: checkpoint to ``storage_path`` when the durable run asks for it."""
-        self.durable.on_result(phase, reduced, lambda: self.take_snapshot().fetch(self._timeout_s))
+        self.durable.on_result(phase, reduced, self._checkpoint_part)
+
+    def _checkpoint_part(self):
+        """The state file of a durable checkpoint of the current state: written by a task on the node holding the
+        restart point (:class:`~raysgd.torch.storage.parts.RemotePart`), never through the driver."""
+        point, storage = self.take_snapshot(), self.durable.storage
+        return parts.RemotePart(point.refs, point.nodes[0], storage.root, storage.local, timeout_s=self._timeout_s)
 
     def state_dict(self):
         """Rank 0's current state as a dict on CPU (always fresh: a custom validate or ``get_local_operator`` may
@@ -407,6 +412,17 @@ class RunController:
             self.run("load_restart_point", point.refs, weights_only)
         else:
             self.group.submit("load_restart_point", point.refs, weights_only)
+        self._snapshot, self._snapshot_stale = point, False
+
+    def load_checkpoint(self, directory, marker):
+        """Load a checkpoint directory of ``storage_path`` on every worker, safely: its state file is read and checked
+        against ``marker`` by a task on rank 0's node (:func:`~raysgd.torch.storage.parts.read_part`), never here;
+        it becomes the restart point. Raises ``DamagedCheckpoint`` when the file does not match its marker."""
+        self.ensure_workers()
+        storage = self.durable.storage
+        point = parts.read_part(storage.root, directory, marker, self.group.placed_on().get(0), storage.local,
+                                timeout_s=self._timeout_s)
+        self.run("load_restart_point", point.refs, True)
         self._snapshot, self._snapshot_stale = point, False
 
     def load_path(self, path, weights_only=True, blocking=False):

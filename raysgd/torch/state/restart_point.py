@@ -8,8 +8,9 @@ Layer 2 (ray, torch). A :class:`RestartPoint` is a list of ObjectRefs to the sam
   the object store of its own node. The driver owns the object (it made the call), so it outlives rank 0's process
   (a SIGKILL, an OOM kill), and the driver never fetches it;
 - a *copy* on one other node (:func:`copy_to`: a 0-CPU task there fetches the primary and returns it, so the copy is
-  owned by the driver and stored on that node), made in the background while the call trains: the loss of any one
-  node leaves one of them. The controller spreads the copies over the workers' nodes, call after call.
+  owned by the driver and stored on that node), made before the call trains (a node lost meanwhile leaves the
+  state unchanged on the others): the loss of any one node leaves one of them. The controller spreads the copies
+  over the workers' nodes, call after call.
 
 A restart sends the refs (inside a list, so Ray does not resolve them) to every new worker, which loads the first
 one still available (:func:`first_available`): the bytes move from the holder's node to each worker's node, never
@@ -34,6 +35,9 @@ logger = logging.getLogger(__name__)
 #: Errors that mean "this copy is gone": its node died, its owner is gone, it could not be fetched in time, or the
 #: task making it (a copy) failed because its source was lost first.
 LOST = (ray_errors.RayError,)
+#: How long one try waits for one copy, round after round (the last round waits until the deadline): a copy that
+#: cannot come yet gives the others their turn.
+ROUNDS_S = (15.0, 60.0, float("inf"))
 
 
 class RestartPointLost(RuntimeError):
@@ -95,28 +99,48 @@ def first_available(refs, timeout_s=600):
         raysgd.torch.state.restart_point.RestartPointLost: no copy of the restart point is left ()
     """
     deadline = time.monotonic() + timeout_s
-    errors = []
-    for index, ref in enumerate(refs):
-        try:
-            return ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
-        except LOST as err:
-            logger.warning("Copy %d of the restart point is lost (%s); trying the next", index, type(err).__name__)
-            errors.append(f"copy {index}: {type(err).__name__}: {err}".splitlines()[0])
-    raise RestartPointLost(f"no copy of the restart point is left ({'; '.join(errors)})")
+    errors, waiting = {}, list(enumerate(refs))
+    for patience in ROUNDS_S:  # a copy on a node that is dying (not yet known dead) may hang: try the next one
+        for index, ref in list(waiting):
+            left = deadline - time.monotonic()
+            try:
+                return ray.get(ref, timeout=max(1.0, min(left, patience)))
+            except ray_errors.GetTimeoutError:
+                errors[index] = f"copy {index}: not fetched within {min(left, patience):.0f} s"
+                if left <= patience:
+                    waiting.remove((index, ref))
+            except LOST as err:
+                logger.warning("Copy %d of the restart point is lost (%s); trying the next", index, type(err).__name__)
+                errors[index] = f"copy {index}: {type(err).__name__}: {err}".splitlines()[0]
+                waiting.remove((index, ref))
+        if not waiting or time.monotonic() >= deadline:
+            break
+    raise RestartPointLost(f"no copy of the restart point is left ({'; '.join(errors.values())})")
 
 
 def _copy(value):
-    """Return the fetched ``value`` (state bytes) again: the task's node stores this copy."""
-    return pickle.PickleBuffer(memoryview(value))
+    """Return the fetched ``value`` (state bytes) again, with a small answer: the task's node stores this copy."""
+    return {"bytes": memoryview(value).nbytes, "node": this_node()}, pickle.PickleBuffer(memoryview(value))
 
 
 _copy_task = None
 
 
-def copy_to(ref, node):
-    """Start a copy of ``ref``'s bytes in ``node``'s object store (a 0-CPU task there); returns the copy's ref
-    without waiting. The driver owns the copy; it is lost only with ``node`` (or the driver)."""
+def copy_to(point, node, timeout_s=600):
+    """Copy ``point``'s first copy into ``node``'s object store (a 0-CPU task there fetches it and returns it again:
+    the driver owns the copy, lost only with ``node`` or the driver) and add it to ``point``; waits until the copy
+    is stored, so a restart point always has its copy before the state moves on. Returns whether it was made (a
+    failure is logged: the point keeps the copies it has)."""
     global _copy_task
     if _copy_task is None:
-        _copy_task = ray.remote(num_cpus=0, max_retries=0)(_copy)
-    return _copy_task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(ref)
+        _copy_task = ray.remote(num_cpus=0, max_retries=0, num_returns=2)(_copy)
+    strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+    info_ref, data_ref = _copy_task.options(scheduling_strategy=strategy).remote(point.refs[0])
+    try:
+        info = ray.get(info_ref, timeout=timeout_s)
+    except ray_errors.RayError as err:
+        logger.warning("The restart point's copy on node %s failed (%s: %s); it has %d copy(ies)", node[:12],
+                       type(err).__name__, str(err).splitlines()[0] if str(err) else "", len(point.refs))
+        return False
+    point.add_copy(data_ref, info["node"])
+    return True

@@ -2,11 +2,14 @@
 
 Helper of layer 5 (:mod:`raysgd.torch.torch_trainer`). ``TorchTrainer(storage_path=..., num_to_keep=2,
 resume=True)`` opens a :class:`DurableRun`; it checks the arguments before any actor starts, starts
-reading the newest complete checkpoint while the workers start (:meth:`DurableRun.restore`), and
-uploads the state bytes the trainer hands it at the end of every ``train()``, at ``save()`` and, after a
-worker's preemption, the commit it took (:meth:`DurableRun.on_recovery`), on a
-background thread (:class:`~raysgd.torch.storage.async_writer.AsyncWriter`: one upload in flight, the newest
-waiting one wins). The storage format is :mod:`raysgd.torch.storage.filesystem`'s.
+reading the markers of the complete checkpoints while the workers start (:meth:`DurableRun.restore`), has the
+newest one's state file read and loaded on the workers' side (:meth:`DurableRun.resume`, falling back to an older
+one when it is damaged), and writes the state the trainer hands it at the end of every ``train()``, at ``save()``
+and, after a worker's preemption, the commit it took (:meth:`DurableRun.on_recovery`), on a background thread
+(:class:`~raysgd.torch.storage.async_writer.AsyncWriter`: one upload in flight, the newest waiting one wins).
+After a ``train()`` that state is a part written by a task on the node holding it
+(:class:`~raysgd.torch.storage.parts.RemotePart`); this thread writes only the marker. The storage format is
+:mod:`raysgd.torch.storage.filesystem`'s.
 
 Example:
     >>> import tempfile
@@ -25,7 +28,7 @@ import threading
 
 from raysgd.torch import constants
 from raysgd.torch.fault_tolerance import preemption
-from raysgd.torch.storage import async_writer
+from raysgd.torch.storage import async_writer, filesystem
 from raysgd.torch.state import checkpoint
 
 logger = logging.getLogger(__name__)
@@ -34,7 +37,7 @@ logger = logging.getLogger(__name__)
 class NoStorage:
     """What ``open_run`` returns without a ``storage_path``: every method does nothing, so callers need no ``if``."""
 
-    def resume(self, load_stream, timeout_s=None):
+    def resume(self, load_checkpoint, timeout_s=None):
         return None
 
     def submit(self, stream, **meta):
@@ -75,9 +78,7 @@ def open_run(storage_path, num_to_keep=2, resume=True, result_log=None, callback
         raise TypeError(f"TorchTrainer: resume expects True or False; got {resume!r}")
     if storage_path is None:
         return NoStorage()
-    from raysgd.torch.storage import filesystem as storage  # noqa: PLC0415 (without pyarrow, resolving storage_path says what to install)
-
-    checkpoints = storage.CheckpointStorage(storage_path, num_to_keep)
+    checkpoints = filesystem.CheckpointStorage(storage_path, num_to_keep)  # without pyarrow: says what to install
     checkpoints.check_writable()  # a real write and delete, before any actor starts
     run = DurableRun(checkpoints, resume=resume, result_log=result_log, callbacks=callbacks, on_written=on_written)
     run.start_restore()  # reads the newest checkpoint while Ray and the workers start
@@ -106,42 +107,50 @@ class DurableRun:
 
     def _read(self):
         try:
-            self._restored = self.storage.latest()
+            self._restored = self.storage.candidates()  # markers only: the state files are read where they load
         except BaseException as err:  # noqa: BLE001 (raised by restore() in the caller's thread)
             self._read_error = err
 
-    def restore(self, timeout_s=None):
-        """The :class:`~raysgd.torch.storage.filesystem.Restored` checkpoint to resume from, or None; logs which one."""
+    def _candidates(self, timeout_s):
         if self._reader is None:
-            return None
+            return []
         self._reader.join(timeout_s)
         if self._reader.is_alive():
             raise TimeoutError(f"reading the newest checkpoint of {self.storage.storage_path!r} took more than "
                                f"{timeout_s} s")
         if self._read_error is not None:
             raise self._read_error
-        restored = self._restored
-        if restored is None:
-            logger.info("No checkpoint in %s: starting a new run", self.storage.storage_path)
-        else:
-            logger.info("Resuming from %s (epoch %s, written at the end of %s)", restored.path,
-                        restored.marker.get("epoch"), restored.marker.get("reason", "?"))
-        return restored
+        return self._restored
 
-    def resume(self, load_stream, timeout_s=None):
-        """Load the checkpoint to resume from with ``load_stream(stream, blocking=True)``; rewind the result log.
+    def restore(self, timeout_s=None):
+        """The newest complete checkpoint (by its marker) as a :class:`~raysgd.torch.storage.filesystem.Restored`
+        without its state bytes (``stream`` is None: :meth:`resume` has them read where they load), or None."""
+        found = self._candidates(timeout_s)
+        return filesystem.Restored(None, found[0][1], found[0][0]) if found else None
 
-        Returns the :class:`~raysgd.torch.storage.filesystem.Restored` checkpoint, or None (nothing to resume from).
-        """
-        restored = self.restore(timeout_s)
-        if restored is not None:
-            load_stream(restored.stream, blocking=True)
-            rows = restored.marker.get("result_rows")
+    def resume(self, load_checkpoint, timeout_s=None):
+        """Load the newest complete checkpoint with ``load_checkpoint(directory, marker)``, which reads and checks its
+        state file on the workers' side and raises :class:`~raysgd.torch.storage.filesystem.DamagedCheckpoint` when it
+        does not match its marker: the previous one is then tried (logged). Rewinds the result log and hands the
+        callbacks their state. Returns the :class:`~raysgd.torch.storage.filesystem.Restored` checkpoint (its
+        ``stream`` None), or None (nothing to resume from)."""
+        for directory, marker in self._candidates(timeout_s):
+            try:
+                load_checkpoint(directory, marker)
+            except filesystem.DamagedCheckpoint as err:
+                logger.warning("Skipping checkpoint %s (%s); falling back to the previous one", directory, err)
+                continue
+            logger.info("Resuming from %s (epoch %s, written at the end of %s)", directory, marker.get("epoch"),
+                        marker.get("reason", "?"))
+            rows = marker.get("result_rows")
             if self.result_log is not None and rows is not None:
                 self.result_log.rewind(rows)  # rows logged after the checkpoint are redone: no duplicates
             if self.callbacks is not None:
-                self.callbacks.load_state_dict(restored.marker.get("callback_state"))
-        return restored
+                self.callbacks.load_state_dict(marker.get("callback_state"))
+            return filesystem.Restored(None, marker, directory)
+        if self._reader is not None:
+            logger.info("No checkpoint in %s: starting a new run", self.storage.storage_path)
+        return None
 
     def submit(self, stream, raise_error=True, **meta):
         """Write ``stream`` (trainer state bytes, or a function returning them) with ``meta`` in its marker.

@@ -107,8 +107,27 @@ def _fsync_file(path):
         os.close(fd)
 
 
+def write_state_file(filesystem, path, stream):
+    """Write ``stream`` (bytes or any buffer) to ``path`` (``fsync``ed on a local disk); returns ``(size, crc32)``.
+
+    Example:
+        >>> import os, tempfile
+        >>> write_state_file(resolve(tempfile.mkdtemp())[0], os.path.join(tempfile.mkdtemp(), "f"), b"abc")
+        (3, 891568578)
+    """
+    with filesystem.open_output_stream(path) as handle:
+        handle.write(stream)
+    if _is_local(filesystem):
+        _fsync_file(path)
+    return memoryview(stream).nbytes, zlib.crc32(stream)
+
+
 def write_checkpoint_dir(filesystem, directory, stream, meta=None):
     """Write ``stream`` and then its marker into ``directory``; returns the marker dict.
+
+    ``stream`` is the state's bytes, or a part written elsewhere: an object whose ``write_to(directory, name)``
+    writes the state file there and returns ``(size, crc32)`` (:class:`raysgd.torch.storage.parts.RemotePart`: on
+    the node holding the state, never through this process).
 
     Until the marker is written the directory does not count: a crash mid-write leaves a directory that
     readers skip. On an object store each file is one atomic PUT. On a local disk (or NFS) the state
@@ -118,13 +137,12 @@ def write_checkpoint_dir(filesystem, directory, stream, meta=None):
     """
     filesystem.create_dir(directory, recursive=True)
     local = _is_local(filesystem)
-    state_path, marker_path = _join(directory, STATE_FILE), _join(directory, MARKER_FILE)
-    with filesystem.open_output_stream(state_path) as handle:
-        handle.write(stream)
-    if local:
-        _fsync_file(state_path)
-    marker = {"format": FORMAT, **(meta or {}), "file": STATE_FILE, "size": len(stream),
-              "crc32": zlib.crc32(stream), "time": time.time()}
+    marker_path = _join(directory, MARKER_FILE)
+    if hasattr(stream, "write_to"):  # a part written elsewhere (on the node holding the state)
+        size, crc32 = stream.write_to(directory, STATE_FILE)
+    else:
+        size, crc32 = write_state_file(filesystem, _join(directory, STATE_FILE), stream)
+    marker = {"format": FORMAT, **(meta or {}), "file": STATE_FILE, "size": size, "crc32": crc32, "time": time.time()}
     with filesystem.open_output_stream(marker_path) as handle:
         handle.write(json.dumps(marker, sort_keys=True).encode())
     if local:
@@ -174,10 +192,25 @@ def read_checkpoint_dir(filesystem, directory, weights_only=True):
     """``(stream, marker)`` of a complete checkpoint directory, checked against its marker and loaded (safely by
     default). The marker may name only the state file (``"file": "trainer.checkpoint"``, or no ``file``):
     any other name is a damaged checkpoint, never a path to follow."""
+    marker = checked_marker(filesystem, directory)
+    stream = read_state_file(filesystem, directory, marker)
+    check_state_bytes(stream, name=f"checkpoint {directory!r}", weights_only=weights_only)
+    return stream, marker
+
+
+def checked_marker(filesystem, directory):
+    """The marker of ``directory``, checked to name the state file (any other name is a damaged checkpoint, never a
+    path to follow); :class:`DamagedCheckpoint` otherwise."""
     marker = read_marker(filesystem, directory)
     if marker.get("file", STATE_FILE) != STATE_FILE:
         raise DamagedCheckpoint(f"checkpoint {directory!r} is damaged: its {MARKER_FILE} names the state file "
                                 f"{marker.get('file')!r}; expected {STATE_FILE!r}")
+    return marker
+
+
+def read_state_file(filesystem, directory, marker):
+    """The state file of ``directory``, checked against ``marker``'s size and CRC-32 (not loaded);
+    :class:`DamagedCheckpoint` when it is missing or does not match."""
     try:
         # a random-access file reads in one request; an unbuffered input stream is 20x slower on S3
         with filesystem.open_input_file(_join(directory, STATE_FILE)) as handle:
@@ -188,8 +221,7 @@ def read_checkpoint_dir(filesystem, directory, weights_only=True):
         raise DamagedCheckpoint(f"checkpoint {directory!r} is damaged: its state file has {len(stream)} bytes "
                                 f"(CRC-32 {zlib.crc32(stream)}), the marker says {marker.get('size')} "
                                 f"(CRC-32 {marker.get('crc32')})")
-    check_state_bytes(stream, name=f"checkpoint {directory!r}", weights_only=weights_only)
-    return stream, marker
+    return stream
 
 
 class Restored:
@@ -215,6 +247,9 @@ class CheckpointStorage:
                              f"got {num_to_keep!r}")
         self.filesystem, self.path = resolve(storage_path)
         self.storage_path = os.fspath(storage_path)
+        text = self.storage_path  # what resolve() gives the same filesystem from, on any node
+        self.root = text if "://" in text else os.path.abspath(os.path.expanduser(text))
+        self.local = _is_local(self.filesystem)
         self.num_to_keep = num_to_keep
 
     def __repr__(self):
@@ -256,8 +291,8 @@ class CheckpointStorage:
         index = existing[-1][0] + 1 if existing else 1
         directory = _join(self.path, f"{PREFIX}{index:06d}")
         started = time.monotonic()
-        write_checkpoint_dir(self.filesystem, directory, stream, {**(meta or {}), "index": index})
-        logger.info("Checkpoint %s written (%.1f MB in %.2f s)", directory, len(stream) / 1e6,
+        marker = write_checkpoint_dir(self.filesystem, directory, stream, {**(meta or {}), "index": index})
+        logger.info("Checkpoint %s written (%.1f MB in %.2f s)", directory, marker["size"] / 1e6,
                     time.monotonic() - started)
         self.prune(existing + [(index, directory)])
         return directory
@@ -284,6 +319,19 @@ class CheckpointStorage:
                 self.filesystem.delete_dir(directory)
             except (FileNotFoundError, OSError) as err:
                 logger.warning("Could not delete old checkpoint %s: %s", directory, err)
+
+    def candidates(self):
+        """``[(directory, marker)]`` of the complete checkpoints, newest first, reading only their markers (a missing
+        or unreadable marker, or one naming another file, is skipped with a warning): what a resume tries in turn,
+        reading each state file where it is loaded (see :func:`read_state_file`)."""
+        found = []
+        for _, directory in reversed(self.list()):
+            try:
+                found.append((directory, checked_marker(self.filesystem, directory)))
+            except DamagedCheckpoint as err:
+                if self._is_complete(directory):  # an incomplete one (no marker yet) is no news
+                    logger.warning("Skipping checkpoint %s (%s)", directory, err)
+        return found
 
     def latest(self):
         """The newest complete, undamaged checkpoint as :class:`Restored`, or None when there is none.
