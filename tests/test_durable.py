@@ -159,3 +159,18 @@ def test_closing_a_durable_run_gives_up_on_a_stuck_upload_at_its_deadline(tmp_pa
         run.close()
     assert time.monotonic() - start < 10
     release.set()
+
+
+def test_a_checkpoint_a_safe_load_refuses_stops_the_resume_with_what_to_do(ray_2cpus, trainer_factory, tmp_path):
+    """The workers load the resumed state safely (it never passes through the driver): a state holding a class is
+    refused there, and the error names the checkpoint and the ways out."""
+    from raysgd.torch.state.checkpoint import state_to_bytes
+
+    first = trainer_factory(training_operator_cls=LinearOperator, config=CONFIG)
+    unsafe = {**first.state_dict(), "operator": {"obj": threading.Lock}}  # a class: a safe load refuses it
+    first.shutdown()
+    path = str(tmp_path / "run")
+    storage.CheckpointStorage(path).write(state_to_bytes(unsafe), {"epoch": 0})
+    with pytest.raises(CheckpointError, match="cannot be resumed from.*resume=False"):
+        trainer_factory(training_operator_cls=LinearOperator, config=CONFIG, storage_path=path)
+    assert_released()

@@ -84,7 +84,7 @@ class _Sink:
     def __init__(self):
         self.records = []
 
-    def put(self, key, rank, world_size, blob):
+    def put(self, key, rank, world_size, blob, state=None):
         self.records.append(checkpoint.state_from_bytes(blob))
 
 

@@ -39,8 +39,8 @@ def test_a_state_with_another_number_of_components_is_refused_naming_both_counts
 def test_the_state_and_a_commit_load_with_weights_only(worker, tmp_path):
     np.random.seed(3)
     saved = worker.state_dict()
-    commit = state.assemble_commit({0: {"state": saved, "rng": state.rng_state(), "meters": {"num_samples": 4},
-                                        "cursor": {"epoch": 1, "consumed": 4, "steps": 1, "call_steps": 1}}})
+    commit = state.assemble_commit({0: {"rng": state.rng_state(), "meters": {"num_samples": 4},
+                                        "cursor": {"epoch": 1, "consumed": 4, "steps": 1, "call_steps": 1}}}, saved)
     path = checkpoint.save_state(commit, tmp_path / "commit")
     loaded = checkpoint.load_state(path, weights_only=True)
     assert loaded["cursor"]["consumed"] == 4 and len(loaded["rng"]) == 1
@@ -123,7 +123,7 @@ class _Sink:
     def __init__(self):
         self.keys = []
 
-    def put(self, key, rank, world_size, blob):
+    def put(self, key, rank, world_size, blob, state=None):
         self.keys.append(tuple(key))
 
 
@@ -155,13 +155,14 @@ def test_the_commit_store_completes_a_commit_from_one_attempt_only():
 
     store = _StoreActor()
     store.begin(1)
-    store.put((1, 0, 15), 0, 2, b"rank 0, attempt 0")  # rank 1 died before storing step 15
+    store.put((1, 0, 15), 0, 2, b"rank 0, attempt 0", b"state of attempt 0")  # rank 1 died before step 15
     store.put((1, 1, 15), 1, 2, b"rank 1, attempt 1")  # the retry (from step 10) reaches step 15 again
     assert store.latest(1) is None
-    store.put((1, 1, 15), 0, 2, b"rank 0, attempt 1")
-    assert store.latest(1) == ((1, 1, 15), {0: b"rank 0, attempt 1", 1: b"rank 1, attempt 1"})
+    store.put((1, 1, 15), 0, 2, b"rank 0, attempt 1", b"state of attempt 1")
+    assert store.latest(1) == ((1, 1, 15), {0: b"rank 0, attempt 1", 1: b"rank 1, attempt 1"}, 18)
+    assert store.latest_split(1)[1] == b"state of attempt 1"
     store.put((1, 0, 20), 1, 2, b"late")  # a late record of the old attempt completes nothing newer
-    store.put((1, 0, 20), 0, 2, b"late")
+    store.put((1, 0, 20), 0, 2, b"late", b"late state")
     assert store.latest_key(1) == (1, 1, 15)
 
 

@@ -36,11 +36,11 @@ import ray
 
 from raysgd.callbacks import Failure
 from raysgd.torch import constants
-from raysgd.torch.errors import WorkerFailure
+from raysgd.torch.errors import CheckpointError, WorkerFailure
 from raysgd.torch.execution import restarts
 from raysgd.torch.fault_tolerance import preemption, recovery
 from raysgd.torch.fault_tolerance.watches import DrainWatch, GrowWatch
-from raysgd.torch.state import checkpoint
+from raysgd.torch.state import checkpoint, training_state
 from raysgd.torch.state.restart_point import RestartPoint, copy_to, this_node
 from raysgd.torch.storage import filesystem, parts
 
@@ -336,9 +336,11 @@ class RunController:
         """Restart for the rest of the call: from its latest commit (or its start, ``state``), at ``size`` (a resize)
         or as many as fit (a failure: a preemption commit goes to ``storage_path`` too)."""
         try:
-            resumed = self.commits.restart_state(kwargs)  # the latest commit, or None
-            if size is None:
-                self.durable.on_recovery(failure, resumed, preempted=self.commits.resumed_preemption)
+            resumed = self.commits.restart_state(kwargs)  # the latest commit (a RestartPoint), or None
+            if size is None and resumed is not None:
+                epoch = resumed.overlay[training_state.CURSOR]["epoch"]
+                self.durable.on_recovery(failure, lambda: self._part_of(resumed), epoch=epoch,
+                                         preempted=self.commits.resumed_preemption)
             self._restart(resumed if resumed is not None else state, target=size)
             self._snapshot = state  # a commit is a restart point inside this call only
         except recovery.RestartGaveUp as err:
@@ -348,7 +350,7 @@ class RunController:
         """After user code raised mid-call, put the workers back to the call's starting state."""
         try:  # a torn-down group restarts from the snapshot at the next call
             if not self.group.broken:
-                self.group.run("load_restart_point", state.refs, deadline_s=self._timeout_s)
+                self.group.run("load_restart_point", *state.load_args(), deadline_s=self._timeout_s)
         except Exception as err:  # noqa: BLE001 (the user's error is the one to raise)
             logger.warning("Could not restore the state after a failed call: %s", err)
 
@@ -377,10 +379,15 @@ class RunController:
         self.durable.on_result(phase, reduced, self._checkpoint_part)
 
     def _checkpoint_part(self):
-        """The state file of a durable checkpoint of the current state: written by a task on the node holding the
-        restart point (:class:`~raysgd.torch.storage.parts.RemotePart`), never through the driver."""
-        point, storage = self.take_snapshot(), self.durable.storage
-        return parts.RemotePart(point.refs, point.nodes[0], storage.root, storage.local, timeout_s=self._timeout_s)
+        """The state file of a durable checkpoint of the current state (see :meth:`_part_of`)."""
+        return self._part_of(self.take_snapshot())
+
+    def _part_of(self, point):
+        """The state file of a durable checkpoint of ``point``: written by a task on the node holding it
+        (:class:`~raysgd.torch.storage.parts.RemotePart`), never through the driver."""
+        storage = self.durable.storage
+        return parts.RemotePart(point.refs, point.nodes[0], storage.root, storage.local, timeout_s=self._timeout_s,
+                                overlay=point.overlay)
 
     def state_dict(self):
         """Rank 0's current state as a dict on CPU (always fresh: a custom validate or ``get_local_operator`` may
@@ -409,9 +416,9 @@ class RunController:
         self.ensure_workers()
         point = RestartPoint.of_bytes(stream)
         if blocking:
-            self.run("load_restart_point", point.refs, weights_only)
+            self.run("load_restart_point", *point.load_args(weights_only))
         else:
-            self.group.submit("load_restart_point", point.refs, weights_only)
+            self.group.submit("load_restart_point", *point.load_args(weights_only))
         self._snapshot, self._snapshot_stale = point, False
 
     def load_checkpoint(self, directory, marker):
@@ -422,7 +429,13 @@ class RunController:
         storage = self.durable.storage
         point = parts.read_part(storage.root, directory, marker, self.group.placed_on().get(0), storage.local,
                                 timeout_s=self._timeout_s)
-        self.run("load_restart_point", point.refs, True)
+        try:
+            self.run("load_restart_point", *point.load_args(weights_only=True))
+        except CheckpointError as err:  # a safe load refused it (or it is not a trainer state)
+            raise CheckpointError(f"checkpoint {directory!r} cannot be resumed from: {err}. If your operator's "
+                                  f"state_dict() holds other objects than tensors, numbers, strings and "
+                                  f"containers, make it return those, start with resume=False, or, if you trust "
+                                  f"the checkpoint, load it with TorchTrainer.load(path, weights_only=False)") from err
         self._snapshot, self._snapshot_stale = point, False
 
     def load_path(self, path, weights_only=True, blocking=False):

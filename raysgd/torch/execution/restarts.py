@@ -59,7 +59,7 @@ def _reform(group, state, operator_cls, config_for, low, initialization_hook, ti
     try:
         started = group.reform(operator_cls, config_for, low, initialization_hook=initialization_hook)
         if started:
-            group.run("load_restart_point", state.refs, deadline_s=timeout_s)
+            group.run("load_restart_point", *state.load_args(), deadline_s=timeout_s)
         return started
     except Exception as err:  # noqa: BLE001 (restarting every worker is the tried path)
         logger.warning("Re-forming the group from its survivors failed (%s: %s); restarting every worker",
@@ -86,7 +86,7 @@ def restart_group(group, state, *, start, config_for, operator_cls, initializati
         try:  # the resource view can lag a lost node: a size that is not placed soon is not waited for
             size = recovery.place_largest(start, group.how_many_fit, n, low, recovery.placement_try_s(),
                                           min(constants.SGD_PLACEMENT_GROUP_TIMEOUT_S, 10))
-            group.run("load_restart_point", state.refs, deadline_s=timeout_s)
+            group.run("load_restart_point", *state.load_args(), deadline_s=timeout_s)
         except BaseException:
             group.shutdown(force=True)
             raise

@@ -284,10 +284,15 @@ class TorchWorker:
         view = serialise(self.state_dict(rngs))
         return {"bytes": view.nbytes, "node": restart_point.this_node()}, pickle.PickleBuffer(view)
 
-    def load_restart_point(self, refs, weights_only=False, timeout_s=600):
+    def load_restart_point(self, refs, weights_only=False, overlay=None, timeout_s=600):
         """Load the first still available copy of a restart point (``refs``: the
-        :class:`~raysgd.torch.state.restart_point.RestartPoint`'s refs, fetched here from their nodes)."""
-        self.load_state_stream(restart_point.first_available(refs, timeout_s), weights_only)
+        :class:`~raysgd.torch.state.restart_point.RestartPoint`'s refs, fetched here from their nodes), updated with
+        its ``overlay`` (a commit's random streams, metrics and cursor)."""
+        stream = restart_point.first_available(refs, timeout_s)
+        location = self.operator.device if self.operator.use_gpu else "cpu"
+        state = checkpoint.state_from_bytes(stream, map_location=location, weights_only=weights_only)
+        del stream
+        self.load_state_dict({**state, **overlay} if overlay else state)
 
     def rng_state(self):
         """This process's random streams (see :func:`raysgd.torch.state.training_state.rng_state`), or those of a loaded state

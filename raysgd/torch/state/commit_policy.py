@@ -22,6 +22,7 @@ from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.state import checkpoint
 from raysgd.torch.state import training_state as _state
 from raysgd.torch.state.commit_store import CommitStore
+from raysgd.torch.state.restart_point import RestartPoint
 from raysgd.torch.state.committer import CommitPlan
 from raysgd.meters import merge_partials
 
@@ -128,7 +129,9 @@ class CommitPolicy:
                           run_id=self._run_id)
 
     def restart_state(self, kwargs):
-        """The state of the call's latest complete commit (with its ``cursor``), or None when there is none.
+        """The call's latest complete commit as a :class:`~raysgd.torch.state.restart_point.RestartPoint` (rank 0's
+        state in the store's object store, the small per-rank records as its overlay, with the ``cursor``), or None
+        when there is none. The state itself never comes to this process.
 
         Advances to the next attempt; the committed metrics are carried into it, and ``kwargs["num_steps"]``
         is cut by the steps already committed. ``resumed_preemption`` tells whether that commit is one the
@@ -136,24 +139,24 @@ class CommitPolicy:
         """
         if not self.active:
             return None
-        found = self._ask(lambda store: store.latest_records(self._call))
+        found = self._ask(lambda store: store.latest_split(self._call))
         self._attempt += 1
         self.resumed_preemption = False
         if found is None:
             self._carried[self._attempt] = None
             kwargs["num_steps"] = self._num_steps
             return None
-        key, records = found
+        key, records, size, state_ref = found
         if key != self._preemption_seen and self._ask(lambda store: store.reason(key)) == preemption.PREEMPTION:
             self.resumed_preemption, self._preemption_seen = True, key  # the ranks marked it before any exited
-        state = _state.assemble_commit(records)
-        made_in = state[_state.CURSOR].get("attempt", 0)
-        self._carried[self._attempt] = merge_partials(self._carried.get(made_in), state[_state.METERS]) \
-            if any(m is not None for m in state[_state.METERS]) else self._carried.get(made_in)
-        kwargs["num_steps"] = remaining_steps(self._num_steps, state)
+        overlay = _state.commit_overlay(records)
+        made_in = overlay[_state.CURSOR].get("attempt", 0)
+        self._carried[self._attempt] = merge_partials(self._carried.get(made_in), overlay[_state.METERS]) \
+            if any(m is not None for m in overlay[_state.METERS]) else self._carried.get(made_in)
+        kwargs["num_steps"] = remaining_steps(self._num_steps, overlay)
         logger.info("Resuming from the commit at step %d of the call (cursor %d)", key[-1],
-                    state[_state.CURSOR]["consumed"])
-        return state
+                    overlay[_state.CURSOR]["consumed"])
+        return RestartPoint([state_ref], nbytes=size, overlay=overlay)
 
     def running_attempt(self):
         """``(call_id, attempt)`` of the running committing call (what a request to stop at a commit names), else None."""
@@ -179,9 +182,13 @@ class CommitPolicy:
         return merge_partials(carried, stats) if carried else stats
 
     def latest_state(self):
-        """The latest complete commit of the running or last call as a state dict, or None."""
-        found = self._ask(lambda store: store.latest_records(self._call)) if self._store is not None else None
-        return _state.assemble_commit(found[1]) if found else None
+        """The latest complete commit of the running or last call as a state dict (fetched into this process), or
+        None."""
+        found = self._ask(lambda store: store.latest_split(self._call)) if self._store is not None else None
+        if not found:
+            return None
+        stream = self._ask(lambda store: ray.get(found[3], timeout=600))
+        return _state.assemble_commit(found[1], checkpoint.state_from_bytes(stream)) if stream is not None else None
 
     def latest_bytes(self):
         """:meth:`latest_state` as ``torch.save`` bytes (for a persistent checkpoint), or None."""

@@ -15,8 +15,8 @@ same numbers and commits at the same step: the commit is one global point. Nothi
 the first steps, so a slow warm-up (compilation, autotuning) only makes the first commit come after fewer
 steps, and a later change of speed is followed at once.
 
-Each rank sends ``{"rng", "meters", "cursor"}`` and rank 0 also ``"state"`` (models, optimizers...) to
-the plan's ``sink`` (an object with ``put(key, rank, world_size, blob)``; the trainer's store). A
+Each rank sends ``{"rng", "meters", "cursor"}`` and rank 0 also, apart, the state (models, optimizers...) to
+the plan's ``sink`` (an object with ``put(key, rank, world_size, blob, state)``; the trainer's store). A
 commit is complete once every rank of the group has put its record under the same key.
 
 Example:
@@ -257,27 +257,28 @@ class Committer:
                   "cursor": {"epoch": worker.epochs, "consumed": int(consumed), "steps": self.epoch_steps,
                              "call_steps": self.call_steps, "attempt": plan.attempt, "call": plan.call_tag}}
         self.flush()  # at most one commit in flight: its buffer is gone before the next one is made
-        if worker.world_rank == 0:
-            record["state"] = _state.capture(op, worker.epochs)  # the live tensors: serialised now, in the loop
         key = (plan.call_id, plan.attempt, self.call_steps)  # records of one attempt only complete a commit
         try:
             blob = serialise(record)
+            # rank 0's live tensors, serialised now, in the loop, apart: the record stays small for the driver
+            state = serialise(_state.capture(op, worker.epochs)) if worker.world_rank == 0 else None
         except Exception as err:  # noqa: BLE001 (as a failed send: a lost commit only costs recomputation)
             logger.warning("Commit %s of rank %d was not stored: %s", key, worker.world_rank, err)
             return key
         finally:
             del record
         self._thread = threading.Thread(target=self._send, args=(plan.sink, key, worker.world_rank,
-                                                                 worker.world_size, blob, started), daemon=True)
+                                                                 worker.world_size, blob, state, started), daemon=True)
         self._thread.start()
         STATS["in_loop_s"] = time.perf_counter() - started
         return key
 
-    def _send(self, sink, key, rank, world_size, blob, started):
+    def _send(self, sink, key, rank, world_size, blob, state, started):
         try:
-            sink.put(key, rank, world_size, blob)
+            sink.put(key, rank, world_size, blob, state)
             self.sent += 1
-            STATS.update(latency_s=time.perf_counter() - started, bytes=blob.nbytes, count=STATS["count"] + 1)
+            size = blob.nbytes + (state.nbytes if state is not None else 0)
+            STATS.update(latency_s=time.perf_counter() - started, bytes=size, count=STATS["count"] + 1)
         except Exception as err:  # noqa: BLE001 (a lost commit only costs recomputation)
             logger.warning("Commit %s of rank %d was not stored: %s", key, rank, err)
 

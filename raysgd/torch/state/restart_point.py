@@ -18,7 +18,7 @@ through the driver. State that the driver itself holds (a user's ``load_state_di
 commit assembled from the store) becomes a one-ref point with :meth:`RestartPoint.of_bytes`.
 
 Example:
-    >>> # point = RestartPoint([ref], nbytes=n, nodes=[node]); group.run("load_restart_point", point.refs)
+    >>> # point = RestartPoint([ref], nbytes=n, nodes=[node]); group.run("load_restart_point", *point.load_args())
     >>> RestartPoint([], nbytes=0)
     RestartPoint(0 copies, 0.0 MB)
 """
@@ -51,6 +51,8 @@ class RestartPoint:
         refs: ObjectRefs of the same state bytes, the preferred one first.
         nbytes: the state's size in bytes (for logs and benchmarks).
         nodes: the node id holding each ref (None where unknown).
+        overlay: a small dict the loaded state is updated with (a commit's per-rank random streams, metrics and
+            cursor, which the driver read from the commit store), or None.
 
     Example:
         >>> point = RestartPoint([], nbytes=2_000_000)
@@ -58,10 +60,11 @@ class RestartPoint:
         (2000000, [])
     """
 
-    def __init__(self, refs, nbytes=None, nodes=None):
+    def __init__(self, refs, nbytes=None, nodes=None, overlay=None):
         self.refs = list(refs)
         self.nbytes = nbytes
         self.nodes = list(nodes) if nodes is not None else [None] * len(self.refs)
+        self.overlay = overlay
 
     @classmethod
     def of_bytes(cls, stream):
@@ -74,9 +77,13 @@ class RestartPoint:
         self.nodes.append(node)
 
     def fetch(self, timeout_s=600):
-        """The state bytes, pulled into this process (the driver does so only when the user asks for the state:
-        ``state_dict()``, ``save()``); :class:`RestartPointLost` when no copy is left."""
+        """The state bytes (without the overlay), pulled into this process (the driver does so only when the user
+        asks for the state: ``state_dict()``, ``save()``); :class:`RestartPointLost` when no copy is left."""
         return first_available(self.refs, timeout_s)
+
+    def load_args(self, weights_only=False):
+        """The arguments of a worker's ``load_restart_point``: ``(refs, weights_only, overlay)``."""
+        return self.refs, weights_only, self.overlay
 
     def __repr__(self):
         size = f"{self.nbytes / 1e6:.1f} MB" if self.nbytes is not None else "size unknown"

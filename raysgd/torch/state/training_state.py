@@ -229,15 +229,18 @@ def meters_share(meters, rank, world_size):
     return share
 
 
-def assemble_commit(records):
-    """One state from the per-rank commit records ``{rank: record}`` (rank 0's holds the full state).
+def commit_overlay(records):
+    """What the per-rank commit records ``{rank: record}`` add to rank 0's committed state: ``rng`` and ``meters`` in
+    rank order and rank 0's ``cursor`` (small: the driver reads these; the state itself goes to the workers).
 
-    Each record is ``{"state" (rank 0 only), "rng", "meters", "cursor"}``; the result is a state as
-    the module docstring describes, with ``rng`` and ``meters`` in rank order.
+    Each record is ``{"rng", "meters", "cursor"}``; rank 0 sent its state apart.
     """
     ranks = sorted(records)
-    full = dict(records[0]["state"])
-    full[RNG] = [records[rank]["rng"] for rank in ranks]
-    full[METERS] = [records[rank]["meters"] for rank in ranks]
-    full[CURSOR] = dict(records[0]["cursor"])
-    return full
+    return {RNG: [records[rank]["rng"] for rank in ranks], METERS: [records[rank]["meters"] for rank in ranks],
+            CURSOR: dict(records[0]["cursor"])}
+
+
+def assemble_commit(records, state):
+    """One state from the per-rank commit records ``{rank: record}`` and rank 0's committed ``state``: the state as
+    the module docstring describes, with ``rng`` and ``meters`` in rank order (see :func:`commit_overlay`)."""
+    return {**state, **commit_overlay(records)}

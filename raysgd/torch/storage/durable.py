@@ -29,7 +29,6 @@ import threading
 from raysgd.torch import constants
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.storage import async_writer, filesystem
-from raysgd.torch.state import checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +48,7 @@ class NoStorage:
     def on_save(self, state, stream):
         return state
 
-    def on_recovery(self, failure, state, preempted=False):
+    def on_recovery(self, failure, part, epoch=None, preempted=False):
         pass
 
     def flush(self, timeout_s=None):
@@ -186,17 +185,17 @@ class DurableRun:
         self.submit(stream, reason="save", epoch=state["epoch"])
         return state
 
-    def on_recovery(self, failure, state, preempted=False):
-        """Recovering from ``failure``: checkpoint ``state`` (the commit resumed from) when it is a preemption
-        commit: ``preempted`` (the ranks marked it so in the commit store before any exited) or a rank's error
-        says so. A process's exit may reach the driver before the marked errors; the store's mark does not race."""
-        if state is not None and (preempted or preemption.was_preempted(failure)):
+    def on_recovery(self, failure, part, epoch=None, preempted=False):
+        """Recovering from ``failure``: checkpoint the commit resumed from (of ``epoch``; ``part``: a function
+        returning its state bytes or a part written elsewhere) when it is a preemption commit: ``preempted`` (the
+        ranks marked it so in the commit store before any exited) or a rank's error says so. A process's exit may
+        reach the driver before the marked errors; the store's mark does not race."""
+        if part is not None and (preempted or preemption.was_preempted(failure)):
             failed = self._writer.failed  # raising it here would abort the recovery and leave the group broken
             if failed is not None:
                 logger.warning("An earlier checkpoint write failed (%s): recovering anyway; the error is raised at "
                                "the end of this call (or by save() or shutdown())", failed)
-            self.submit(lambda: checkpoint.state_to_bytes(state), raise_error=False, reason="preemption",
-                        epoch=state.get("epoch"))
+            self.submit(part, raise_error=False, reason="preemption", epoch=epoch)
 
     def flush(self, timeout_s=None):
         """Wait until every submitted checkpoint is durable (raises a failed write's error)."""

@@ -328,9 +328,9 @@ class CheckpointStorage:
         for _, directory in reversed(self.list()):
             try:
                 found.append((directory, checked_marker(self.filesystem, directory)))
-            except DamagedCheckpoint as err:
-                if self._is_complete(directory):  # an incomplete one (no marker yet) is no news
-                    logger.warning("Skipping checkpoint %s (%s)", directory, err)
+            except DamagedCheckpoint as err:  # newer than any complete one: the one a resume would have used
+                (logger.debug if found else logger.warning)(
+                    "Skipping checkpoint %s (%s); falling back to the previous one", directory, err)
         return found
 
     def latest(self):

@@ -22,16 +22,20 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysgd.torch.state import restart_point
+from raysgd.torch.state import checkpoint, restart_point
 from raysgd.torch.storage import filesystem
 
 logger = logging.getLogger(__name__)
 
 
-def _write(refs, root, path, timeout_s):
-    """On the holder's node: write the first available copy of ``refs`` to ``path`` under ``root``."""
+def _write(refs, root, path, timeout_s, overlay=None):
+    """On the holder's node: write the first available copy of ``refs`` (updated with ``overlay``, a commit's
+    per-rank records) to ``path`` under ``root``."""
     fs, _ = filesystem.resolve(root)
-    return filesystem.write_state_file(fs, path, restart_point.first_available(refs, timeout_s))
+    stream = restart_point.first_available(refs, timeout_s)
+    if overlay:
+        stream = checkpoint.state_to_bytes({**checkpoint.state_from_bytes(stream), **overlay})
+    return filesystem.write_state_file(fs, path, stream)
 
 
 _write_task = None
@@ -46,14 +50,15 @@ class RemotePart:
         root: ``storage_path`` as :func:`~raysgd.torch.storage.filesystem.resolve` takes it on any node.
         local: whether ``root`` is a local folder (then the task runs on this process's node).
         timeout_s: the deadline of the whole write.
+        overlay: what the state is updated with before it is written (a commit's per-rank records), or None.
 
     Example:
         >>> RemotePart([], None, "/tmp/run", local=True, timeout_s=5).timeout_s
         5
     """
 
-    def __init__(self, refs, node, root, local, timeout_s=600):
-        self.refs, self.root, self.timeout_s = list(refs), root, timeout_s
+    def __init__(self, refs, node, root, local, timeout_s=600, overlay=None):
+        self.refs, self.root, self.timeout_s, self.overlay = list(refs), root, timeout_s, overlay
         self.node = restart_point.this_node() if local else node
 
     def write_to(self, directory, name):
@@ -65,7 +70,8 @@ class RemotePart:
         started = time.monotonic()
         options = {} if self.node is None else {
             "scheduling_strategy": NodeAffinitySchedulingStrategy(self.node, soft=True)}  # elsewhere if it is gone
-        call = _write_task.options(**options).remote(self.refs, self.root, f"{directory}/{name}", self.timeout_s)
+        call = _write_task.options(**options).remote(self.refs, self.root, f"{directory}/{name}", self.timeout_s,
+                                                     self.overlay)
         size, crc32 = ray.get(call, timeout=self.timeout_s)
         logger.debug("state part %s/%s written on node %s (%.1f MB, %.2f s)", directory, name,
                      (self.node or "?")[:12], size / 1e6, time.monotonic() - started)
