@@ -105,3 +105,57 @@ def test_bad_input_fails_before_any_actor_starts(cluster):
     with pytest.raises(RuntimeError, match="only inside the training function"):
         raysgd.train.report({"loss": 1.0})
     assert_released(timeout_s=1)
+
+
+GUIDE = os.path.join(REPO, "examples", "ray_train_guide.py")
+DRIVER_DEADLINE_S = 240
+
+
+def start_guide(tmp_path, address, *extra):
+    """The guide's script under ``python -m raysgd.legacy --train`` in a session of its own, on this cluster."""
+    env = {**os.environ, "RAY_ADDRESS": address,
+           "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)}
+    log = open(tmp_path / f"driver-{len(list(tmp_path.glob('driver-*')))}.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "raysgd.legacy", "--train", GUIDE, "--smoke-test", "--name",
+                             "guide", "--storage-path", str(tmp_path / "storage"), *extra],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True), log.name
+
+
+def wait_for(condition, proc, what, timeout_s=DRIVER_DEADLINE_S):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"the driver ended (rc {proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
+        time.sleep(0.2)
+
+
+def reported(tmp_path):
+    """``{checkpoint name: metrics}`` of the complete checkpoints of the guide's run."""
+    run = tmp_path / "storage" / "guide"
+    markers = sorted(run.glob("checkpoint_*/.raysgd_report.json")) if run.exists() else []
+    return {marker.parent.name: json.loads(marker.read_text())["metrics"] for marker in markers}
+
+
+def test_the_guide_script_runs_unchanged_and_a_killed_driver_resumes_from_its_latest_checkpoint(cluster, tmp_path):
+    """The PyTorch guide's script (``ray.train`` imports, 2 CPU workers, ``python -m raysgd.legacy --train``): its
+    driver is SIGKILLed after epoch 0's checkpoint; run again with the same name and storage path, it resumes at
+    epoch 1 from that checkpoint and finishes."""
+    address = cluster.get_runtime_context().gcs_address
+    first, _ = start_guide(tmp_path, address, "--pause-after-epoch", "0")
+    try:
+        wait_for(lambda: "checkpoint_000001" in reported(tmp_path), first, "checkpoint of epoch 0")
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+    second, log = start_guide(tmp_path, address)
+    try:
+        second.wait(timeout=DRIVER_DEADLINE_S)
+    finally:
+        if second.poll() is None:
+            os.killpg(second.pid, signal.SIGKILL)
+    output = open(log).read()
+    assert second.returncode == 0, output[-3000:]
+    metrics = reported(tmp_path)
+    assert [(m["epoch"], m["resumed_from"]) for m in metrics.values()] == [(0, 0), (1, 1)], metrics
+    assert "'resumed_from': 1" in output and "checkpoint_000002" in output
+    assert_released(timeout_s=30)

@@ -113,9 +113,22 @@ class TorchTrainer:
             return self.resume_from_checkpoint.path, {}
         return latest
 
-    def _attempt(self, group, folder):
-        """Start the group, run the function on every rank; returns rank 0's answer."""
-        size = self._start(group)
+    def _reform(self, group):
+        """After a failure: re-form the group from its survivors (they keep their processes, only the lost ranks
+        start anew: :meth:`WorkerGroup.reform`); returns the size, or None after tearing it down (start again)."""
+        try:
+            size = group.reform(self.train_loop_per_worker, lambda n: self.train_loop_config,
+                                self.scaling_config.worker_range[0])
+        except Exception as err:  # noqa: BLE001 (starting every worker again is the tried path)
+            logger.warning("Re-forming the group from its survivors failed (%s: %s); restarting every worker",
+                           type(err).__name__, err)
+            size = None
+        if size is None:
+            group.shutdown(force=True)
+        return size
+
+    def _attempt(self, group, folder, size):
+        """Run the function on every rank of the started group; returns rank 0's answer."""
         ips = group.run("node_ip", deadline_s=self.torch_config.timeout_s + 60)
         nodes = list(dict.fromkeys(ips))
         shards = {name: dataset.streaming_split(size, equal=True) for name, dataset in self.datasets.items()}
@@ -140,22 +153,23 @@ class TorchTrainer:
         if not ray.is_initialized():
             ray.init()  # as Ray Train does: a local cluster, or RAY_ADDRESS's
         max_failures = self.run_config.failure_config.max_failures
-        group, failures, answer, error = self._group(), 0, None, None
+        group, failures, answer, error, size = self._group(), 0, None, None, None
         try:
             while True:
                 try:
-                    answer = self._attempt(group, folder)
+                    size = size or self._start(group)
+                    answer = self._attempt(group, folder, size)
                     break
                 except WorkerFailure as failure:
                     failures += 1
-                    group.shutdown(force=True)
                     if max_failures != -1 and failures > max_failures:
                         error = failure
                         break
                     logger.warning("Worker failure %d (of at most %s): restarting the workers from the latest "
                                    "reported checkpoint (%s)", failures, "any" if max_failures == -1 else max_failures,
                                    failure)
-                    time.sleep(min(constants.SGD_BACKOFF_CAP_S, 0.5 * failures))
+                    time.sleep(min(constants.SGD_BACKOFF_CAP_S, 0.2 * failures))
+                    size = self._reform(group)
                 except Exception as err:  # noqa: BLE001 (the training function's own error: not retried)
                     error = err
                     break

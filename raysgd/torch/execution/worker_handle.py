@@ -35,10 +35,11 @@ def _remote_worker_cls(worker_cls=TorchWorker):
 
 
 def _legacy_runtime_env():
-    """Actor options carrying ``raysgd.compat``'s flag, so actors map ``ray.util.sgd`` imports too."""
-    if os.environ.get(constants.LEGACY_IMPORTS_ENV) != "1":
-        return {}
-    return {"runtime_env": {"env_vars": {constants.LEGACY_IMPORTS_ENV: "1"}}}
+    """Actor options carrying ``raysgd.compat``'s flags, so actors map ``ray.util.sgd`` (and ``ray.train``) imports
+    too."""
+    flags = {name: "1" for name in (constants.LEGACY_IMPORTS_ENV, constants.TRAIN_IMPORTS_ENV)
+             if os.environ.get(name) == "1"}
+    return {"runtime_env": {"env_vars": flags}} if flags else {}
 
 
 class Handle:
