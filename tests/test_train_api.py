@@ -159,3 +159,49 @@ def test_the_guide_script_runs_unchanged_and_a_killed_driver_resumes_from_its_la
     assert [(m["epoch"], m["resumed_from"]) for m in metrics.values()] == [(0, 0), (1, 1)], metrics
     assert "'resumed_from': 1" in output and "checkpoint_000002" in output
     assert_released(timeout_s=30)
+
+
+def lightning_loop(config):
+    import lightning.pytorch as pl  # noqa: PLC0415 (only this test needs Lightning)
+
+    from raysgd.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback, prepare_trainer
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, index):
+            loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(16, 2), torch.randn(16, 1)), batch_size=4)
+    trainer = prepare_trainer(pl.Trainer(
+        max_epochs=2, devices="auto", accelerator="cpu", strategy=RayDDPStrategy(), plugins=[RayLightningEnvironment()],
+        callbacks=[RayTrainReportCallback()], enable_checkpointing=False, logger=False, enable_progress_bar=False,
+        enable_model_summary=False))
+    checkpoint = raysgd.train.get_checkpoint()
+    with checkpoint.as_directory() if checkpoint else tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, RayTrainReportCallback.CHECKPOINT_NAME)
+        trainer.fit(Tiny(), data, ckpt_path=path if checkpoint else None)
+
+
+def test_lightning_trainer_reports_its_checkpoints_and_resumes(tmp_path):
+    """The Lightning names inside a function worker (this process, a real gloo group of one): a checkpoint per
+    epoch; a second run with max_epochs reached resumes from the latest one (no new epoch trained)."""
+    from raysgd.train.function_worker import FunctionWorker
+
+    worker = FunctionWorker(lightning_loop, {}, is_local=True)
+    worker.setup_process_group(worker.setup_address(), 0, 1, 30)
+    worker.setup_operator()
+    run_info = {"storage_path": str(tmp_path), "name": "lightning"}
+    answer = worker.run_loop(run_info)
+    assert answer["reports"] == 2 and answer["metrics"]["epoch"] == 1 and answer["metrics"]["step"] == 8
+    assert sorted(os.listdir(answer["checkpoint"])) == [".raysgd_report.json", "checkpoint.ckpt"]
+    latest = raysgd.train.run_storage.RunFolder(str(tmp_path), "lightning").latest()
+    assert worker.run_loop(run_info, resume=latest)["reports"] == 0  # resumed after its last epoch: nothing to do
+    worker.shutdown()
