@@ -37,19 +37,20 @@ def cluster():
 def counting_loop(config):
     """``counts[i]``: how often sample ``i`` was trained (summed over the ranks, as DDP replicas agree); a
     checkpoint every 2 steps and at each epoch's end; rank 1 SIGKILLs itself once, mid-epoch 0, at step 3."""
-    counts, start_epoch = torch.zeros(N), 0
+    counts, start_epoch, resumed_from = torch.zeros(N), 0, None
     checkpoint = raysgd.train.get_checkpoint()
     if checkpoint:
         with checkpoint.as_directory() as folder:
             state = torch.load(os.path.join(folder, "state.pt"))
-        counts, start_epoch = state["counts"], state["epoch"]
+        counts, start_epoch, resumed_from = state["counts"], state["epoch"], state["at"]
     model = prepare_model(torch.nn.Linear(1, 1))
     loader = prepare_data_loader(DataLoader(TensorDataset(torch.arange(N)), batch_size=BATCH, shuffle=True))
     rank = raysgd.train.get_context().get_world_rank()
 
     def save(epoch, metrics):
         with tempfile.TemporaryDirectory() as folder:
-            torch.save({"counts": counts, "epoch": epoch}, os.path.join(folder, "state.pt"))
+            torch.save({"counts": counts, "epoch": epoch, "at": (metrics["epoch"], metrics.get("step"))},
+                       os.path.join(folder, "state.pt"))
             raysgd.train.report(metrics, checkpoint=Checkpoint.from_directory(folder))
 
     for epoch in range(start_epoch, EPOCHS):
@@ -63,11 +64,14 @@ def counting_loop(config):
             if config.get("kill_marker") and rank == 1 and epoch == 0 and step == 1 and \
                     not os.path.exists(config["kill_marker"]):
                 open(config["kill_marker"], "w").close()
-                time.sleep(0.5)  # rank 0 reports step 1 meanwhile
+                reported_step_1 = os.path.join(config["storage"], "counting", "checkpoint_000001", ".raysgd_report.json")
+                deadline = time.monotonic() + 30
+                while not os.path.exists(reported_step_1) and time.monotonic() < deadline:
+                    time.sleep(0.05)  # rank 0 reports step 1 (half the epoch) meanwhile
                 os.kill(os.getpid(), signal.SIGKILL)
             if step % 2 == 1:
                 save(epoch, {"epoch": epoch, "step": step})
-        save(epoch + 1, {"epoch": epoch, "done": True, "world_size": raysgd.train.get_context().get_world_size()})
+        save(epoch + 1, {"epoch": epoch, "done": True, "resumed_from": resumed_from})
 
 
 def read_counts(checkpoint):
@@ -77,13 +81,14 @@ def read_counts(checkpoint):
 
 def test_a_worker_sigkilled_mid_epoch_resumes_exactly_once(cluster, tmp_path):
     marker = str(tmp_path / "killed")
-    trainer = TorchTrainer(counting_loop, train_loop_config={"kill_marker": marker},
+    trainer = TorchTrainer(counting_loop, train_loop_config={"kill_marker": marker, "storage": str(tmp_path)},
                            scaling_config=ScalingConfig(num_workers=2), torch_config=FAST,
                            run_config=RunConfig(name="counting", storage_path=str(tmp_path),
                                                 failure_config=FailureConfig(max_failures=1)))
     result = trainer.fit()
     assert os.path.exists(marker) and result.num_failures == 1
     assert result.metrics["done"] and result.metrics["epoch"] == EPOCHS - 1
+    assert result.metrics["resumed_from"] == (0, 1)  # mid-epoch 0: its cursor skipped the 16 positions trained
     assert read_counts(result.checkpoint).tolist() == [float(EPOCHS)] * N  # every sample once per epoch
     assert result.path == str(tmp_path / "counting") and result.error is None
     assert_released()
@@ -205,3 +210,25 @@ def test_lightning_trainer_reports_its_checkpoints_and_resumes(tmp_path):
     latest = raysgd.train.run_storage.RunFolder(str(tmp_path), "lightning").latest()
     assert worker.run_loop(run_info, resume=latest)["reports"] == 0  # resumed after its last epoch: nothing to do
     worker.shutdown()
+
+
+def test_reported_checkpoints_go_to_an_s3_uri_marker_last_and_read_back(tmp_path):
+    """The run folder on a real S3-compatible server (moto): a reported directory is copied, its marker written
+    last, a directory without a marker is skipped, and ``Checkpoint.as_directory`` downloads it."""
+    from s3_server import moto_s3
+
+    from raysgd.train.run_storage import MARKER, RunFolder
+
+    source = tmp_path / "reported"
+    source.mkdir()
+    (source / "model.pt").write_bytes(b"weights")
+    with moto_s3() as (prefix, query):
+        folder = RunFolder(f"{prefix}/runs{query}", "exp")
+        folder.check_writable()
+        uri = folder.write(str(source), {"metrics": {"loss": 0.5}, "cursors": [None]})
+        folder.filesystem.create_dir(folder.fs_path + "/checkpoint_000002")  # a copy that never finished
+        latest_uri, marker = folder.latest()
+        assert latest_uri == uri and uri.startswith(f"{prefix}/runs/exp/checkpoint_000001") and marker["metrics"] == {"loss": 0.5}
+        with Checkpoint(uri).as_directory() as local:
+            assert sorted(os.listdir(local)) == [MARKER, "model.pt"]
+            assert open(os.path.join(local, "model.pt"), "rb").read() == b"weights"
