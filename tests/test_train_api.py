@@ -44,7 +44,8 @@ def counting_loop(config):
             state = torch.load(os.path.join(folder, "state.pt"))
         counts, start_epoch, resumed_from = state["counts"], state["epoch"], state["at"]
     model = prepare_model(torch.nn.Linear(1, 1))
-    loader = prepare_data_loader(DataLoader(TensorDataset(torch.arange(N)), batch_size=BATCH, shuffle=True))
+    loader = prepare_data_loader(DataLoader(TensorDataset(torch.arange(N)), batch_size=BATCH, shuffle=True),
+                                 exactly_once=config.get("exactly_once", True))
     rank = raysgd.train.get_context().get_world_rank()
 
     def save(epoch, metrics):
@@ -232,3 +233,29 @@ def test_reported_checkpoints_go_to_an_s3_uri_marker_last_and_read_back(tmp_path
         with Checkpoint(uri).as_directory() as local:
             assert sorted(os.listdir(local)) == [MARKER, "model.pt"]
             assert open(os.path.join(local, "model.pt"), "rb").read() == b"weights"
+
+
+def test_a_restored_cursor_resumes_its_epoch_exactly_once_on_another_world_size():
+    """No Ray: two ranks take 2 batches of epoch 1, rank 0's cursor is saved; three ranks restored from it read the
+    rest of epoch 1 (re-sharded), so the epoch is read exactly once; a pass of another epoch ignores the cursor."""
+    from raysgd.train.prepare import PreparedLoader
+
+    def loader():
+        return DataLoader(list(range(24)), batch_size=3, shuffle=True)
+
+    cpu = torch.device("cpu")
+    first = [PreparedLoader(loader(), rank, 2, cpu) for rank in range(2)]
+    taken = []
+    for prepared in first:
+        prepared.sampler.set_epoch(1)
+        passes = iter(prepared)
+        taken += [int(i) for _ in range(2) for i in next(passes)]
+    cursor = first[0].cursor_state()
+    assert cursor == {"epoch": 1, "consumed": 12, "complete": False}
+    rest = []
+    for rank in range(3):  # no set_epoch: a restored loader starts at the cursor's epoch
+        rest += [int(i) for batch in PreparedLoader(loader(), rank, 3, cpu, restored=cursor) for i in batch]
+    assert sorted(taken + rest) == list(range(24)) and len(rest) == 12
+    other = PreparedLoader(loader(), 0, 1, cpu, restored=cursor)
+    other.sampler.set_epoch(2)
+    assert len([i for batch in other for i in batch]) == 24  # epoch 2: the cursor of epoch 1 does not apply

@@ -131,6 +131,9 @@ class TorchTrainer:
         """Run the function on every rank of the started group; returns rank 0's answer."""
         ips = group.run("node_ip", deadline_s=self.torch_config.timeout_s + 60)
         nodes = list(dict.fromkeys(ips))
+        if self.datasets and ray.cluster_resources().get("CPU", 0) <= size * self.scaling_config.num_cpus_per_worker:
+            logger.warning("TorchTrainer(datasets=...): the workers hold every CPU of the cluster, and Ray Data's "
+                           "read tasks need CPUs of their own: reading will wait until some are free")
         shards = {name: dataset.streaming_split(size, equal=True) for name, dataset in self.datasets.items()}
         run_info = {"storage_path": self.run_config.storage_path, "name": self.run_config.name,
                     "num_to_keep": self.run_config.checkpoint_config.num_to_keep}
