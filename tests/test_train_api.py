@@ -110,6 +110,11 @@ def test_bad_input_fails_before_any_actor_starts(cluster):
         raysgd.train.xgboost  # noqa: B018
     with pytest.raises(RuntimeError, match="only inside the training function"):
         raysgd.train.report({"loss": 1.0})
+    from raysgd.compat import TrainFinder  # python -m raysgd.legacy --train: Ray Train's other modules
+
+    with pytest.raises(ModuleNotFoundError, match=r"ray.train.tensorflow is not supported by raysgd.train .*TensorFlow"):
+        TrainFinder().find_spec("ray.train.tensorflow")
+    assert TrainFinder().find_spec("ray.train.torch").loader.target == "raysgd.train.torch"
     assert_released(timeout_s=1)
 
 
