@@ -49,7 +49,12 @@ class RayDDPStrategy(pl.strategies.DDPStrategy):
 
 
 class RayLightningEnvironment(LightningEnvironment):
-    """The ranks of :func:`raysgd.train.get_context` (Lightning starts no process of its own)."""
+    """The ranks of :func:`raysgd.train.get_context` (Lightning starts no process of its own).
+
+    Example:
+        >>> RayLightningEnvironment().creates_processes_externally
+        True
+    """
 
     def _context(self):
         return _session.current("lightning.RayLightningEnvironment").context
@@ -78,7 +83,11 @@ class RayLightningEnvironment(LightningEnvironment):
 
 class RayTrainReportCallback(pl.callbacks.Callback):
     """At every training epoch's end: Lightning's checkpoint (``checkpoint.ckpt``) and ``trainer.callback_metrics``
-    (with ``epoch`` and ``step``) reported with :func:`raysgd.train.report`."""
+    (with ``epoch`` and ``step``) reported with :func:`raysgd.train.report`.
+
+    Example:
+        >>> callbacks = [RayTrainReportCallback()]  # pl.Trainer(..., callbacks=callbacks)
+    """
 
     CHECKPOINT_NAME = "checkpoint.ckpt"
 

@@ -14,7 +14,12 @@ from raysgd.train.trainer import TorchTrainer
 
 
 def get_devices():
-    """This worker's devices (one): ``[get_device()]``."""
+    """This worker's devices (one): ``[get_device()]``.
+
+    Example:
+        >>> def train_func():  # doctest: +SKIP
+        ...     (device,) = raysgd.train.torch.get_devices()
+    """
     return [get_device()]
 
 

@@ -34,7 +34,14 @@ logger = logging.getLogger(__name__)
 class TrainingFailedError(RuntimeError):
     """``fit()`` failed: the training function raised, or the workers failed more than ``max_failures`` times.
 
-    ``result`` is the :class:`~raysgd.train.checkpoint.Result` so far (its ``error`` is the cause)."""
+    ``result`` is the :class:`~raysgd.train.checkpoint.Result` so far (its ``error`` is the cause).
+
+    Example:
+        >>> try:  # doctest: +SKIP
+        ...     result = trainer.fit()
+        ... except TrainingFailedError as failed:
+        ...     result = failed.result  # result.checkpoint: the latest reported one, result.error: the cause
+    """
 
     def __init__(self, message, result=None):
         super().__init__(message)
