@@ -56,6 +56,10 @@ class RayLightningEnvironment(LightningEnvironment):
         True
     """
 
+    @property
+    def creates_processes_externally(self):
+        return True  # the worker group started them: Lightning launches none
+
     def _context(self):
         return _session.current("lightning.RayLightningEnvironment").context
 
