@@ -9,14 +9,15 @@ import os
 
 from raysgd.callbacks import Callback
 from raysgd.torch import TorchTrainer, TrainingOperator
-from raysgd.torch.constants import LEGACY_IMPORTS_ENV
+from raysgd.torch.constants import LEGACY_IMPORTS_ENV, TRAIN_IMPORTS_ENV
 
 __version__ = "0.1.0"
 __all__ = ["TorchTrainer", "TrainingOperator", "Callback", "PyTorchTrainer", "__version__"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-if os.environ.get(LEGACY_IMPORTS_ENV) == "1":  # set by raysgd.compat.install() in the driver: a Ray worker
+if "1" in (os.environ.get(LEGACY_IMPORTS_ENV), os.environ.get(TRAIN_IMPORTS_ENV)):  # set by raysgd.compat's install()
+    # or install_train() in the driver: a Ray worker
     from raysgd import compat as _compat  # imports the legacy script's modules, which need the mapping too
 
     _compat.install_if_requested()

@@ -31,7 +31,7 @@ import os
 import pkgutil
 import sys
 
-from raysgd.torch.constants import LEGACY_IMPORTS_ENV
+from raysgd.torch.constants import LEGACY_IMPORTS_ENV, TRAIN_IMPORTS_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -199,3 +199,94 @@ def install_if_requested():
     """
     if os.environ.get(LEGACY_IMPORTS_ENV) == "1" and not is_installed():
         install()
+    if os.environ.get(TRAIN_IMPORTS_ENV) == "1" and not train_is_installed():
+        install_train()
+
+
+# ----------------------------------------------------------------- ray.train -> raysgd.train
+#: Ray Train's public modules and their raysgd.train counterparts (``install_train``).
+TRAIN_MODULES = {"ray.train": "raysgd.train", "ray.train.torch": "raysgd.train.torch",
+                 "ray.train.lightning": "raysgd.train.lightning"}
+
+
+class TrainFinder(importlib.abc.MetaPathFinder):
+    """The ``sys.meta_path`` entry behind :func:`install_train`: ``ray.train``, ``ray.train.torch`` and
+    ``ray.train.lightning`` are raysgd.train's modules; any other ``ray.train.X`` says what to use instead.
+
+    Example:
+        >>> TrainFinder().find_spec("ray.train.torch").loader.target
+        'raysgd.train.torch'
+        >>> TrainFinder().find_spec("ray.train.tensorflow")
+        Traceback (most recent call last):
+        ...
+        ModuleNotFoundError: ray.train.tensorflow is not supported by raysgd.train (python -m raysgd.legacy --train): raysgd.train runs PyTorch (and Lightning) training functions; use Ray Train itself (ray.train.tensorflow) for TensorFlow
+    """
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in TRAIN_MODULES:
+            return importlib.machinery.ModuleSpec(fullname, _AliasLoader(TRAIN_MODULES[fullname]),
+                                                  is_package=fullname == "ray.train")
+        if not fullname.startswith("ray.train."):
+            return None
+        from raysgd.train import UNSUPPORTED  # noqa: PLC0415 (the reasons live with the package)
+
+        part = fullname.split(".")[2]
+        reason = UNSUPPORTED.get(part, "raysgd.train maps only ray.train, ray.train.torch and ray.train.lightning; "
+                                       "run the script without the mapping to use Ray Train itself")
+        raise ModuleNotFoundError(f"{fullname} is not supported by raysgd.train (python -m raysgd.legacy --train): "
+                                  f"{reason}", name=fullname)
+
+
+_train_finder = TrainFinder()
+
+
+def train_is_installed():
+    """Whether :func:`install_train` is in force in this process.
+
+    Example:
+        >>> isinstance(train_is_installed(), bool)
+        True
+    """
+    return _train_finder in sys.meta_path
+
+
+def install_train():
+    """Make ``ray.train``, ``ray.train.torch`` and ``ray.train.lightning`` resolve to ``raysgd.train...`` in this
+    process and its Ray workers, so a Ray Train guide script runs on raysgd unchanged. Opt-in (Ray Tune imports
+    Ray Train's internals, which this hides): ``python -m raysgd.legacy --train script.py``.
+
+    Example:
+        >>> install_train()
+        >>> import ray.train
+        >>> ray.train.ScalingConfig.__module__
+        'raysgd.train.config'
+        >>> uninstall_train()
+    """
+    if not train_is_installed():
+        sys.meta_path.insert(0, _train_finder)
+    for name in [n for n in sys.modules if n == "ray.train" or n.startswith("ray.train.")]:
+        if not getattr(sys.modules[name], "__name__", "").startswith("raysgd."):
+            del sys.modules[name]  # Ray Train's own, imported before: the next import finds raysgd's
+    os.environ[TRAIN_IMPORTS_ENV] = "1"
+    import ray  # noqa: PLC0415
+
+    for name in ("ray.train", "ray.train.torch"):  # attributes of ray now (a pickled function's ray.train.report)
+        importlib.import_module(name)
+    ray.train = sys.modules["ray.train"]
+
+
+def uninstall_train():
+    """Undo :func:`install_train`.
+
+    Example:
+        >>> install_train(); uninstall_train(); train_is_installed()
+        False
+    """
+    while _train_finder in sys.meta_path:
+        sys.meta_path.remove(_train_finder)
+    for name in [n for n in sys.modules if n == "ray.train" or n.startswith("ray.train.")]:
+        del sys.modules[name]
+    ray = sys.modules.get("ray")
+    if ray is not None and "train" in vars(ray):
+        delattr(ray, "train")
+    os.environ.pop(TRAIN_IMPORTS_ENV, None)

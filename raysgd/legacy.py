@@ -1,7 +1,9 @@
 """Runs an unmodified RaySGD 1.x script with ``ray.util.sgd`` mapped to raysgd.
 
 Outside the layers: imports :mod:`raysgd.compat` and the standard library.
-``python -m raysgd.legacy script.py [args]`` installs the mapping (:func:`raysgd.compat.install`),
+``python -m raysgd.legacy script.py [args]`` installs the mapping (:func:`raysgd.compat.install`; with
+``--train`` first, also Ray Train's ``ray.train``/``ray.train.torch``/``ray.train.lightning`` -> ``raysgd.train``:
+:func:`raysgd.compat.install_train`),
 then runs ``script.py`` as ``__main__`` with ``sys.argv == ["script.py", *args]`` and the script's
 directory first on ``sys.path``, as ``python script.py [args]`` would. ``-m module`` runs a module
 instead (a 1.x module name such as ``ray.util.sgd.torch.examples.train_example`` works).
@@ -9,6 +11,7 @@ instead (a 1.x module name such as ``ray.util.sgd.torch.examples.train_example``
 Example:
     $ python -m raysgd.legacy my_raysgd1_script.py --num-workers 2
     $ python -m raysgd.legacy -m ray.util.sgd.torch.examples.train_example --num-workers 2
+    $ python -m raysgd.legacy --train examples/ray_train_guide.py --smoke-test
 """
 import argparse
 import os
@@ -17,7 +20,7 @@ import sys
 
 from raysgd import compat
 
-_USAGE = "python -m raysgd.legacy (script.py | -m module) [args ...]"
+_USAGE = "python -m raysgd.legacy [--train] (script.py | -m module) [args ...]"
 
 
 def _parse(argv):
@@ -48,8 +51,12 @@ def main(argv=None):
     Example:
         >>> main(["path/to/legacy_script.py", "--smoke-test"])  # doctest: +SKIP
     """
-    options = _parse(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    train = bool(argv) and argv[0] == "--train"  # Ray Train's names too (before the script's own arguments)
+    options = _parse(argv[1:] if train else argv)
     compat.install()
+    if train:
+        compat.install_train()
     if options.module is not None:
         module = compat.translate(options.module) or options.module
         sys.argv = [options.module, *options.args]

@@ -32,6 +32,7 @@ LAYERS = {
     "raysgd.plot": 5,  # plotting a result log: a tool at the edge
     # 6: the facade
     "raysgd.torch.torch_trainer": 6, "raysgd.torch.resnet": 1,
+    "raysgd.train": 6,  # the Ray Train function API: a facade of its own over execution/ (a function worker)
     # the packages' public names, RaySGD 1.x's paths and the 1.x import mapping
     "raysgd": GLUE, "raysgd.torch": GLUE, "raysgd.utils": GLUE, "raysgd.compat": GLUE, "raysgd.legacy": GLUE,
     "raysgd.data": GLUE, "raysgd.loggers": GLUE, "raysgd.torch.lightning_operator": GLUE, "raysgd.torch.worker_group": GLUE,

@@ -86,7 +86,10 @@ DOCTESTED = ["raysgd.utils", "raysgd.optional", "raysgd.meters", "raysgd.timers"
              "raysgd.torch.execution.worker", "raysgd.torch.execution.epoch_iterators",
              "raysgd.torch.execution.shipping", "raysgd.torch.integrations", "raysgd.torch.integrations.progress",
              "raysgd.torch.integrations.results", "raysgd.torch.integrations.ray_data",
-             "raysgd.torch.integrations.tune", "raysgd.data.dataset", "raysgd.data.examples.mlp_identity"]
+             "raysgd.torch.integrations.tune", "raysgd.data.dataset", "raysgd.data.examples.mlp_identity",
+             "raysgd.train", "raysgd.train.config", "raysgd.train.checkpoint", "raysgd.train.run_storage",
+             "raysgd.train.session", "raysgd.train.prepare", "raysgd.train.function_worker", "raysgd.train.trainer",
+             "raysgd.train.torch", "raysgd.train.lightning"]
 
 
 @pytest.mark.parametrize("name", DOCTESTED)

@@ -32,6 +32,9 @@ VALID_SCHEDULER_STEP = {SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH, SCHEDULER_ST
 #: Environment variable set by ``raysgd.compat.install()``: a process with it set maps ``ray.util.sgd``
 #: to raysgd on ``import raysgd``; the worker group forwards it to its actors.
 LEGACY_IMPORTS_ENV = "RAYSGD_LEGACY_IMPORTS"
+#: Set by ``raysgd.compat.install_train()`` (``python -m raysgd.legacy --train``): ``ray.train`` maps to
+#: ``raysgd.train`` on ``import raysgd``; forwarded to the actors like ``LEGACY_IMPORTS_ENV``.
+TRAIN_IMPORTS_ENV = "RAYSGD_TRAIN_IMPORTS"
 
 
 def env_float(name, default):

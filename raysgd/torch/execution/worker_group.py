@@ -39,10 +39,13 @@ class WorkerGroup:
         use_local: run rank 0 in this process.
         timeout_s: process-group timeout; also how long the rest may lag once one worker finished.
         placement_strategy: of the placement group this group creates (not used inside a Tune trial).
+        worker_cls: the class each worker is (:class:`TorchWorker`, or a subclass with the same start-up methods,
+            such as :class:`raysgd.train.function_worker.FunctionWorker`).
     """
 
     def __init__(self, worker_options, *, num_cpus_per_worker=1, num_gpus=0, use_local=False, timeout_s=1800,
-                 placement_strategy="SPREAD"):
+                 placement_strategy="SPREAD", worker_cls=TorchWorker):
+        self._worker_cls = worker_cls
         self._worker_options, self._cpus, self._gpus = worker_options, num_cpus_per_worker, num_gpus
         self._use_local, self._timeout_s = use_local, timeout_s
         self._placement = Placement(num_cpus_per_worker, self._gpus, use_local, placement_strategy)
@@ -96,12 +99,12 @@ class WorkerGroup:
         options = dict(self._worker_options, num_cpus=self._cpus, world_size=n)
         for rank in range(n):
             if rank == 0 and self._use_local:
-                local = TorchWorker(operator_cls, config, is_local=True, **options)
+                local = self._worker_cls(operator_cls, config, is_local=True, **options)
                 self._runner = LocalRunner() if n > 1 else None  # the driver watches the others meanwhile
                 self._handles.append(Handle(0, local=local, runner=self._runner))
                 continue
             self._handles.append(start_actor(rank, self._pg, offset + rank, self._cpus, self._gpus, operator_cls,
-                                             config, options))
+                                             config, options, self._worker_cls))
         self.run("run_hook", initialization_hook, deadline_s=self._timeout_s + 60,
                  on_tick=self._placement.watch.check if self._placement.watch is not None else None)
         self._connect(n)
@@ -123,7 +126,7 @@ class WorkerGroup:
         for rank, (bundle, handle) in enumerate(new):
             if handle is None:
                 handle = start_actor(rank, self._pg, bundle, self._cpus, self._gpus, operator_cls, config,
-                                     dict(self._worker_options, num_cpus=self._cpus, world_size=n))
+                                     dict(self._worker_options, num_cpus=self._cpus, world_size=n), self._worker_cls)
                 fresh.add(rank)
             handle.rank = rank
             self._handles.append(handle)

@@ -25,21 +25,21 @@ from raysgd.torch.execution.calls import Done
 from raysgd.torch.execution.local_runner import LocalCall
 from raysgd.torch.execution.worker import TorchWorker
 
-_RemoteWorker = None
+_REMOTE_CLASSES = {}  # worker class -> its Ray actor class (made once per process)
 
 
-def _remote_worker_cls():
-    global _RemoteWorker
-    if _RemoteWorker is None:
-        _RemoteWorker = ray.remote(concurrency_groups=diagnostics.CONCURRENCY_GROUPS)(TorchWorker)
-    return _RemoteWorker
+def _remote_worker_cls(worker_cls=TorchWorker):
+    if worker_cls not in _REMOTE_CLASSES:
+        _REMOTE_CLASSES[worker_cls] = ray.remote(concurrency_groups=diagnostics.CONCURRENCY_GROUPS)(worker_cls)
+    return _REMOTE_CLASSES[worker_cls]
 
 
 def _legacy_runtime_env():
-    """Actor options carrying ``raysgd.compat``'s flag, so actors map ``ray.util.sgd`` imports too."""
-    if os.environ.get(constants.LEGACY_IMPORTS_ENV) != "1":
-        return {}
-    return {"runtime_env": {"env_vars": {constants.LEGACY_IMPORTS_ENV: "1"}}}
+    """Actor options carrying ``raysgd.compat``'s flags, so actors map ``ray.util.sgd`` (and ``ray.train``) imports
+    too."""
+    flags = {name: "1" for name in (constants.LEGACY_IMPORTS_ENV, constants.TRAIN_IMPORTS_ENV)
+             if os.environ.get(name) == "1"}
+    return {"runtime_env": {"env_vars": flags}} if flags else {}
 
 
 class Handle:
@@ -124,10 +124,11 @@ def answered(call):
     return True
 
 
-def start_actor(rank, pg, bundle_index, cpus, gpus, operator_cls, config, options):
-    """A :class:`Handle` of a new worker actor in bundle ``bundle_index`` of ``pg``."""
+def start_actor(rank, pg, bundle_index, cpus, gpus, operator_cls, config, options, worker_cls=TorchWorker):
+    """A :class:`Handle` of a new worker actor (a ``worker_cls``, :class:`TorchWorker` or a subclass such as
+    raysgd.train's function worker) in bundle ``bundle_index`` of ``pg``."""
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index)
     shipping.install()  # config modules imported since: the operator class may go by value
-    actor = _remote_worker_cls().options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy,
+    actor = _remote_worker_cls(worker_cls).options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy,
                                          **_legacy_runtime_env()).remote(operator_cls, config, **options)
     return Handle(rank, actor=actor, bundle=bundle_index)

@@ -1,0 +1,49 @@
+"""raysgd.train: the function API of the Ray Train guides (``ray.train``), run on raysgd's worker group.
+
+Layer 6, beside :mod:`raysgd.torch.torch_trainer`, over :mod:`raysgd.torch.execution`: a training function runs on
+every worker (:mod:`~raysgd.train.function_worker`, a ``TorchWorker`` beside the operator one), reports metrics and
+checkpoints (:mod:`~raysgd.train.session`) to ``storage_path/name`` (:mod:`~raysgd.train.run_storage`), and a
+worker failure restarts the group from the latest reported checkpoint (:mod:`~raysgd.train.trainer`). Loaders made by
+``raysgd.train.torch.prepare_data_loader`` carry raysgd's data cursor (:mod:`~raysgd.train.prepare`): a restart
+inside an epoch trains each sample of it once. Lightning: :mod:`raysgd.train.lightning`.
+
+``python -m raysgd.legacy --train script.py`` runs a Ray Train script unchanged (``ray.train`` -> ``raysgd.train``).
+
+Example:
+    >>> import raysgd.train
+    >>> raysgd.train.ScalingConfig(num_workers=2).worker_range
+    (2, 2)
+    >>> raysgd.train.tensorflow
+    Traceback (most recent call last):
+    ...
+    ImportError: raysgd.train.tensorflow is not supported: raysgd.train runs PyTorch (and Lightning) training functions; use Ray Train itself (ray.train.tensorflow) for TensorFlow
+"""
+from raysgd.train.checkpoint import Checkpoint, Result
+from raysgd.train.config import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from raysgd.train.session import TrainContext, get_checkpoint, get_context, get_dataset_shard, report
+from raysgd.train.trainer import TrainingFailedError
+
+#: Ray Train names raysgd.train does not provide, and what to use instead.
+UNSUPPORTED = {
+    "tensorflow": "raysgd.train runs PyTorch (and Lightning) training functions; use Ray Train itself "
+                  "(ray.train.tensorflow) for TensorFlow",
+    "xgboost": "raysgd.train runs PyTorch training functions; use Ray Train itself (ray.train.xgboost) for XGBoost",
+    "lightgbm": "raysgd.train runs PyTorch training functions; use Ray Train itself (ray.train.lightgbm)",
+    "horovod": "raysgd.train forms a torch.distributed process group; use prepare_model (DDP) instead of Horovod",
+    "huggingface": "use a transformers Trainer inside the training function with raysgd.train.report, or Ray Train",
+    "DataParallelTrainer": "use raysgd.train.torch.TorchTrainer",
+    "SyncConfig": "checkpoints go straight to RunConfig(storage_path=...) (a folder or a pyarrow.fs URI)",
+    "DataConfig": "datasets are split equally among the workers (streaming_split)",
+    "_internal": "Ray Train's internals are not part of raysgd.train: use its public names",
+    "v2": "raysgd.train follows Ray Train's public function API: import from raysgd.train",
+}
+
+
+def __getattr__(name):
+    if name in UNSUPPORTED:
+        raise ImportError(f"raysgd.train.{name} is not supported: {UNSUPPORTED[name]}")
+    raise AttributeError(f"module 'raysgd.train' has no attribute {name!r}")
+
+
+__all__ = ["Checkpoint", "CheckpointConfig", "FailureConfig", "Result", "RunConfig", "ScalingConfig", "TrainContext",
+           "TrainingFailedError", "get_checkpoint", "get_context", "get_dataset_shard", "report"]

@@ -1,0 +1,133 @@
+"""``raysgd.train.lightning``: Ray Train's Lightning names for a Lightning ``Trainer`` inside the training function.
+
+Part of :mod:`raysgd.train`. The process group is the worker group's (formed before the function runs), so
+:class:`RayDDPStrategy` is Lightning's DDP strategy on this worker's device, :class:`RayLightningEnvironment`
+reads the ranks from :func:`raysgd.train.get_context`, and :class:`RayTrainReportCallback` saves Lightning's
+checkpoint at every training epoch's end and reports it with ``trainer.callback_metrics``. Lightning shards its
+own loaders (``DistributedSampler``): they have no raysgd data cursor, so a restart replays the epoch from its
+start (resume with ``trainer.fit(model, ckpt_path=...)`` from ``get_checkpoint()``).
+
+Example:
+    >>> from raysgd.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback
+    >>> RayTrainReportCallback.CHECKPOINT_NAME
+    'checkpoint.ckpt'
+"""
+import logging
+import os
+import shutil
+import tempfile
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+except ImportError:  # the older package name
+    import pytorch_lightning as pl
+    from pytorch_lightning.plugins.environments import LightningEnvironment
+
+from raysgd.train import session as _session
+from raysgd.train.checkpoint import Checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+class RayDDPStrategy(pl.strategies.DDPStrategy):
+    """Lightning's DDP on the worker group's process group and this worker's device.
+
+    Example:
+        >>> def train_func():  # doctest: +SKIP
+        ...     trainer = pl.Trainer(strategy=RayDDPStrategy(), plugins=[RayLightningEnvironment()],
+        ...                          callbacks=[RayTrainReportCallback()], devices="auto", accelerator="auto")
+    """
+
+    @property
+    def root_device(self):
+        return _session.current("lightning.RayDDPStrategy").device
+
+    @property
+    def distributed_sampler_kwargs(self):
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+
+class RayLightningEnvironment(LightningEnvironment):
+    """The ranks of :func:`raysgd.train.get_context` (Lightning starts no process of its own).
+
+    Example:
+        >>> RayLightningEnvironment().creates_processes_externally
+        True
+    """
+
+    @property
+    def creates_processes_externally(self):
+        return True  # the worker group started them: Lightning launches none
+
+    def _context(self):
+        return _session.current("lightning.RayLightningEnvironment").context
+
+    def world_size(self):
+        return self._context().get_world_size()
+
+    def global_rank(self):
+        return self._context().get_world_rank()
+
+    def local_rank(self):
+        return self._context().get_local_rank()
+
+    def node_rank(self):
+        return self._context().get_node_rank()
+
+    def set_world_size(self, size):
+        pass  # the worker group's
+
+    def set_global_rank(self, rank):
+        pass
+
+    def teardown(self):
+        pass
+
+
+class RayTrainReportCallback(pl.callbacks.Callback):
+    """At every training epoch's end: Lightning's checkpoint (``checkpoint.ckpt``) and ``trainer.callback_metrics``
+    (with ``epoch`` and ``step``) reported with :func:`raysgd.train.report`.
+
+    Example:
+        >>> callbacks = [RayTrainReportCallback()]  # pl.Trainer(..., callbacks=callbacks)
+    """
+
+    CHECKPOINT_NAME = "checkpoint.ckpt"
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        metrics = {name: value.item() if hasattr(value, "item") else value
+                   for name, value in trainer.callback_metrics.items()}
+        metrics.update(epoch=trainer.current_epoch, step=trainer.global_step)
+        folder = tempfile.mkdtemp(prefix="raysgd-lightning-")
+        try:
+            trainer.save_checkpoint(os.path.join(folder, self.CHECKPOINT_NAME), weights_only=False)
+            _session.report(metrics, checkpoint=Checkpoint.from_directory(folder))
+            trainer.strategy.barrier()
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def prepare_trainer(trainer):
+    """Check that a Lightning ``Trainer`` runs on raysgd.train (``RayDDPStrategy`` or a single worker, and
+    ``RayLightningEnvironment``); returns it.
+
+    Example:
+        >>> def train_func():  # doctest: +SKIP
+        ...     trainer = prepare_trainer(pl.Trainer(strategy=RayDDPStrategy(), plugins=[RayLightningEnvironment()]))
+    """
+    if not isinstance(trainer, pl.Trainer):
+        raise TypeError(f"prepare_trainer(trainer=...) expects a Lightning Trainer; got {type(trainer).__name__}")
+    context = _session.current("lightning.prepare_trainer()").context
+    strategy = trainer.strategy
+    if context.get_world_size() > 1 and not isinstance(strategy, RayDDPStrategy):
+        raise ValueError(f"prepare_trainer: with {context.get_world_size()} workers the Trainer needs "
+                         f"strategy=RayDDPStrategy(); got {type(strategy).__name__}")
+    environment = getattr(strategy, "cluster_environment", None)
+    if environment is not None and not isinstance(environment, RayLightningEnvironment):
+        raise ValueError(f"prepare_trainer: the Trainer needs plugins=[RayLightningEnvironment()]; got "
+                         f"{type(environment).__name__}")
+    return trainer
+
+
+__all__ = ["RayDDPStrategy", "RayLightningEnvironment", "RayTrainReportCallback", "prepare_trainer"]

@@ -1,0 +1,172 @@
+"""``prepare_model``, ``prepare_data_loader`` and ``get_device``: a rank's model and data inside the training function.
+
+Part of :mod:`raysgd.train` (the functions of ``raysgd.train.torch``). ``prepare_data_loader`` shards a map-style
+``DataLoader`` with raysgd's sampler (:func:`raysgd.torch.sharding.loaders.shard_loader`: every rank reads every
+``world_size``-th position of the epoch's stream, drawn from ``(seed, epoch)``) and returns a
+:class:`PreparedLoader`, which counts the batches it hands out. With ``exactly_once=True`` (the default) a
+checkpoint reported mid-epoch carries the loader's data cursor (the positions every rank consumed), and after a
+restart the loader's pass of that epoch starts at the cursor, re-sharded over the current world size: every sample
+of the epoch is trained once. Which epoch a pass is: the one given to ``loader.sampler.set_epoch(epoch)`` (or
+``loader.set_epoch``) before it, else the previous pass's plus one; a loader restored from a cursor starts at the
+cursor's epoch. The restored cursor applies to the first pass only, and only when that pass is its epoch.
+
+Example:
+    >>> import torch
+    >>> from torch.utils.data import DataLoader
+    >>> loader = PreparedLoader(DataLoader(list(range(6)), batch_size=2), world_rank=0, world_size=1,
+    ...                         device=torch.device("cpu"), restored={"epoch": 0, "consumed": 4, "complete": False})
+    >>> [batch.tolist() for batch in loader]  # the pass resumes after the 4 positions already trained
+    [[4, 5]]
+    >>> loader.cursor_state()
+    {'epoch': 0, 'consumed': 6, 'complete': True}
+"""
+import logging
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from raysgd.torch.sharding import loaders as _loaders
+from raysgd.train import session as _session
+
+logger = logging.getLogger(__name__)
+
+
+def get_device():
+    """This worker's device: ``cuda:<index>`` with ``ScalingConfig(use_gpu=True)``, else ``cpu``.
+
+    Example:
+        >>> def train_func(config):  # doctest: +SKIP
+        ...     tensor = torch.zeros(3, device=raysgd.train.torch.get_device())
+    """
+    return _session.current("torch.get_device()").device
+
+
+def prepare_model(model, move_to_device=True, parallel_strategy="ddp", parallel_strategy_kwargs=None):
+    """Move ``model`` to this worker's device and wrap it in ``DistributedDataParallel`` when there are several
+    workers (``parallel_strategy=None``: no wrap). FSDP is not supported here (``NotImplementedError``).
+
+    Example:
+        >>> def train_func(config):  # doctest: +SKIP
+        ...     model = raysgd.train.torch.prepare_model(torch.nn.Linear(4, 1))
+    """
+    session = _session.current("torch.prepare_model()")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"prepare_model(model=...) expects a torch.nn.Module; got {type(model).__name__}")
+    if parallel_strategy not in ("ddp", None):
+        raise NotImplementedError(f"prepare_model(parallel_strategy={parallel_strategy!r}): raysgd.train supports "
+                                  "'ddp' or None; for FSDP wrap the model yourself (torch.distributed.fsdp) inside "
+                                  "the training function")
+    if move_to_device:
+        model = model.to(session.device)
+    if parallel_strategy == "ddp" and session.context.get_world_size() > 1:
+        device_ids = [session.device.index] if session.device.type == "cuda" else None
+        model = DistributedDataParallel(model, device_ids=device_ids, **(parallel_strategy_kwargs or {}))
+    return model
+
+
+def prepare_data_loader(data_loader, add_dist_sampler=True, move_to_device=True, auto_transfer=True,
+                        exactly_once=True):
+    """Shard ``data_loader`` for this worker (raysgd's sampler and data cursor) and move its batches to the device.
+
+    ``exactly_once``: save the loader's data cursor with every checkpoint reported, and continue a restored
+    epoch from it after a restart (see the module docstring). ``add_dist_sampler=False`` keeps the loader's own
+    sampler (no sharding, no cursor). A loader that cannot be sharded (an ``IterableDataset``, a
+    ``DistributedSampler`` of the user's) passes through without a cursor.
+
+    Example:
+        >>> def train_func(config):  # doctest: +SKIP
+        ...     loader = raysgd.train.torch.prepare_data_loader(DataLoader(dataset, batch_size=32, shuffle=True))
+        ...     for epoch in range(start_epoch, 10):
+        ...         loader.sampler.set_epoch(epoch)
+        ...         for x, y in loader: ...
+    """
+    session = _session.current("torch.prepare_data_loader()")
+    if not isinstance(data_loader, DataLoader):
+        raise TypeError(f"prepare_data_loader(data_loader=...) expects a torch.utils.data.DataLoader; got "
+                        f"{type(data_loader).__name__}")
+    context = session.context
+    prepared = PreparedLoader(data_loader, context.get_world_rank(), context.get_world_size(), session.device,
+                              shard=add_dist_sampler, move_to_device=move_to_device,
+                              exactly_once=exactly_once)
+    index = session.add_loader(prepared)
+    if exactly_once:
+        prepared.restore(session.restored_cursor(index))
+    return prepared
+
+
+class PreparedLoader:
+    """A sharded ``DataLoader`` that moves batches to the device and keeps its data cursor (see the module
+    docstring). Other attributes (``sampler``, ``dataset``, ``batch_size``) are the sharded loader's."""
+
+    def __init__(self, loader, world_rank, world_size, device, shard=True, move_to_device=True, exactly_once=True,
+                 restored=None):
+        self.loader = _loaders.shard_loader(loader, world_rank, world_size, training=True) if shard else loader
+        self.device, self.move_to_device, self.exactly_once = device, move_to_device, exactly_once
+        self._sampler = _loaders.shard_sampler(self.loader)
+        if exactly_once and self._sampler is None and world_rank == 0:
+            logger.warning("prepare_data_loader: this DataLoader has no data cursor (%s); a restart re-reads its "
+                           "epoch from the start", "not sharded" if not shard else "not shardable by raysgd")
+        self._left_at = self._sampler.epoch if self._sampler is not None else 0
+        self._passes, self._pass_epoch, self._taken, self._in_pass = 0, None, 0, False
+        self._restored = None
+        self.restore(restored)
+
+    def restore(self, cursor):
+        """Continue from ``cursor`` (a :meth:`cursor_state` from a checkpoint) at the first pass of its epoch."""
+        if cursor is None or self._sampler is None or not self.exactly_once:
+            return
+        self._restored = dict(cursor)
+
+    def set_epoch(self, epoch):
+        """The epoch of the next pass (as ``loader.sampler.set_epoch``)."""
+        _loaders.set_sampler_epoch(self.loader, epoch)
+
+    def _begin_pass(self):
+        """Pick the pass's epoch (see the module docstring) and apply a restored cursor of that epoch."""
+        sampler, restored, self._restored = self._sampler, self._restored, None
+        if sampler is None:
+            return
+        explicit = sampler.epoch != self._left_at
+        if explicit:
+            epoch = sampler.epoch
+        elif self._passes == 0:
+            epoch = sampler.epoch if restored is None else restored["epoch"] + (1 if restored["complete"] else 0)
+        else:
+            epoch = self._pass_epoch + 1
+        sampler.set_epoch(epoch)
+        self._left_at, self._pass_epoch = epoch, epoch
+        if restored is not None and not restored["complete"]:
+            if restored["epoch"] == epoch:
+                _loaders.set_sampler_start(self.loader, int(restored["consumed"]))
+                logger.info("Epoch %d resumes at the data cursor %d", epoch, restored["consumed"])
+            else:
+                logger.info("The restored data cursor (epoch %d) does not apply: this pass is epoch %d",
+                            restored["epoch"], epoch)
+
+    def __iter__(self):
+        self._begin_pass()
+        self._passes += 1
+        self._taken, self._in_pass = 0, True
+        for batch in self.loader:
+            self._taken += 1
+            yield _loaders.to_device(batch, self.device) if self.move_to_device else batch
+        self._in_pass = False
+
+    def cursor_state(self):
+        """``{"epoch", "consumed", "complete"}`` now (positions all ranks consumed in the current pass), or None."""
+        if self._sampler is None or not self.exactly_once or self._pass_epoch is None:
+            return None
+        total = self._sampler.total
+        consumed = _loaders.loader_cursor(self.loader, self._taken) if self._in_pass else total
+        if consumed is None:
+            return None
+        return {"epoch": self._pass_epoch, "consumed": int(consumed), "complete": consumed >= total}
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __getattr__(self, name):
+        if name == "loader":  # not set yet: no recursion
+            raise AttributeError(name)
+        return getattr(self.loader, name)
