@@ -1,4 +1,4 @@
-"""The training state never passes through the driver process: a model of ~200 MB trained for a few calls, with
+"""The training state never passes through the driver process: a model of 268 MB trained for a few calls, with
 its durable checkpoints in ``storage_path``, grows the driver's peak RSS by far less than the model.
 
 The restart point of every call stays in the object store of the workers' node (rank 0 serialises it there) and
@@ -12,7 +12,7 @@ from raysgd.torch.storage import filesystem
 
 pytestmark = pytest.mark.usefixtures("ray_2cpus")
 
-WIDTH = 7168  # 7168**2 float32 parameters: 205 MB
+WIDTH = 8192  # 8192**2 float32 parameters: 268 MB
 
 
 def _status(field):
