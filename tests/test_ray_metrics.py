@@ -69,6 +69,26 @@ def test_speed_size_and_failures_are_exported(trainer_factory, tmp_path):
     assert values["raysgd_steps_per_s"] == pytest.approx(stats["batch_count"] / trainer.last_call_s)
 
 
+def test_commit_latency_and_checkpoint_upload_time_are_exported(trainer_factory, tmp_path):
+    """Every step commits (3 steps a worker): the commits of steps 1 and 2 are stored before the call ends (the
+    next commit waits for the one in flight), so the call reports the latency the workers measured."""
+    url = export_url()
+    trainer = trainer_factory(training_operator_cls=FaultyOperator, num_workers=2, commit_every_n_steps=1,
+                              config={"lr": 0.01, "data_size": 60, "batch_size": 10},
+                              storage_path=str(tmp_path / "storage"))
+    (metrics,) = [c for c in trainer.callbacks.callbacks if isinstance(c, RayMetrics)]
+    assert trainer.last_commit_latency_s is None and trainer.last_checkpoint_s is None
+    stats = trainer.train()
+    assert "__commit_latency_s__" not in stats  # the workers' latencies are taken out of the result
+    trainer.controller.durable.flush(timeout_s=60)
+    latency, upload = trainer.last_commit_latency_s, trainer.last_checkpoint_s
+    assert 0 < latency < 60 and 0 < upload < 60
+    values = wait_for_export(url, metrics.run, lambda v: "raysgd_commit_latency_s" in v
+                             and "raysgd_checkpoint_upload_s" in v)
+    assert values["raysgd_commit_latency_s"] == pytest.approx(latency)
+    assert values["raysgd_checkpoint_upload_s"] == pytest.approx(upload)
+
+
 def test_ray_metrics_can_be_turned_off(trainer_factory):
     trainer = trainer_factory(training_operator_cls=FaultyOperator, num_workers=1, ray_metrics=False,
                               config={"data_size": 20, "batch_size": 10})
