@@ -21,8 +21,8 @@ metric (Prometheus adds ``ray_``)    kind     value
 ==================================  =======  =========================================================
 
 Ray exports them from the node's metrics agent (``ray.nodes()[i]["MetricsExportPort"]``, every few seconds), which
-runs with Ray's default install (``pip install "raysgd[metrics]"`` brings ``ray[default]``); with a minimal Ray they
-are recorded and not exported.
+runs with Ray's default install (``pip install "raysgd[metrics]"`` brings ``ray[default]``, and so does the ``test``
+extra); with a minimal Ray they are recorded and not exported (its node agent runs ``--minimal``, without them).
 
 Example:
     >>> metrics = RayMetrics(run="digits")  # doctest: +SKIP
