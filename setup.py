@@ -31,7 +31,8 @@ setup(
         "examples": ["scikit-learn", "matplotlib", "ray[tune]>=2.9", "pytorch-lightning>=2"],
         "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "tqdm", "ray[tune]>=2.9", "tensorboardX",
                  "matplotlib", "pandas", "pyarrow", "moto[server]", "py-spy",
-                 "pytorch-lightning>=2", "lightning>=2", "mlflow", "wandb"],  # both of Lightning's import names are tested
+                 "pytorch-lightning>=2", "lightning>=2", "mlflow", "wandb",  # both of Lightning's import names are tested
+                 "ray[default]>=2.9"],  # the metrics agent: tests/test_ray_metrics.py reads its export (CHANGELOG: cost)
     },
     license="Apache-2.0",
 )

@@ -6,6 +6,11 @@ dispatch with N no-op callbacks (a hook each overrides; base-class no-ops are sk
 (``logdir``), and MLflow logging to a local sqlite store for comparison (a database write per call). Prints a
 table: microseconds per call (median of repeats) and whether it is under 1 ms.
 
+MLflow separately (:func:`mlflow_costs`): what a call waits for with :class:`~raysgd.loggers.MLflowLogger`, one
+result every ``--mlflow-gap-s`` seconds (a training call longer than a write): ``on_train_result`` (the
+dispatch) and ``state_dict()`` (what a ``storage_path`` checkpoint's marker takes after every result), the first
+result (it starts the run) apart, and how long the writes take to be in the store (``flush``).
+
     python benchmarks/callbacks.py               # the full measurement
     python benchmarks/callbacks.py --smoke-test  # a quick check that it runs
 """
@@ -50,6 +55,8 @@ def per_call_us(callbacks, calls, repeats):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke-test", action="store_true", help="few calls: check that it runs")
+    parser.add_argument("--mlflow-gap-s", type=float, default=0.25,
+                        help="seconds between two MLflow results (a training call)")
     args = parser.parse_args(argv)
     calls, repeats = (50, 3) if args.smoke_test else (2000, 7)
     ray.init(address="local", num_cpus=1, include_dashboard=False)  # RayMetrics needs a connected driver
@@ -67,15 +74,49 @@ def main(argv=None):
             us = per_call_us(callbacks, calls, repeats)
             rows.append((name, calls, f"{us:.1f}", "yes" if us < 1000 else "no"))
         log.close()
+        mlflow_rows = []
         if optional.available("mlflow"):
             from raysgd.loggers import MLflowLogger  # noqa: PLC0415 (mlflow is optional)
 
-            logger = MLflowLogger(tracking_uri=os.path.join(folder, "mlflow"), experiment_name="bench")
-            us = per_call_us(CallbackList([logger]), mlflow_calls, 3)
-            rows.append(("MLflowLogger, local sqlite (for comparison)", mlflow_calls, f"{us:.1f}",
-                         "yes" if us < 1000 else "no"))
+            mlflow_rows = mlflow_costs(MLflowLogger, os.path.join(folder, "mlflow"), mlflow_calls, args.mlflow_gap_s)
     print(tabulate(rows, headers=["on_train_result dispatch", "calls", "µs per call", "< 1 ms"]))
+    if mlflow_rows:
+        print()
+        print(tabulate(mlflow_rows, headers=[f"MLflowLogger, local sqlite, a result every {args.mlflow_gap_s} s",
+                                             "calls", "µs (median)", "µs (max)"]))
     ray.shutdown()
+
+
+def mlflow_costs(logger_cls, tracking_uri, calls, gap_s):
+    """Rows ``(what, calls, median µs, max µs)`` of what an ``MLflowLogger`` (``logger_cls``) makes a call wait for,
+    one result every ``gap_s`` seconds (see the module docstring)."""
+    logger = logger_cls(tracking_uri=tracking_uri, experiment_name="bench")
+    callbacks = CallbackList([logger])
+    trainer = types.SimpleNamespace(config={"lr": 0.1, "batch_size": 64}, last_call_s=1.5,
+                                    worker_group=types.SimpleNamespace(num_workers=2))
+    first = time.perf_counter()
+    callbacks.call("on_train_result", trainer, dict(RESULT, epoch=1))
+    callbacks.state_dict()
+    first = (time.perf_counter() - first) * 1e6
+    dispatch, marker = [], []
+    for epoch in range(2, calls + 2):
+        time.sleep(gap_s)  # the training call
+        start = time.perf_counter()
+        callbacks.call("on_train_result", trainer, dict(RESULT, epoch=epoch))
+        middle = time.perf_counter()
+        callbacks.state_dict()
+        dispatch.append((middle - start) * 1e6)
+        marker.append((time.perf_counter() - middle) * 1e6)
+    start = time.perf_counter()
+    flush = getattr(logger, "flush", None)  # a synchronous logger has nothing to flush
+    if flush is not None:
+        flush(timeout_s=120)
+    drained = (time.perf_counter() - start) * 1e6
+    callbacks.call("on_shutdown", trainer)
+    return [("first result + state_dict (starts the run)", 1, f"{first:.0f}", f"{first:.0f}"),
+            ("on_train_result", calls, f"{statistics.median(dispatch):.0f}", f"{max(dispatch):.0f}"),
+            ("state_dict() (storage_path's marker)", calls, f"{statistics.median(marker):.0f}", f"{max(marker):.0f}"),
+            ("flush after the last result", 1, f"{drained:.0f}", f"{drained:.0f}")]
 
 
 if __name__ == "__main__":

@@ -24,7 +24,11 @@ def worker_env(extra_paths=()):
 
 
 def start_ray(num_cpus, runtime_env=None, **kwargs):
-    """Start a fresh local cluster (never attach to another one)."""
+    """Start a fresh local cluster (never attach to another one).
+
+    No dashboard (no test needs it; with ``ray[default]``, which the test extra brings, a cluster's head would start
+    it: about 7 s more per multi-node cluster here); every node's metrics agent still runs and exports
+    ``ray.util.metrics`` (tests/test_ray_metrics.py)."""
     import ray
 
     if ray.is_initialized():
@@ -46,7 +50,8 @@ def local_cluster(head_node_args, nodes, runtime_env=None):
 
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={**head_node_args, "_system_config": FAST_HEALTH_CHECK})
+    cluster = Cluster(initialize_head=True, head_node_args={"include_dashboard": False, **head_node_args,
+                                                            "_system_config": FAST_HEALTH_CHECK})  # no dashboard: see start_ray
     try:
         added = [cluster.add_node(**node) for node in nodes]
         cluster.wait_for_nodes()

@@ -6,8 +6,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -20,6 +23,7 @@ from test_durable_driver import finish_driver, kill_driver, start_driver, wait_u
 
 CONFIG = {"lr": 0.01, "data_size": 40, "batch_size": 10}
 SERVER_START_S = 120
+HOLD_S = 120  # the longest the gated proxy holds a request
 
 
 def free_port():
@@ -62,6 +66,77 @@ def mlflow_server(tmp_path_factory):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
         log.close()
+
+
+class GatedProxy:
+    """A real HTTP reverse proxy on 127.0.0.1 in front of the MLflow server whose requests wait while it is ``held``
+    (at most ``HOLD_S``): a tracking server as slow as the test wants. ``drop()`` closes every held and later
+    request unanswered (a server gone, as for a driver killed with its writes in flight)."""
+
+    def __init__(self, upstream):
+        self.upstream, self.mode, self.changed = upstream, "open", threading.Condition()
+        self.held = 0  # requests waiting now
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with proxy.changed:
+                    proxy.held += 1
+                    proxy.changed.notify_all()
+                    proxy.changed.wait_for(lambda: proxy.mode != "held", timeout=HOLD_S)
+                    proxy.held -= 1
+                    mode = proxy.mode
+                if mode != "open":
+                    self.close_connection = True  # no answer: the client sees the connection closed
+                    return
+                request = urllib.request.Request(proxy.upstream + self.path, data=body or None, method=self.command,
+                                                 headers={"Content-Type": self.headers.get("Content-Type",
+                                                                                           "application/json")})
+                try:
+                    with urllib.request.urlopen(request, timeout=60) as answer:
+                        status, payload, kind = answer.status, answer.read(), answer.headers.get("Content-Type")
+                except urllib.error.HTTPError as err:
+                    status, payload, kind = err.code, err.read(), err.headers.get("Content-Type")
+                self.send_response(status)
+                self.send_header("Content-Type", kind or "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_GET = do_POST = do_PATCH = do_DELETE = forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.uri = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def set(self, mode):
+        with self.changed:
+            self.mode = mode
+            self.changed.notify_all()
+
+    def wait_held(self, count=1, timeout_s=60):
+        """Wait until ``count`` requests are held (a write reached the server's door and waits there)."""
+        with self.changed:
+            assert self.changed.wait_for(lambda: self.held >= count, timeout=timeout_s), \
+                f"no request reached the proxy within {timeout_s} s"
+
+    def close(self):
+        self.set("dropped")
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def gated_proxy(mlflow_server, monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # a dropped request fails at once
+    proxy = GatedProxy(mlflow_server)
+    yield proxy
+    proxy.close()
 
 
 def history(client, run_id, key):
@@ -128,13 +203,20 @@ def test_a_driver_killed_after_logging_continues_the_same_run_with_every_step_on
     once (the value logged first stays), epochs 1-4 once each."""
     marker = tmp_path / "paused"
     storage = str(tmp_path / "storage")
+    client = mlflow.MlflowClient(tracking_uri=mlflow_server)
     proc = start_driver(tmp_path, "crash", "--mlflow", mlflow_server, "--pause-at-result", "3", "--marker",
                         str(marker), storage_path=storage)
+
+    def logged_epoch_3():  # the logger's thread writes it while the driver is paused
+        experiment = client.get_experiment_by_name("durable")
+        runs = client.search_runs([experiment.experiment_id]) if experiment is not None else []
+        return len(runs) == 1 and 3 in [step for step, _ in history(client, runs[0].info.run_id, "train/train_loss")]
+
     try:
         wait_until(marker.exists, proc, "the driver paused at epoch 3's result")
+        wait_until(logged_epoch_3, proc, "MLflow holds epoch 3's result", timeout_s=60)
     finally:
         kill_driver(proc)
-    client = mlflow.MlflowClient(tracking_uri=mlflow_server)
     experiment = client.get_experiment_by_name("durable")
     (run,) = client.search_runs([experiment.experiment_id])
     assert [step for step, _ in history(client, run.info.run_id, "train/train_loss")] == [1, 2, 3]
@@ -147,6 +229,65 @@ def test_a_driver_killed_after_logging_continues_the_same_run_with_every_step_on
     train = history(client, run.info.run_id, "train/train_loss")
     assert [step for step, _ in train] == [1, 2, 3, 4] and train[:3] == first_three
     assert [step for step, _ in history(client, run.info.run_id, "validate/val_loss")] == [1, 2, 3, 4]
+
+
+def run_in_thread(fn, timeout_s=60):
+    """``fn()`` on a thread; its result, or a failure when it has not returned within ``timeout_s``."""
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(result=fn()), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"still waiting after {timeout_s} s (the tracking server holds its requests)"
+    return out["result"]
+
+
+@pytest.mark.usefixtures("ray_2cpus")
+def test_a_tracking_server_that_does_not_answer_does_not_hold_up_train(trainer_factory, mlflow_server, gated_proxy):
+    """While the server's requests are held, train() and validate() return (MLflow writes on the logger's thread);
+    once the server answers, flush() sees every step in the run, in order."""
+    logger = MLflowLogger(tracking_uri=gated_proxy.uri, experiment_name="gated")
+    trainer = trainer_factory(training_operator_cls=LinearOperator, num_workers=1, config=CONFIG, callbacks=[logger])
+    gated_proxy.set("held")
+    losses = [run_in_thread(trainer.train)["train_loss"] for _ in range(2)]
+    run_in_thread(trainer.validate)
+    gated_proxy.wait_held()  # the first write (the run's start) waits at the server's door
+    assert logger.run_id is None  # nothing reached MLflow yet
+    gated_proxy.set("open")
+    logger.flush(timeout_s=60)
+    trainer.shutdown()
+    client = mlflow.MlflowClient(tracking_uri=mlflow_server)
+    assert history(client, logger.run_id, "train/train_loss") == [(1, losses[0]), (2, losses[1])]
+    assert [step for step, _ in history(client, logger.run_id, "validate/val_loss")] == [2]
+    assert client.get_run(logger.run_id).info.status == "FINISHED"
+
+
+@pytest.mark.usefixtures("ray_2cpus")
+def test_results_still_queued_at_a_checkpoint_are_written_by_the_resumed_run(trainer_factory, mlflow_server,
+                                                                             gated_proxy, tmp_path, caplog):
+    """Epoch 2's result is queued but never reaches the server (held, then dropped: a driver killed with the write
+    in flight); its checkpoint's marker names it, so the trainer resumed from that checkpoint writes it: epochs 1-3
+    once each. The dropped write's error is logged and raised at shutdown (by on_shutdown: the trainer logs it)."""
+    storage = str(tmp_path / "storage")
+    first = MLflowLogger(tracking_uri=gated_proxy.uri, experiment_name="queued")
+    trainer = trainer_factory(training_operator_cls=LinearOperator, num_workers=1, config=CONFIG,
+                              storage_path=storage, callbacks=[first])
+    loss_1 = trainer.train()["train_loss"]
+    gated_proxy.set("held")
+    loss_2 = run_in_thread(trainer.train)["train_loss"]
+    gated_proxy.wait_held()
+    trainer.controller.durable.flush(timeout_s=60)  # epoch 2's checkpoint, its marker naming the queued result
+    gated_proxy.set("dropped")
+    trainer.shutdown()
+    assert "MLflowLogger: writing train step 2" in caplog.text and "failed in the background" in caplog.text
+    second = MLflowLogger(tracking_uri=mlflow_server, experiment_name="queued")
+    resumed = trainer_factory(training_operator_cls=LinearOperator, num_workers=1, config=CONFIG,
+                              storage_path=storage, callbacks=[second])
+    loss_3 = resumed.train()["train_loss"]
+    resumed.shutdown()
+    assert second.run_id == first.run_id
+    client = mlflow.MlflowClient(tracking_uri=mlflow_server)
+    assert history(client, first.run_id, "train/train_loss") == [(1, loss_1), (2, loss_2), (3, loss_3)]
+    assert client.get_run(first.run_id).info.status == "FINISHED"
 
 
 def test_a_logger_is_picklable_for_tune_trials(tmp_path):

@@ -1,7 +1,9 @@
 """Ray metrics read back from the node's Prometheus export: a real run's speed, size and failures.
 
 Ray exports ``ray.util.metrics`` from the node's metrics agent, which runs with Ray's default install
-(``raysgd[metrics]``); the test waits (with a deadline) for the periodic export to show the run's values.
+(``raysgd[metrics]``; the ``test`` extra brings it too, so CI runs these tests); the test waits (with a deadline)
+for the periodic export to show the run's values. Without the agent the tests fail (they never skip): a minimal Ray
+writes -1 as the node's ``MetricsExportPort`` and exports nothing.
 """
 import re
 import time
@@ -10,19 +12,27 @@ import urllib.request
 import pytest
 import ray
 
+from conftest import start_ray
 from helpers import FaultyOperator
 from raysgd.torch.integrations.ray_metrics import RayMetrics
 
-pytestmark = pytest.mark.usefixtures("ray_2cpus")
+EXPORT_DEADLINE_S = 90  # the deadline of a wait for the export (Ray's every few seconds: 1 s in these tests)
 
-EXPORT_DEADLINE_S = 90  # Ray exports every few seconds (10 s by default)
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_exporting_every_second():
+    """A 2-CPU local cluster whose processes report their metrics to the node's agent every second (10 s by
+    default): the tests wait for the export that much less."""
+    ray = start_ray(2, _system_config={"metrics_report_interval_ms": 1000})
+    yield ray
+    ray.shutdown()
 
 
 def export_url():
     node = ray.nodes()[0]
     port = node.get("MetricsExportPort", -1)
-    if not port or port <= 0:
-        pytest.skip('no metrics agent on this node (a minimal Ray install): pip install "raysgd[metrics]"')
+    assert port and port > 0, ('no metrics agent on this node (a minimal Ray install, MetricsExportPort '
+                               f'{port!r}): pip install -e ".[test]" brings ray[default]')
     return f"http://{node['NodeManagerAddress']}:{port}/metrics"
 
 
@@ -67,6 +77,26 @@ def test_speed_size_and_failures_are_exported(trainer_factory, tmp_path):
     assert values["raysgd_workers"] == 2
     assert values["raysgd_samples_per_s"] == pytest.approx(expected_rate)
     assert values["raysgd_steps_per_s"] == pytest.approx(stats["batch_count"] / trainer.last_call_s)
+
+
+def test_commit_latency_and_checkpoint_upload_time_are_exported(trainer_factory, tmp_path):
+    """Every step commits (3 steps a worker): the commits of steps 1 and 2 are stored before the call ends (the
+    next commit waits for the one in flight), so the call reports the latency the workers measured."""
+    url = export_url()
+    trainer = trainer_factory(training_operator_cls=FaultyOperator, num_workers=2, commit_every_n_steps=1,
+                              config={"lr": 0.01, "data_size": 60, "batch_size": 10},
+                              storage_path=str(tmp_path / "storage"))
+    (metrics,) = [c for c in trainer.callbacks.callbacks if isinstance(c, RayMetrics)]
+    assert trainer.last_commit_latency_s is None and trainer.last_checkpoint_s is None
+    stats = trainer.train()
+    assert "__commit_latency_s__" not in stats  # the workers' latencies are taken out of the result
+    trainer.controller.durable.flush(timeout_s=60)
+    latency, upload = trainer.last_commit_latency_s, trainer.last_checkpoint_s
+    assert 0 < latency < 60 and 0 < upload < 60
+    values = wait_for_export(url, metrics.run, lambda v: "raysgd_commit_latency_s" in v
+                             and "raysgd_checkpoint_upload_s" in v)
+    assert values["raysgd_commit_latency_s"] == pytest.approx(latency)
+    assert values["raysgd_checkpoint_upload_s"] == pytest.approx(upload)
 
 
 def test_ray_metrics_can_be_turned_off(trainer_factory):

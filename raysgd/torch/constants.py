@@ -23,6 +23,9 @@ ACCUMULATION_STEPS = "*accumulation_steps"
 USE_FP16 = "__use_fp16__"
 #: Key in ``info``: the ``num_steps`` the caller asked for.
 NUM_STEPS = "__num_steps__"
+#: Key in a worker's ``train_epoch`` result (taken out by the driver, never in a user's result): the seconds of the
+#: latest commit this rank stored during the call (from its start until the store held it).
+COMMIT_LATENCY = "__commit_latency_s__"
 #: Kept for 1.x imports; never put into ``info``.
 SCHEDULER_STEP = "scheduler_step"
 SCHEDULER_STEP_BATCH = "batch"

@@ -348,8 +348,9 @@ class TrainerOptions:
         "worker failure, resize and at `shutdown()` (`raysgd.loggers.MLflowLogger` and `WandbLogger` are two; see "
         "Callbacks, MLflow and Ray metrics)", _callbacks, shown="`[]`")
     ray_metrics: bool = option(
-        True, "record the run's steps/s, samples/s, workers, failures, resizes and checkpoints with `ray.util.metrics` "
-        "(Ray's dashboard and Prometheus; see Callbacks, MLflow and Ray metrics)", _flag("ray_metrics"))
+        True, "record the run's steps/s, samples/s, workers, commit latency, checkpoint upload time, failures, "
+        "resizes and checkpoints with `ray.util.metrics` (Ray's dashboard and Prometheus; see Callbacks, MLflow "
+        "and Ray metrics)", _flag("ray_metrics"))
 
     #: The order the checks run in (each may rely on those before it); ``use_gpu`` is resolved before ``backend``.
     ORDER = ("placement_strategy", "training_operator_cls", "initialization_hook", "config", "num_workers",

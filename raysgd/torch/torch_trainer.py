@@ -69,7 +69,7 @@ class TorchTrainer:
                                callbacks=self._callbacks, on_written=self._on_checkpoint)
         self._shards = ray_data.ShardCache()
         self._controller = None
-        self._last_call_s = None
+        self._last_call_s = self._last_checkpoint_s = None
         shipping.install()  # before any class is shipped: see raysgd.torch.execution.shipping
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS", "local")
@@ -126,6 +126,19 @@ class TorchTrainer:
         return self._last_call_s
 
     @property
+    def last_commit_latency_s(self):
+        """Seconds the latest commit inside a ``train()`` call took until the store held every rank's record (the
+        slowest rank's), of the last call that stored one; None before any."""
+        controller = self.__dict__.get("_controller")
+        return controller.last_commit_latency_s if controller is not None else None
+
+    @property
+    def last_checkpoint_s(self):
+        """Seconds the latest durable checkpoint (``storage_path``) took to write, state and marker; None before any.
+        Set on the checkpoint writer's thread just before ``on_checkpoint`` is called."""
+        return self._last_checkpoint_s
+
+    @property
     def callbacks(self):
         """The :class:`~raysgd.callbacks.CallbackList` the trainer calls (``logdir``'s result log first)."""
         return self._callbacks
@@ -134,7 +147,8 @@ class TorchTrainer:
         """The controller's events, as callback hooks: ``failure`` -> ``on_failure``, ``resize`` -> ``on_resize``."""
         self._callbacks.call({"failure": "on_failure", "resize": "on_resize"}[kind], self, *args)
 
-    def _on_checkpoint(self, path):
+    def _on_checkpoint(self, path, seconds):
+        self._last_checkpoint_s = seconds
         self._callbacks.call("on_checkpoint", self, path)
 
     @property

@@ -69,6 +69,9 @@ class RunController:
         on_event: ``on_event(kind, *args)`` hears the run's events: ``("failure", Failure)`` for every worker failure
             met (a :class:`~raysgd.callbacks.Failure`, recovered from or not) and ``("resize", old, new)`` whenever
             the group's size changes. Its errors are logged, never raised.
+
+    ``last_commit_latency_s``: the latest commit's latency (seconds from its start until the store held every
+    rank's record, the slowest rank's) stored during the last ``train()`` call that stored one; None before.
     """
 
     def __init__(self, group, *, operator_cls, initialization_hook, config, split, worker_range, is_range, timeout_s,
@@ -85,6 +88,7 @@ class RunController:
         self._snapshot = None  # the restart point: a RestartPoint of rank 0's state (kept until a fresher one)
         self._copies = itertools.count()  # spreads the snapshot's copies over the workers' nodes
         self._snapshot_stale = True  # the state may have moved on since the snapshot
+        self.last_commit_latency_s = None  # the slowest rank's latest stored commit of the last train() call
         self._resize_cooldown_s = constants.env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S) \
             if resize_cooldown_s is None else resize_cooldown_s
 
@@ -281,6 +285,7 @@ class RunController:
                 results = self.group.run(method, on_tick=self._ticks(watches, requests, on_tick),
                                          **self.commits.with_plan(kwargs))
                 self._snapshot_stale = True  # train and validate (custom ones too) may change the state
+                self._take_commit_latency(results)
                 return self.commits.finish(results)
             except WorkerFailure as failure:
                 stop = next((w for w in watches if w.requested), None)
@@ -301,6 +306,15 @@ class RunController:
                 if method == "train_epoch":
                     self._undo_partial_call(state)
                 raise
+
+    def _take_commit_latency(self, results):
+        """Take the workers' commit latencies out of their results (``COMMIT_LATENCY``): a commit is complete once
+        every rank stored its record, so the slowest rank's is the call's ``last_commit_latency_s`` (kept when no
+        rank stored one during the call)."""
+        latencies = [r.pop(constants.COMMIT_LATENCY, None) for r in results if isinstance(r, dict)]
+        latencies = [seconds for seconds in latencies if seconds is not None]
+        if latencies:
+            self.last_commit_latency_s = max(latencies)
 
     def _watches(self):
         """The watches of the next attempt: to grow (below the largest size) and to leave draining nodes, only while

@@ -38,9 +38,9 @@ from raysgd.torch.operator.tracing import TraceRecorder
 from raysgd.torch.state import model_copy
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.state import training_state as _state
-from raysgd.torch.state.committer import Committer, serialise
+from raysgd.torch.state.committer import STATS as COMMIT_STATS, Committer, serialise
 from raysgd.timers import TimerCollection
-from raysgd.torch.constants import NUM_STEPS, USE_FP16
+from raysgd.torch.constants import COMMIT_LATENCY, NUM_STEPS, USE_FP16
 from raysgd.torch.execution.epoch_iterators import CallBatches, PersistentIterator
 from raysgd.torch.errors import CollectiveError, is_collective_failure
 
@@ -196,8 +196,11 @@ class TorchWorker:
         ``commit`` (a :class:`~raysgd.torch.state.committer.CommitPlan`) commits between batches.
         The operator's iterator has ``end_epoch()``: the epoch ends with this call (Lightning's ``-1``).
         ``trace``: record the call with ``torch.profiler`` (:meth:`take_trace` hands the trace out).
+        When a commit of this rank was stored during the call, the result also holds its latency
+        (``COMMIT_LATENCY``: the driver takes it out).
         """
         self._begin(profile)
+        commits_before = COMMIT_STATS["count"]
         if iterator is not None and self.committer.resume is not None:
             raise ValueError("train(dataset=...) cannot run while a loaded state waits to resume an epoch of the "
                              f"registered train loader (cursor {self.committer.resume['cursor']}): call train() first")
@@ -220,6 +223,8 @@ class TorchWorker:
         result = {"epoch": self._epoch_now(), **stats}
         if profile:
             result["profile"] = self.timers.stats()
+        if COMMIT_STATS["count"] > commits_before:  # the latest one stored (one still being sent is not counted)
+            result[COMMIT_LATENCY] = COMMIT_STATS["latency_s"]
         return result
 
     @_guard_collectives

@@ -18,6 +18,14 @@ so several trainers in one process log to their own runs:
 - With a durable run (``storage_path``) the run id is kept in every checkpoint's marker; a driver that crashed
   and runs again continues the **same** MLflow run, and a step logged before the crash but after the checkpoint
   it resumes from is not logged again (the first value stays): every step appears once.
+- Every write to MLflow runs on a thread of the logger's own (:class:`~raysgd.torch.integrations.tracker.
+  BackgroundWriter`: in order, at most ``MAX_PENDING`` waiting, every wait at most ``TIMEOUT_S``), so a result
+  costs the training loop a queue put, not a round trip to the tracking server. A write that fails is logged at
+  once and raised by the logger's next hook (logged by the trainer's callback list) or by ``shutdown()``'s
+  ``on_shutdown``; ``shutdown()`` waits for every write. The only waits on the call's path: a full queue, and,
+  with ``storage_path``, the first checkpoint's marker waiting for the run to exist (its id goes in the marker).
+  The results queued but not yet written when a marker is taken go in it too (``unwritten``): a run resumed
+  from it writes those the server does not hold, so a driver killed with writes queued loses no step.
 
 Example:
     >>> from raysgd.loggers import MLflowLogger  # doctest: +SKIP
@@ -28,16 +36,22 @@ Example:
     ...
     TypeError: MLflowLogger: tracking_uri expects None, a URI or a local folder; got ''
 """
+import itertools
 import logging
 import os
+import threading
 import time
 
 from raysgd import optional
-from raysgd.torch.integrations.tracker import EpochLogger, is_number
+from raysgd.torch.integrations.tracker import BackgroundWriter, EpochLogger, is_number
 
 logger = logging.getLogger(__name__)
 
 _BATCH = 100  # MLflow takes at most this many params (and 1000 metrics) per log_batch call
+#: Writes (results, the run's start and end, checkpoints) that may wait for the logger's thread.
+MAX_PENDING = 100
+#: The longest any wait for the logger's thread takes (a full queue, a flush, ``shutdown()``), in seconds.
+TIMEOUT_S = 120.0
 
 
 def check_arguments(tracking_uri, experiment_name, run_name, tags, log_checkpoints):
@@ -114,17 +128,31 @@ class MLflowLogger(EpochLogger):
         self.tags, self.log_checkpoints = dict(tags or {}), log_checkpoints
         self.run_id = None
         self._client = None
-        self._params_logged = False
+        self._params_logged = False  # written (on the logger's thread)
+        self._started = False  # the run's start is queued (the first result)
+        self._params = None  # the trainer's config, read at the first result (logged as params)
         self._logged_before = None  # resumed: {metric: its last step already in the run}, read at the first result
         self._resumed_from = None  # the step of the checkpoint resumed from
+        self._make_writer()
+
+    def _make_writer(self):
+        self._writer = BackgroundWriter("MLflowLogger", max_pending=MAX_PENDING, timeout_s=TIMEOUT_S)
+        self._lock = threading.Lock()
+        self._unwritten = {}  # number -> a queued result not written yet: {"phase", "step", "metrics", "time"}
+        self._numbers = itertools.count()
 
     def __getstate__(self):
-        """Picklable (a Tune trial ships its trainer's options): the module and the client are made again there."""
-        return {**self.__dict__, "_mlflow": None, "_client": None}
+        """Picklable (a Tune trial ships its trainer's options): the module, the client and the writer are made
+        again there."""
+        state = {**self.__dict__, "_mlflow": None, "_client": None}
+        for name in ("_writer", "_lock", "_unwritten", "_numbers"):
+            state.pop(name, None)
+        return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
         self._mlflow = optional.require("mlflow", "raysgd.loggers.MLflowLogger")
+        self._make_writer()
 
     @property
     def client(self):
@@ -147,10 +175,9 @@ class MLflowLogger(EpochLogger):
                     self.tracking_uri or "MLflow's default tracking URI")
         return self.run_id
 
-    def _log_params(self, trainer):
+    def _log_params(self, config):
         if self._params_logged:
             return
-        config = dict(getattr(trainer, "config", None) or {})
         entities = self._mlflow.entities
         params = [entities.Param(str(k), str(v)[:6000]) for k, v in flatten(config).items()]
         for start in range(0, len(params), _BATCH):
@@ -170,14 +197,40 @@ class MLflowLogger(EpochLogger):
         return self._logged_before
 
     def log_result(self, trainer, phase, result, step):
-        """Log a result's numbers as ``<phase>/<name>`` at ``step`` (a step the run already holds is kept)."""
+        """Queue a result's numbers as ``<phase>/<name>`` at ``step`` (a step the run already holds is kept); the
+        first result also queues the run's start and the trainer's config as its params."""
+        entry = {"phase": phase, "step": int(step), "time": int(time.time() * 1000),
+                 "metrics": {key: float(value) for key, value in flatten(result, f"{phase}/").items()
+                             if is_number(value)}}
+        if not self._started:
+            self._started = True
+            self._params = dict(getattr(trainer, "config", None) or {})  # read now, on the caller's thread
+        self._queue_result(entry)
+
+    def _queue_result(self, entry):
+        with self._lock:
+            number = next(self._numbers)
+            self._unwritten[number] = entry
+
+        def write():
+            try:
+                self._write_result(entry)
+            finally:
+                with self._lock:
+                    self._unwritten.pop(number, None)
+
+        self._writer.submit(write, f"writing {entry['phase']} step {entry['step']} to MLflow run "
+                                   f"{self.run_id or '(new)'}")
+
+    def _write_result(self, entry):
+        """On the logger's thread: start the run and log its params (until both are done), then the metrics."""
         self._ensure_run()
-        self._log_params(trainer)
+        if self._params is not None:
+            self._log_params(self._params)
+        phase, step = entry["phase"], entry["step"]
         before = self._already_logged() if self._resumed_from is not None else {}
-        now = int(time.time() * 1000)
-        metrics = [self._mlflow.entities.Metric(key, float(value), now, step)
-                   for key, value in flatten(result, f"{phase}/").items()
-                   if is_number(value) and step > before.get(key, -1)]
+        metrics = [self._mlflow.entities.Metric(key, value, entry["time"], step)
+                   for key, value in entry["metrics"].items() if step > before.get(key, -1)]
         skipped = sum(1 for key in before if key.startswith(f"{phase}/") and step <= before[key])
         if skipped:
             logger.info("MLflow run %s already holds step %d of %d %s metrics (logged before the driver "
@@ -185,31 +238,64 @@ class MLflowLogger(EpochLogger):
         for start in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
+    def flush(self, timeout_s=None):
+        """Wait until every queued write is in MLflow (at most ``timeout_s``, default ``TIMEOUT_S``: then
+        ``TimeoutError``); raises a failed write's error.
+
+        Example:
+            >>> mlflow_logger.flush(timeout_s=30)  # doctest: +SKIP
+        """
+        self._writer.flush(timeout_s)
+
     # ----------------------------------------------------------------- hooks
     def started(self):
-        return self.run_id is not None
+        return self._started or self.run_id is not None
 
     def log_checkpoint(self, folder, path):
-        self.client.log_artifacts(self.run_id, folder, artifact_path=f"checkpoints/{os.path.basename(folder)}")
+        """On the checkpoint writer's thread: queued after the results before it, and waited for (the folder may be
+        pruned once newer checkpoints are written)."""
+        name = os.path.basename(folder)
+        self._writer.submit(lambda: self.client.log_artifacts(self.run_id, folder, artifact_path=f"checkpoints/{name}"),
+                            f"logging checkpoint {name} as artifacts")
+        self._writer.flush()
 
     def on_shutdown(self, trainer):
-        if self.run_id is not None:
-            self.client.set_terminated(self.run_id, "FINISHED")
+        """End the run (``FINISHED``) once every queued write is done; raises a failed write's error."""
+        if self.started():
+            self._writer.submit(lambda: self.client.set_terminated(self.run_id, "FINISHED"),
+                                "ending the MLflow run")
+        self._writer.close()
 
     # ----------------------------------------------------------------- a durable run's state
     def state_dict(self):
-        """``{"run_id", "step", "params_logged"}``: kept in every durable checkpoint's marker."""
+        """``{"run_id", "step", "params_logged", "unwritten"}``: kept in every durable checkpoint's marker
+        (``unwritten``: the results queued and not yet written, written on resume where the run lacks them).
+        Waits (at most ``TIMEOUT_S``) only while the run is being started: its id must be in the marker."""
+        if self.run_id is None and self._started:
+            try:
+                self._writer.flush(raise_error=False)  # the first result: the run's start is queued
+            except TimeoutError:
+                logger.warning("MLflowLogger: the MLflow run was not started within %s s; this checkpoint does not "
+                               "name it", TIMEOUT_S)
         if self.run_id is None:
             return None
-        return {"run_id": self.run_id, "step": self.epoch, "params_logged": self._params_logged}
+        with self._lock:
+            unwritten = [dict(entry) for _, entry in sorted(self._unwritten.items())]
+        return {"run_id": self.run_id, "step": self.epoch, "params_logged": self._params_logged,
+                "unwritten": unwritten}
 
     def load_state_dict(self, state):
-        """Continue the run a durable checkpoint names, from its step."""
+        """Continue the run a durable checkpoint names, from its step; write its unwritten results the run lacks."""
         self.run_id = state.get("run_id")
         self.epoch = int(state.get("step") or 0)
         self._params_logged = bool(state.get("params_logged"))
+        self._started = self._params_logged  # else the next result logs the config as params again
         self._resumed_from = self.epoch
         self._logged_before = None
         if self.run_id is not None:
-            self.client.update_run(self.run_id, status="RUNNING")
+            run_id = self.run_id
+            self._writer.submit(lambda: self.client.update_run(run_id, status="RUNNING"),
+                                f"marking MLflow run {run_id} running again")
             logger.info("Continuing MLflow run %s after step %d", self.run_id, self.epoch)
+            for entry in state.get("unwritten") or ():
+                self._queue_result(entry)

@@ -13,11 +13,16 @@ metric (Prometheus adds ``ray_``)    kind     value
 ``raysgd_failures``                 counter  worker failures met (``_total`` in Prometheus)
 ``raysgd_resizes``                  counter  changes of the group's size
 ``raysgd_checkpoints``              counter  durable checkpoints written (``storage_path``)
+``raysgd_commit_latency_s``         gauge    the latest commit's seconds from its start until the store
+                                             held every rank's record (the slowest rank's, measured on
+                                             the workers), of the last ``train()`` call that stored one
+``raysgd_checkpoint_upload_s``      gauge    the latest durable checkpoint's write time (state and
+                                             marker, measured on the checkpoint writer's thread)
 ==================================  =======  =========================================================
 
 Ray exports them from the node's metrics agent (``ray.nodes()[i]["MetricsExportPort"]``, every few seconds), which
-runs with Ray's default install (``pip install "raysgd[metrics]"`` brings ``ray[default]``); with a minimal Ray they
-are recorded and not exported.
+runs with Ray's default install (``pip install "raysgd[metrics]"`` brings ``ray[default]``, and so does the ``test``
+extra); with a minimal Ray they are recorded and not exported (its node agent runs ``--minimal``, without them).
 
 Example:
     >>> metrics = RayMetrics(run="digits")  # doctest: +SKIP
@@ -68,6 +73,10 @@ class RayMetrics(Callback):
         self.failures = metrics.Counter("raysgd_failures", "worker failures met", tag_keys=keys)
         self.resizes = metrics.Counter("raysgd_resizes", "changes of the worker group's size", tag_keys=keys)
         self.checkpoints = metrics.Counter("raysgd_checkpoints", "durable checkpoints written", tag_keys=keys)
+        self.commit_latency_s = metrics.Gauge("raysgd_commit_latency_s", "the latest commit's seconds until the store "
+                                              "held every rank's record (last train() call)", tag_keys=keys)
+        self.checkpoint_upload_s = metrics.Gauge("raysgd_checkpoint_upload_s", "the latest durable checkpoint's "
+                                                 "write time in seconds", tag_keys=keys)
 
     def on_train_result(self, trainer, result):
         seconds = getattr(trainer, "last_call_s", None)
@@ -77,6 +86,9 @@ class RayMetrics(Callback):
         if samples is not None:
             self.samples_per_s.set(samples, tags=self._tags)
         self.workers.set(trainer.worker_group.num_workers, tags=self._tags)
+        latency = getattr(trainer, "last_commit_latency_s", None)
+        if latency is not None:
+            self.commit_latency_s.set(latency, tags=self._tags)
 
     def on_failure(self, trainer, failure):
         self.failures.inc(1, tags=self._tags)
@@ -87,3 +99,6 @@ class RayMetrics(Callback):
 
     def on_checkpoint(self, trainer, path):
         self.checkpoints.inc(1, tags=self._tags)
+        seconds = getattr(trainer, "last_checkpoint_s", None)
+        if seconds is not None:
+            self.checkpoint_upload_s.set(seconds, tags=self._tags)

@@ -6,7 +6,8 @@ Layer 5 (the edge; the standard library and :mod:`raysgd.callbacks`). :class:`Ep
 ``step=result["epoch"]`` (the previous step + 1 when it has none), a ``validate()`` result at the epoch of the last
 ``train()`` (0 before any), and a durable checkpoint in a local folder goes to the tracker when the logger was
 made with ``log_checkpoints=True``. A subclass logs (``log_result``) and stores checkpoints (``log_checkpoint``)
-in its own tracker, and says whether its run has started (``started``).
+in its own tracker, and says whether its run has started (``started``). :class:`BackgroundWriter` takes a
+logger's writes off the training call's path (one thread, in order, a bounded queue, deadlines, errors kept).
 
 Example:
     >>> class Steps(EpochLogger):
@@ -22,6 +23,8 @@ Example:
 import logging
 import numbers as _numbers
 import os
+import queue
+import threading
 
 from raysgd.callbacks import Callback
 
@@ -84,3 +87,103 @@ class EpochLogger(Callback):
                         path)
             return
         self.log_checkpoint(folder, path)
+
+
+class BackgroundWriter:
+    """Runs a tracker's writes on one thread of its own, in the order submitted, off the training call's path.
+
+    At most ``max_pending`` writes wait (a full queue makes :meth:`submit` wait, at most ``timeout_s``, then raise
+    ``TimeoutError``); every wait has a deadline. A write that raises is logged at once (a warning naming ``name``
+    and the write, with the traceback) and kept: the next :meth:`submit` raises it (after queueing its own write),
+    as do :meth:`flush` and :meth:`close`, so no error is lost silently. The thread is a daemon: what was not
+    written when the process dies is lost (:meth:`close` first). Made again after :meth:`close` on the next submit.
+
+    Example:
+        >>> writer = BackgroundWriter("example")
+        >>> seen = []
+        >>> writer.submit(lambda: seen.append(1), "one"); writer.submit(lambda: seen.append(2), "two")
+        >>> writer.close(timeout_s=10); seen
+        [1, 2]
+    """
+
+    def __init__(self, name, max_pending=100, timeout_s=120.0):
+        self.name, self.max_pending, self.timeout_s = name, max_pending, timeout_s
+        self._queue = queue.Queue(max_pending)
+        self._thread = None
+        self._changed = threading.Condition()
+        self._queued = self._completed = 0
+        self._error = None  # (description, exception) of a failed write not raised yet
+
+    def pending(self):
+        """How many submitted writes have not finished."""
+        with self._changed:
+            return self._queued - self._completed
+
+    def submit(self, job, description):
+        """Queue ``job()`` (``description`` names it in errors); then raise an earlier write's error, if any."""
+        with self._changed:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._serve, name=f"raysgd-{self.name}-writer", daemon=True)
+                self._thread.start()
+            self._queued += 1
+        try:
+            self._queue.put((job, description), timeout=self.timeout_s)
+        except queue.Full:
+            with self._changed:
+                self._queued -= 1
+            raise TimeoutError(f"{self.name}: {self.max_pending} writes still waiting after {self.timeout_s} s; "
+                               f"{description} was not queued (is the tracker reachable?)") from None
+        self.raise_error()
+
+    def _serve(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, description = item
+            try:
+                job()
+            except BaseException as err:  # noqa: BLE001 (kept and raised in the caller's thread)
+                logger.warning("%s: %s failed in the background (raised at the next call or at shutdown)",
+                               self.name, description, exc_info=True)
+                with self._changed:
+                    self._error = self._error or (description, err)
+            finally:
+                with self._changed:
+                    self._completed += 1
+                    self._changed.notify_all()
+
+    def raise_error(self):
+        """Raise (once) the first write's error not raised yet, as ``RuntimeError`` naming the writer and the write."""
+        with self._changed:
+            error, self._error = self._error, None
+        if error is not None:
+            description, err = error
+            raise RuntimeError(f"{self.name}: {description} failed in the background: {err}") from err
+
+    def flush(self, timeout_s=None, raise_error=True):
+        """Wait until every write submitted so far finished (at most ``timeout_s``, default ``self.timeout_s``:
+        then ``TimeoutError``); then raise a failed write's error (unless ``raise_error=False``)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        with self._changed:
+            target = self._queued
+            if not self._changed.wait_for(lambda: self._completed >= target, timeout=timeout_s):
+                raise TimeoutError(f"{self.name}: {target - self._completed} write(s) not finished within "
+                                   f"{timeout_s} s")
+        if raise_error:
+            self.raise_error()
+
+    def close(self, timeout_s=None):
+        """:meth:`flush`, then stop the thread (a later :meth:`submit` starts a new one); raises as :meth:`flush`."""
+        try:
+            self.flush(timeout_s, raise_error=False)
+        finally:
+            with self._changed:
+                thread, self._thread = self._thread, None
+            if thread is not None and thread.is_alive():
+                try:
+                    self._queue.put_nowait(None)  # drained when flush returned; else the daemon is left behind
+                except queue.Full:
+                    pass
+                thread.join(timeout=1.0)
+        self.raise_error()

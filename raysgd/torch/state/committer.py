@@ -39,7 +39,8 @@ from raysgd.torch.state import training_state as _state
 
 logger = logging.getLogger(__name__)
 
-#: This process's latest commit timings (for benchmarks): ``in_loop_s`` (the serialisation the loop waits for,
+#: This process's latest commit timings (for benchmarks, and the worker's result: the driver's
+#: ``raysgd_commit_latency_s``): ``in_loop_s`` (the serialisation the loop waits for,
 #: including a wait for the previous commit), ``latency_s`` (from its start until the store holds it),
 #: ``bytes`` and ``count``.
 STATS = {"in_loop_s": None, "latency_s": None, "bytes": None, "count": 0}

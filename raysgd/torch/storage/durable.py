@@ -25,6 +25,7 @@ Example:
 """
 import logging
 import threading
+import time
 
 from raysgd.torch import constants
 from raysgd.torch.fault_tolerance import preemption
@@ -64,7 +65,8 @@ def open_run(storage_path, num_to_keep=2, resume=True, result_log=None, callback
     ``result_log`` (the trainer's :class:`~raysgd.torch.integrations.results.ResultLogger`, if any) is rewound on resume;
     ``callbacks`` (anything with ``state_dict()`` and ``load_state_dict(state)``, such as a
     :class:`~raysgd.callbacks.CallbackList`) has its state kept in every marker (``callback_state``) and handed back on
-    resume; ``on_written(path)`` runs (on the writer thread) after each checkpoint is complete.
+    resume; ``on_written(path, seconds)`` runs (on the writer thread) after each checkpoint is complete, with the
+    seconds its write took.
 
     Example:
         >>> open_run(None).resume(None) is None
@@ -167,10 +169,12 @@ class DurableRun:
                             description=f"checkpoint of epoch {meta.get('epoch')} to {self.storage.storage_path}")
 
     def _write(self, stream, meta):
+        started = time.monotonic()
         path = self.storage.write(stream, meta)
+        seconds = time.monotonic() - started  # the upload: the state, its marker, the pruning
         if self._on_written is not None:
             try:
-                self._on_written(path)
+                self._on_written(path, seconds)
             except Exception:  # noqa: BLE001 (the checkpoint is durable: a listener's error must not fail it)
                 logger.warning("on_written(%s) raised", path, exc_info=True)
         return path
