@@ -15,12 +15,14 @@ from raysgd.utils import BATCH_SIZE
 
 class LinearOperator(TrainingOperator):
     """Linear regression on LinearDataset(2, 5); config: lr, momentum, batch_size or BATCH_SIZE, data_size,
-    val_size, compile (registered as ``torch.compile(model, **config["compile"])``). Its loops are the default
+    val_size, pad (a zero buffer of that many floats in the state), compile (registered as ``torch.compile(model, **config["compile"])``). Its loops are the default
     ones (tests rely on that)."""
 
     def setup(self, config):
         torch.manual_seed(config.get("seed", 0))
         model = nn.Linear(1, 1)
+        if config.get("pad"):  # a buffer of that many floats: a state too large for Ray to inline (> 100 KB)
+            model.register_buffer("pad", torch.zeros(config["pad"]))
         if config.get("compile") is not None:
             model = torch.compile(model, **config["compile"])
         optimizer = torch.optim.SGD(model.parameters(), lr=config.get("lr", 1e-2),

@@ -18,7 +18,10 @@ from raysgd import TorchTrainer
 
 pytestmark = pytest.mark.slow
 
-CONFIG = {"lr": 0.05, "data_size": 64, "batch_size": 8, "shuffle": True, "input_dropout": 0.2, "batch_sleep": 0.02}
+# "pad": a 4 MB buffer, so the state is a real object in a node's store (Ray keeps objects under 100 KB in the
+# driver's own memory, where no node loss can reach them)
+CONFIG = {"lr": 0.05, "data_size": 64, "batch_size": 8, "shuffle": True, "input_dropout": 0.2, "batch_sleep": 0.02,
+          "pad": 1_000_000}
 
 
 @pytest.fixture(scope="module")
