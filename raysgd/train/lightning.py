@@ -12,100 +12,131 @@ Example:
     >>> RayTrainReportCallback.CHECKPOINT_NAME
     'checkpoint.ckpt'
 """
+import importlib
 import logging
 import os
 import shutil
 import tempfile
 
-try:
-    import lightning.pytorch as pl
-    from lightning.pytorch.plugins.environments import LightningEnvironment
-except ImportError:  # the older package name
-    import pytorch_lightning as pl
-    from pytorch_lightning.plugins.environments import LightningEnvironment
-
+from raysgd import optional
 from raysgd.train import session as _session
 from raysgd.train.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
-
-class RayDDPStrategy(pl.strategies.DDPStrategy):
-    """Lightning's DDP on the worker group's process group and this worker's device.
-
-    Example:
-        >>> def train_func():  # doctest: +SKIP
-        ...     trainer = pl.Trainer(strategy=RayDDPStrategy(), plugins=[RayLightningEnvironment()],
-        ...                          callbacks=[RayTrainReportCallback()], devices="auto", accelerator="auto")
-    """
-
-    @property
-    def root_device(self):
-        return _session.current("lightning.RayDDPStrategy").device
-
-    @property
-    def distributed_sampler_kwargs(self):
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+#: Lightning's two import names, the newer first.
+LIGHTNING_NAMES = ("lightning.pytorch", "pytorch_lightning")
+FEATURE = "raysgd.train.lightning (Ray Train's Lightning names)"
+_CLASSES = ("RayDDPStrategy", "RayLightningEnvironment", "RayTrainReportCallback")
+_defined = {}
 
 
-class RayLightningEnvironment(LightningEnvironment):
-    """The ranks of :func:`raysgd.train.get_context` (Lightning starts no process of its own).
-
-    Example:
-        >>> RayLightningEnvironment().creates_processes_externally
-        True
-    """
-
-    @property
-    def creates_processes_externally(self):
-        return True  # the worker group started them: Lightning launches none
-
-    def _context(self):
-        return _session.current("lightning.RayLightningEnvironment").context
-
-    def world_size(self):
-        return self._context().get_world_size()
-
-    def global_rank(self):
-        return self._context().get_world_rank()
-
-    def local_rank(self):
-        return self._context().get_local_rank()
-
-    def node_rank(self):
-        return self._context().get_node_rank()
-
-    def set_world_size(self, size):
-        pass  # the worker group's
-
-    def set_global_rank(self, rank):
-        pass
-
-    def teardown(self):
-        pass
-
-
-class RayTrainReportCallback(pl.callbacks.Callback):
-    """At every training epoch's end: Lightning's checkpoint (``checkpoint.ckpt``) and ``trainer.callback_metrics``
-    (with ``epoch`` and ``step``) reported with :func:`raysgd.train.report`.
-
-    Example:
-        >>> callbacks = [RayTrainReportCallback()]  # pl.Trainer(..., callbacks=callbacks)
-    """
-
-    CHECKPOINT_NAME = "checkpoint.ckpt"
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        metrics = {name: value.item() if hasattr(value, "item") else value
-                   for name, value in trainer.callback_metrics.items()}
-        metrics.update(epoch=trainer.current_epoch, step=trainer.global_step)
-        folder = tempfile.mkdtemp(prefix="raysgd-lightning-")
+def _lightning():
+    """``(lightning.pytorch or pytorch_lightning, its LightningEnvironment)``; :class:`~raysgd.optional.MissingExtra`
+    naming the extra when neither imports."""
+    for name in LIGHTNING_NAMES:
         try:
-            trainer.save_checkpoint(os.path.join(folder, self.CHECKPOINT_NAME), weights_only=False)
-            _session.report(metrics, checkpoint=Checkpoint.from_directory(folder))
-            trainer.strategy.barrier()
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
+            pl = importlib.import_module(name)
+            return pl, importlib.import_module(f"{name}.plugins.environments").LightningEnvironment
+        except ImportError:
+            continue
+    optional.require("pytorch_lightning", FEATURE)  # raises, naming the extra
+    raise AssertionError("unreachable")
+
+
+def __getattr__(name):
+    """The Lightning classes, defined on first use (importing this module needs no Lightning)."""
+    if name not in _CLASSES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not _defined:
+        _defined.update(_define(*_lightning()))
+    return _defined[name]
+
+
+def _define(pl, LightningEnvironment):  # noqa: N803 (a class)
+    """Define the classes over Lightning's (``pl``: its package)."""
+
+    class RayDDPStrategy(pl.strategies.DDPStrategy):
+        """Lightning's DDP on the worker group's process group and this worker's device.
+
+        Example:
+            >>> def train_func():  # doctest: +SKIP
+            ...     trainer = pl.Trainer(strategy=RayDDPStrategy(), plugins=[RayLightningEnvironment()],
+            ...                          callbacks=[RayTrainReportCallback()], devices="auto", accelerator="auto")
+        """
+
+        @property
+        def root_device(self):
+            return _session.current("lightning.RayDDPStrategy").device
+
+        @property
+        def distributed_sampler_kwargs(self):
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+
+    class RayLightningEnvironment(LightningEnvironment):
+        """The ranks of :func:`raysgd.train.get_context` (Lightning starts no process of its own).
+
+        Example:
+            >>> RayLightningEnvironment().creates_processes_externally
+            True
+        """
+
+        @property
+        def creates_processes_externally(self):
+            return True  # the worker group started them: Lightning launches none
+
+        def _context(self):
+            return _session.current("lightning.RayLightningEnvironment").context
+
+        def world_size(self):
+            return self._context().get_world_size()
+
+        def global_rank(self):
+            return self._context().get_world_rank()
+
+        def local_rank(self):
+            return self._context().get_local_rank()
+
+        def node_rank(self):
+            return self._context().get_node_rank()
+
+        def set_world_size(self, size):
+            pass  # the worker group's
+
+        def set_global_rank(self, rank):
+            pass
+
+        def teardown(self):
+            pass
+
+
+    class RayTrainReportCallback(pl.callbacks.Callback):
+        """At every training epoch's end: Lightning's checkpoint (``checkpoint.ckpt``) and ``trainer.callback_metrics``
+        (with ``epoch`` and ``step``) reported with :func:`raysgd.train.report`.
+
+        Example:
+            >>> callbacks = [RayTrainReportCallback()]  # pl.Trainer(..., callbacks=callbacks)
+        """
+
+        CHECKPOINT_NAME = "checkpoint.ckpt"
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            metrics = {name: value.item() if hasattr(value, "item") else value
+                       for name, value in trainer.callback_metrics.items()}
+            metrics.update(epoch=trainer.current_epoch, step=trainer.global_step)
+            folder = tempfile.mkdtemp(prefix="raysgd-lightning-")
+            try:
+                trainer.save_checkpoint(os.path.join(folder, self.CHECKPOINT_NAME), weights_only=False)
+                _session.report(metrics, checkpoint=Checkpoint.from_directory(folder))
+                trainer.strategy.barrier()
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+    classes = {"RayDDPStrategy": RayDDPStrategy, "RayLightningEnvironment": RayLightningEnvironment,
+               "RayTrainReportCallback": RayTrainReportCallback}
+    for name, cls in classes.items():  # pickled by reference, as a module-level class is
+        cls.__qualname__ = name
+    return classes
 
 
 def prepare_trainer(trainer):
@@ -116,15 +147,17 @@ def prepare_trainer(trainer):
         >>> def train_func():  # doctest: +SKIP
         ...     trainer = prepare_trainer(pl.Trainer(strategy=RayDDPStrategy(), plugins=[RayLightningEnvironment()]))
     """
+    pl, _ = _lightning()
+    strategy_cls, environment_cls = __getattr__("RayDDPStrategy"), __getattr__("RayLightningEnvironment")
     if not isinstance(trainer, pl.Trainer):
         raise TypeError(f"prepare_trainer(trainer=...) expects a Lightning Trainer; got {type(trainer).__name__}")
     context = _session.current("lightning.prepare_trainer()").context
     strategy = trainer.strategy
-    if context.get_world_size() > 1 and not isinstance(strategy, RayDDPStrategy):
+    if context.get_world_size() > 1 and not isinstance(strategy, strategy_cls):
         raise ValueError(f"prepare_trainer: with {context.get_world_size()} workers the Trainer needs "
                          f"strategy=RayDDPStrategy(); got {type(strategy).__name__}")
     environment = getattr(strategy, "cluster_environment", None)
-    if environment is not None and not isinstance(environment, RayLightningEnvironment):
+    if environment is not None and not isinstance(environment, environment_cls):
         raise ValueError(f"prepare_trainer: the Trainer needs plugins=[RayLightningEnvironment()]; got "
                          f"{type(environment).__name__}")
     return trainer
