@@ -9,7 +9,8 @@ OUT. With ``--pause-after N`` it waits, after epoch N's checkpoint is durable, u
 or with ``--counting`` ``CountingOperator`` (``p[i]`` counts how often sample ``i`` was trained; dropout; a
 commit only where the ranks stop for a SIGTERM). ``--config`` adds to the operator's config (its faults).
 ``--mlflow URI`` logs to MLflow (experiment ``durable``); ``--pause-at-result N`` pauses (marker, then sleep) inside
-a callback at epoch N's train result, after MLflow logged it and before its checkpoint is written.
+a callback at epoch N's train result, after MLflow logged it and before its checkpoint is written (epoch N-1's
+checkpoint is made durable first).
 ``--wandb DIR`` logs to Weights & Biases offline under DIR (project ``durable``).
 """
 import argparse
@@ -89,6 +90,10 @@ def main():
         epoch = trainer.train()["epoch"]
         if not args.counting:
             trainer.validate()
+        if args.pause_at_result is not None and epoch == args.pause_at_result - 1:
+            # the previous epoch's checkpoint is durable before the paused one trains: the pause holds the callbacks,
+            # and with them the writer's on_checkpoint (hooks never run at the same time)
+            trainer.controller.durable.flush(timeout_s=60)
         if epoch == args.pause_after:
             trainer.controller.durable.flush(timeout_s=60)  # the checkpoint of this epoch is durable now
             with open(args.marker, "w") as handle:

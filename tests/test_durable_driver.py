@@ -53,6 +53,17 @@ def wait_until(condition, proc, what, timeout_s=RUN_TIMEOUT_S):
         time.sleep(0.02)
 
 
+def checkpointed(storage_path, epoch):
+    """A condition for :func:`wait_until`: ``storage_path``'s newest complete checkpoint is of ``epoch`` (checkpoints
+    are written in the background; the first one starts a process for its task)."""
+
+    def condition():
+        newest = storage.CheckpointStorage(storage_path).latest()
+        return newest is not None and newest.marker["epoch"] == epoch
+
+    return condition
+
+
 def session_processes(sid):
     """Live processes of session ``sid`` (the killed driver's Ray cluster and workers belong to it)."""
     found = []

@@ -19,7 +19,7 @@ mlflow = pytest.importorskip("mlflow")
 from helpers import LinearOperator  # noqa: E402
 from raysgd import optional  # noqa: E402
 from raysgd.loggers import MLflowLogger  # noqa: E402
-from test_durable_driver import finish_driver, kill_driver, start_driver, wait_until  # noqa: E402
+from test_durable_driver import checkpointed, finish_driver, kill_driver, start_driver, wait_until  # noqa: E402
 
 CONFIG = {"lr": 0.01, "data_size": 40, "batch_size": 10}
 SERVER_START_S = 120
@@ -215,6 +215,7 @@ def test_a_driver_killed_after_logging_continues_the_same_run_with_every_step_on
     try:
         wait_until(marker.exists, proc, "the driver paused at epoch 3's result")
         wait_until(logged_epoch_3, proc, "MLflow holds epoch 3's result", timeout_s=60)
+        wait_until(checkpointed(storage, 2), proc, "epoch 2's checkpoint is complete", timeout_s=60)
     finally:
         kill_driver(proc)
     experiment = client.get_experiment_by_name("durable")

@@ -18,7 +18,7 @@ from raysgd import optional  # noqa: E402
 from raysgd.loggers import WandbLogger  # noqa: E402
 from raysgd.torch.integrations.wandb_logger import read_offline_history, read_records  # noqa: E402
 from raysgd.torch.storage import filesystem as storage  # noqa: E402
-from test_durable_driver import finish_driver, kill_driver, start_driver, wait_until  # noqa: E402
+from test_durable_driver import checkpointed, finish_driver, kill_driver, start_driver, wait_until  # noqa: E402
 
 WRITE_TIMEOUT_S = 60
 CONFIG = {"lr": 0.01, "data_size": 40, "batch_size": 10, "nested": {"momentum": 0.0}}
@@ -164,6 +164,7 @@ def test_a_driver_killed_mid_run_continues_the_same_run_with_every_step_once(tmp
                         str(marker), storage_path=storage_path)
     try:
         wait_until(marker.exists, proc, "the driver paused at epoch 3's result")
+        wait_until(checkpointed(storage_path, 2), proc, "epoch 2's checkpoint is complete", timeout_s=60)
     finally:
         kill_driver(proc)
     (killed,) = segments(runs)
