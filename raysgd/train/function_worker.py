@@ -22,8 +22,7 @@ import os
 
 import torch
 
-from raysgd.torch.errors import CollectiveError, is_collective_failure
-from raysgd.torch.execution.worker import TorchWorker
+from raysgd.torch.execution.worker import TorchWorker, guard_collectives
 from raysgd.train import session as _session
 
 logger = logging.getLogger(__name__)
@@ -60,18 +59,16 @@ class FunctionWorker(TorchWorker):
                            "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(local_world_size),
                            "NODE_RANK": str(node_rank)})
         with _session.running(session):
-            try:
-                if _takes_config(self.train_fn):
-                    self.train_fn(self.config)
-                else:
-                    self.train_fn()
-            except CollectiveError:
-                raise
-            except Exception as err:
-                if self.world_size > 1 and is_collective_failure(err):
-                    raise CollectiveError(self.world_rank, f"{type(err).__name__}: {err}") from err
-                raise
+            self._call_train_fn()
         return {"metrics": session.last_metrics, "checkpoint": session.last_checkpoint, "reports": session.reports}
+
+    @guard_collectives
+    def _call_train_fn(self):
+        """The user's function, with or without its config; a collective's failure is a :class:`CollectiveError`."""
+        if _takes_config(self.train_fn):
+            self.train_fn(self.config)
+        else:
+            self.train_fn()
 
 
 def _takes_config(fn):

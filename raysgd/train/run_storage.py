@@ -107,7 +107,7 @@ class RunFolder:
             copy_tree(source, directory)
             for folder, _, files in os.walk(directory):
                 for file in files:
-                    _fsync(os.path.join(folder, file))
+                    _fs.fsync_file(os.path.join(folder, file))
         else:
             self.filesystem.create_dir(directory, recursive=True)
             _fs.pafs.copy_files(source, directory, source_filesystem=_fs.pafs.LocalFileSystem(),
@@ -116,7 +116,7 @@ class RunFolder:
         with self.filesystem.open_output_stream(_join(directory, MARKER)) as handle:
             handle.write(json.dumps(marker, sort_keys=True, default=repr).encode())
         if self._local:
-            _fsync(_join(directory, MARKER))
+            _fs.fsync_file(_join(directory, MARKER))
             _state_files.fsync_directory(directory)
         logger.info("Checkpoint %s written in %.2f s", directory, time.monotonic() - started)
         if num_to_keep is not None:
@@ -132,11 +132,3 @@ class RunFolder:
                 self.filesystem.delete_dir(_join(self.fs_path, name))
             except OSError as err:
                 logger.warning("Could not delete the old checkpoint %s: %s", name, err)
-
-
-def _fsync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -47,7 +47,7 @@ from raysgd.torch.errors import CollectiveError, is_collective_failure
 logger = logging.getLogger(__name__)
 
 
-def _guard_collectives(method):
+def guard_collectives(method):
     """Turn a torch.distributed timeout or lost peer into :class:`CollectiveError` naming this rank."""
 
     @functools.wraps(method)
@@ -129,7 +129,7 @@ class TorchWorker:
             port = sock.getsockname()[1]
         return f"tcp://{self.node_ip()}:{port}"
 
-    @_guard_collectives
+    @guard_collectives
     def setup_process_group(self, url, world_rank, world_size, timeout_s):
         """Join the ``backend`` process group as ``world_rank`` of ``world_size``."""
         self.world_rank, self.world_size = world_rank, world_size
@@ -152,7 +152,7 @@ class TorchWorker:
                            torch.__version__)
         return torch.device("cpu")
 
-    @_guard_collectives
+    @guard_collectives
     def setup_operator(self, local_rank=0):
         """Build the user's operator (its ``setup`` registers models and data)."""
         self.operator = self.operator_cls(
@@ -185,7 +185,7 @@ class TorchWorker:
         else:
             self.timers.disable()
 
-    @_guard_collectives
+    @guard_collectives
     def train_epoch(self, num_steps=None, profile=False, info=None, iterator=None, progress=None, commit=None,
                     trace=False):
         """Train ``num_steps`` batches (default: the rest of the epoch); returns ``{"epoch", **metrics}``.
@@ -227,7 +227,7 @@ class TorchWorker:
             result[COMMIT_LATENCY] = COMMIT_STATS["latency_s"]
         return result
 
-    @_guard_collectives
+    @guard_collectives
     def validate(self, num_steps=None, profile=False, info=None):
         """Validate on ``num_steps`` batches (default: the rest of the validation set); returns metrics."""
         self._begin(profile)

@@ -98,7 +98,7 @@ def _is_local(filesystem):
     return isinstance(filesystem, pafs.LocalFileSystem)
 
 
-def _fsync_file(path):
+def fsync_file(path):
     """Flush a closed local file's data to disk (``fsync`` through a fresh descriptor: Linux syncs the file)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -118,7 +118,7 @@ def write_state_file(filesystem, path, stream):
     with filesystem.open_output_stream(path) as handle:
         handle.write(stream)
     if _is_local(filesystem):
-        _fsync_file(path)
+        fsync_file(path)
     return memoryview(stream).nbytes, zlib.crc32(stream)
 
 
@@ -146,7 +146,7 @@ def write_checkpoint_dir(filesystem, directory, stream, meta=None):
     with filesystem.open_output_stream(marker_path) as handle:
         handle.write(json.dumps(marker, sort_keys=True).encode())
     if local:
-        _fsync_file(marker_path)
+        fsync_file(marker_path)
         checkpoint.fsync_directory(directory)
         checkpoint.fsync_directory(os.path.dirname(directory))
     return marker
