@@ -147,12 +147,15 @@ def test_a_loader_reading_out_of_order_has_no_cursor_unless_raysgd_puts_it_in_or
     batches are not the first k of the sampler's order. raysgd's training shard reads in order; a loader of the
     user's own sampler that reads out of order has no cursor (it had one, counting the wrong samples)."""
     worker = make(own_sampler=own_sampler, add_dist_sampler=not own_sampler, loader_workers=2, in_order=False)
-    worker.train_epoch(num_steps=2)
-    cursor = worker.state_dict().get("cursor")
-    if own_sampler:
-        assert cursor is None
-        return
-    loader = worker.operator._train_loader
-    assert loader.in_order is True and cursor["consumed"] == 2 * BATCH
-    first = loader.sampler.stream()[:2 * BATCH]
-    assert torch.nonzero(counts(worker)).flatten().tolist() == sorted(first)
+    try:
+        worker.train_epoch(num_steps=2)
+        cursor = worker.state_dict().get("cursor")
+        if own_sampler:
+            assert cursor is None
+            return
+        loader = worker.operator._train_loader
+        assert loader.in_order is True and cursor["consumed"] == 2 * BATCH
+        first = loader.sampler.stream()[:2 * BATCH]
+        assert torch.nonzero(counts(worker)).flatten().tolist() == sorted(first)
+    finally:
+        worker.shutdown()  # its loader's processes end now, not whenever pytest collects the iterator
