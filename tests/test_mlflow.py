@@ -1,6 +1,7 @@
 """MLflowLogger against a real ``mlflow server`` (sqlite backend, artifacts served by it, on 127.0.0.1) and against
 local stores: params from config, metrics per epoch at ``step=epoch``, checkpoints as artifacts, and a driver
-SIGKILLed mid-run that runs again continuing the same MLflow run with every step exactly once."""
+SIGKILLed mid-run that runs again continuing the same MLflow run with every step exactly once (the same driver logs
+to W&B too: its run continues the same way, see tests/test_wandb.py)."""
 import os
 import signal
 import socket
@@ -197,15 +198,22 @@ def test_local_stores(trainer_factory, tmp_path, monkeypatch, store):
     assert client.get_run(logger.run_id).info.status == "FINISHED"
 
 
-def test_a_driver_killed_after_logging_continues_the_same_run_with_every_step_once(tmp_path, mlflow_server):
-    """The driver is SIGKILLed at epoch 3's result, after MLflow logged it but before its checkpoint: the rerun
-    resumes from epoch 2's checkpoint, trains epoch 3 again and goes on in the same MLflow run, logging epoch 3 only
-    once (the value logged first stays), epochs 1-4 once each."""
-    marker = tmp_path / "paused"
-    storage = str(tmp_path / "storage")
+def test_a_driver_killed_after_logging_continues_the_same_mlflow_and_wandb_runs_with_every_step_once(
+        tmp_path, mlflow_server, monkeypatch):
+    """The driver, logging to MLflow and to W&B (offline), is SIGKILLed at epoch 3's result, after both loggers took
+    it but before its checkpoint: the rerun resumes from epoch 2's checkpoint, trains epoch 3 again and goes on in
+    the same MLflow run and the same W&B run id. MLflow logs epoch 3 only once (the value logged first stays),
+    epochs 1-4 once each; W&B's rerun logs epochs 3-4 and no step is in the run twice (wandb-core buffers its
+    offline transaction log: what it had not written when killed is lost, as any unflushed offline data). One
+    killed driver for both trackers: each driver start is a Ray cluster and two workers (~12 s here)."""
+    wandb_files = pytest.importorskip("test_wandb")  # W&B's offline logs (the rest of this module needs no wandb)
+    wandb_files.use_offline_wandb(monkeypatch, tmp_path)
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)  # this process's wandb-core: each driver starts its own
+    marker, runs, storage = tmp_path / "paused", tmp_path / "wandb-runs", str(tmp_path / "storage")
+    trackers = ["--mlflow", mlflow_server, "--wandb", str(runs)]
     client = mlflow.MlflowClient(tracking_uri=mlflow_server)
-    proc = start_driver(tmp_path, "crash", "--mlflow", mlflow_server, "--pause-at-result", "3", "--marker",
-                        str(marker), storage_path=storage)
+    proc = start_driver(tmp_path, "crash", *trackers, "--pause-at-result", "3", "--marker", str(marker),
+                        storage_path=storage)
 
     def logged_epoch_3():  # the logger's thread writes it while the driver is paused
         experiment = client.get_experiment_by_name("durable")
@@ -222,14 +230,25 @@ def test_a_driver_killed_after_logging_continues_the_same_run_with_every_step_on
     (run,) = client.search_runs([experiment.experiment_id])
     assert [step for step, _ in history(client, run.info.run_id, "train/train_loss")] == [1, 2, 3]
     first_three = history(client, run.info.run_id, "train/train_loss")
-    _, log = finish_driver(tmp_path, "crash", start_driver(tmp_path, "crash", "--mlflow", mlflow_server,
-                                                          storage_path=storage))
+    (killed,) = wandb_files.segments(runs)
+    run_id = os.path.basename(killed)[len("run-"):-len(".wandb")]
+    assert set(row["_step"] for row in wandb_files.rows([killed])) <= {1, 2, 3}
+
+    _, log = finish_driver(tmp_path, "crash", start_driver(tmp_path, "crash", *trackers, storage_path=storage))
+
     assert "Continuing MLflow run" in log and "already holds step 3 of" in log  # epoch 3 was really trained again
     (again,) = client.search_runs([experiment.experiment_id])
     assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
     train = history(client, run.info.run_id, "train/train_loss")
     assert [step for step, _ in train] == [1, 2, 3, 4] and train[:3] == first_three
     assert [step for step, _ in history(client, run.info.run_id, "validate/val_loss")] == [1, 2, 3, 4]
+
+    assert f"Continuing wandb run {run_id}" in log
+    paths = wandb_files.segments(runs, run_id)
+    assert len(paths) == 2 and paths[0] == killed and wandb_files.ends_with_exit(paths[1])  # the rerun has ended
+    assert [r.run_id for r in wandb_files.run_records(paths[1])] == [run_id]
+    steps = [row["_step"] for row in wandb_files.rows(paths)]
+    assert [row["_step"] for row in wandb_files.rows(paths[1:])] == [3, 4] and sorted(steps) == sorted(set(steps))
 
 
 def run_in_thread(fn, timeout_s=60):

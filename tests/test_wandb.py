@@ -1,6 +1,7 @@
 """WandbLogger offline (nothing leaves the machine): a 2-worker run's config and metrics read back from wandb's own
 transaction log (``run-<id>.wandb``), each epoch once; a second trainer on the same storage_path continues the
-same run id without logging a step twice; a driver SIGKILLed mid-run that runs again continues the same run."""
+same run id without logging a step twice. A driver SIGKILLed mid-run that runs again continues the same run: that
+case is tests/test_mlflow.py's driver-kill test, whose driver logs to both trackers (one killed driver, not two)."""
 import glob
 import os
 import pickle
@@ -18,14 +19,12 @@ from raysgd import optional  # noqa: E402
 from raysgd.loggers import WandbLogger  # noqa: E402
 from raysgd.torch.integrations.wandb_logger import read_offline_history, read_records  # noqa: E402
 from raysgd.torch.storage import filesystem as storage  # noqa: E402
-from test_durable_driver import checkpointed, finish_driver, kill_driver, start_driver, wait_until  # noqa: E402
 
 WRITE_TIMEOUT_S = 60
 CONFIG = {"lr": 0.01, "data_size": 40, "batch_size": 10, "nested": {"momentum": 0.0}}
 
 
-@pytest.fixture(autouse=True)
-def offline_wandb(monkeypatch, tmp_path):
+def use_offline_wandb(monkeypatch, tmp_path):
     """wandb offline and quiet: no network, no git, no console capture, its settings in a tmp folder."""
     for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true",
                        "WANDB_DISABLE_CODE": "true", "WANDB_CONSOLE": "off", "WANDB_API_KEY": "",
@@ -35,6 +34,11 @@ def offline_wandb(monkeypatch, tmp_path):
             monkeypatch.setenv(key, value)
         else:
             monkeypatch.delenv(key, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def offline_wandb(monkeypatch, tmp_path):
+    use_offline_wandb(monkeypatch, tmp_path)
 
 
 def segments(folder, run_id=None, finished=None, timeout_s=WRITE_TIMEOUT_S):
@@ -151,33 +155,6 @@ def test_a_second_trainer_continues_the_same_run_without_logging_a_step_twice(tr
     assert [row["_step"] for row in all_rows] == [1, 2, 3, 4]  # every step once
     assert history(all_rows, "train/train_loss")[:3] == history(before, "train/train_loss")  # the first values stay
     assert [step for step, _ in history(all_rows, "validate/val_loss")] == [1, 2, 3, 4]
-
-
-def test_a_driver_killed_mid_run_continues_the_same_run_with_every_step_once(tmp_path, monkeypatch):
-    """The driver is SIGKILLed at epoch 3's train result (wandb's core process with it): the rerun resumes from
-    epoch 2's checkpoint in the same run id and logs epochs 3-4; no step is in the run twice. (wandb-core buffers
-    its offline transaction log: what it had not written when killed is lost, as any unflushed offline data.)"""
-    monkeypatch.delenv("WANDB_SERVICE", raising=False)  # this process's wandb-core: each driver starts its own
-    marker, runs = tmp_path / "paused", tmp_path / "wandb-runs"
-    storage_path = str(tmp_path / "storage")
-    proc = start_driver(tmp_path, "crash", "--wandb", str(runs), "--pause-at-result", "3", "--marker",
-                        str(marker), storage_path=storage_path)
-    try:
-        wait_until(marker.exists, proc, "the driver paused at epoch 3's result")
-        wait_until(checkpointed(storage_path, 2), proc, "epoch 2's checkpoint is complete", timeout_s=60)
-    finally:
-        kill_driver(proc)
-    (killed,) = segments(runs)
-    run_id = os.path.basename(killed)[len("run-"):-len(".wandb")]
-    assert set(row["_step"] for row in rows([killed])) <= {1, 2, 3}
-    _, log = finish_driver(tmp_path, "crash", start_driver(tmp_path, "crash", "--wandb", str(runs),
-                                                          storage_path=storage_path))
-    assert f"Continuing wandb run {run_id}" in log
-    paths = segments(runs, run_id)
-    assert len(paths) == 2 and paths[0] == killed and ends_with_exit(paths[1])  # the rerun's process has ended
-    assert [r.run_id for r in run_records(paths[1])] == [run_id]
-    steps = [row["_step"] for row in rows(paths)]
-    assert [row["_step"] for row in rows(paths[1:])] == [3, 4] and sorted(steps) == sorted(set(steps))
 
 
 def test_a_step_below_the_runs_is_skipped_with_a_warning_not_an_error(tmp_path, caplog):
