@@ -162,8 +162,8 @@ class CountingOperator(TrainingOperator):
     trains on (after ``"after_s"`` more seconds in that step), with ``"until_resize": True`` for the driver's
     request to grow, with ``"exit": True`` it ends its process), ``hold`` (``{"step", "rank", "marker"}``: stays
     inside that global step until killed, once), ``batch_sleep``, ``step_sleeps`` (seconds to sleep at global step
-    i: ``step_sleeps[i]``), and the DataLoader's ``drop_last``, ``loader_workers`` (its ``num_workers``; its processes start
-    by forkserver, with a ``loader_timeout_s`` of 120 s) and ``in_order``.
+    i: ``step_sleeps[i]``), and the DataLoader's ``drop_last``, ``loader_workers`` (its ``num_workers``; its
+    processes start by forkserver, with a ``loader_timeout_s`` of 120 s) and ``in_order``.
     """
 
     def setup(self, config):
@@ -181,8 +181,8 @@ class CountingOperator(TrainingOperator):
                    "num_workers": config.get("loader_workers", 0), "in_order": config.get("in_order", True)}
         if options["num_workers"]:
             # Loader processes start by forkserver, never by forking this process: in-process tests run it inside
-            # pytest, whose other threads (Ray's, loggers' writers) may hold a lock at the fork, and a child forked
-            # then can wait on it forever (one CI run: a loader stuck until pytest's 600 s timeout). A stuck loader
+            # pytest, whose other threads (Ray's, loggers' writers) may hold a lock at the fork. One run had a loader
+            # stuck until pytest's 600 s timeout (its cause not proven; fork is the likeliest). A stuck loader now
             # fails within the timeout instead.
             options.update(multiprocessing_context="forkserver", timeout=config.get("loader_timeout_s", 120))
         if config.get("own_sampler"):  # with TorchTrainer(add_dist_sampler=False)
