@@ -48,22 +48,3 @@ def test_apex_initialize_once_per_worker_and_scale_loss_every_step(apex_cluster)
         assert open(apex_cluster).read().count("load_state_dict steps=3") == 2
     finally:
         trainer.shutdown()
-
-
-def test_apex_missing_is_a_clear_error_before_training(ray_2cpus_plain):
-    with pytest.raises(ImportError, match="NVIDIA apex"):
-        TorchTrainer(training_operator_cls=ClassifierOperator, num_workers=1, use_fp16="apex")
-
-
-@pytest.fixture
-def ray_2cpus_plain(apex_cluster):
-    """The same module's cluster, but a worker whose path lacks the fake apex (a fresh cluster would be slower)."""
-    import ray
-
-    ray.shutdown()
-    start_ray(2)
-    yield
-    ray.shutdown()
-    env = worker_env(extra_paths=[FAKE_APEX])
-    env["env_vars"]["FAKE_APEX_LOG"] = apex_cluster
-    start_ray(2, runtime_env=env)

@@ -86,6 +86,12 @@ def cluster(ray_4cpus):
     return ray_4cpus
 
 
+def test_apex_missing_on_the_workers_is_a_clear_error_before_training(cluster):
+    """The workers of this module's cluster have no apex (tests/test_apex.py gives its own a fake one)."""
+    with pytest.raises(ImportError, match="NVIDIA apex"):
+        TorchTrainer(training_operator_cls=ClassifierOperator, num_workers=1, use_fp16="apex")
+
+
 @pytest.mark.parametrize("use_fp16", [False, True, "bf16"])
 def test_trainers_learn_under_each_cpu_mode(cluster, use_fp16):
     trainer = TorchTrainer(training_operator_cls=DtypeRecorder, num_workers=2, use_fp16=use_fp16, timeout_s=60,
