@@ -1,0 +1,283 @@
+"""Sharded training state: each rank saves its own shard of the models and optimizers as one blob in DCP's format,
+and any number of ranks loads it back, each reading only the blobs its new shard needs.
+
+Layer 2 (torch only: no Ray, no files). FSDP2 models (``fully_shard``) hold DTensors; their state goes through
+``torch.distributed.checkpoint`` (DCP): :func:`models_and_optimizers_state` and :func:`load_models_and_optimizers`
+wrap DCP's ``get_state_dict``/``set_state_dict`` for lists of models and optimizers; :func:`save_parts` (a collective)
+gives each rank a :class:`Part` (its blob, named as DCP's ``FileSystemWriter`` names its file, and on rank 0 the
+checkpoint's metadata); :func:`load_parts` (a collective at any world size: resharding) loads them through a
+``fetch(relative_path)`` that the caller backs with memory, an object store or files. The byte format is
+:mod:`~raysgd.torch.state.dcp_blobs`'s: the blobs under their names plus ``.metadata`` are a DCP checkpoint folder.
+
+Plain (unsharded) modules work too, in a process group (DCP then saves each replicated tensor once) or in a process
+with no process group at all (DCP's single-process mode: one part, rank 0).
+
+Example:
+    >>> import torch
+    >>> part = save_parts({"w": torch.arange(3.0), "step": 7})
+    >>> part.file_name, part.metadata is not None
+    ('__0_0.distcp', True)
+    >>> target = {"w": torch.zeros(3), "step": 0}
+    >>> load_parts(target, part.metadata, {part.file_name: part.blob}.__getitem__)
+    >>> target["w"].tolist(), target["step"]
+    ([0.0, 1.0, 2.0], 7)
+    >>> consolidate_parts(part.metadata, {part.file_name: part.blob}.__getitem__)["w"].tolist()
+    [0.0, 1.0, 2.0]
+"""
+import contextlib
+import dataclasses
+import logging
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+from raysgd.torch.state import dcp_blobs
+from raysgd.torch.state.dcp_blobs import as_metadata, file_sizes  # noqa: F401 (public helpers of this API)
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------- models and optimizers
+def _owner(models, optimizer):
+    """The module whose parameters include all of ``optimizer``'s: its model, or all models together when it spans
+    several (then its keys are prefixed with the model's index: ``1.net.weight``)."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in models:
+        if params <= {id(p) for p in model.parameters()}:
+            return model
+    together = torch.nn.ModuleList(models)
+    if not params <= {id(p) for p in together.parameters()}:
+        raise ValueError(f"an optimizer expected over the registered models' parameters; got one with "
+                         f"{len(params - {id(p) for p in together.parameters()})} parameter(s) of no registered model")
+    return together
+
+
+def models_and_optimizers_state(models, optimizers):
+    """``{"models": [...], "optimizers": [...]}``: each model's and optimizer's state dict from DCP's
+    ``get_model_state_dict``/``get_optimizer_state_dict`` (keys are parameter names; an FSDP2 model's values are
+    DTensors holding this rank's shard). An optimizer's state is keyed by its model's parameter names; one spanning
+    several models by ``{model index}.{name}``. A fresh optimizer gets its state initialised (DCP does a step with
+    a learning rate of 0), so the result is also what :func:`load_parts` loads into.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = models_and_optimizers_state([model], [torch.optim.Adam(model.parameters())])
+        >>> sorted(state["models"][0]), sorted(state["optimizers"][0]["state"]["weight"])
+        (['bias', 'weight'], ['exp_avg', 'exp_avg_sq', 'step'])
+    """
+    models, optimizers = list(models), list(optimizers)
+    return {"models": [get_model_state_dict(model) for model in models],
+            "optimizers": [get_optimizer_state_dict(_owner(models, optimizer), optimizer) for optimizer in optimizers]}
+
+
+def load_models_and_optimizers(models, optimizers, state):
+    """Load :func:`models_and_optimizers_state`'s ``state`` (e.g. after :func:`load_parts` filled it) into ``models``
+    and ``optimizers`` (strict: a missing or unexpected key raises). The counts must match what ``state`` holds.
+
+    Example:
+        >>> import torch
+        >>> a, b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+        >>> load_models_and_optimizers([b], [], models_and_optimizers_state([a], []))
+        >>> bool((a.weight == b.weight).all())
+        True
+    """
+    models, optimizers = list(models), list(optimizers)
+    for kind, given in (("models", models), ("optimizers", optimizers)):
+        if len(state.get(kind, ())) != len(given):
+            raise ValueError(f"load_models_and_optimizers: the state holds {len(state.get(kind, ()))} {kind}; "
+                             f"got {len(given)} to load it into")
+    for model, model_state in zip(models, state["models"]):
+        set_model_state_dict(model, model_state)
+    for optimizer, optimizer_state in zip(optimizers, state["optimizers"]):
+        set_optimizer_state_dict(_owner(models, optimizer), optimizer, optimizer_state)
+
+
+# ----------------------------------------------------------------- parts
+@dataclasses.dataclass
+class Part:
+    """One rank's share of a sharded checkpoint.
+
+    Attributes:
+        rank: the rank (in the saving group) that wrote it.
+        file_name: its file's name in a DCP checkpoint folder (``__{rank}_0.distcp``).
+        blob: the file's bytes (a ``bytearray``; empty when the rank had nothing to save).
+        metadata: the checkpoint's ``.metadata`` bytes on rank 0 (the same for every rank's part); None elsewhere.
+
+    Example:
+        >>> Part(1, "__1_0.distcp", bytearray(b"x"), None).nbytes
+        1
+    """
+
+    rank: int
+    file_name: str
+    blob: bytearray
+    metadata: bytes = None
+
+    @property
+    def nbytes(self):
+        """The blob's size in bytes."""
+        return len(self.blob)
+
+
+def _single_process(process_group):
+    """Whether DCP runs without collectives here (no process group initialised and none given)."""
+    return process_group is None and not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _dcp_call(single, process_group=None):
+    """Around a DCP call: without a process group DCP warns on every call that it assumes a single process (that is
+    the intent here), and a failure on any rank comes back as DCP's ``CheckpointException`` (a ``BaseException``
+    holding every rank's error): the error itself is raised instead (this rank's, else the lowest failed rank's),
+    with DCP's report of every rank as its cause."""
+    with warnings.catch_warnings():
+        if single:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        try:
+            yield
+        except CheckpointException as err:
+            rank = 0 if single else dist.get_rank(process_group)
+            failures = err.failures
+            error = (failures.get(rank) or failures[min(failures)])[0] if failures else None
+            if not isinstance(error, Exception):
+                raise
+            raise error from err
+
+
+def save_parts(state_dict, process_group=None):
+    """Save ``state_dict`` (e.g. :func:`models_and_optimizers_state`'s) as this rank's :class:`Part`: a collective of
+    ``process_group`` (the default group; none: this process alone). Each rank's blob holds its own shards and its
+    share of the replicated values; rank 0's part also holds the metadata. The deadline of the collectives is the
+    process group's timeout.
+
+    Example:
+        >>> import torch
+        >>> save_parts({"w": torch.ones(2)}).rank
+        0
+    """
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"save_parts expects a state dict (a dict); got {type(state_dict).__name__}")
+    single = _single_process(process_group)
+    writer = dcp_blobs.BlobWriter()
+    with _dcp_call(single, process_group):
+        dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=single)
+    return Part(rank=writer.rank, file_name=writer.file_name, blob=writer.blob, metadata=writer.metadata)
+
+
+def load_parts(state_dict, metadata, fetch, process_group=None, weights_only=True):
+    """Load a checkpoint saved by :func:`save_parts` (or DCP's ``FileSystemWriter``) into ``state_dict`` in place: a
+    collective of ``process_group`` at any world size (each rank loads its own shard, resharded from the saved ones).
+
+    Args:
+        state_dict: what to load into, e.g. :func:`models_and_optimizers_state` of this rank's models (its tensors
+            are filled in place; its other values replaced).
+        metadata: the checkpoint's ``.metadata`` bytes (rank 0's :attr:`Part.metadata`) or a DCP ``Metadata``.
+        fetch: ``fetch(relative_path) -> buffer`` (bytes-like) of a file the metadata names: called once for each
+            file this rank needs (:func:`files_needed`), never for another.
+        process_group: the group loading (the default group; none: this process alone).
+        weights_only: read the metadata and the non-tensor values only if a safe load accepts them.
+
+    Example:
+        >>> # load_parts(state, parts[0].metadata, {p.file_name: p.blob for p in parts}.__getitem__)
+    """
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"load_parts expects a state dict (a dict) to load into; got {type(state_dict).__name__}")
+    if not callable(fetch):
+        raise TypeError(f"load_parts expects fetch(relative_path) -> bytes; got {fetch!r}")
+    single = _single_process(process_group)
+    reader = dcp_blobs.BlobReader(metadata, fetch, weights_only=weights_only)
+    with _dcp_call(single, process_group):
+        dcp.load(state_dict, storage_reader=reader, process_group=process_group, no_dist=single)
+
+
+def files_needed(state_dict, metadata):
+    """The files (sorted relative paths) that loading into ``state_dict`` on this rank reads: the saved shards that
+    overlap this rank's new ones (with the replicated values' files). Local and cheap: DCP's load planner on this
+    rank alone, no collective, no data read.
+
+    Example:
+        >>> import torch
+        >>> part = save_parts({"w": torch.ones(2)})
+        >>> files_needed({"w": torch.zeros(2)}, part.metadata)
+        ['__0_0.distcp']
+    """
+    metadata = as_metadata(metadata)
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state_dict, metadata, is_coordinator=False)
+    plan = planner.create_local_plan()
+    return sorted({metadata.storage_data[item.storage_index].relative_path for item in plan.items})
+
+
+def file_names(metadata):
+    """The files (sorted relative paths) ``metadata`` (a ``Metadata`` or its bytes) refers to.
+
+    Example:
+        >>> file_names(save_parts({"w": torch.ones(2)}).metadata)
+        ['__0_0.distcp']
+    """
+    return list(file_sizes(metadata))
+
+
+# ----------------------------------------------------------------- one full state
+def _empty_state(metadata):
+    """A flat state dict to load the whole checkpoint into: a full CPU tensor per tensor, None per other value."""
+    state = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, dcp_metadata.TensorStorageMetadata):
+            state[key] = torch.empty(item.size, dtype=item.properties.dtype)
+        else:
+            state[key] = None
+    return state
+
+
+def _unflatten(flat, paths):
+    """``flat`` (DCP's flattened keys) nested again by ``paths`` (``{key: (k1, k2, ...)}``, the planner's mapping; an
+    int is a list index). A key without a path stays at the top."""
+    nested = {}
+    for key, value in flat.items():
+        path = tuple(paths.get(key, (key,)))
+        node = nested
+        for step, following in zip(path[:-1], path[1:]):
+            node = _slot(node, step, list if isinstance(following, int) else dict)
+        _slot(node, path[-1], None, value)
+    return nested
+
+
+def _slot(node, step, kind, value=None):
+    """``node[step]``, created as ``kind()`` (or set to ``value`` when ``kind`` is None); a list grows to hold it."""
+    if isinstance(node, list):
+        node.extend([None] * (step + 1 - len(node)))
+        if kind is None or node[step] is None:
+            node[step] = value if kind is None else kind()
+        return node[step]
+    if kind is None:
+        node[step] = value
+        return value
+    return node.setdefault(step, kind())
+
+
+def consolidate_parts(metadata, fetch, weights_only=True):
+    """The whole checkpoint as one state dict of full CPU tensors, nested as it was saved (e.g.
+    ``{"models": [{"weight": tensor}], "optimizers": [...]}``), read through ``fetch`` in this process alone (never a
+    collective, also where a process group exists): for serving, or a model's copy on the driver. Every file is
+    fetched once; the peak is the full state plus one file.
+
+    Example:
+        >>> part = save_parts({"m": {"w": torch.ones(2)}})
+        >>> consolidate_parts(part.metadata, {part.file_name: part.blob}.__getitem__)["m"]["w"].tolist()
+        [1.0, 1.0]
+    """
+    metadata = as_metadata(metadata, weights_only=weights_only)
+    flat = _empty_state(metadata)
+    reader = dcp_blobs.BlobReader(metadata, fetch, weights_only=weights_only)
+    with _dcp_call(True):
+        dcp.load(flat, storage_reader=reader, no_dist=True)
+    return _unflatten(flat, metadata.planner_data or {})
