@@ -1,0 +1,209 @@
+"""The sharded state format (raysgd.torch.state.sharded, dcp_blobs) and its files (raysgd.torch.storage.dcp_files).
+
+One spawned gloo world of 3 CPU processes (tests/dcp_ranks.py) runs the distributed part once for the module: FSDP2
+models trained with Adam at 2 ranks, saved as in-memory parts, as torch's own FileSystemWriter folder and to a real
+S3 server (moto); loaded at 3 ranks and at 1. The tests compare what it wrote against the full state before the save,
+bit for bit. The rest runs in this process without a process group.
+"""
+import gc
+import io
+import json
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import pickle
+import re
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import dcp_ranks
+from raysgd.torch.errors import CheckpointError
+from raysgd.torch.state import sharded
+from raysgd.torch.storage import dcp_files
+from s3_server import CREDENTIALS, moto_s3
+
+DEADLINE_S = 180
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Run tests/dcp_ranks.py's world once; returns its output folder. The ranks are forked by a fork server that
+    imported dcp_ranks (torch, FSDP2, raysgd) once while the S3 server starts, instead of 3 processes importing it
+    side by side (about 3x faster on 2 cores)."""
+    out = str(tmp_path_factory.mktemp("dcp"))
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["dcp_ranks"])
+    multiprocessing.forkserver.ensure_running()  # imports in the background while moto starts
+    with moto_s3() as s3:
+        context = mp.start_processes(dcp_ranks.main, args=(_free_port(), out, s3, CREDENTIALS), nprocs=3,
+                                     join=False, start_method="forkserver")
+        deadline = time.monotonic() + DEADLINE_S
+        try:
+            while not context.join(timeout=1):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the 3 DCP ranks did not finish within {DEADLINE_S} s")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join(10)
+    return out
+
+
+def _load(out, name):
+    return torch.load(os.path.join(out, f"{name}.pt"), weights_only=True)
+
+
+def _differences(expected, got, path="state"):
+    """Where two nested states differ (tensors bit for bit: dtype, shape and every value), as readable lines."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(got, torch.Tensor) or expected.dtype != got.dtype or expected.shape != got.shape:
+            return [f"{path}: expected {expected.dtype} {tuple(expected.shape)}, got {got!r:.80}"]
+        return [] if torch.equal(expected, got) else [f"{path}: values differ (max {(expected - got).abs().max()})"]
+    if isinstance(expected, dict):
+        if not isinstance(got, dict) or set(expected) != set(got):
+            return [f"{path}: keys {sorted(map(str, expected))} expected, got "
+                    f"{sorted(map(str, got)) if isinstance(got, dict) else type(got).__name__}"]
+        return [line for key in expected for line in _differences(expected[key], got[key], f"{path}[{key!r}]")]
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(expected) != len(got):
+            return [f"{path}: {len(expected)} items expected, got {got!r:.80}"]
+        return [line for index, pair in enumerate(zip(expected, got)) for line in _differences(*pair, f"{path}[{index}]")]
+    return [] if expected == got else [f"{path}: expected {expected!r}, got {got!r}"]
+
+
+def _assert_same_state(reference, loaded):
+    assert set(reference["optimizers"][0]["state"]["0.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert reference["optimizers"][0]["state"]["0.weight"]["step"].item() == 3  # trained: not a fresh state
+    assert _differences(reference, loaded) == []
+
+
+@pytest.mark.parametrize("name", ["loaded_3", "loaded_1"])
+def test_fsdp2_state_saved_at_2_ranks_loads_bit_exact_at_3_and_at_1(ranks, name):
+    _assert_same_state(_load(ranks, "reference"), _load(ranks, name))
+
+
+def test_the_parts_are_a_dcp_folder_that_torchs_file_system_reader_loads(ranks):
+    _assert_same_state(_load(ranks, "reference"), _load(ranks, "loaded_3_torch_reader"))
+
+
+def test_a_folder_torchs_file_system_writer_wrote_loads_with_our_reader(ranks):
+    _assert_same_state(_load(ranks, "reference"), _load(ranks, "loaded_3_from_torch_writer"))
+
+
+def test_the_blobs_lie_out_exactly_as_torchs_file_system_writer_writes_them(ranks):
+    ours, theirs = (pickle.loads(open(os.path.join(ranks, folder, ".metadata"), "rb").read()) for folder in
+                    ("mem", "fsw"))
+    assert ours.state_dict_metadata == theirs.state_dict_metadata and ours.planner_data == theirs.planner_data
+    where = {index: (info.relative_path, info.offset, info.length) for index, info in ours.storage_data.items()}
+    assert where == {index: (info.relative_path, info.offset, info.length) for index, info in
+                     theirs.storage_data.items()}
+    sizes = {name: os.path.getsize(os.path.join(ranks, "mem", name)) for name in ("__0_0.distcp", "__1_0.distcp")}
+    assert sharded.file_sizes(open(os.path.join(ranks, "mem", ".metadata"), "rb").read()) == sizes
+    assert sizes == {name: os.path.getsize(os.path.join(ranks, "fsw", name)) for name in sizes}
+
+
+def test_an_s3_checkpoint_written_at_2_ranks_loads_at_3(ranks):
+    _assert_same_state(_load(ranks, "reference"), _load(ranks, "loaded_3_s3"))
+
+
+def test_a_rank_fetches_only_the_files_its_shard_needs_each_once(ranks):
+    logs = [json.load(open(os.path.join(ranks, f"rank{rank}.json"))) for rank in range(3)]
+    for log in logs:
+        assert sorted(log["fetched"]) == log["needed"] and len(set(log["fetched"])) == len(log["fetched"])
+        assert sorted(log["lazy_fetched"]) == log["lazy_needed"]
+    # rows 0-5 were rank 0's and 6-11 rank 1's; at 3 ranks rank 0 holds 0-3, rank 1 4-7, rank 2 8-11
+    assert [log["lazy_fetched"] for log in logs] == [["__0_0.distcp"], ["__0_0.distcp", "__1_0.distcp"],
+                                                     ["__1_0.distcp"]]
+
+
+def test_consolidate_gives_the_full_state_in_one_process(ranks):
+    reference = _load(ranks, "reference")
+    for folder in ("mem", "fsw"):
+        full = dcp_files.consolidate(os.path.join(ranks, folder))
+        assert _differences(reference["models"], full["models"]) == []
+        assert _differences(reference["optimizers"][0]["state"], full["optimizers"][0]["state"]) == []
+        assert full["optimizers"][0]["param_groups"][0]["lr"] == 0.01
+
+
+def test_plain_modules_without_a_process_group_round_trip():
+    model, fresh = torch.nn.Linear(7, 5), torch.nn.Linear(7, 5)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(3, 7)).sum().backward()
+    optimizer.step()
+    part = sharded.save_parts(sharded.models_and_optimizers_state([model], [optimizer]))
+    fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=0.5)
+    state = sharded.models_and_optimizers_state([fresh], [fresh_optimizer])
+    sharded.load_parts(state, part.metadata, {part.file_name: part.blob}.__getitem__)
+    sharded.load_models_and_optimizers([fresh], [fresh_optimizer], state)
+    assert _differences({"m": model.state_dict(), "o": optimizer.state_dict()},
+                        {"m": fresh.state_dict(), "o": fresh_optimizer.state_dict()}) == []
+
+
+def test_a_truncated_blob_or_unsafe_bytes_are_refused_with_what_was_expected():
+    part = sharded.save_parts({"w": torch.ones(100), "note": {"lr": 0.5}})
+    with pytest.raises(CheckpointError, match=r"expected to hold item .* got a file of 10 bytes"):
+        sharded.load_parts({"w": torch.zeros(100), "note": {"lr": 0.0}}, part.metadata, lambda name: part.blob[:10])
+    with pytest.raises(CheckpointError, match="refers to builtins.eval"):
+        sharded.load_parts({}, pickle.dumps(eval), lambda name: b"")
+    unsafe = sharded.save_parts({"w": torch.ones(1), "note": {"lr": socket.AF_INET}})  # an enum: pickled by class
+    target = {"w": torch.zeros(1), "note": {"lr": None}}
+    with pytest.raises(CheckpointError, match="a safe load .* refuses"):
+        sharded.load_parts(target, unsafe.metadata, {unsafe.file_name: unsafe.blob}.__getitem__)
+    sharded.load_parts(target, unsafe.metadata, {unsafe.file_name: unsafe.blob}.__getitem__, weights_only=False)
+    assert target["note"]["lr"] == socket.AF_INET
+
+
+def _peak_rss_growth(action):
+    """``action()``'s peak resident memory above what this process held before it, in bytes (Linux's VmHWM, reset
+    first), and its result."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")  # the high-water mark restarts from the current resident size
+    before = _status("VmRSS")
+    result = action()
+    return _status("VmHWM") - before, result
+
+
+def _status(key):
+    with open("/proc/self/status") as handle:
+        return int(re.search(rf"{key}:\s+(\d+) kB", handle.read()).group(1)) * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="measures Linux's VmHWM")
+def test_the_writer_holds_the_blob_and_never_a_second_copy():
+    state = {f"layer{i}": torch.randn(1_000_000) for i in range(16)}  # 64 MB in 16 tensors
+    size = sum(t.nbytes for t in state.values())
+
+    def items_then_joined():  # a writer that serialises each item on its own and then makes one blob of them
+        buffers = []
+        for tensor in state.values():
+            buffers.append(io.BytesIO())
+            torch.save(tensor, buffers[-1])
+        return b"".join(buffer.getbuffer() for buffer in buffers)
+
+    growth, part = _peak_rss_growth(lambda: sharded.save_parts(state))
+    assert size <= part.nbytes < size * 1.01
+    del part
+    naive, copy = _peak_rss_growth(items_then_joined)
+    del copy
+    assert growth < 1.3 * size, f"peak {growth / size:.2f}x the {size / 1e6:.0f} MB state while saving"
+    assert naive > 1.6 * size, f"serialising items apart, then joining them peaked at {naive / size:.2f}x (expected about 2x)"
+
+
+def test_file_names_and_sizes_come_from_the_metadata():
+    part = sharded.save_parts({"w": torch.ones(3)})
+    assert sharded.file_names(part.metadata) == [part.file_name]
+    assert sharded.file_sizes(part.metadata) == {part.file_name: part.nbytes}
+    assert sharded.files_needed({"w": torch.zeros(3)}, part.metadata) == [part.file_name]
+    with pytest.raises(TypeError, match="expected as a Metadata or its bytes; got str"):
+        sharded.file_names("not metadata")
