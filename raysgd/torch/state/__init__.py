@@ -5,7 +5,8 @@ restored in one place (:mod:`~raysgd.torch.state.training_state`), checkpoint fi
 loaded safely (:mod:`~raysgd.torch.state.checkpoint`), CPU copies of models (:mod:`~raysgd.torch.state.model_copy`),
 and commits: taken by each worker (:mod:`~raysgd.torch.state.committer`), kept next to the driver
 (:mod:`~raysgd.torch.state.commit_store`) and planned and resumed by the driver
-(:mod:`~raysgd.torch.state.commit_policy`).
+(:mod:`~raysgd.torch.state.commit_policy`); the sharded state of FSDP2 models in DCP's format, one blob per rank,
+loaded at any world size (:mod:`~raysgd.torch.state.sharded`, its bytes :mod:`~raysgd.torch.state.dcp_blobs`).
 
 Example:
     >>> from raysgd.torch.state.checkpoint import state_from_bytes, state_to_bytes

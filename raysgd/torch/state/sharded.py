@@ -138,7 +138,7 @@ def _dcp_call(single, process_group=None):
     the intent here), and a failure on any rank comes back as DCP's ``CheckpointException`` (a ``BaseException``
     holding every rank's error): the error itself is raised instead (this rank's, else the lowest failed rank's),
     with DCP's report of every rank as its cause."""
-    with warnings.catch_warnings():
+    with warnings.catch_warnings() if single else contextlib.nullcontext():
         if single:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         try:
@@ -181,7 +181,8 @@ def load_parts(state_dict, metadata, fetch, process_group=None, weights_only=Tru
             are filled in place; its other values replaced).
         metadata: the checkpoint's ``.metadata`` bytes (rank 0's :attr:`Part.metadata`) or a DCP ``Metadata``.
         fetch: ``fetch(relative_path) -> buffer`` (bytes-like) of a file the metadata names: called once for each
-            file this rank needs (:func:`files_needed`), never for another.
+            file this rank needs (:func:`files_needed`), never for another; it bounds its own wait (a
+            ``ray.get(ref, timeout=...)``, a filesystem's request timeout) and raises when the file is gone.
         process_group: the group loading (the default group; none: this process alone).
         weights_only: read the metadata and the non-tensor values only if a safe load accepts them.
 

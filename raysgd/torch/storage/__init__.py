@@ -3,7 +3,8 @@
 Layer 3 (pyarrow, optional and imported on first use): checkpoint directories with a completion marker on any
 filesystem ``pyarrow.fs`` opens (:mod:`~raysgd.torch.storage.filesystem`), ``TorchTrainer(storage_path=...)``'s
 checkpoints and resume (:mod:`~raysgd.torch.storage.durable`), and the background thread that uploads them
-(:mod:`~raysgd.torch.storage.async_writer`).
+(:mod:`~raysgd.torch.storage.async_writer`); sharded (DCP) checkpoint folders written by every rank and loaded at any
+world size (:mod:`~raysgd.torch.storage.dcp_files`).
 
 Example:
     >>> from raysgd.torch.storage.durable import open_run
