@@ -149,6 +149,26 @@ def test_plain_modules_without_a_process_group_round_trip():
                         {"m": fresh.state_dict(), "o": fresh_optimizer.state_dict()}) == []
 
 
+def test_an_optimizer_over_two_models_is_keyed_by_model_index_and_round_trips():
+    models, fresh = [torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)], [torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)]
+    optimizer = torch.optim.SGD([p for m in models for p in m.parameters()], lr=0.1, momentum=0.9)
+    models[1](models[0](torch.randn(4, 3))).sum().backward()
+    optimizer.step()
+    state = sharded.models_and_optimizers_state(models, [optimizer])
+    assert sorted(state["optimizers"][0]["state"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]
+    part = sharded.save_parts(state)
+    fresh_optimizer = torch.optim.SGD([p for m in fresh for p in m.parameters()], lr=0.5, momentum=0.9)
+    target = sharded.models_and_optimizers_state(fresh, [fresh_optimizer])
+    sharded.load_parts(target, part.metadata, {part.file_name: part.blob}.__getitem__)
+    sharded.load_models_and_optimizers(fresh, [fresh_optimizer], target)
+    assert _differences({"m": [m.state_dict() for m in models], "o": optimizer.state_dict()},
+                        {"m": [m.state_dict() for m in fresh], "o": fresh_optimizer.state_dict()}) == []
+    with pytest.raises(ValueError, match="the state holds 1 optimizers; got 0"):
+        sharded.load_models_and_optimizers(fresh, [], target)
+    with pytest.raises(ValueError, match="got one with 2 parameter.s. of no registered model"):
+        sharded.models_and_optimizers_state(fresh[:1], [torch.optim.SGD(fresh[1].parameters(), lr=0.1)])
+
+
 def test_a_truncated_blob_or_unsafe_bytes_are_refused_with_what_was_expected():
     part = sharded.save_parts({"w": torch.ones(100), "note": {"lr": 0.5}})
     with pytest.raises(CheckpointError, match=r"expected to hold item .* got a file of 10 bytes"):
