@@ -10,7 +10,8 @@ import time
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
-def _free_port():
+def free_port():
+    """A TCP port of 127.0.0.1 that is free now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -28,7 +29,7 @@ def moto_s3(bucket="raysgd-test", timeout_s=60):
     pytest.importorskip("moto.server", reason="needs moto[server] (the test extra)")
     import pyarrow.fs as pafs
 
-    port = _free_port()
+    port = free_port()
     saved = {key: os.environ.get(key) for key in CREDENTIALS}
     os.environ.update(CREDENTIALS)
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

@@ -24,27 +24,24 @@ import dcp_ranks
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.state import sharded
 from raysgd.torch.storage import dcp_files
-from s3_server import CREDENTIALS, moto_s3
+from s3_server import CREDENTIALS, free_port, moto_s3
 
 DEADLINE_S = 180
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+PRELOAD = ["torch.distributed.fsdp", "torch.distributed.checkpoint", "raysgd.torch.state.sharded",
+           "raysgd.torch.storage.dcp_files"]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Run tests/dcp_ranks.py's world once; returns its output folder. The ranks are forked by a fork server that
-    imported dcp_ranks (torch, FSDP2, raysgd) once while the S3 server starts, instead of 3 processes importing it
-    side by side (about 3x faster on 2 cores)."""
+    imported what they need (torch, FSDP2, raysgd) once while the S3 server starts, instead of 3 processes importing
+    it side by side (about 3x faster on 2 cores). Python 3.11's fork server does not take this process's sys.path:
+    it preloads modules importable from its own path (dcp_ranks is not: each rank imports that small module)."""
     out = str(tmp_path_factory.mktemp("dcp"))
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["dcp_ranks"])
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     multiprocessing.forkserver.ensure_running()  # imports in the background while moto starts
     with moto_s3() as s3:
-        context = mp.start_processes(dcp_ranks.main, args=(_free_port(), out, s3, CREDENTIALS), nprocs=3,
+        context = mp.start_processes(dcp_ranks.main, args=(free_port(), out, s3, CREDENTIALS), nprocs=3,
                                      join=False, start_method="forkserver")
         deadline = time.monotonic() + DEADLINE_S
         try:
