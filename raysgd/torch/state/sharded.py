@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from raysgd.torch.state import dcp_blobs
-from raysgd.torch.state.dcp_blobs import as_metadata, file_sizes  # noqa: F401 (public helpers of this API)
+from raysgd.torch.state.dcp_blobs import as_metadata, file_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +53,10 @@ def _owner(models, optimizer):
         if params <= {id(p) for p in model.parameters()}:
             return model
     together = torch.nn.ModuleList(models)
-    if not params <= {id(p) for p in together.parameters()}:
+    foreign = params - {id(p) for p in together.parameters()}
+    if foreign:
         raise ValueError(f"an optimizer expected over the registered models' parameters; got one with "
-                         f"{len(params - {id(p) for p in together.parameters()})} parameter(s) of no registered model")
+                         f"{len(foreign)} parameter(s) of no registered model")
     return together
 
 
