@@ -155,14 +155,15 @@ def test_the_commit_store_completes_a_commit_from_one_attempt_only():
 
     store = _StoreActor()
     store.begin(1)
-    store.put((1, 0, 15), 0, 2, b"rank 0, attempt 0", b"state of attempt 0")  # rank 1 died before step 15
+    part0 = {"size": 18, "copies": [("node-a", ["state of attempt 0"])]}
+    store.put((1, 0, 15), 0, 2, b"rank 0, attempt 0", part0)  # rank 1 died before step 15
     store.put((1, 1, 15), 1, 2, b"rank 1, attempt 1")  # the retry (from step 10) reaches step 15 again
     assert store.latest(1) is None
-    store.put((1, 1, 15), 0, 2, b"rank 0, attempt 1", b"state of attempt 1")
-    assert store.latest(1) == ((1, 1, 15), {0: b"rank 0, attempt 1", 1: b"rank 1, attempt 1"}, 18)
-    assert store.latest_split(1)[1] == b"state of attempt 1"
+    part1 = {"size": 18, "copies": [("node-a", ["state of attempt 1"]), ("node-b", ["its copy"])]}
+    store.put((1, 1, 15), 0, 2, b"rank 0, attempt 1", part1)
+    assert store.latest(1) == ((1, 1, 15), {0: b"rank 0, attempt 1", 1: b"rank 1, attempt 1"}, {0: part1})
     store.put((1, 0, 20), 1, 2, b"late")  # a late record of the old attempt completes nothing newer
-    store.put((1, 0, 20), 0, 2, b"late", b"late state")
+    store.put((1, 0, 20), 0, 2, b"late", {"size": 10, "copies": []})
     assert store.latest_key(1) == (1, 1, 15)
 
 

@@ -41,7 +41,7 @@ from raysgd.torch.execution import restarts
 from raysgd.torch.fault_tolerance import preemption, recovery
 from raysgd.torch.fault_tolerance.watches import DrainWatch, GrowWatch
 from raysgd.torch.state import checkpoint, training_state
-from raysgd.torch.state.restart_point import RestartPoint, copy_to, this_node
+from raysgd.torch.state.restart_point import RestartPoint, RestartPointLost, ShardedPoint, copy_all, this_node
 from raysgd.torch.storage import filesystem, parts
 
 logger = logging.getLogger(__name__)
@@ -206,19 +206,26 @@ class RunController:
         return self._snapshot
 
     def _copy_elsewhere(self, point):
-        """Copy ``point`` to another node than its holder's (waiting for it): the workers' other nodes in turn, else
-        the driver's node; none when everything runs on one node (a node loss then takes the driver too)."""
-        held = point.nodes[0]
+        """Copy ``point`` (each part of a sharded one) to another node than its holder's, waiting for it: the workers'
+        other nodes in turn, else the driver's node; none when everything runs on one node (a node loss then takes
+        the driver too)."""
+        pieces = point.parts if isinstance(point, ShardedPoint) else [point]
         try:
-            others = sorted({node for node in self.group.placed_on().values() if node and node != held})
-            if not others:
-                driver = this_node()
-                others = [driver] if held is not None and driver != held else []
+            workers = sorted({node for node in self.group.placed_on().values() if node})
+            driver = this_node()
         except Exception as err:  # noqa: BLE001 (no copy: the point still has its primary)
             logger.debug("no copy of the restart point: %s", err)
             return
-        if others:
-            copy_to(point, others[next(self._copies) % len(others)], timeout_s=self._timeout_s)
+        turn = next(self._copies)
+        targets = []
+        for index, piece in enumerate(pieces):
+            held = piece.nodes[0]
+            others = [node for node in workers if node != held] or \
+                ([driver] if held is not None and driver != held else [])
+            if others:
+                targets.append((piece, others[(turn + index) % len(others)]))
+        if targets:
+            copy_all(targets, timeout_s=self._timeout_s)
 
     def _scale_up_target(self, quiet=False):
         """The larger size to restart at now (resources returned, cooldown passed), or None to stay."""
@@ -283,7 +290,7 @@ class RunController:
             watches, requests = self._watches(), []
             try:
                 results = self.group.run(method, on_tick=self._ticks(watches, requests, on_tick),
-                                         **self.commits.with_plan(kwargs))
+                                         **self.commits.with_plan(kwargs, self.group.rank_nodes()))
                 self._snapshot_stale = True  # train and validate (custom ones too) may change the state
                 self._take_commit_latency(results)
                 return self.commits.finish(results)
@@ -355,7 +362,15 @@ class RunController:
                 epoch = resumed.overlay[training_state.CURSOR]["epoch"]
                 self.durable.on_recovery(failure, lambda: self._part_of(resumed), epoch=epoch,
                                          preempted=self.commits.resumed_preemption)
-            self._restart(resumed if resumed is not None else state, target=size)
+            try:
+                self._restart(resumed if resumed is not None else state, target=size)
+            except RestartPointLost as lost:
+                if resumed is None:
+                    raise
+                logger.warning("The commit's state is lost on every node that held it (%s); the call restarts from "
+                               "its start instead", lost)
+                self.commits.abandon_restart(kwargs)
+                self._restart(state, target=size)
             self._snapshot = state  # a commit is a restart point inside this call only
         except recovery.RestartGaveUp as err:
             raise RuntimeError(f"Training run failed: the workers could not be restarted ({err}).") from failure
@@ -400,6 +415,8 @@ class RunController:
         """The state file of a durable checkpoint of ``point``: written by a task on the node holding it
         (:class:`~raysgd.torch.storage.parts.RemotePart`), never through the driver."""
         storage = self.durable.storage
+        if isinstance(point, ShardedPoint):  # a part per rank, each written on its node
+            return parts.ShardedRemoteParts(point, storage.root, storage.local, timeout_s=self._timeout_s)
         return parts.RemotePart(point.refs, point.nodes[0], storage.root, storage.local, timeout_s=self._timeout_s,
                                 overlay=point.overlay)
 
@@ -409,10 +426,14 @@ class RunController:
         return checkpoint.state_from_bytes(self._fresh_stream())
 
     def _fresh_stream(self):
-        """Rank 0's current state bytes, pulled into the driver (only where the user asks for the state)."""
+        """Rank 0's current state bytes, pulled into the driver (only where the user asks for the state); a sharded
+        state is consolidated here into one state of whole tensors."""
         self.ensure_workers()
         self._snapshot_stale = True
-        return self.take_snapshot().fetch(self._timeout_s)
+        point = self.take_snapshot()
+        if isinstance(point, ShardedPoint):
+            return checkpoint.state_to_bytes(point.whole_state(self._timeout_s))
+        return point.fetch(self._timeout_s)
 
     def models(self, to_cpu=False):
         """Rank 0's unwrapped models (CPU copies with ``to_cpu``)."""

@@ -35,7 +35,7 @@ from raysgd.torch.state import checkpoint, restart_point
 from raysgd.torch.sharding import loaders as _data
 from raysgd.torch.operator import evaluation
 from raysgd.torch.operator.tracing import TraceRecorder
-from raysgd.torch.state import model_copy
+from raysgd.torch.state import model_copy, sharded
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.state import training_state as _state
 from raysgd.torch.state.committer import STATS as COMMIT_STATS, Committer, serialise
@@ -121,6 +121,10 @@ class TorchWorker:
         import ray  # noqa: PLC0415 (only for the address; the worker itself needs no Ray)
 
         return ray.util.get_node_ip_address()
+
+    def place(self):
+        """``(ip, node id)`` of this worker's node: where its process group connects and its commits are held."""
+        return self.node_ip(), restart_point.this_node()
 
     def setup_address(self):
         """``tcp://<this node's ip>:<free port>`` for the process group's rendezvous."""
@@ -252,9 +256,13 @@ class TorchWorker:
 
         While a loaded mid-epoch state waits for its epoch (no batch of it trained yet), the state holds its
         cursor, committed metrics and random streams: whatever restarts from it resumes at the same point."""
+        return self._with_call_state(_state.capture(self.operator, self._epoch_now()), rngs)
+
+    def _with_call_state(self, state, rngs):
+        """``state`` with every rank's random streams and, while a loaded commit waits or an epoch was left mid-way,
+        its cursor (and committed metrics)."""
         streams = {**(rngs or {}), self.world_rank: self.rng_state()}
-        ordered = [streams.get(rank) for rank in range(max(streams) + 1)]
-        state = {**_state.capture(self.operator, self._epoch_now()), _state.RNG: ordered}
+        state[_state.RNG] = [streams.get(rank) for rank in range(max(streams) + 1)]
         pending = self.committer.pending_state()
         if pending is not None:
             state.update(pending)
@@ -285,18 +293,44 @@ class TorchWorker:
     def state_snapshot(self, rngs=None):
         """``(info, state bytes)`` of a restart point, called with two return values: the driver waits for the small
         ``info`` (``{"bytes": n, "node": node id}``) and keeps the bytes' ref without fetching them. The state is
-        serialised once, into a buffer handed to Ray's object store without a copy."""
+        serialised once, into a buffer handed to Ray's object store without a copy.
+
+        A sharded state (``strategy="fsdp"``) is a collective: every rank is called at once and answers its own part
+        (its shards, in DCP's format), rank 0's ``info`` also holding the ``head`` (:meth:`sharded_state`)."""
+        if _state.is_sharded(self.operator):
+            part, head = self.sharded_state(rngs)
+            info = {"bytes": part.nbytes, "node": restart_point.this_node(), "head": head}
+            return info, pickle.PickleBuffer(part.blob)
         view = serialise(self.state_dict(rngs))
         return {"bytes": view.nbytes, "node": restart_point.this_node()}, pickle.PickleBuffer(view)
+
+    def sharded_state(self, rngs=None):
+        """``(part, head)`` of a sharded state, a collective of every rank: ``part`` this rank's shards of the models
+        and optimizers (:class:`raysgd.torch.state.sharded.Part`, one file of a DCP checkpoint); ``head`` on rank 0
+        the rest of the state with every rank's random streams and the DCP metadata (bytes), None elsewhere."""
+        part = sharded.save_parts(_state.capture_shards(self.operator))
+        if self.world_rank != 0:
+            return part, None
+        rest = self._with_call_state(_state.capture_rest(self.operator, self._epoch_now()), rngs)
+        return part, bytes(serialise({"rest": rest, "metadata": part.metadata}))
 
     def load_restart_point(self, refs, weights_only=False, overlay=None, timeout_s=600):
         """Load the first still available copy of a restart point (``refs``: the
         :class:`~raysgd.torch.state.restart_point.RestartPoint`'s refs, fetched here from their nodes), updated with
-        its ``overlay`` (a commit's random streams, metrics and cursor)."""
-        stream = restart_point.first_available(refs, timeout_s)
+        its ``overlay`` (a commit's random streams, metrics and cursor). A sharded one (``refs`` a
+        :class:`~raysgd.torch.state.restart_point.ShardedRefs`) is a collective of every rank, at any number of ranks:
+        each fetches the parts its new shard overlaps."""
         location = self.operator.device if self.operator.use_gpu else "cpu"
-        state = checkpoint.state_from_bytes(stream, map_location=location, weights_only=weights_only)
-        del stream
+        if isinstance(refs, restart_point.ShardedRefs):
+            head = checkpoint.state_from_bytes(refs.head, weights_only=weights_only)
+            shards = _state.capture_shards(self.operator)
+            sharded.load_parts(shards, head["metadata"], refs.fetcher(timeout_s), weights_only=weights_only)
+            _state.restore_shards(self.operator, shards)
+            state = head["rest"]
+        else:
+            stream = restart_point.first_available(refs, timeout_s)
+            state = checkpoint.state_from_bytes(stream, map_location=location, weights_only=weights_only)
+            del stream
         self.load_state_dict({**state, **overlay} if overlay else state)
 
     def rng_state(self):

@@ -23,7 +23,7 @@ from raysgd.torch.execution.placement import Placement
 from raysgd.torch.execution.worker import TorchWorker
 from raysgd.torch.execution.worker_handle import Handle, start_actor
 from raysgd.torch.fault_tolerance import reform
-from raysgd.torch.state.restart_point import RestartPoint
+from raysgd.torch.state.restart_point import RestartPoint, ShardedPoint
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class WorkerGroup:
         self._runner = None  # rank 0's thread (use_local with remote ranks)
         self.broken = False
         self.generation = 0  # counts start(): per-rank inputs built for one generation die with it
+        self._nodes = []  # each rank's node id, learnt at the rendezvous
 
     @property
     def num_workers(self):
@@ -77,6 +78,10 @@ class WorkerGroup:
         spare = placement.spare_bundles(self._pg, self._handles) if self._own_pg and not self.broken else 0
         own = self._pg if self._own_pg and not self.broken else None
         return min(limit, spare + self._placement.how_many_fit(max(0, limit - spare), settle_s, own_pg=own))
+
+    def rank_nodes(self):
+        """The node id of each rank of the running group, in rank order (empty before it started)."""
+        return list(self._nodes) if not self.broken else []
 
     def placed_on(self):
         """``{rank: node id}`` of the remote workers a restart could place elsewhere (none inside a Tune trial)."""
@@ -144,13 +149,13 @@ class WorkerGroup:
     def _connect(self, n):
         """Rendezvous (the process group) and each rank's operator."""
         deadline = self._timeout_s + 60
-        local_ranks = [0] * n
         if n > 1:
             url = self._collect({0: self._handles[0].call("setup_address")}, deadline_s=deadline)[0]
             self._collect({h.rank: h.call("setup_process_group", url, h.rank, n, self._timeout_s)
                            for h in self._ordered()}, deadline_s=deadline)
-            ips = self.run("node_ip", deadline_s=deadline)
-            local_ranks = [ips[:rank].count(ip) for rank, ip in enumerate(ips)]
+        places = self.run("place", deadline_s=deadline)
+        ips, self._nodes = [ip for ip, _ in places], [node for _, node in places]
+        local_ranks = [ips[:rank].count(ip) for rank, ip in enumerate(ips)]
         self._collect({h.rank: h.call("setup_operator", local_ranks[h.rank]) for h in self._ordered()})
 
     # ----------------------------------------------------------------- calls
@@ -195,6 +200,8 @@ class WorkerGroup:
         never fetched here. ``rngs`` (``{rank: rng_state}``) go into it. Raises :class:`WorkerFailure` when no rank
         answers (the group is then broken)."""
         self._drain_submitted()
+        if self._worker_options.get("strategy") == "fsdp":
+            return self._sharded_snapshot(rngs, deadline_s)
         lost = {}
         for handle in self._handles:
             call, data = handle.call_with_data("state_snapshot", rngs)
@@ -204,6 +211,15 @@ class WorkerGroup:
             lost[handle.rank] = error
         self.broken = True
         raise WorkerFailure("no worker answered state_snapshot", {r: _calls.describe(e) for r, e in lost.items()})
+
+    def _sharded_snapshot(self, rngs, deadline_s):
+        """A :class:`~raysgd.torch.state.restart_point.ShardedPoint`: every rank saves its part at once (a collective)
+        into its node's object store; rank 0's answer holds the head. A lost rank ends it as :meth:`run` does."""
+        calls = {h.rank: h.call_with_data("state_snapshot", rngs) for h in self._ordered()}
+        infos = self._collect({rank: call for rank, (call, _) in calls.items()}, deadline_s=deadline_s)
+        parts = [RestartPoint([calls[rank][1]], nbytes=info["bytes"], nodes=[info["node"]])
+                 for rank, info in enumerate(infos)]
+        return ShardedPoint(parts, head=infos[0]["head"])
 
     def answers(self, method, *args, deadline_s=None, **kwargs):
         """``{rank: result}`` of ``method`` from every rank that answers (sent to all at once); like

@@ -1,8 +1,9 @@
 """The trainer's side of commits: one store per trainer, a plan per attempt, the restart point after a failure.
 
-Layer 5 helper of :mod:`raysgd.torch.torch_trainer`. Commits are taken by the workers
-(:mod:`raysgd.torch.state.committer`) and kept in a store next to the driver (:mod:`raysgd.torch.state.commit_store`).
-After a failure the call resumes from the latest complete commit, on however many workers fit; the
+Used by the run's controller. Commits are taken by the workers (:mod:`raysgd.torch.state.committer`); their small
+records are kept in a store next to the driver (:mod:`raysgd.torch.state.commit_store`), their state parts by a
+holder on each worker's node with a copy on a buddy node (:mod:`raysgd.torch.state.part_holders`), never in the
+driver. After a failure the call resumes from the latest complete commit, on however many workers fit; the
 metrics of the committed part are merged with those of the rest, so the call reports the whole epoch.
 
 Example:
@@ -22,8 +23,9 @@ from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.state import checkpoint
 from raysgd.torch.state import training_state as _state
 from raysgd.torch.state.commit_store import CommitStore
-from raysgd.torch.state.restart_point import RestartPoint
-from raysgd.torch.state.committer import CommitPlan
+from raysgd.torch.state.part_holders import Holders, buddies
+from raysgd.torch.state.restart_point import RestartPoint, ShardedPoint
+from raysgd.torch.state.committer import HEAD, CommitPlan
 from raysgd.meters import merge_partials
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,7 @@ class CommitPolicy:
     def __init__(self, every_n):
         self.every_n = check_every_n(every_n)
         self._store = None
+        self._holders = Holders()  # one per node of the workers, made when a plan names the node
         self._call = 0
         self._attempt = 0
         self._carried = {0: None}
@@ -116,21 +119,25 @@ class CommitPolicy:
                     self._begun = self._store.begin(self._call) if self._call else None
             return None
 
-    def with_plan(self, kwargs):
-        """The call's keyword arguments, with this attempt's :class:`CommitPlan` when the call commits."""
+    def with_plan(self, kwargs, nodes=()):
+        """The call's keyword arguments, with this attempt's :class:`CommitPlan` when the call commits; ``nodes``:
+        the node id of each rank (the part holders of those nodes keep the commit's state parts)."""
         if not self.active:
             return kwargs
         self._num_steps = kwargs.get("num_steps") if self._attempt == 0 else self._num_steps
-        return {**kwargs, "commit": self.plan()}
+        return {**kwargs, "commit": self.plan(nodes)}
 
-    def plan(self):
-        """The :class:`CommitPlan` of the current attempt (sent to every worker with the call)."""
-        return CommitPlan(self._store, self.every_n or None, commit_interval_s(), self._call, self._attempt,
+    def plan(self, nodes=()):
+        """The :class:`CommitPlan` of the current attempt (sent to every worker with the call), its sink naming the
+        holders of ``nodes`` (each rank's node id) and each node's buddy."""
+        nodes = list(nodes)
+        sink = self._store.sink(self._holders.for_nodes(nodes), buddies(nodes))
+        return CommitPlan(sink, self.every_n or None, commit_interval_s(), self._call, self._attempt,
                           run_id=self._run_id)
 
     def restart_state(self, kwargs):
         """The call's latest complete commit as a :class:`~raysgd.torch.state.restart_point.RestartPoint` (rank 0's
-        state in the store's object store, the small per-rank records as its overlay, with the ``cursor``), or None
+        state on the part holders' nodes, the small per-rank records as its overlay, with the ``cursor``), or None
         when there is none. The state itself never comes to this process.
 
         Advances to the next attempt; the committed metrics are carried into it, and ``kwargs["num_steps"]``
@@ -139,14 +146,14 @@ class CommitPolicy:
         """
         if not self.active:
             return None
-        found = self._ask(lambda store: store.latest_split(self._call))
+        found = self._ask(lambda store: store.latest_parts(self._call))
         self._attempt += 1
         self.resumed_preemption = False
         if found is None:
             self._carried[self._attempt] = None
             kwargs["num_steps"] = self._num_steps
             return None
-        key, records, size, state_ref = found
+        key, records, found_parts = found
         if key != self._preemption_seen and self._ask(lambda store: store.reason(key)) == preemption.PREEMPTION:
             self.resumed_preemption, self._preemption_seen = True, key  # the ranks marked it before any exited
         overlay = _state.commit_overlay(records)
@@ -156,7 +163,15 @@ class CommitPolicy:
         kwargs["num_steps"] = remaining_steps(self._num_steps, overlay)
         logger.info("Resuming from the commit at step %d of the call (cursor %d)", key[-1],
                     overlay[_state.CURSOR]["consumed"])
-        return RestartPoint([state_ref], nbytes=size, overlay=overlay)
+        return state_point(records, found_parts, overlay)
+
+    def abandon_restart(self, kwargs):
+        """The commit :meth:`restart_state` returned could not be loaded (its state was lost on every node): the
+        attempt starts from the call's start instead, with none of the call's committed metrics carried and all of
+        its ``num_steps``."""
+        self._carried[self._attempt] = None
+        kwargs["num_steps"] = self._num_steps
+        self.resumed_preemption = False
 
     def running_attempt(self):
         """``(call_id, attempt)`` of the running committing call (what a request to stop at a commit names), else None."""
@@ -184,11 +199,13 @@ class CommitPolicy:
     def latest_state(self):
         """The latest complete commit of the running or last call as a state dict (fetched into this process), or
         None."""
-        found = self._ask(lambda store: store.latest_split(self._call)) if self._store is not None else None
+        found = self._ask(lambda store: store.latest_parts(self._call)) if self._store is not None else None
         if not found:
             return None
-        stream = self._ask(lambda store: ray.get(found[3], timeout=600))
-        return _state.assemble_commit(found[1], checkpoint.state_from_bytes(stream)) if stream is not None else None
+        point = state_point(found[1], found[2])
+        if isinstance(point, ShardedPoint):
+            return _state.assemble_commit(found[1], point.whole_state(600))
+        return _state.assemble_commit(found[1], checkpoint.state_from_bytes(point.fetch(600)))
 
     def latest_bytes(self):
         """:meth:`latest_state` as ``torch.save`` bytes (for a persistent checkpoint), or None."""
@@ -199,6 +216,22 @@ class CommitPolicy:
         if self._store is not None:
             self._store.close()
             self._store = None
+        self._holders.close()
+
+
+def state_point(records, found_parts, overlay=None):
+    """The restart point of a commit's state from its records (``{rank: record}``) and parts (``{rank: {"size",
+    "copies": [(node, [ref])]}}``): rank 0's part (the same state on each node listed, rank 0's node first), or,
+    when rank 0's record holds a sharded state's head, a :class:`ShardedPoint` of every rank's part."""
+    head = records[0].get(HEAD)
+    if head is not None:
+        return ShardedPoint([_copies(found_parts[rank]) for rank in sorted(found_parts)], head, overlay=overlay)
+    return _copies(found_parts[0], overlay)
+
+
+def _copies(part, overlay=None):
+    return RestartPoint([refs[0] for _, refs in part["copies"]], nbytes=part["size"],
+                        nodes=[node for node, _ in part["copies"]], overlay=overlay)
 
 
 def remaining_steps(num_steps, state):

@@ -35,6 +35,7 @@ import torch
 from raysgd.meters import merge_partial
 from raysgd.torch.sharding import loaders as _data
 from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.state import sharded
 from raysgd.torch.state import training_state as _state
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ logger = logging.getLogger(__name__)
 #: including a wait for the previous commit), ``latency_s`` (from its start until the store holds it),
 #: ``bytes`` and ``count``.
 STATS = {"in_loop_s": None, "latency_s": None, "bytes": None, "count": 0}
+#: The key of rank 0's record holding a sharded commit's head: the rest of the state and the parts' DCP metadata.
+HEAD = "head"
 
 
 def commit_due(every_n, epoch_steps, interval_s, trained_s):
@@ -260,9 +263,20 @@ class Committer:
         self.flush()  # at most one commit in flight: its buffer is gone before the next one is made
         key = (plan.call_id, plan.attempt, self.call_steps)  # records of one attempt only complete a commit
         try:
+            # the live tensors, serialised now, in the loop, apart from the record (which stays small for the
+            # driver): rank 0's whole state, or under a sharded strategy every rank's part (a collective) with the
+            # rest of the state and the part's metadata in rank 0's record
+            state = None
+            if _state.is_sharded(op):
+                part = sharded.save_parts(_state.capture_shards(op))
+                state = memoryview(part.blob).toreadonly()
+                if worker.world_rank == 0:
+                    record[HEAD] = bytes(serialise({"rest": _state.capture_rest(op, worker.epochs),
+                                                    "metadata": part.metadata}))
+                del part
+            elif worker.world_rank == 0:
+                state = serialise(_state.capture(op, worker.epochs))
             blob = serialise(record)
-            # rank 0's live tensors, serialised now, in the loop, apart: the record stays small for the driver
-            state = serialise(_state.capture(op, worker.epochs)) if worker.world_rank == 0 else None
         except Exception as err:  # noqa: BLE001 (as a failed send: a lost commit only costs recomputation)
             logger.warning("Commit %s of rank %d was not stored: %s", key, worker.world_rank, err)
             return key

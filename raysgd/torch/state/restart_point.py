@@ -30,6 +30,8 @@ import ray
 from ray import exceptions as ray_errors
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raysgd.torch.state import checkpoint, sharded
+
 logger = logging.getLogger(__name__)
 
 #: Errors that mean "this copy is gone": its node died, its owner is gone, it could not be fetched in time, or the
@@ -90,6 +92,79 @@ class RestartPoint:
         return f"RestartPoint({len(self.refs)} copies, {size})"
 
 
+class ShardedRefs:
+    """What a worker loads a sharded restart point from: each saving rank's part as a list of refs (its copies), the
+    DCP file name of each, and the head (the state's small rest and the DCP metadata, bytes). Nested in a call's
+    arguments, its refs reach the worker unresolved (it fetches the files its new shard needs).
+
+    Example:
+        >>> ShardedRefs([[], []], b"").file_names
+        ['__0_0.distcp', '__1_0.distcp']
+    """
+
+    def __init__(self, parts, head):
+        self.parts, self.head = [list(refs) for refs in parts], head
+
+    @property
+    def file_names(self):
+        return [part_file_name(rank) for rank in range(len(self.parts))]
+
+    def fetcher(self, timeout_s=600):
+        """``fetch(relative_path)``: the first available copy of that rank's part (a zero-copy buffer)."""
+        by_name = dict(zip(self.file_names, self.parts))
+
+        def fetch(name):
+            if name not in by_name:
+                raise KeyError(f"the sharded state has no part {name!r} (it has {sorted(by_name)})")
+            return first_available(by_name[name], timeout_s)
+
+        return fetch
+
+
+def part_file_name(rank):
+    """The DCP file name of saving rank ``rank``'s part (as DCP's ``FileSystemWriter`` names it)."""
+    return f"__{rank}_0.distcp"
+
+
+class ShardedPoint:
+    """The restart point of a sharded state (FSDP): one :class:`RestartPoint` per saving rank's part (its DCP blob in
+    its node's object store, and a copy elsewhere), and the ``head``: rank 0's small rest of the state (epoch, steps,
+    operator state, schedulers, precision) with the DCP metadata, as bytes the driver holds (small). It loads on
+    any number of ranks: each new rank reads the parts its new shard overlaps.
+
+    Example:
+        >>> ShardedPoint([RestartPoint([], nbytes=3), RestartPoint([], nbytes=4)], head=b"")
+        ShardedPoint(2 parts, 0.0 MB)
+    """
+
+    def __init__(self, parts, head, overlay=None):
+        self.parts, self.head, self.overlay = list(parts), head, overlay
+
+    @property
+    def nbytes(self):
+        return sum(part.nbytes or 0 for part in self.parts)
+
+    def load_args(self, weights_only=False):
+        """The arguments of a worker's ``load_restart_point``: ``(ShardedRefs, weights_only, overlay)``."""
+        return ShardedRefs([part.refs for part in self.parts], self.head), weights_only, self.overlay
+
+    def fetcher(self, timeout_s=600):
+        """``fetch(file name)`` of the parts, in this process (the driver, only when the user asks for the state)."""
+        return self.load_args()[0].fetcher(timeout_s)
+
+    def whole_state(self, timeout_s=600):
+        """The state as one dict of whole CPU tensors (every part fetched into this process and consolidated, no
+        collective): ``state_dict()``, ``save()`` and ``latest_commit()`` of a sharded run, where the user asks.
+        Models hold their full tensors under their parameter names; optimizers are in DCP's form (state keyed
+        by parameter name), and it loads into a sharded trainer of any size."""
+        head = checkpoint.state_from_bytes(self.head)
+        whole = sharded.consolidate_parts(head["metadata"], self.fetcher(timeout_s))
+        return {**head["rest"], **(self.overlay or {}), "models": whole["models"], "optimizers": whole["optimizers"]}
+
+    def __repr__(self):
+        return f"ShardedPoint({len(self.parts)} parts, {self.nbytes / 1e6:.1f} MB)"
+
+
 def this_node():
     """The id of the node this process runs on."""
     return ray.get_runtime_context().get_node_id()
@@ -138,16 +213,29 @@ def copy_to(point, node, timeout_s=600):
     the driver owns the copy, lost only with ``node`` or the driver) and add it to ``point``; waits until the copy
     is stored, so a restart point always has its copy before the state moves on. Returns whether it was made (a
     failure is logged: the point keeps the copies it has)."""
+    return copy_all([(point, node)], timeout_s)[0]
+
+
+def copy_all(targets, timeout_s=600):
+    """:func:`copy_to` for each ``(point, node)`` of ``targets`` at once (the parts of a sharded state, each to its
+    own node); waits for all. Returns whether each copy was made."""
     global _copy_task
     if _copy_task is None:
         _copy_task = ray.remote(num_cpus=0, max_retries=0, num_returns=2)(_copy)
-    strategy = NodeAffinitySchedulingStrategy(node, soft=False)
-    info_ref, data_ref = _copy_task.options(scheduling_strategy=strategy).remote(point.refs[0])
-    try:
-        info = ray.get(info_ref, timeout=timeout_s)
-    except ray_errors.RayError as err:
-        logger.warning("The restart point's copy on node %s failed (%s: %s); it has %d copy(ies)", node[:12],
-                       type(err).__name__, str(err).splitlines()[0] if str(err) else "", len(point.refs))
-        return False
-    point.add_copy(data_ref, info["node"])
-    return True
+    started = []
+    for point, node in targets:
+        strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+        started.append((point, node, *_copy_task.options(scheduling_strategy=strategy).remote(point.refs[0])))
+    deadline = time.monotonic() + timeout_s
+    made = []
+    for point, node, info_ref, data_ref in started:
+        try:
+            info = ray.get(info_ref, timeout=max(1.0, deadline - time.monotonic()))
+        except ray_errors.RayError as err:
+            logger.warning("The restart point's copy on node %s failed (%s: %s); it has %d copy(ies)", node[:12],
+                           type(err).__name__, str(err).splitlines()[0] if str(err) else "", len(point.refs))
+            made.append(False)
+            continue
+        point.add_copy(data_ref, info["node"])
+        made.append(True)
+    return made

@@ -35,8 +35,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 from raysgd.torch.state import dcp_blobs
 from raysgd.torch.state.dcp_blobs import as_metadata, file_sizes
@@ -79,9 +80,11 @@ def models_and_optimizers_state(models, optimizers):
             "optimizers": [get_optimizer_state_dict(_owner(models, optimizer), optimizer) for optimizer in optimizers]}
 
 
-def load_models_and_optimizers(models, optimizers, state):
+def load_models_and_optimizers(models, optimizers, state, full=False):
     """Load :func:`models_and_optimizers_state`'s ``state`` (e.g. after :func:`load_parts` filled it) into ``models``
     and ``optimizers`` (strict: a missing or unexpected key raises). The counts must match what ``state`` holds.
+    ``full``: ``state`` holds whole tensors (e.g. :func:`consolidate_parts`' result), of which each rank keeps its
+    shard.
 
     Example:
         >>> import torch
@@ -95,10 +98,11 @@ def load_models_and_optimizers(models, optimizers, state):
         if len(state.get(kind, ())) != len(given):
             raise ValueError(f"load_models_and_optimizers: the state holds {len(state.get(kind, ()))} {kind}; "
                              f"got {len(given)} to load it into")
+    options = StateDictOptions(full_state_dict=True) if full else None
     for model, model_state in zip(models, state["models"]):
-        set_model_state_dict(model, model_state)
+        set_model_state_dict(model, model_state, options=options)
     for optimizer, optimizer_state in zip(optimizers, state["optimizers"]):
-        set_optimizer_state_dict(_owner(models, optimizer), optimizer, optimizer_state)
+        set_optimizer_state_dict(_owner(models, optimizer), optimizer, optimizer_state, options=options)
 
 
 # ----------------------------------------------------------------- parts

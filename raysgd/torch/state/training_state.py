@@ -32,12 +32,15 @@ import numpy as np
 import torch
 
 from raysgd.torch.operator import compiled as _compiled
+from raysgd.torch.state import sharded
 from raysgd.meters import merge_partial
 
 logger = logging.getLogger(__name__)
 
 #: Keys a commit adds to the state (absent in snapshots of a finished call and in old checkpoints).
 CURSOR, RNG, METERS = "cursor", "rng", "meters"
+#: Marks a sharded state's rest (its models and optimizers are in the parts) or a whole state of a sharded run.
+SHARDED = "sharded"
 
 
 def host_copy(value):
@@ -174,6 +177,43 @@ def capture(operator, epoch, copy=False):
     return host_copy(state) if copy else state
 
 
+def is_sharded(operator):
+    """Whether ``operator``'s models are sharded over the ranks (``TorchTrainer(strategy="fsdp")``): its state is then
+    one part per rank (:func:`capture_shards`) and a small rest that rank 0's holds (:func:`capture_rest`)."""
+    return getattr(operator, "strategy", "ddp") == "fsdp"
+
+
+def capture_rest(operator, epoch):
+    """:func:`capture` without the models and optimizers (a sharded state's rest: small, the same on every rank)."""
+    parts = operator.state_parts()
+    state = {"epoch": epoch, "global_step": operator.global_step, "operator": operator.state_dict(),
+             SHARDED: True}
+    if parts["schedulers"]:
+        state["schedulers"] = [scheduler.state_dict() for scheduler in parts["schedulers"]]
+    state.update(parts["precision"].state_dict())
+    return state
+
+
+def capture_shards(operator):
+    """This rank's shard of the models and optimizers, as DCP state dicts (``{"models": [...], "optimizers": [...]}``
+    of DTensors: :func:`raysgd.torch.state.sharded.models_and_optimizers_state`); what the parts save and load."""
+    parts = operator.state_parts()
+    return sharded.models_and_optimizers_state(parts["models"], parts["optimizers"])
+
+
+def restore_shards(operator, shards):
+    """Load :func:`capture_shards`' state (filled by a load of the parts) into the operator's models and optimizers."""
+    parts = operator.state_parts()
+    sharded.load_models_and_optimizers(parts["models"], parts["optimizers"], shards)
+
+
+def _restore_full_into_shards(parts, state):
+    """A whole (unsharded) state's models and optimizers loaded into sharded ones: each rank keeps its shard."""
+    _check_count("models", parts["models"], state["models"])
+    _check_count("optimizers", parts["optimizers"], state["optimizers"])
+    sharded.load_models_and_optimizers(parts["models"], parts["optimizers"], state, full=True)
+
+
 def _check_count(kind, registered, stored):
     if len(registered) != len(stored):
         raise ValueError(f"load_state_dict: the state holds {len(stored)} {kind} but {len(registered)} "
@@ -192,14 +232,19 @@ def restore(operator, state):
     """
     parts = operator.state_parts()
     schedulers = parts["schedulers"] or []
-    _check_count("models", parts["models"], state["models"])
-    _check_count("optimizers", parts["optimizers"], state["optimizers"])
     if "schedulers" in state or schedulers:
         _check_count("schedulers", schedulers, state.get("schedulers", []))
-    for model, model_state in zip(parts["models"], state["models"]):
-        _compiled.load_model_state(model, model_state)  # strict; also a checkpoint with torch.compile's prefix
-    for optimizer, optimizer_state in zip(parts["optimizers"], state["optimizers"]):
-        optimizer.load_state_dict(optimizer_state)
+    if "models" not in state and state.get(SHARDED):
+        pass  # a sharded state's rest: its shards were loaded (restore_shards)
+    elif is_sharded(operator):
+        _restore_full_into_shards(parts, state)
+    else:
+        _check_count("models", parts["models"], state["models"])
+        _check_count("optimizers", parts["optimizers"], state["optimizers"])
+        for model, model_state in zip(parts["models"], state["models"]):
+            _compiled.load_model_state(model, model_state)  # strict; also a checkpoint with torch.compile's prefix
+        for optimizer, optimizer_state in zip(parts["optimizers"], state["optimizers"]):
+            optimizer.load_state_dict(optimizer_state)
     for scheduler, scheduler_state in zip(schedulers, state.get("schedulers", [])):
         scheduler.load_state_dict(scheduler_state)
     parts["precision"].load_state_dict(state)

@@ -138,11 +138,14 @@ def write_checkpoint_dir(filesystem, directory, stream, meta=None):
     filesystem.create_dir(directory, recursive=True)
     local = _is_local(filesystem)
     marker_path = _join(directory, MARKER_FILE)
+    extra = {}
     if hasattr(stream, "write_to"):  # a part written elsewhere (on the node holding the state)
-        size, crc32 = stream.write_to(directory, STATE_FILE)
+        size, crc32, *more = stream.write_to(directory, STATE_FILE)
+        extra = more[0] if more else {}  # a sharded state's other files: {"parts": {name: [size, crc32]}}
     else:
         size, crc32 = write_state_file(filesystem, _join(directory, STATE_FILE), stream)
-    marker = {"format": FORMAT, **(meta or {}), "file": STATE_FILE, "size": size, "crc32": crc32, "time": time.time()}
+    marker = {"format": FORMAT, **(meta or {}), **extra, "file": STATE_FILE, "size": size, "crc32": crc32,
+              "time": time.time()}
     with filesystem.open_output_stream(marker_path) as handle:
         handle.write(json.dumps(marker, sort_keys=True).encode())
     if local:
@@ -208,19 +211,26 @@ def checked_marker(filesystem, directory):
     return marker
 
 
-def read_state_file(filesystem, directory, marker):
-    """The state file of ``directory``, checked against ``marker``'s size and CRC-32 (not loaded);
-    :class:`DamagedCheckpoint` when it is missing or does not match."""
+def read_state_file(filesystem, directory, marker, name=STATE_FILE):
+    """The state file (or, with ``name``, a sharded state's part that ``marker["parts"]`` lists) of ``directory``,
+    checked against the marker's size and CRC-32 (not loaded); :class:`DamagedCheckpoint` when it is missing or
+    does not match."""
+    if name == STATE_FILE:
+        size, crc32 = marker.get("size"), marker.get("crc32")
+    else:
+        listed = (marker.get("parts") or {}).get(name)
+        if not isinstance(listed, (list, tuple)) or len(listed) != 2:
+            raise DamagedCheckpoint(f"checkpoint {directory!r}: its {MARKER_FILE} lists no part {name!r}")
+        size, crc32 = listed
     try:
         # a random-access file reads in one request; an unbuffered input stream is 20x slower on S3
-        with filesystem.open_input_file(_join(directory, STATE_FILE)) as handle:
+        with filesystem.open_input_file(_join(directory, name)) as handle:
             stream = handle.read()
     except FileNotFoundError as err:
-        raise DamagedCheckpoint(f"checkpoint {directory!r} lost its state file") from err
-    if len(stream) != marker.get("size") or zlib.crc32(stream) != marker.get("crc32"):
-        raise DamagedCheckpoint(f"checkpoint {directory!r} is damaged: its state file has {len(stream)} bytes "
-                                f"(CRC-32 {zlib.crc32(stream)}), the marker says {marker.get('size')} "
-                                f"(CRC-32 {marker.get('crc32')})")
+        raise DamagedCheckpoint(f"checkpoint {directory!r} lost its file {name}") from err
+    if len(stream) != size or zlib.crc32(stream) != crc32:
+        raise DamagedCheckpoint(f"checkpoint {directory!r} is damaged: its file {name} has {len(stream)} bytes "
+                                f"(CRC-32 {zlib.crc32(stream)}), the marker says {size} (CRC-32 {crc32})")
     return stream
 
 

@@ -27,6 +27,9 @@ from raysgd.torch.storage import filesystem
 
 logger = logging.getLogger(__name__)
 
+#: DCP's metadata file of a sharded checkpoint (the folder then loads with DCP's own ``FileSystemReader`` too).
+DCP_METADATA = ".metadata"
+
 
 def _write(refs, root, path, timeout_s, overlay=None):
     """On the holder's node: write the first available copy of ``refs`` (updated with ``overlay``, a commit's
@@ -61,29 +64,66 @@ class RemotePart:
         self.refs, self.root, self.timeout_s, self.overlay = list(refs), root, timeout_s, overlay
         self.node = restart_point.this_node() if local else node
 
-    def write_to(self, directory, name):
-        """Write the state as ``directory/name`` (a task on :attr:`node`); returns ``(size, crc32)``. A failed or
-        overdue write raises (the checkpoint then has no marker and does not count)."""
+    def start(self, directory, name):
+        """Start the task writing ``directory/name``; returns its ref (answering ``(size, crc32)``)."""
         global _write_task
         if _write_task is None:
             _write_task = ray.remote(num_cpus=0, max_retries=0)(_write)
-        started = time.monotonic()
         options = {} if self.node is None else {
             "scheduling_strategy": NodeAffinitySchedulingStrategy(self.node, soft=True)}  # elsewhere if it is gone
-        call = _write_task.options(**options).remote(self.refs, self.root, f"{directory}/{name}", self.timeout_s,
+        return _write_task.options(**options).remote(self.refs, self.root, f"{directory}/{name}", self.timeout_s,
                                                      self.overlay)
-        size, crc32 = ray.get(call, timeout=self.timeout_s)
+
+    def write_to(self, directory, name):
+        """Write the state as ``directory/name`` (a task on :attr:`node`); returns ``(size, crc32)``. A failed or
+        overdue write raises (the checkpoint then has no marker and does not count)."""
+        started = time.monotonic()
+        size, crc32 = ray.get(self.start(directory, name), timeout=self.timeout_s)
         logger.debug("state part %s/%s written on node %s (%.1f MB, %.2f s)", directory, name,
                      (self.node or "?")[:12], size / 1e6, time.monotonic() - started)
         return size, crc32
 
 
-def _read(root, directory, marker):
+class ShardedRemoteParts:
+    """The files of a sharded state's checkpoint (a :class:`~raysgd.torch.state.restart_point.ShardedPoint`): each
+    rank's part written by a task on the node holding it (in parallel), then, from this process, the small head
+    (the rest of the state, updated with the overlay, and the DCP metadata) as the state file and the DCP
+    ``.metadata``: the folder is a DCP checkpoint of the models and optimizers too. The marker lists every part's
+    size and CRC-32.
+
+    Example:
+        >>> ShardedRemoteParts(None, "/tmp/run", local=True, timeout_s=5).timeout_s
+        5
+    """
+
+    def __init__(self, point, root, local, timeout_s=600):
+        self.point, self.root, self.local, self.timeout_s = point, root, local, timeout_s
+
+    def write_to(self, directory, name):
+        """Write every file into ``directory`` (the head as ``name``); returns ``(size, crc32, {"parts": {file:
+        [size, crc32]}})`` for the marker. A failed or overdue write raises (no marker: the checkpoint does not
+        count)."""
+        names = [restart_point.part_file_name(rank) for rank in range(len(self.point.parts))]
+        writers = [RemotePart(part.refs, part.nodes[0], self.root, self.local, timeout_s=self.timeout_s)
+                   for part in self.point.parts]
+        calls = [writer.start(directory, file) for writer, file in zip(writers, names)]
+        fs, _ = filesystem.resolve(self.root)
+        head = checkpoint.state_from_bytes(self.point.head)
+        head["rest"].update(self.point.overlay or {})
+        filesystem.write_state_file(fs, f"{directory}/{DCP_METADATA}", head["metadata"])
+        size, crc32 = filesystem.write_state_file(fs, f"{directory}/{name}", checkpoint.state_to_bytes(head))
+        deadline = time.monotonic() + self.timeout_s
+        written = {file: list(ray.get(call, timeout=max(1.0, deadline - time.monotonic())))
+                   for file, call in zip(names, calls)}
+        return size, crc32, {"parts": written}
+
+
+def _read(root, directory, marker, name=filesystem.STATE_FILE):
     """On a worker's node: ``(info, state bytes)`` of ``directory``'s state file checked against ``marker``;
     ``({"damaged": why}, None)`` when it does not match."""
     fs, _ = filesystem.resolve(root)
     try:
-        stream = filesystem.read_state_file(fs, directory, marker)
+        stream = filesystem.read_state_file(fs, directory, marker, name)
     except filesystem.DamagedCheckpoint as err:
         return {"damaged": str(err)}, None
     return {"bytes": len(stream), "node": restart_point.this_node()}, stream
@@ -102,8 +142,26 @@ def read_part(root, directory, marker, node, local, timeout_s=600):
         _read_task = ray.remote(num_cpus=0, max_retries=0, num_returns=2)(_read)
     node = restart_point.this_node() if local else node
     options = {} if node is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
-    info_ref, data_ref = _read_task.options(**options).remote(root, directory, marker)
-    info = ray.get(info_ref, timeout=timeout_s)
-    if "damaged" in info:
-        raise filesystem.DamagedCheckpoint(info["damaged"])
-    return restart_point.RestartPoint([data_ref], nbytes=info["bytes"], nodes=[info["node"]])
+    names = [filesystem.STATE_FILE] + sorted(marker.get("parts") or {}, key=_part_rank)
+    started = [_read_task.options(**options).remote(root, directory, marker, name) for name in names]
+    deadline = time.monotonic() + timeout_s
+    points = []
+    for info_ref, data_ref in started:
+        info = ray.get(info_ref, timeout=max(1.0, deadline - time.monotonic()))
+        if "damaged" in info:
+            raise filesystem.DamagedCheckpoint(info["damaged"])
+        points.append(restart_point.RestartPoint([data_ref], nbytes=info["bytes"], nodes=[info["node"]]))
+    if len(points) == 1:
+        return points[0]
+    head = restart_point.first_available(points[0].refs, timeout_s)  # small: the rest of the state and metadata
+    if [restart_point.part_file_name(rank) for rank in range(len(points) - 1)] != names[1:]:
+        raise filesystem.DamagedCheckpoint(f"checkpoint {directory!r}: its parts {names[1:]} are not one per rank")
+    return restart_point.ShardedPoint(points[1:], head=bytes(head))
+
+
+def _part_rank(name):
+    """The saving rank of a part's file name (``__3_0.distcp`` -> 3); -1 for a name of another form."""
+    try:
+        return int(name.split("_")[2])
+    except (IndexError, ValueError):
+        return -1

@@ -1,0 +1,127 @@
+"""Where committed state parts live: a 0-CPU holder actor on each node of the workers keeps the parts its node's
+ranks commit in that node's object store, with a copy on one other node (its buddy), so the loss of any one node
+leaves every part of a commit available and nothing the size of the model passes through the driver.
+
+Layer 2 (ray; beside :mod:`~raysgd.torch.state.commit_store`, one of the modules that call actors). A rank that
+commits a part (rank 0's state under DDP; every rank's shard under a sharded strategy) hands its serialised
+buffer to the holder on its own node (:meth:`CommitSink.put` of the commit store, in the rank's background send
+thread): the buffer reaches the holder through its node's object store (no network), the holder puts a copy of its
+own there (the holder *owns* it, so it outlives the sending rank's process) and asks the holder of the buddy node
+to make its own copy (pulled across the network; owned by that holder). The holder answers with the copies'
+``(node, [ref])``, which the rank sends with its small record to the commit store; the store, and after a failure
+the driver, only *borrow* those refs: the bytes go from the holders' nodes to the restarted workers directly.
+
+Holders hold no state of their own: a copy lives as long as someone (the store's latest commit, a restart point)
+holds its ref, and is freed when the last one lets go. A holder is lost only with its node (or an OOM kill of its
+process), taking its node's copies; the buddies' remain.
+
+The buddy of a node is the next one in the sorted ring of the group's nodes (:func:`buddies`): every node keeps its
+own ranks' parts and one neighbour's, so no node holds more than its share.
+
+Example:
+    >>> buddies(["b", "a", "c", "a"])
+    {'a': 'b', 'b': 'c', 'c': 'a'}
+    >>> buddies(["a", "a"])
+    {}
+"""
+import logging
+import pickle
+
+import ray
+from ray import exceptions as ray_errors
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+logger = logging.getLogger(__name__)
+
+#: How long a holder waits for its buddy's copy; a copy that cannot be made in time leaves the part with one copy.
+COPY_TIMEOUT_S = 600.0
+#: Concurrent calls a holder serves (every rank of its node, and the buddies' copies, at once).
+MAX_CONCURRENCY = 32
+
+
+def buddies(nodes):
+    """``{node: buddy node}`` over the distinct ``nodes`` (sorted into a ring); empty with fewer than two nodes."""
+    ring = sorted({node for node in nodes if node is not None})
+    if len(ring) < 2:
+        return {}
+    return {node: ring[(index + 1) % len(ring)] for index, node in enumerate(ring)}
+
+
+def _this_node():
+    return ray.get_runtime_context().get_node_id()
+
+
+class _HolderActor:
+    """One node's holder (see the module docstring); a threaded actor serving its ranks and its buddies."""
+
+    def keep(self, part, buddy):
+        """Keep ``part`` (a buffer, this node's rank's serialised part) in this node's object store and, with a
+        ``buddy`` holder, a copy on its node; returns ``[(node, [ref]), ...]`` of the copies made."""
+        own = ray.put(pickle.PickleBuffer(memoryview(part)))  # owned by this holder, in this node's store
+        del part
+        copies = [(_this_node(), [own])]
+        if buddy is not None:
+            try:
+                copies.append(tuple(ray.get(buddy.copy.remote([own]), timeout=COPY_TIMEOUT_S)))
+            except ray_errors.RayError as err:  # the part still has its first copy
+                logger.warning("The buddy copy of a committed part failed (%s: %s); it has one copy",
+                               type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        return copies
+
+    def copy(self, refs):
+        """Pull ``refs[0]`` from the holder that made it and keep a copy of this holder's own; ``(node, [ref])``."""
+        value = ray.get(refs[0], timeout=COPY_TIMEOUT_S)
+        mine = ray.put(pickle.PickleBuffer(memoryview(value)))
+        del value
+        return _this_node(), [mine]
+
+    def ping(self):
+        return _this_node()
+
+
+class Holders:
+    """The driver's holders, one per node of the workers, made on first need and owned by the driver (they live
+    as long as the trainer, unless their node dies).
+
+    Example:
+        >>> # holders = Holders(); handles = holders.for_nodes({0: node_a, 1: node_b}); holders.close()
+    """
+
+    def __init__(self):
+        self._by_node = {}
+        self._cls = None
+
+    def for_nodes(self, nodes):
+        """``{node: holder handle}`` for the nodes in ``nodes`` (an iterable of node ids), starting any missing."""
+        if self._cls is None:
+            self._cls = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY, max_restarts=0)(_HolderActor)
+        wanted = sorted({node for node in nodes if node is not None})
+        for node in wanted:
+            if node not in self._by_node:
+                strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+                self._by_node[node] = self._cls.options(scheduling_strategy=strategy).remote()
+        return {node: self._by_node[node] for node in wanted}
+
+    def close(self):
+        """Kill every holder (the copies they own go with them)."""
+        by_node, self._by_node = self._by_node, {}
+        for handle in by_node.values():
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception as err:  # noqa: BLE001 (gone with its node or the cluster)
+                logger.debug("holder: %s", err)
+
+
+def keep_part(holders, buddy_of, part, timeout_s):
+    """In a committing rank: keep ``part`` (a contiguous buffer) with the holder of this rank's node and a copy on
+    its buddy; returns ``{"size": bytes, "copies": [(node, [ref]), ...]}`` (what the commit store records).
+
+    ``holders``: ``{node: holder}``; ``buddy_of``: ``{node: buddy node}`` (:func:`buddies`). Raises ``RuntimeError``
+    when this node has no holder (the plan was made for another group), or the holder's error."""
+    node = _this_node()
+    holder = holders.get(node)
+    if holder is None:
+        raise RuntimeError(f"no part holder for node {node[:12]}: the commit plan names {len(holders)} other node(s)")
+    buddy = holders.get(buddy_of.get(node))
+    copies = ray.get(holder.keep.remote(pickle.PickleBuffer(part), buddy), timeout=timeout_s)
+    return {"size": memoryview(part).nbytes, "copies": [(where, list(refs)) for where, refs in copies]}
