@@ -75,7 +75,7 @@ DOCTESTED = ["raysgd.utils", "raysgd.optional", "raysgd.meters", "raysgd.timers"
              "raysgd.torch.worker_group", "raysgd.torch.examples.train_example", "raysgd.torch.sharding",
              "raysgd.torch.sharding.cursor", "raysgd.torch.sharding.epoch_order", "raysgd.torch.sharding.loaders",
              "raysgd.torch.sharding.batch_split", "raysgd.torch.operator", "raysgd.torch.operator.precision",
-             "raysgd.torch.operator.accumulation", "raysgd.torch.operator.compiled",
+             "raysgd.torch.operator.accumulation", "raysgd.torch.operator.compiled", "raysgd.torch.operator.fsdp",
              "raysgd.torch.operator.evaluation", "raysgd.torch.operator.registration",
              "raysgd.torch.operator.creators", "raysgd.torch.fault_tolerance",
              "raysgd.torch.fault_tolerance.recovery", "raysgd.torch.fault_tolerance.watches",

@@ -24,6 +24,7 @@ import torch
 
 from raysgd.callbacks import check_callbacks
 from raysgd.torch.constants import BATCH_SIZE, DATA_SEED, VALID_SCHEDULER_STEP
+from raysgd.torch.operator import fsdp
 from raysgd.torch.operator.precision import validate_fp16
 from raysgd.torch.sharding import batch_split
 from raysgd.torch.state.commit_policy import check_every_n
@@ -249,7 +250,17 @@ def _fixed_worker_batch(v, caller):
     return True
 
 
+def _sharded(v):
+    """Whether the models may be sharded over several workers (the state of sharded models is pending)."""
+    return v["strategy"] == "fsdp" and worker_range(v["num_workers"])[1] > 1
+
+
 def _commit_every(v, caller):
+    if _sharded(v):  # a commit would hold rank 0's shards only: off (None), refused when asked for
+        expect(v["commit_every_n_steps"] in (None, 0), "commit_every_n_steps", "None or 0 with strategy='fsdp' on "
+               "several workers (commits of sharded models are not supported yet)", v["commit_every_n_steps"],
+               caller=caller)
+        return 0
     return check_every_n(v["commit_every_n_steps"], caller)
 
 
@@ -257,6 +268,20 @@ def _strategy(v, caller):
     expect(v["placement_strategy"] in PLACEMENT_STRATEGIES, "placement_strategy",
            "one of " + ", ".join(map(repr, PLACEMENT_STRATEGIES)), v["placement_strategy"], caller=caller)
     return v["placement_strategy"]
+
+
+def _parallel_strategy(v, caller):
+    """``strategy`` ("ddp" or "fsdp") and what FSDP needs (torch, no apex, wrap_ddp, nccl on GPUs, no durable run)."""
+    strategy = fsdp.check_strategy(v["strategy"], use_fp16=v["use_fp16"], wrap_ddp=v["wrap_ddp"],
+                                   use_gpu=v["use_gpu"], backend=v["backend"], caller=caller)
+    expect(not _sharded(v) or v["storage_path"] is None, "storage_path", "None with strategy='fsdp' on several "
+           "workers (durable checkpoints of sharded models are not supported yet)", v["storage_path"], caller=caller)
+    return strategy
+
+
+def _fsdp_args(v, caller):
+    return fsdp.check_fsdp_args(v["fsdp_args"], v["strategy"], use_fp16=v["use_fp16"], use_gpu=v["use_gpu"],
+                                caller=caller)
 
 
 def _callbacks(v, caller):
@@ -351,12 +376,20 @@ class TrainerOptions:
         True, "record the run's steps/s, samples/s, workers, commit latency, checkpoint upload time, failures, "
         "resizes and checkpoints with `ray.util.metrics` (Ray's dashboard and Prometheus; see Callbacks, MLflow "
         "and Ray metrics)", _flag("ray_metrics"))
+    strategy: str = option(
+        "ddp", "`\"ddp\"` (DistributedDataParallel: the whole model on every worker) or `\"fsdp\"` (FSDP2's "
+        "`fully_shard`: parameters, gradients and optimizer state sharded over the workers; torch ≥ 2.7; see Sharded "
+        "models (FSDP2))", _parallel_strategy, attribute=True, worker=True)
+    fsdp_args: dict = option(
+        None, "with `strategy=\"fsdp\"`: `reshard_after_forward`, `mp_policy`, `offload_policy` (passed to "
+        "`fully_shard`) and `shard_policy` (the submodules sharded on their own before the root)", _fsdp_args,
+        worker=True)
 
     #: The order the checks run in (each may rely on those before it); ``use_gpu`` is resolved before ``backend``.
     ORDER = ("placement_strategy", "training_operator_cls", "initialization_hook", "config", "num_workers",
              "num_cpus_per_worker", "use_gpu", "use_local", "num_gpus_per_worker", "backend", "timeout_s", "use_fp16",
              "wrap_ddp", "use_tqdm", "add_dist_sampler", "scheduler_step_freq", "fixed_worker_batch",
-             "commit_every_n_steps", "callbacks", "ray_metrics")
+             "strategy", "fsdp_args", "commit_every_n_steps", "callbacks", "ray_metrics")
 
     @classmethod
     def from_kwargs(cls, kwargs):

@@ -32,6 +32,7 @@ from raysgd.torch.operator import creators as _creators
 from raysgd.torch.operator import lightning as _lightning
 from raysgd.torch.operator import registration as _registration
 from raysgd.torch.operator.accumulation import AccumulationHelpers, zero_grad_now
+from raysgd.torch.operator.fsdp import Sharding, ShardingHelpers
 from raysgd.torch.operator.creators import get_test_metrics_operator, get_test_operator  # noqa: F401 (1.x's names)
 from raysgd.torch.operator.precision import LegacyAmp, Precision, PrecisionHelpers
 from raysgd.torch.sharding import loaders as _data
@@ -39,7 +40,7 @@ from raysgd.torch.sharding import loaders as _data
 logger = logging.getLogger(__name__)
 
 
-class TrainingOperator(PrecisionHelpers, AccumulationHelpers):
+class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
     """Defines the training components of one worker and how an epoch and a batch are run.
 
     Subclass it and implement :meth:`setup`; override :meth:`train_batch`, :meth:`train_epoch`,
@@ -56,7 +57,7 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers):
 
     def __init__(self, config, world_rank=0, local_rank=0, is_distributed=False, use_gpu=False, device=None,
                  use_fp16=False, use_tqdm=False, wrap_ddp=False, add_dist_sampler=False,
-                 scheduler_step_freq=None, world_size=1):
+                 scheduler_step_freq=None, world_size=1, strategy="ddp", fsdp_args=None):
         self._config = config
         self._world_rank = world_rank
         self._local_rank = local_rank
@@ -65,10 +66,11 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers):
         self._use_gpu = bool(use_gpu) and torch.cuda.is_available()
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._use_tqdm = use_tqdm
-        self._wrap_ddp = wrap_ddp and is_distributed
+        self._wrap_ddp = wrap_ddp and is_distributed and strategy != "fsdp"
         self._add_dist_sampler = add_dist_sampler  # also at world size 1: the data cursor needs a seeded order
         self._scheduler_step_freq = scheduler_step_freq
         self._precision = Precision(use_fp16, self._device)
+        self._sharding = Sharding(strategy, fsdp_args, self._precision, self._device, self._world_size)
         self._registered = False
         self._schedulers = None
         self._train_loader = self._validation_loader = None
@@ -85,7 +87,8 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers):
                                   "self.register(...) and self.register_data(...) in it.")
 
     def register(self, *, models, optimizers, criterion=None, schedulers=None, ddp_args=None, apex_args=None):
-        """Register the training components; returns them moved, patched and (when distributed) DDP-wrapped.
+        """Register the training components; returns them moved, patched and (when distributed) DDP-wrapped, or
+        sharded in place with ``TorchTrainer(strategy="fsdp")`` (see :mod:`raysgd.torch.operator.fsdp`).
 
         Returns ``(models, optimizers[, criterion][, schedulers])``, each in the shape given:
         a single object stays single, a tuple stays a tuple, a list stays a list.
@@ -111,8 +114,8 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers):
         if self._wrap_ddp:
             self._models = [_compiled.wrap_ddp(m, lambda inner: DistributedDataParallel(
                 inner, device_ids=self.device_ids, **ddp_args)) for m in model_list]
-        else:
-            self._models = list(model_list)
+        else:  # sharded in place under strategy="fsdp" (the optimizers follow); else as given
+            self._models = self._sharding.shard(list(model_list), optim_list, ddp_args)
         self._registered = True
         returns = [model_shape(self._models), optim_shape(optim_list)]
         if criterion is not None:

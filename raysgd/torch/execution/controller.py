@@ -440,6 +440,11 @@ class RunController:
         self.ensure_workers()
         return self.first_answer("get_models", to_cpu)
 
+    def full_models(self):
+        """Rank 0's whole models on CPU, gathered by every rank (sharded models: a collective all ranks take part in)."""
+        self.ensure_workers()
+        return self.group.run("full_models", deadline_s=self._timeout_s)[0]
+
     def local_operator(self):
         """The rank-0 operator living in this process, or None without ``use_local``."""
         self.ensure_workers()

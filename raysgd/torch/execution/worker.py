@@ -69,7 +69,7 @@ class TorchWorker:
 
     def __init__(self, operator_cls, config, *, use_gpu=False, use_fp16=False, use_tqdm=False, wrap_ddp=True,
                  add_dist_sampler=True, scheduler_step_freq=None, backend="gloo", num_cpus=1, world_size=1,
-                 is_local=False):
+                 is_local=False, strategy="ddp", fsdp_args=None):
         self.operator_cls = operator_cls
         self.config = config
         self.use_gpu = use_gpu
@@ -82,7 +82,8 @@ class TorchWorker:
         self.timers.disable()
         self._is_local = is_local
         self._options = dict(use_fp16=use_fp16, use_tqdm=use_tqdm, wrap_ddp=wrap_ddp,
-                             add_dist_sampler=add_dist_sampler, scheduler_step_freq=scheduler_step_freq)
+                             add_dist_sampler=add_dist_sampler, scheduler_step_freq=scheduler_step_freq,
+                             strategy=strategy, fsdp_args=fsdp_args)
         self._fresh_group_state()
         if not is_local and num_cpus:
             torch.set_num_threads(max(1, int(num_cpus)))
@@ -237,7 +238,8 @@ class TorchWorker:
         self._begin(profile)
         self.operator.registered_loader("validation")  # a clear error before anything else
         with self.timers.record("validation"), self._val_iter.fresh_after_error(), _state.preserved_rng(), \
-                evaluation.quiet_forward(evaluation.ddp_modules(self.operator)):  # no collective per batch
+                evaluation.quiet_forward(evaluation.ddp_modules(self.operator)), \
+                self.operator.unsharded():  # no collective per batch (FSDP: gathered once, on every rank)
             stats = self.operator.validate(self._val_iter.take(num_steps), dict(info or {}))
         if profile:
             stats = {**stats, "profile": self.timers.stats()}
@@ -277,7 +279,14 @@ class TorchWorker:
 
         A commit's ``cursor`` makes that epoch resume where the commit was taken, with this rank's
         random streams from it (applied once the epoch's iterator exists, as in the original run).
+        Sharded models (``strategy == "fsdp"``) refuse: the state holds rank 0's shards only (sharded state pending).
         """
+        if self.operator.strategy == "fsdp":
+            raise NotImplementedError(
+                "Loading a state into sharded models (strategy='fsdp' on several workers) is not supported yet: "
+                "snapshots, commits and checkpoints hold rank 0's shards only, so a restart, a resize, load() or "
+                "load_state_dict() cannot restore them (sharded state through torch.distributed.checkpoint is "
+                "pending). get_model() returns the whole model.")
         epoch = _state.restore(self.operator, state)
         cursor = state.get(_state.CURSOR)
         self.epochs = cursor["epoch"] - 1 if cursor else epoch
@@ -354,6 +363,12 @@ class TorchWorker:
         """The unwrapped models; with ``to_cpu`` CPU copies (the worker's own models never move)."""
         models = self.operator.registered_models()
         return [model_copy.cpu_copy(model) for model in models] if to_cpu else models
+
+    def full_models(self):
+        """The whole models on CPU on rank 0, None on the others: under FSDP a collective, so the driver calls it on
+        every rank (see ``TrainingOperator.full_models``)."""
+        models = self.operator.full_models()
+        return models if self.world_rank == 0 else None
 
     def apply(self, fn):
         return fn()
