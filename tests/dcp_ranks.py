@@ -64,10 +64,11 @@ def read_folder(folder):
     return blobs
 
 
-def load_into_fresh(mesh, seed, load):
-    """Fresh models on ``mesh``, loaded by ``load(state)``; returns their full state (on the mesh's rank 0)."""
+def load_into_fresh(mesh, seed, load, metadata):
+    """Fresh models on ``mesh``, loaded by ``load(state)`` (``state`` made for a checkpoint of ``metadata``: fresh
+    optimizers get state to fill); returns their full state (on the mesh's rank 0)."""
     models_, optimizers = models(mesh, seed)
-    state = sharded.models_and_optimizers_state(models_, optimizers)
+    state = sharded.models_and_optimizers_state(models_, optimizers, metadata=metadata)
     load(state)
     sharded.load_models_and_optimizers(models_, optimizers, state)
     return full_state(models_, optimizers)
@@ -126,11 +127,13 @@ def main(rank, port, out, s3, environ):
         sharded.load_parts(state, metadata, fetcher, process_group=world)
         timings["load_parts_3_s"] = time.perf_counter() - started
 
-    results = {"loaded_3": load_into_fresh(mesh, 1, from_memory),
+    results = {"loaded_3": load_into_fresh(mesh, 1, from_memory, metadata),
                "loaded_3_torch_reader": load_into_fresh(
-                   mesh, 2, lambda state: dcp.load(state, storage_reader=dcp.FileSystemReader(mem), process_group=world)),
-               "loaded_3_from_torch_writer": load_into_fresh(mesh, 3, lambda state: dcp_files.load(state, fsw, world)),
-               "loaded_3_s3": load_into_fresh(mesh, 4, lambda state: dcp_files.load(state, s3_ckpt, world))}
+                   mesh, 2, lambda state: dcp.load(state, storage_reader=dcp.FileSystemReader(mem), process_group=world),
+                   metadata),
+               "loaded_3_from_torch_writer": load_into_fresh(mesh, 3, lambda state: dcp_files.load(state, fsw, world),
+                                                             metadata),
+               "loaded_3_s3": load_into_fresh(mesh, 4, lambda state: dcp_files.load(state, s3_ckpt, world), metadata)}
     lazy_blobs = read_folder(os.path.join(out, "lazy"))
     lazy_metadata = lazy_blobs.pop(".metadata")
     lazy = torch.nn.Linear(4, 12)
@@ -141,7 +144,8 @@ def main(rank, port, out, s3, environ):
     if rank == 0:  # ---------------- load at 1 rank
         solo_mesh = DeviceMesh.from_group(solo, "cpu")
         results["loaded_1"] = load_into_fresh(
-            solo_mesh, 5, lambda state: sharded.load_parts(state, metadata, blobs.__getitem__, process_group=solo))
+            solo_mesh, 5, lambda state: sharded.load_parts(state, metadata, blobs.__getitem__, process_group=solo),
+            metadata)
         for name, result in results.items():
             torch.save(result, os.path.join(out, f"{name}.pt"))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:

@@ -93,10 +93,11 @@ def assert_sharded(trainer, num_workers, model=mlp):
     assert all(counts != whole for _, counts in sizes)
 
 
-def test_two_sharded_workers_match_one_process_validate_uneven_shards_and_refuse_half_a_state(trainer_factory):
+def test_two_sharded_workers_match_one_process_validate_uneven_shards_and_save_and_load_the_whole(trainer_factory,
+                                                                                                 tmp_path):
     """Validation: 11 samples in batches of 5 are 2 batches on rank 0 and 1 on rank 1 (no collective per batch).
-    The state: the call-start snapshot (rank 0's DTensor shards) serialises, so training runs; everything that would
-    hand out or load rank 0's shards as the state is refused."""
+    The state: ``state_dict()`` and ``save()`` consolidate the shards into whole tensors on the driver, and
+    ``load_state_dict()``/``load()`` put each rank's shard of them back."""
     trainer = trainer_factory(training_operator_cls=MLPOperator, num_workers=2, strategy="fsdp",
                               config={BATCH_SIZE: GLOBAL})
     assert_sharded(trainer, 2)
@@ -105,12 +106,19 @@ def test_two_sharded_workers_match_one_process_validate_uneven_shards_and_refuse
     assert trainer.validate()["val_loss"] == pytest.approx(validation_loss(reference(steps=2)), rel=1e-5)
     assert trainer.train(num_steps=1)["num_samples"] == GLOBAL  # training goes on after validation
     assert_same_parameters(trainer.get_model(), reference(steps=3))
-    for call in (trainer.state_dict, lambda: trainer.save("unused.ckpt"), lambda: trainer.load_state_dict({})):
-        with pytest.raises(NotImplementedError, match="strategy='fsdp' on several workers is not supported yet"):
-            call()
-    with pytest.raises(NotImplementedError, match="cannot restore them"):  # what a restart would load
-        trainer.controller.run("load_restart_point", *trainer.controller.take_snapshot().load_args())
-    assert trainer.controller.commits.enabled is False  # no commits of rank 0's shards
+    # the whole state, consolidated on the driver where it is asked for, loads back into the shards
+    saved, path = trainer.state_dict(), str(tmp_path / "whole.ckpt")
+    want = reference(steps=3).state_dict()
+    assert set(saved["models"][0]) == set(want) and all(
+        torch.allclose(saved["models"][0][key], want[key], rtol=1e-5, atol=1e-7) for key in want)
+    assert trainer.save(path) == path
+    trainer.train(num_steps=1)
+    trainer.load_state_dict(saved, blocking=True)
+    assert_same_parameters(trainer.get_model(), reference(steps=3))
+    trainer.train(num_steps=1)
+    trainer.load(path, blocking=True)
+    assert_same_parameters(trainer.get_model(), reference(steps=3))
+    assert trainer.controller.commits.enabled  # commits hold every rank's part (tests/test_fsdp_state.py)
 
 
 def test_three_workers_with_a_compiled_model_and_rank_0_here_match_one_process(trainer_factory):
@@ -274,8 +282,6 @@ def test_an_optimizer_with_state_and_ddp_args_are_refused_before_sharding():
      "use_fp16 expects False with fsdp_args['mp_policy']"),
     ({"strategy": "fsdp", "fsdp_args": {"offload_policy": "cpu"}}, TypeError, "offload_policy'] expects a"),
     ({"strategy": "fsdp", "fsdp_args": {"shard_policy": 3}}, TypeError, "fsdp_args['shard_policy'] expects a"),
-    ({"strategy": "fsdp", "commit_every_n_steps": 5}, ValueError, "commit_every_n_steps expects None or 0"),
-    ({"strategy": "fsdp", "storage_path": "/tmp/never"}, ValueError, "storage_path expects None with strategy="),
 ])
 def test_bad_strategy_values_are_refused_before_any_actor_starts(kwargs, error, words, monkeypatch):
     import raysgd.torch.torch_trainer as torch_trainer

@@ -139,7 +139,7 @@ def test_plain_modules_without_a_process_group_round_trip():
     optimizer.step()
     part = sharded.save_parts(sharded.models_and_optimizers_state([model], [optimizer]))
     fresh_optimizer = torch.optim.Adam(fresh.parameters(), lr=0.5)
-    state = sharded.models_and_optimizers_state([fresh], [fresh_optimizer])
+    state = sharded.models_and_optimizers_state([fresh], [fresh_optimizer], metadata=part.metadata)
     sharded.load_parts(state, part.metadata, {part.file_name: part.blob}.__getitem__)
     sharded.load_models_and_optimizers([fresh], [fresh_optimizer], state)
     assert _differences({"m": model.state_dict(), "o": optimizer.state_dict()},
@@ -155,7 +155,7 @@ def test_an_optimizer_over_two_models_is_keyed_by_model_index_and_round_trips():
     assert sorted(state["optimizers"][0]["state"]) == ["0.bias", "0.weight", "1.bias", "1.weight"]
     part = sharded.save_parts(state)
     fresh_optimizer = torch.optim.SGD([p for m in fresh for p in m.parameters()], lr=0.5, momentum=0.9)
-    target = sharded.models_and_optimizers_state(fresh, [fresh_optimizer])
+    target = sharded.models_and_optimizers_state(fresh, [fresh_optimizer], metadata=part.metadata)
     sharded.load_parts(target, part.metadata, {part.file_name: part.blob}.__getitem__)
     sharded.load_models_and_optimizers(fresh, [fresh_optimizer], target)
     assert _differences({"m": [m.state_dict() for m in models], "o": optimizer.state_dict()},
@@ -224,3 +224,26 @@ def test_file_names_and_sizes_come_from_the_metadata():
     assert sharded.files_needed({"w": torch.zeros(3)}, part.metadata) == [part.file_name]
     with pytest.raises(TypeError, match="expected as a Metadata or its bytes; got str"):
         sharded.file_names("not metadata")
+
+
+def test_a_fresh_optimizer_stays_fresh_through_a_save_and_a_load():
+    """DCP gives a fresh optimizer state by a step with a learning rate of 0, which Adam counts as a step: a state
+    saved before the first step would then resume with a different bias correction. Saved and loaded, a fresh Adam
+    stays without state, and loading it into one that stepped clears that one's state."""
+    torch.manual_seed(0)
+    model, stepped = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    part = sharded.save_parts(sharded.models_and_optimizers_state([model], [adam]))
+    assert len(adam.state) == 0 and all(p.grad is None for p in model.parameters())
+    other = torch.optim.Adam(stepped.parameters(), lr=0.5)
+    stepped(torch.ones(1, 3)).sum().backward()
+    other.step()
+    target = sharded.models_and_optimizers_state([stepped], [other], metadata=part.metadata)
+    sharded.load_parts(target, part.metadata, {part.file_name: part.blob}.__getitem__)
+    sharded.load_models_and_optimizers([stepped], [other], target)
+    assert len(other.state) == 0 and other.param_groups[0]["lr"] == 0.1
+    assert torch.equal(stepped.weight, model.weight)
+    for optimizer, module in ((adam, model), (other, stepped)):  # the same first step from here on
+        module(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+    assert torch.equal(stepped.weight, model.weight)

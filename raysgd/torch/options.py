@@ -250,17 +250,7 @@ def _fixed_worker_batch(v, caller):
     return True
 
 
-def _sharded(v):
-    """Whether the models may be sharded over several workers (the state of sharded models is pending)."""
-    return v["strategy"] == "fsdp" and worker_range(v["num_workers"])[1] > 1
-
-
 def _commit_every(v, caller):
-    if _sharded(v):  # a commit would hold rank 0's shards only: off (None), refused when asked for
-        expect(v["commit_every_n_steps"] in (None, 0), "commit_every_n_steps", "None or 0 with strategy='fsdp' on "
-               "several workers (commits of sharded models are not supported yet)", v["commit_every_n_steps"],
-               caller=caller)
-        return 0
     return check_every_n(v["commit_every_n_steps"], caller)
 
 
@@ -271,12 +261,9 @@ def _strategy(v, caller):
 
 
 def _parallel_strategy(v, caller):
-    """``strategy`` ("ddp" or "fsdp") and what FSDP needs (torch, no apex, wrap_ddp, nccl on GPUs, no durable run)."""
-    strategy = fsdp.check_strategy(v["strategy"], use_fp16=v["use_fp16"], wrap_ddp=v["wrap_ddp"],
-                                   use_gpu=v["use_gpu"], backend=v["backend"], caller=caller)
-    expect(not _sharded(v) or v["storage_path"] is None, "storage_path", "None with strategy='fsdp' on several "
-           "workers (durable checkpoints of sharded models are not supported yet)", v["storage_path"], caller=caller)
-    return strategy
+    """``strategy`` ("ddp" or "fsdp") and what FSDP needs (torch, no apex, wrap_ddp, nccl on GPUs)."""
+    return fsdp.check_strategy(v["strategy"], use_fp16=v["use_fp16"], wrap_ddp=v["wrap_ddp"],
+                               use_gpu=v["use_gpu"], backend=v["backend"], caller=caller)
 
 
 def _fsdp_args(v, caller):

@@ -290,7 +290,6 @@ class TorchTrainer:
     # ----------------------------------------------------------------- state
     def state_dict(self):
         """Rank 0's state: ``{epoch, global_step, operator, models, optimizers[, schedulers][, amp_*]}`` on CPU."""
-        self._refuse_sharded_state("state_dict")
         return self._controller.state_dict()
 
     def latest_commit(self):
@@ -312,12 +311,10 @@ class TorchTrainer:
         Example:
             >>> trainer.load_state_dict(other.state_dict(), blocking=True)  # doctest: +SKIP
         """
-        self._refuse_sharded_state("load_state_dict")
         self._controller.load_stream(*checkpoint.checked_stream(state_dict, weights_only), blocking=blocking)
 
     def save(self, checkpoint_path):
         """Write the trainer state to ``checkpoint_path`` atomically (and to ``storage_path``); returns the path."""
-        self._refuse_sharded_state("save")
         return self._controller.save(checkpoint_path)
 
     def load(self, checkpoint_path, weights_only=True, blocking=False):
@@ -325,19 +322,11 @@ class TorchTrainer:
         checkpoint directory of ``storage_path`` or Tune (a local path or a URI such as ``s3://bucket/run/...``).
         Anything else (a text file, another pickle, a model's weights) raises
         :class:`~raysgd.torch.errors.CheckpointError` naming it, before anything is sent to the workers."""
-        self._refuse_sharded_state("load")
         self._controller.load_path(checkpoint_path, weights_only=weights_only, blocking=blocking)
 
     def restore(self, *args):
         """Removed in 1.x: always raises ``DeprecationWarning`` pointing at :meth:`load`."""
         raise DeprecationWarning("TorchTrainer.restore() is deprecated: use TorchTrainer.load(checkpoint).")
-
-    def _refuse_sharded_state(self, method):
-        """Refuse ``method`` while the models are sharded: the state would hold rank 0's shards only."""
-        if self.strategy == "fsdp" and self.worker_group.num_workers > 1:
-            raise NotImplementedError(f"{method}() with strategy='fsdp' on several workers is not supported yet: the "
-                                      f"trainer's state would hold rank 0's shards only (sharded state through "
-                                      f"torch.distributed.checkpoint is pending). get_model() returns the whole model.")
 
     def shutdown(self, force=False):
         """Stop the workers and release their resources; the trainer cannot be used afterwards. Waits for the last

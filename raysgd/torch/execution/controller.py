@@ -170,7 +170,7 @@ class RunController:
     def as_point(state):
         """``state`` (a :class:`RestartPoint`, a state dict or its bytes) as a :class:`RestartPoint` (state the driver
         holds is put into the object store once)."""
-        if isinstance(state, RestartPoint):
+        if isinstance(state, (RestartPoint, ShardedPoint)):
             return state
         return RestartPoint.of_bytes(checkpoint.state_to_bytes(state) if isinstance(state, dict) else state)
 
@@ -453,8 +453,11 @@ class RunController:
 
     def load_stream(self, stream, weights_only=True, blocking=False):
         """Send checked state bytes to every worker (loaded there with ``weights_only``); they are the restart point."""
+        self._load_point(RestartPoint.of_bytes(stream), weights_only, blocking)
+
+    def _load_point(self, point, weights_only, blocking):
+        """Load ``point`` on every worker (safely with ``weights_only``); it becomes the restart point."""
         self.ensure_workers()
-        point = RestartPoint.of_bytes(stream)
         if blocking:
             self.run("load_restart_point", *point.load_args(weights_only))
         else:
@@ -480,6 +483,13 @@ class RunController:
 
     def load_path(self, path, weights_only=True, blocking=False):
         """Load a file written by ``save`` or a checkpoint directory (see ``TorchTrainer.load``)."""
+        found = filesystem.read_parts(path)  # a sharded state's folder: its head and parts, one per saving rank
+        if found is not None:
+            head, files = found
+            filesystem.check_state_bytes(head, name=f"checkpoint {path!r}", weights_only=weights_only)
+            self._load_point(ShardedPoint([RestartPoint.of_bytes(part) for part in files], head=head), weights_only,
+                             blocking)
+            return
         state = filesystem.read_path(path, weights_only=weights_only)  # checked: a dict or state bytes
         if isinstance(state, bytes):
             self.load_stream(state, weights_only, blocking=blocking)

@@ -279,14 +279,9 @@ class TorchWorker:
 
         A commit's ``cursor`` makes that epoch resume where the commit was taken, with this rank's
         random streams from it (applied once the epoch's iterator exists, as in the original run).
-        Sharded models (``strategy == "fsdp"``) refuse: the state holds rank 0's shards only (sharded state pending).
+        Under ``strategy="fsdp"`` a whole state (``load_state_dict``, ``load``) is a collective: each rank keeps its
+        shard of it; a sharded state's rest arrives here after its parts were loaded (:meth:`load_restart_point`).
         """
-        if self.operator.strategy == "fsdp":
-            raise NotImplementedError(
-                "Loading a state into sharded models (strategy='fsdp' on several workers) is not supported yet: "
-                "snapshots, commits and checkpoints hold rank 0's shards only, so a restart, a resize, load() or "
-                "load_state_dict() cannot restore them (sharded state through torch.distributed.checkpoint is "
-                "pending). get_model() returns the whole model.")
         epoch = _state.restore(self.operator, state)
         cursor = state.get(_state.CURSOR)
         self.epochs = cursor["epoch"] - 1 if cursor else epoch
@@ -332,7 +327,7 @@ class TorchWorker:
         location = self.operator.device if self.operator.use_gpu else "cpu"
         if isinstance(refs, restart_point.ShardedRefs):
             head = checkpoint.state_from_bytes(refs.head, weights_only=weights_only)
-            shards = _state.capture_shards(self.operator)
+            shards = _state.capture_shards(self.operator, metadata=head["metadata"])  # what the parts fill
             sharded.load_parts(shards, head["metadata"], refs.fetcher(timeout_s), weights_only=weights_only)
             _state.restore_shards(self.operator, shards)
             state = head["rest"]

@@ -317,7 +317,7 @@ class Sharding:
 
 class ShardingHelpers:
     """The operator's side of :class:`Sharding` (``self._sharding``, set by the operator): ``strategy``,
-    ``full_models()`` and ``unsharded()``.
+    ``shards_state``, ``full_models()`` and ``unsharded()``.
 
     Example:
         >>> class Op(ShardingHelpers):
@@ -335,6 +335,12 @@ class ShardingHelpers:
         ``fully_shard`` (parameters, gradients and optimizer state are this rank's shards, as DTensors), else
         ``"ddp"`` (whole on every rank: DDP-wrapped, or plain with one worker, also under ``strategy="fsdp"``)."""
         return "fsdp" if self._sharding.active else "ddp"
+
+    @property
+    def shards_state(self):
+        """Whether this rank's state is kept as its part of a sharded (DCP) state: under ``strategy="fsdp"`` at any
+        number of workers, one included, so a state moves between sizes (1 <-> N) in one format."""
+        return self._sharding.requested == "fsdp"
 
     def full_models(self):
         """The registered models whole, on CPU, as plain modules of their own classes (no DDP, FSDP or compile

@@ -182,6 +182,10 @@ def state_problem(state):
     """
     if not isinstance(state, dict):
         return f"it holds a {type(state).__name__}, not the trainer state (a dict with keys {', '.join(_REQUIRED)})"
+    if is_sharded_head(state):  # a sharded state's head: its models and optimizers are in the parts
+        epoch = state["rest"].get("epoch")
+        return None if isinstance(epoch, int) and not isinstance(epoch, bool) else \
+            f"a sharded state's head whose 'epoch' is a {type(epoch).__name__}, not an int"
     missing = [key for key in _REQUIRED if key not in state]
     if missing:
         return f"a dict without the keys {', '.join(map(repr, missing))} of the trainer state"
@@ -191,6 +195,18 @@ def state_problem(state):
         if not isinstance(state[key], (list, tuple)):
             return f"its {key!r} is a {type(state[key]).__name__}, not a list of state dicts"
     return None
+
+
+def is_sharded_head(state):
+    """Whether ``state`` is the head of a sharded state (``{"rest": {..., "sharded": True}, "metadata": bytes}``:
+    the rest of the state and the DCP metadata of its parts, one per rank).
+
+    Example:
+        >>> is_sharded_head({"rest": {"epoch": 1, "sharded": True}, "metadata": b""}), is_sharded_head({"epoch": 1})
+        (True, False)
+    """
+    return isinstance(state, dict) and set(state) == {"rest", "metadata"} and isinstance(state["rest"], dict) \
+        and state["rest"].get("sharded") is True
 
 
 def _foreign_format(handle):

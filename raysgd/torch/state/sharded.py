@@ -61,30 +61,59 @@ def _owner(models, optimizer):
     return together
 
 
-def models_and_optimizers_state(models, optimizers):
+def models_and_optimizers_state(models, optimizers, full=False, metadata=None):
     """``{"models": [...], "optimizers": [...]}``: each model's and optimizer's state dict from DCP's
     ``get_model_state_dict``/``get_optimizer_state_dict`` (keys are parameter names; an FSDP2 model's values are
     DTensors holding this rank's shard). An optimizer's state is keyed by its model's parameter names; one spanning
-    several models by ``{model index}.{name}``. A fresh optimizer gets its state initialised (DCP does a step with
-    a learning rate of 0), so the result is also what :func:`load_parts` loads into.
+    several models by ``{model index}.{name}``. ``full``: whole tensors on CPU instead (gathered: a collective of the
+    models' process group, every rank gets them).
+
+    An optimizer that has not stepped yet has no state, and keeps none: its entry's ``state`` is empty (DCP would
+    give it one by a step with a learning rate of 0, which counts as a step for Adam's bias correction: a state
+    saved so would not resume bit-exact). With ``metadata`` (a checkpoint's) the result is what :func:`load_parts`
+    loads that checkpoint into: state to fill wherever the checkpoint holds some, none where it holds none.
 
     Example:
         >>> import torch
         >>> model = torch.nn.Linear(2, 1)
-        >>> state = models_and_optimizers_state([model], [torch.optim.Adam(model.parameters())])
-        >>> sorted(state["models"][0]), sorted(state["optimizers"][0]["state"]["weight"])
-        (['bias', 'weight'], ['exp_avg', 'exp_avg_sq', 'step'])
+        >>> adam = torch.optim.Adam(model.parameters())
+        >>> models_and_optimizers_state([model], [adam])["optimizers"][0]["state"], len(adam.state)
+        ({}, 0)
+        >>> model(torch.ones(1, 2)).sum().backward(); adam.step()
+        >>> sorted(models_and_optimizers_state([model], [adam])["optimizers"][0]["state"]["weight"])
+        ['exp_avg', 'exp_avg_sq', 'step']
     """
     models, optimizers = list(models), list(optimizers)
-    return {"models": [get_model_state_dict(model) for model in models],
-            "optimizers": [get_optimizer_state_dict(_owner(models, optimizer), optimizer) for optimizer in optimizers]}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True) if full else None
+    with_state = optimizers_with_state(metadata) if metadata is not None else None
+    states = []
+    for index, optimizer in enumerate(optimizers):
+        fresh = not optimizer.state
+        state = get_optimizer_state_dict(_owner(models, optimizer), optimizer, options=options)
+        if fresh and (with_state is None or index not in with_state):
+            optimizer.state.clear()  # DCP stepped it with a learning rate of 0 to make its state: undone
+            state = {**state, "state": {}}
+        elif with_state is not None and index not in with_state:
+            state = {**state, "state": {}}  # the checkpoint holds none: loading it clears this optimizer's
+        states.append(state)
+    return {"models": [get_model_state_dict(model, options=options) for model in models], "optimizers": states}
+
+
+def optimizers_with_state(metadata):
+    """The indices of the optimizers whose state a checkpoint's ``metadata`` holds (any ``optimizers.{i}.state.``)."""
+    with_state = set()
+    for key in as_metadata(metadata).state_dict_metadata:
+        parts = key.split(".")
+        if len(parts) > 3 and parts[0] == "optimizers" and parts[2] == "state":
+            with_state.add(int(parts[1]))
+    return with_state
 
 
 def load_models_and_optimizers(models, optimizers, state, full=False):
     """Load :func:`models_and_optimizers_state`'s ``state`` (e.g. after :func:`load_parts` filled it) into ``models``
-    and ``optimizers`` (strict: a missing or unexpected key raises). The counts must match what ``state`` holds.
-    ``full``: ``state`` holds whole tensors (e.g. :func:`consolidate_parts`' result), of which each rank keeps its
-    shard.
+    and ``optimizers`` (strict for models). The counts must match what ``state`` holds. ``full``: ``state`` holds
+    whole tensors (e.g. :func:`consolidate_parts`' result), of which each rank keeps its shard. An optimizer's
+    entry without state leaves it without state (as one that has not stepped).
 
     Example:
         >>> import torch
@@ -98,10 +127,17 @@ def load_models_and_optimizers(models, optimizers, state, full=False):
         if len(state.get(kind, ())) != len(given):
             raise ValueError(f"load_models_and_optimizers: the state holds {len(state.get(kind, ()))} {kind}; "
                              f"got {len(given)} to load it into")
-    options = StateDictOptions(full_state_dict=True) if full else None
     for model, model_state in zip(models, state["models"]):
-        set_model_state_dict(model, model_state, options=options)
+        set_model_state_dict(model, model_state, options=StateDictOptions(full_state_dict=full))
+    # not strict for optimizers, as torch's own load_state_dict: a parameter may have no state (SGD without
+    # momentum keeps none), and DCP's strict check would refuse that
+    options = StateDictOptions(full_state_dict=full, strict=False)
     for optimizer, optimizer_state in zip(optimizers, state["optimizers"]):
+        if not optimizer_state.get("state"):
+            optimizer.state.clear()
+            for group, saved in zip(optimizer.param_groups, optimizer_state.get("param_groups", ())):
+                group.update({key: value for key, value in saved.items() if key != "params"})
+            continue
         set_optimizer_state_dict(_owner(models, optimizer), optimizer, optimizer_state, options=options)
 
 

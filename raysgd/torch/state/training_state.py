@@ -163,6 +163,9 @@ def capture(operator, epoch, copy=False):
     Models are unwrapped (no DDP prefix). With ``copy`` every tensor is a host copy, so the result
     stays valid while training goes on (a commit serialises it in the background).
     """
+    if is_sharded(operator):  # whole tensors gathered from the shards (a collective), optimizers in DCP's form
+        state = {**capture_rest(operator, epoch), **capture_shards(operator, full=True)}
+        return host_copy(state) if copy else state
     parts = operator.state_parts()
     state = {
         "epoch": epoch,
@@ -178,9 +181,9 @@ def capture(operator, epoch, copy=False):
 
 
 def is_sharded(operator):
-    """Whether ``operator``'s models are sharded over the ranks (``TorchTrainer(strategy="fsdp")``): its state is then
-    one part per rank (:func:`capture_shards`) and a small rest that rank 0's holds (:func:`capture_rest`)."""
-    return getattr(operator, "strategy", "ddp") == "fsdp"
+    """Whether ``operator``'s state is a sharded one (``TorchTrainer(strategy="fsdp")``, at any number of workers): one
+    part per rank (:func:`capture_shards`) and a small rest that rank 0's holds (:func:`capture_rest`)."""
+    return bool(getattr(operator, "shards_state", False))
 
 
 def capture_rest(operator, epoch):
@@ -194,11 +197,12 @@ def capture_rest(operator, epoch):
     return state
 
 
-def capture_shards(operator):
+def capture_shards(operator, full=False, metadata=None):
     """This rank's shard of the models and optimizers, as DCP state dicts (``{"models": [...], "optimizers": [...]}``
-    of DTensors: :func:`raysgd.torch.state.sharded.models_and_optimizers_state`); what the parts save and load."""
+    of DTensors: :func:`raysgd.torch.state.sharded.models_and_optimizers_state`); what the parts save and, with a
+    checkpoint's ``metadata``, what they load into. ``full``: whole CPU tensors instead (a collective)."""
     parts = operator.state_parts()
-    return sharded.models_and_optimizers_state(parts["models"], parts["optimizers"])
+    return sharded.models_and_optimizers_state(parts["models"], parts["optimizers"], full=full, metadata=metadata)
 
 
 def restore_shards(operator, shards):

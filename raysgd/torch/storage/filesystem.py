@@ -201,6 +201,22 @@ def read_checkpoint_dir(filesystem, directory, weights_only=True):
     return stream, marker
 
 
+def read_parts(path):
+    """``(head, [part, ...])``: the state file and the parts (in rank order) of a sharded state's checkpoint directory
+    ``path`` (a local path or URI), each checked against its marker; read in this process (``TorchTrainer.load``).
+    None when ``path`` is no checkpoint directory of a sharded state (a file, a whole state's directory)."""
+    text = os.fspath(path)
+    if "://" not in text and not os.path.isfile(os.path.join(text, MARKER_FILE)):
+        return None
+    filesystem, directory = resolve(text)
+    marker = checked_marker(filesystem, directory)
+    names = sorted(marker.get("parts") or {}, key=lambda name: int(name.split("_")[2]))
+    if not names:
+        return None
+    return read_state_file(filesystem, directory, marker), \
+        [read_state_file(filesystem, directory, marker, name) for name in names]
+
+
 def checked_marker(filesystem, directory):
     """The marker of ``directory``, checked to name the state file (any other name is a damaged checkpoint, never a
     path to follow); :class:`DamagedCheckpoint` otherwise."""
