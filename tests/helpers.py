@@ -157,7 +157,7 @@ class CountingOperator(TrainingOperator):
     """``p[i]`` grows by exactly 1 each time sample ``i`` is trained (on any number of workers).
 
     config: ``n`` samples, ``batch_size`` per worker, ``own_sampler`` (a :class:`CursorSampler`), ``log`` (a file each executed batch appends a line
-    to), ``fault`` (``{"step", "marker", "rank"}``: that rank writes its pid to ``marker`` at that global
+    to), ``fault`` (one or a list of ``{"step", "marker", "rank"}``: that rank writes its pid to ``marker`` at that global
     step, then waits to be killed, once; with ``"until_sigterm": True`` it waits for a SIGTERM instead and
     trains on (after ``"after_s"`` more seconds in that step), with ``"until_resize": True`` for the driver's
     request to grow, with ``"exit": True`` it ends its process), ``hold`` (``{"step", "rank", "marker"}``: stays
@@ -193,8 +193,19 @@ class CountingOperator(TrainingOperator):
         self.register_data(train_loader=loader)
 
     def train_batch(self, batch, batch_info):
-        fault = self.config.get("fault")
-        if fault and self.world_rank == fault.get("rank", 1) and self.global_step == fault["step"] \
+        faults = self.config.get("fault") or []  # one fault, or a list of them
+        for fault in faults if isinstance(faults, list) else [faults]:
+            self._fault(fault)
+        hold = self.config.get("hold")  # {"step", "rank", "marker"}: stay inside that step until killed, once
+        if hold and self.world_rank == hold.get("rank", 0) and self.global_step == hold["step"] \
+                and not os.path.exists(hold["marker"]):
+            with open(hold["marker"], "w") as handle:
+                handle.write(str(os.getpid()))
+            time.sleep(600)
+        return self._step(batch)
+
+    def _fault(self, fault):
+        if self.world_rank == fault.get("rank", 1) and self.global_step == fault["step"] \
                 and not os.path.exists(fault["marker"]):
             with open(fault["marker"], "w") as handle:
                 handle.write(str(os.getpid()))
@@ -205,18 +216,14 @@ class CountingOperator(TrainingOperator):
 
                 arrived = (lambda: preemption._STATE["resize"] is not None) if fault.get("until_resize") \
                     else preemption.requested
-                deadline = time.monotonic() + 60
+                deadline = time.monotonic() + fault.get("wait_s", 60)
                 while not arrived() and time.monotonic() < deadline:
                     time.sleep(0.01)
                 time.sleep(fault.get("after_s", 0))  # stuck inside the step a while after it arrived
             else:
                 time.sleep(120)  # the test kills this process once the commit it waits for is stored
-        hold = self.config.get("hold")  # {"step", "rank", "marker"}: stay inside that step until killed, once
-        if hold and self.world_rank == hold.get("rank", 0) and self.global_step == hold["step"] \
-                and not os.path.exists(hold["marker"]):
-            with open(hold["marker"], "w") as handle:
-                handle.write(str(os.getpid()))
-            time.sleep(600)
+
+    def _step(self, batch):
         if self.config.get("log"):
             with open(self.config["log"], "a") as handle:
                 handle.write(f"{self.world_rank} {self.global_step}\n")

@@ -128,3 +128,72 @@ def test_losing_the_node_of_a_commits_state_resumes_from_its_buddy_copy(three_no
             assert torch.equal(value, expected[key]), key
     finally:
         trainer.shutdown()
+
+
+def test_a_sharded_run_loses_a_node_at_3_workers_then_grows_back_at_a_commit_point(three_nodes, tmp_path,
+                                                                                   monkeypatch):
+    """FSDP on (2, 3) workers, one per node. Epoch 1: rank 2 stops at step 5 and its node is killed once the commit
+    of step 4 is stored: the epoch goes on from that commit on 2 workers (3 shards resharded to 2). Epoch 2: rank 0
+    holds step 12 until the driver asks to grow; a node added meanwhile joins at the next commit point (2 shards
+    resharded to 3). Each epoch trains every sample exactly once."""
+    from helpers import CountingOperator
+    from raysgd.torch.operator import fsdp
+
+    try:
+        fsdp.check_strategy("fsdp")
+    except ValueError as err:
+        pytest.skip(f"this torch cannot run FSDP2 on CPU: {err}")
+    cluster, _ = three_nodes
+    for _ in range(3 - len([n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0])):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    monkeypatch.setenv("SGD_RESIZE_COOLDOWN_S", "0")
+    monkeypatch.setenv("SGD_GROW_CHECK_S", "0.2")
+    n, lost, gate = 96, tmp_path / "lost", tmp_path / "gate"
+    config = {"n": n, "batch_size": 4, "fault": [{"step": 5, "rank": 2, "marker": str(lost)},
+                                                 {"step": 12, "rank": 0, "marker": str(gate), "until_resize": True,
+                                                  "wait_s": 120}]}
+    # timeout_s: rank 1 waits in a collective while rank 0 holds the gate and a node starts (seconds; more on a
+    # loaded machine)
+    trainer = TorchTrainer(training_operator_cls=CountingOperator, num_workers=(2, 3), strategy="fsdp",
+                           config=config, commit_every_n_steps=2, timeout_s=150)
+    try:
+        placed = node_ids(trainer)
+        assert len(set(placed)) == 3
+        doomed = next(node for node in cluster.list_all_nodes() if node.node_id == placed[2])
+
+        def kill_after_the_commit():
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                commit = trainer.latest_commit() if lost.exists() else None
+                if commit is not None and commit["cursor"]["steps"] >= 4:
+                    cluster.remove_node(doomed, allow_graceful=False)
+                    return
+                time.sleep(0.05)
+
+        killer = threading.Thread(target=kill_after_the_commit, daemon=True)
+        killer.start()
+        first = trainer.train()
+        killer.join(timeout=30)
+        assert trainer.num_failures == 1 and trainer.worker_group.num_workers == 2
+        assert first["num_samples"] == n
+        counts = trainer.state_dict()["models"][0]["p"]
+        assert torch.equal(counts, torch.ones(n)), counts  # every sample once across 3 -> 2 shards
+
+        result = {}
+        training = threading.Thread(target=lambda: result.update(stats=trainer.train()),
+                                    daemon=True)  # train in a thread: a node can only be added from the main one
+        training.start()
+        deadline = time.monotonic() + 120
+        while not gate.exists() and training.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gate.exists(), "rank 0 never reached the gate"
+        cluster.add_node(num_cpus=1)
+        training.join(timeout=240)
+        assert not training.is_alive() and "stats" in result
+        assert trainer.worker_group.num_workers == 3 and trainer.num_failures == 1
+        assert result["stats"]["num_samples"] == n
+        counts = trainer.state_dict()["models"][0]["p"]
+        assert torch.equal(counts, 2 * torch.ones(n)), counts  # every sample once across 2 -> 3 shards
+    finally:
+        trainer.shutdown()

@@ -30,8 +30,6 @@ import ray
 from ray import exceptions as ray_errors
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysgd.torch.state import checkpoint, sharded
-
 logger = logging.getLogger(__name__)
 
 #: Errors that mean "this copy is gone": its node died, its owner is gone, it could not be fetched in time, or the
@@ -157,6 +155,9 @@ class ShardedPoint:
         collective): ``state_dict()``, ``save()`` and ``latest_commit()`` of a sharded run, where the user asks.
         Models hold their full tensors under their parameter names; optimizers are in DCP's form (state keyed
         by parameter name), and it loads into a sharded trainer of any size."""
+        # imported here: this module's tasks (the copies) run in fresh worker processes that need no torch
+        from raysgd.torch.state import checkpoint, sharded  # noqa: PLC0415
+
         head = checkpoint.state_from_bytes(self.head)
         whole = sharded.consolidate_parts(head["metadata"], self.fetcher(timeout_s))
         return {**head["rest"], **(self.overlay or {}), "models": whole["models"], "optimizers": whole["optimizers"]}
