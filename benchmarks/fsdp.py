@@ -166,6 +166,7 @@ def main(argv=None):
     widths = [16, 32, 32, 16] if args.smoke_test else [1024, 2048, 2048, 2048, 1024]
     warmup, steps, repeats = (1, 2, 1) if args.smoke_test else (args.warmup, args.steps, args.repeats)
     counts = [int(n) for n in args.workers.split(",")]
+    load_at_start = os.getloadavg()
     runs = [(strategy, n) for n in counts for strategy in ("ddp", "fsdp")]
     rows = {run: {"strategy": run[0], "workers": run[1]} for run in runs}
     try:
@@ -186,11 +187,12 @@ def main(argv=None):
                                 for key in ("state_mb", "peak_rise_mb", "steps_per_s")}} for n in counts]
     parameters = sum(a * b + b for a, b in zip(widths, widths[1:]))
     meta = {"parameters": parameters, "widths": widths, "global_batch": GLOBAL_BATCH, "warmup": warmup,
-            "steps": steps, "repeats": repeats, "torch": torch.__version__, "cpus": os.cpu_count(), "smoke": args.smoke_test,
-            "date": time.strftime("%Y-%m-%d"), "load_average": os.getloadavg()}
+            "steps": steps, "repeats": repeats, "torch": torch.__version__, "cpus": os.cpu_count(),
+            "smoke": args.smoke_test, "date": time.strftime("%Y-%m-%d"), "load_average_start": load_at_start,
+            "load_average_end": os.getloadavg()}
     sys.stdout.write(f"MLP {'-'.join(map(str, widths))}: {parameters / 1e6:.2f} M parameters, Adam, global batch "
-                     f"{GLOBAL_BATCH}; torch {torch.__version__}, {os.cpu_count()} CPUs, load average "
-                     f"{meta['load_average'][0]:.1f}\n\n")
+                     f"{GLOBAL_BATCH}; torch {torch.__version__}, {os.cpu_count()} CPUs, load average (1 min) "
+                     f"{load_at_start[0]:.1f} at the start, {meta['load_average_end'][0]:.1f} at the end\n\n")
     sys.stdout.write(tabulate(rows, headers="keys", floatfmt=".2f", tablefmt="github") + "\n\n")
     sys.stdout.write(tabulate(ratios, headers="keys", floatfmt=".2f", tablefmt="github") + "\n")
     result = {"meta": meta, "rows": rows, "ratios": ratios}
