@@ -110,3 +110,21 @@ def test_state_scaling_smoke_test_measures_every_column(tmp_path):
     assert {"anon_extra_x", "shm_extra_x", "overhead_ms"} <= set(row)  # toy-size memory is allocator noise
     assert row["recover_s"] > 0 and row["failures"] == 1  # the killed worker was replaced inside the call
     assert "driver_peak_rss_mb" in proc.stdout  # the table
+
+
+@pytest.mark.slow
+def test_fsdp_benchmark_smoke_test_measures_both_strategies(tmp_path):
+    out = tmp_path / "fsdp.json"
+    command = [sys.executable, os.path.join(BENCH_DIR, "fsdp.py"), "--smoke-test", "--workers", "1,2", "--json",
+               str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=500, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["meta"]["smoke"]
+    rows = {(r["strategy"], r["workers"]): r for r in result["rows"]}
+    assert set(rows) == {("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2)}
+    assert [rows["fsdp", n]["sharded"] for n in (1, 2)] == [False, True]  # one worker: nothing to shard over
+    assert rows["fsdp", 2]["state_mb"] < rows["ddp", 2]["state_mb"] == rows["fsdp", 1]["state_mb"]
+    assert all(r["steps_per_s"] > 0 and r["peak_rise_mb"] >= 0 for r in rows.values())
+    assert [r["workers"] for r in result["ratios"]] == [1, 2] and "fsdp/ddp steps_per_s" in proc.stdout

@@ -21,8 +21,8 @@ What the choices are and why:
   ``"ddp"``, as for any replicated model), so the state, ``save``/``load`` and restarts work as they do for DDP.
 - **Micro-batches reduce-scatter every time.** ``set_requires_gradient_sync(False)`` would hold an unsharded fp32
   gradient of every parameter between micro-batches (the memory FSDP exists to save), and a partial optimizer
-  step at the end of an epoch would leave its gradients inside FSDP, where no public call reduces them. Summed
-  sharded gradients are the same numbers, and the partial step is only rescaled.
+  step at the end of an epoch would leave its gradients inside FSDP, where no public call reduces them. The sharded
+  gradients add up to the same sums (up to rounding), and the partial step is only rescaled.
 - **Validation gathers each model once.** Every FSDP forward all-gathers; exact validation shards can differ by a
   batch, and a rank with one forward more would wait in its all-gather forever. :meth:`Sharding.unsharded`
   all-gathers on every rank when validation starts and keeps the parameters whole until it ends.
@@ -56,8 +56,8 @@ logger = logging.getLogger(__name__)
 
 #: ``TorchTrainer(strategy=...)``: replicate (DistributedDataParallel) or shard (FSDP2's ``fully_shard``).
 STRATEGIES = ("ddp", "fsdp")
-#: The oldest torch whose FSDP2 trains on a CPU mesh: ``torch.distributed.fsdp.fully_shard`` is public from 2.6,
-#: gloo's reduce-scatter (FSDP2's gradient reduction on CPU) from 2.7.
+#: The oldest torch accepted: ``torch.distributed.fsdp.fully_shard`` is public from 2.6, and FSDP2's CPU path over
+#: gloo was completed around 2.7 (gloo's reduce-scatter, pytorch/pytorch#149869). Only 2.13 is tested here.
 MIN_TORCH = "2.7"
 #: The keys ``fsdp_args`` may hold (see :func:`check_fsdp_args`).
 FSDP_ARGS = ("reshard_after_forward", "mp_policy", "offload_policy", "shard_policy")
@@ -162,7 +162,13 @@ def blocks(model, policy):
     """``[(name, module)]`` that get their own ``fully_shard`` before the root, deepest first (FSDP2 shards
     bottom-up). ``policy``: see :func:`check_fsdp_args`; None picks every child of an ``nn.Sequential`` or
     ``nn.ModuleList`` that holds parameters (a model's repeated blocks). The root and modules without parameters
-    are never picked; containers without ``forward`` (``ModuleList``, ``ModuleDict``) neither."""
+    are never picked; containers without ``forward`` (``ModuleList``, ``ModuleDict``) neither.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 1)))
+        >>> [name for name, _ in blocks(model, None)], [name for name, _ in blocks(model, torch.nn.Linear)]
+        (['1.0', '1', '0'], ['1.0', '0'])
+    """
     if policy is None:
         containers = (torch.nn.Sequential, torch.nn.ModuleList)
         parents = {id(m) for m in model.modules() if isinstance(m, containers)}
@@ -179,7 +185,13 @@ def blocks(model, policy):
 
 def meta_skeleton(module):
     """A deep copy of ``module`` whose parameters and buffers are on the meta device (no memory, no data copied):
-    what :meth:`Sharding.gather` fills with the gathered state to give back a plain module of the user's class."""
+    what :meth:`Sharding.gather` fills with the gathered state to give back a plain module of the user's class.
+
+    Example:
+        >>> skeleton = meta_skeleton(torch.nn.Linear(3, 2))
+        >>> skeleton.weight.shape, skeleton.weight.is_meta, type(skeleton).__name__
+        (torch.Size([2, 3]), True, 'Linear')
+    """
     memo = {}
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         if id(tensor) not in memo:
@@ -197,6 +209,15 @@ class Sharding:
         strategy: ``"ddp"`` or ``"fsdp"``; ``fsdp_args``: checked by :func:`check_fsdp_args`.
         precision: the operator's :class:`~raysgd.torch.operator.precision.Precision` (its ``autocast_dtype``
             picks the ``MixedPrecisionPolicy``); ``device``: the worker's; ``world_size``: the group's.
+
+    Example:
+        >>> from raysgd.torch.operator.precision import Precision
+        >>> sharding = Sharding("fsdp", precision=Precision("bf16"), world_size=2)  # nothing sharded yet
+        >>> sharding.active, sharding.policy().param_dtype, sharding.policy().reduce_dtype
+        (True, torch.bfloat16, torch.float32)
+        >>> model = torch.nn.Linear(1, 1)
+        >>> Sharding("ddp", world_size=2).shard([model], [])[0] is model  # inactive: as given
+        True
     """
 
     def __init__(self, strategy="ddp", fsdp_args=None, precision=None, device=None, world_size=1):
