@@ -118,34 +118,49 @@ def start_trainer(strategy, workers, widths, samples):
                         commit_every_n_steps=0)
 
 
-def measure_memory(strategy, workers, widths, warmup):
-    """``state_mb`` and ``peak_rise_mb`` of the largest rank (run with :data:`MMAP_THRESHOLD` set)."""
-    trainer = start_trainer(strategy, workers, widths, GLOBAL_BATCH * warmup)
+def measure_memory(strategy, workers, widths, warmup, then=None):
+    """``state_mb`` and ``peak_rise_mb`` of the largest rank (run with :data:`MMAP_THRESHOLD` set); ``then(trainer)``
+    adds its measurements from the same trainer (the smoke test's speed: one trainer start instead of two)."""
+    trainer = start_trainer(strategy, workers, widths, GLOBAL_BATCH * (warmup + (then.samples if then else 0)))
     try:
         before = trainer.apply_all_workers(start_sampling)
         trainer.train(num_steps=warmup)
         peaks = trainer.apply_all_workers(stop_sampling)
         states = trainer.apply_all_operators(state_mb)
         sharded = trainer.apply_all_operators(lambda op: op.strategy)[0] == "fsdp"
+        more = then(trainer) if then else {}
     finally:
         trainer.shutdown()
-    return {"sharded": sharded, "state_mb": max(states), "peak_rise_mb": max(p - b for p, b in zip(peaks, before))}
+    return {"sharded": sharded, "state_mb": max(states), "peak_rise_mb": max(p - b for p, b in zip(peaks, before)),
+            **more}
+
+
+class Timed:
+    """``steps_per_s`` of a trainer: the best of ``repeats`` timed calls of ``steps`` steps (the machine is shared: the
+    best call is the one least slowed by others)."""
+
+    def __init__(self, steps, repeats):
+        self.steps, self.repeats, self.samples = steps, repeats, GLOBAL_BATCH * steps * repeats
+
+    def __call__(self, trainer):
+        seconds = []
+        for _ in range(self.repeats):
+            started = time.perf_counter()
+            trainer.train(num_steps=self.steps)
+            seconds.append(time.perf_counter() - started)
+        return {"steps_per_s": self.steps / min(seconds),
+                "steps_per_s_median": self.steps / sorted(seconds)[len(seconds) // 2]}
 
 
 def measure_speed(strategy, workers, widths, warmup, steps, repeats):
-    """``steps_per_s``: the best of ``repeats`` timed calls of ``steps`` steps (the machine is shared: the best call
-    is the one least slowed by others), after ``warmup`` steps."""
-    trainer = start_trainer(strategy, workers, widths, GLOBAL_BATCH * (warmup + steps * repeats))
+    """``steps_per_s`` (:class:`Timed`) after ``warmup`` steps, in a trainer of its own."""
+    timed = Timed(steps, repeats)
+    trainer = start_trainer(strategy, workers, widths, GLOBAL_BATCH * warmup + timed.samples)
     try:
         trainer.train(num_steps=warmup)
-        seconds = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            trainer.train(num_steps=steps)
-            seconds.append(time.perf_counter() - started)
+        return timed(trainer)
     finally:
         trainer.shutdown()
-    return {"steps_per_s": steps / min(seconds), "steps_per_s_median": steps / sorted(seconds)[len(seconds) // 2]}
 
 
 def cluster(num_cpus, env_vars=None):
@@ -173,12 +188,14 @@ def main(argv=None):
         # Memory: large blocks straight from mmap and back to the system when freed (glibc's threshold otherwise
         # rises to 32 MB and its heap keeps freed blocks), so a worker's RSS follows what its tensors hold.
         cluster(max(counts), {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})
-        for run in runs:
-            rows[run].update(measure_memory(*run, widths, warmup))
-        # Speed with the default allocator: that setting would make FSDP map and fault its gathered blocks each step.
-        cluster(max(counts))
-        for run in runs:
-            rows[run].update(measure_speed(*run, widths, warmup, steps, repeats))
+        for run in runs:  # the smoke test times its steps in the same trainer (its speeds are no results)
+            rows[run].update(measure_memory(*run, widths, warmup, Timed(steps, repeats) if args.smoke_test else None))
+        if not args.smoke_test:
+            # Speed with the default allocator: that setting would make FSDP map and fault its gathered blocks each
+            # step.
+            cluster(max(counts))
+            for run in runs:
+                rows[run].update(measure_speed(*run, widths, warmup, steps, repeats))
     finally:
         ray.shutdown()
     rows = list(rows.values())
