@@ -11,7 +11,8 @@ commit only where the ranks stop for a SIGTERM). ``--config`` adds to the operat
 ``--mlflow URI`` logs to MLflow (experiment ``durable``); ``--pause-at-result N`` pauses (marker, then sleep) inside
 a callback at epoch N's train result, after MLflow logged it and before its checkpoint is written (epoch N-1's
 checkpoint is made durable first).
-``--wandb DIR`` logs to Weights & Biases offline under DIR (project ``durable``).
+``--wandb DIR`` logs to Weights & Biases offline under DIR (project ``durable``). ``--strategy fsdp`` shards the
+models; ``--num-workers N`` trains on N workers instead of 2.
 """
 import argparse
 import json
@@ -60,6 +61,8 @@ def main():
     parser.add_argument("--mlflow", default=None)
     parser.add_argument("--pause-at-result", type=int, default=None)
     parser.add_argument("--wandb", default=None)
+    parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--num-workers", type=int, default=2)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     pythonpath = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH", "")) if p)
@@ -85,7 +88,8 @@ def main():
     if args.pause_at_result is not None:
         callbacks.append(PauseAtResult(args.pause_at_result, args.marker, args.pause_s))
     options["callbacks"] = callbacks
-    trainer = TorchTrainer(num_workers=2, storage_path=args.storage, logdir=args.logdir, timeout_s=60, **options)
+    trainer = TorchTrainer(num_workers=args.num_workers, strategy=args.strategy, storage_path=args.storage,
+                           logdir=args.logdir, timeout_s=60, **options)
     while True:
         epoch = trainer.train()["epoch"]
         if not args.counting:

@@ -151,6 +151,21 @@ def test_driver_killed_between_epochs_resumes_bit_identical(tmp_path, references
     assert [row["step"] for row in read_results(tmp_path / "crash-logs", "validate")] == [1, 2, 3, 4]
 
 
+def test_a_sharded_run_killed_between_epochs_resumes_on_another_number_of_workers(tmp_path):
+    """FSDP: the driver is SIGKILLed once epoch 2's checkpoint is durable (a DCP folder, each of the 2 workers' parts
+    written on its node) and run again with 1 worker: it resumes from that checkpoint (the parts loaded into the
+    one unsharded model) and trains epochs 3 and 4, every sample once per epoch."""
+    marker, sharded = tmp_path / "paused", ("--counting", "--strategy", "fsdp")
+    proc = start_driver(tmp_path, "fsdp", *sharded, "--pause-after", "2", "--marker", str(marker))
+    wait_until(marker.exists, proc, "pausing after epoch 2's checkpoint is durable")
+    kill_driver(proc)
+    newest = storage.CheckpointStorage(str(tmp_path / "fsdp-storage")).latest()
+    assert newest.marker["epoch"] == 2 and sorted(newest.marker["parts"]) == ["__0_0.distcp", "__1_0.distcp"]
+    resumed, log = finish_driver(tmp_path, "fsdp", start_driver(tmp_path, "fsdp", *sharded, "--num-workers", "1"))
+    assert "Resuming from" in log and "checkpoint_000002" in log
+    assert torch.equal(resumed["p"], 4 * torch.ones(96))  # 4 epochs, each sample once in each
+
+
 @pytest.mark.slow
 def test_driver_killed_mid_epoch_resumes_bit_identical(tmp_path, references):
     """Killed while rank 1 is inside the 2nd step of epoch 3 (it writes its pid, then stays there)."""
