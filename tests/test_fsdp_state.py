@@ -14,6 +14,8 @@ import torch
 
 from helpers import CountingOperator, counts, executed, kill_after_commit, seeding_hook
 from raysgd.torch.operator import fsdp
+from raysgd.torch.storage import filesystem
+from s3_server import moto_s3
 
 try:
     fsdp.check_strategy("fsdp")
@@ -97,3 +99,20 @@ def test_a_checkpoint_of_2_sharded_workers_resumes_the_epoch_on_3_exactly_once(t
     assert rest["num_samples"] == N - 2 * 5 * BATCH  # the rest of the epoch
     assert torch.equal(counts(second), torch.ones(N))  # every sample of the epoch once, across the reshard
     assert second.train()["num_samples"] == N and torch.equal(counts(second), 2 * torch.ones(N))
+
+
+def test_a_sharded_checkpoint_on_s3_resumes_on_one_worker(trainers):
+    """The same through a real S3-compatible server (moto): the parts are uploaded by tasks on the workers' nodes,
+    the marker lists them, and a run of 1 worker resumes the epoch from them."""
+    config = {"n": N, "batch_size": BATCH}
+    with moto_s3() as (bucket, query):
+        uri = f"{bucket}/fsdp{query}"
+        first = trainers(config=config, storage_path=uri)
+        first.train(num_steps=5)
+        first.shutdown()
+        newest = filesystem.CheckpointStorage(uri).latest()
+        assert sorted(newest.marker["parts"]) == ["__0_0.distcp", "__1_0.distcp"]
+        second = trainers(config=config, storage_path=uri, num_workers=1)
+        assert second.train()["num_samples"] == N - 2 * 5 * BATCH
+        assert torch.equal(counts(second), torch.ones(N))
+        second.shutdown()  # its last checkpoint's upload, while the server runs
