@@ -128,3 +128,15 @@ def test_fsdp_benchmark_smoke_test_measures_both_strategies(tmp_path):
     assert rows["fsdp", 2]["state_mb"] < rows["ddp", 2]["state_mb"] == rows["fsdp", 1]["state_mb"]
     assert all(r["steps_per_s"] > 0 and r["peak_rise_mb"] >= 0 for r in rows.values())
     assert [r["workers"] for r in result["ratios"]] == [1, 2] and "fsdp/ddp steps_per_s" in proc.stdout
+
+
+@pytest.mark.slow
+def test_fsdp_state_benchmark_smoke_test_measures_every_column(tmp_path):
+    out = tmp_path / "fsdp_state.json"
+    command = [sys.executable, os.path.join(BENCH_DIR, "fsdp_state.py"), "--smoke-test", "--json", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=500, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["workers"] == 2 and row["commit_ms"] > 0 and row["checkpoint_s"] > 0, row
+    assert "snapshot_ms" in row and "resume_to_1_s" in row and "checkpoint_s" in proc.stdout
