@@ -313,6 +313,25 @@ def signal_at_marker(marker, sig, ready=lambda: True, timeout_s=60):
     return thread
 
 
+def remove_node_after_commit(trainer, cluster, node, marker, min_steps, timeout_s=120):
+    """A daemon thread: once a worker waits at its fault (``marker`` exists) and a commit of >= ``min_steps`` is
+    stored, remove ``node`` (a ``ray.cluster_utils.Cluster`` node) at once, as a lost machine. Gives up after
+    ``timeout_s``."""
+
+    def watch():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            commit = trainer.latest_commit() if os.path.exists(marker) else None
+            if commit is not None and commit["cursor"]["steps"] >= min_steps:
+                cluster.remove_node(node, allow_graceful=False)
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
 def kill_after_commit(trainer, marker, min_steps, timeout_s=60):
     """Once a worker waits at the fault (its pid in ``marker``) and a commit of >= ``min_steps`` is stored, SIGKILL it."""
 

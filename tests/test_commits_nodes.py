@@ -6,7 +6,7 @@ import pytest
 import ray
 import torch
 
-from helpers import CountingOperator
+from helpers import CountingOperator, remove_node_after_commit
 from raysgd import TorchTrainer
 
 pytestmark = pytest.mark.slow
@@ -23,17 +23,7 @@ def test_lost_node_continues_the_epoch_from_the_commit_on_one_worker(two_node_cl
         assert len(set(node_ids)) == 2  # SPREAD: one worker per node
         doomed = next(node for node in nodes if node.node_id == node_ids[1])
 
-        def remove_after_commit():
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                commit = trainer.latest_commit() if marker.exists() else None
-                if commit is not None and commit["cursor"]["steps"] >= 6:
-                    cluster.remove_node(doomed, allow_graceful=False)
-                    return
-                time.sleep(0.05)
-
-        thread = threading.Thread(target=remove_after_commit, daemon=True)
-        thread.start()
+        thread = remove_node_after_commit(trainer, cluster, doomed, marker, min_steps=6)
         stats = trainer.train()
         thread.join(timeout=5)
         assert marker.exists() and trainer.num_failures == 1

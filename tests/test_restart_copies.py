@@ -13,7 +13,7 @@ import ray
 import torch
 
 from conftest import local_cluster
-from helpers import FaultyOperator
+from helpers import CountingOperator, FaultyOperator, remove_node_after_commit
 from raysgd import TorchTrainer
 
 pytestmark = pytest.mark.slow
@@ -30,6 +30,17 @@ def three_nodes():
         yield made
 
 
+@pytest.fixture(scope="module")
+def expected(three_nodes):
+    """``{epoch: weights}`` of a run that lost nothing, after epochs 1 and 2 (one reference for every test)."""
+    reference = TorchTrainer(training_operator_cls=FaultyOperator, num_workers=2, config=CONFIG,
+                             commit_every_n_steps=0, timeout_s=30)
+    try:
+        return {epoch: (reference.train(), weights(reference))[1] for epoch in (1, 2)}
+    finally:
+        reference.shutdown()
+
+
 def weights(trainer):
     return {key: value.clone() for key, value in trainer.get_model(to_cpu=True).state_dict().items()}
 
@@ -38,17 +49,8 @@ def node_ids(trainer):
     return trainer.apply_all_workers(lambda: ray.get_runtime_context().get_node_id())
 
 
-def test_losing_the_node_of_the_restart_point_restarts_from_its_copy(three_nodes, tmp_path):
+def test_losing_the_node_of_the_restart_point_restarts_from_its_copy(three_nodes, expected, tmp_path):
     cluster, nodes = three_nodes
-    reference = TorchTrainer(training_operator_cls=FaultyOperator, num_workers=2, config=CONFIG,
-                             commit_every_n_steps=0, timeout_s=30)
-    try:
-        reference.train()
-        reference.train()
-        expected = weights(reference)
-    finally:
-        reference.shutdown()
-
     marker = tmp_path / "rank0-at-batch-3"
     fault = {"rank": 0, "batch": 3, "kind": "sleep", "seconds": 300, "marker": str(marker)}
     trainer = TorchTrainer(training_operator_cls=FaultyOperator, num_workers=2, config={**CONFIG, "fault": fault},
@@ -74,12 +76,12 @@ def test_losing_the_node_of_the_restart_point_restarts_from_its_copy(three_nodes
         assert stats["num_samples"] == CONFIG["data_size"]  # the whole epoch once
         trainer.train()
         for key, value in weights(trainer).items():
-            assert torch.equal(value, expected[key]), key
+            assert torch.equal(value, expected[2][key]), key
     finally:
         trainer.shutdown()
 
 
-def test_losing_the_node_of_a_commits_state_resumes_from_its_buddy_copy(three_nodes, tmp_path, caplog):
+def test_losing_the_node_of_a_commits_state_resumes_from_its_buddy_copy(three_nodes, expected, tmp_path, caplog):
     """Commits keep rank 0's state part on its own node (its holder) and a copy on a buddy node (rank 1's), never
     on the driver's: rank 0's node is killed after the commit at step 2, and the call resumes from that commit's
     copy at the same size (a third node), every sample once, bit-exact with a run that lost nothing."""
@@ -88,14 +90,6 @@ def test_losing_the_node_of_a_commits_state_resumes_from_its_buddy_copy(three_no
     for _ in range(3 - len(worker_nodes)):  # the test above removed one
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
-    reference = TorchTrainer(training_operator_cls=FaultyOperator, num_workers=2, config=CONFIG,
-                             commit_every_n_steps=0, timeout_s=30)
-    try:
-        reference.train()
-        expected = weights(reference)
-    finally:
-        reference.shutdown()
-
     marker = tmp_path / "rank0-at-batch-3"
     fault = {"rank": 0, "batch": 3, "kind": "sleep", "seconds": 300, "marker": str(marker)}
     trainer = TorchTrainer(training_operator_cls=FaultyOperator, num_workers=2, config={**CONFIG, "fault": fault},
@@ -104,17 +98,7 @@ def test_losing_the_node_of_a_commits_state_resumes_from_its_buddy_copy(three_no
         placed = node_ids(trainer)
         doomed = next(node for node in cluster.list_all_nodes() if node.node_id == placed[0])
 
-        def kill_after_the_commit():
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                commit = trainer.latest_commit() if marker.exists() else None
-                if commit is not None and commit["cursor"]["steps"] == 2:
-                    cluster.remove_node(doomed, allow_graceful=False)
-                    return
-                time.sleep(0.02)
-
-        killer = threading.Thread(target=kill_after_the_commit, daemon=True)
-        killer.start()
+        killer = remove_node_after_commit(trainer, cluster, doomed, marker, min_steps=2)
         with caplog.at_level("INFO"):
             stats = trainer.train()
         killer.join(timeout=30)
@@ -125,7 +109,7 @@ def test_losing_the_node_of_a_commits_state_resumes_from_its_buddy_copy(three_no
         assert doomed.node_id not in node_ids(trainer)
         assert stats["num_samples"] == CONFIG["data_size"]  # the whole epoch once
         for key, value in weights(trainer).items():
-            assert torch.equal(value, expected[key]), key
+            assert torch.equal(value, expected[1][key]), key
     finally:
         trainer.shutdown()
 
@@ -136,7 +120,6 @@ def test_a_sharded_run_loses_a_node_at_3_workers_then_grows_back_at_a_commit_poi
     of step 4 is stored: the epoch goes on from that commit on 2 workers (3 shards resharded to 2). Epoch 2: rank 0
     holds step 12 until the driver asks to grow; a node added meanwhile joins at the next commit point (2 shards
     resharded to 3). Each epoch trains every sample exactly once."""
-    from helpers import CountingOperator
     from raysgd.torch.operator import fsdp
 
     try:
@@ -162,17 +145,7 @@ def test_a_sharded_run_loses_a_node_at_3_workers_then_grows_back_at_a_commit_poi
         assert len(set(placed)) == 3
         doomed = next(node for node in cluster.list_all_nodes() if node.node_id == placed[2])
 
-        def kill_after_the_commit():
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                commit = trainer.latest_commit() if lost.exists() else None
-                if commit is not None and commit["cursor"]["steps"] >= 4:
-                    cluster.remove_node(doomed, allow_graceful=False)
-                    return
-                time.sleep(0.05)
-
-        killer = threading.Thread(target=kill_after_the_commit, daemon=True)
-        killer.start()
+        killer = remove_node_after_commit(trainer, cluster, doomed, lost, min_steps=4)
         first = trainer.train()
         killer.join(timeout=30)
         assert trainer.num_failures == 1 and trainer.worker_group.num_workers == 2
