@@ -1,6 +1,7 @@
 """A seeded driver script with a durable run, for the driver-crash tests (tests/test_durable_driver.py).
 
     python tests/durable_driver.py STORAGE LOGDIR OUT [--pause-after N --marker PATH] [--counting] [--config JSON]
+    python tests/durable_driver.py STORAGE LOGDIR OUT --and-counting OUT2
 
 Trains 2 workers with ``storage_path=STORAGE`` and ``logdir=LOGDIR`` in the loop
 ``while trainer.train()["epoch"] < 4`` (with ``validate()`` between), then writes the final model state to
@@ -13,6 +14,9 @@ a callback at epoch N's train result, after MLflow logged it and before its chec
 checkpoint is made durable first).
 ``--wandb DIR`` logs to Weights & Biases offline under DIR (project ``durable``). ``--strategy fsdp`` shards the
 models; ``--num-workers N`` trains on N workers instead of 2.
+``--and-counting OUT2`` (with none of the options above) then trains an uninterrupted ``--counting`` run too, in
+the same driver and Ray cluster (STORAGE and LOGDIR with ``-counting`` added), and writes its final model state to
+OUT2: the tests' two references take one driver and cluster start instead of two.
 """
 import argparse
 import json
@@ -63,12 +67,24 @@ def main():
     parser.add_argument("--wandb", default=None)
     parser.add_argument("--strategy", default="ddp")
     parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--and-counting", default=None)
     args = parser.parse_args()
+    if args.and_counting and (args.counting or args.config != "{}" or args.mlflow or args.wandb
+                              or args.pause_after is not None or args.pause_at_result is not None):
+        parser.error("--and-counting is for an uninterrupted reference run (no faults, pauses or trackers)")
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
     pythonpath = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(address="local", num_cpus=2, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
-    if args.counting:
+    train(args, args.counting, args.storage, args.logdir, args.out)
+    if args.and_counting:
+        train(args, True, args.storage + "-counting", args.logdir + "-counting", args.and_counting)
+
+
+def train(args, counting, storage, logdir, out):
+    """One run: ``while trainer.train()["epoch"] < 4`` from the newest checkpoint in ``storage``; the final model state
+    to ``out``."""
+    if counting:
         options = dict(training_operator_cls=CountingOperator, commit_every_n_steps=1000,
                        initialization_hook=seeding_hook, config={"n": 96, "batch_size": 4})
     else:
@@ -88,11 +104,11 @@ def main():
     if args.pause_at_result is not None:
         callbacks.append(PauseAtResult(args.pause_at_result, args.marker, args.pause_s))
     options["callbacks"] = callbacks
-    trainer = TorchTrainer(num_workers=args.num_workers, strategy=args.strategy, storage_path=args.storage,
-                           logdir=args.logdir, timeout_s=60, **options)
+    trainer = TorchTrainer(num_workers=args.num_workers, strategy=args.strategy, storage_path=storage,
+                           logdir=logdir, timeout_s=60, **options)
     while True:
         epoch = trainer.train()["epoch"]
-        if not args.counting:
+        if not counting:
             trainer.validate()
         if args.pause_at_result is not None and epoch == args.pause_at_result - 1:
             # the previous epoch's checkpoint is durable before the paused one trains: the pause holds the callbacks,
@@ -106,7 +122,7 @@ def main():
             raise SystemExit("not killed in time")
         if epoch >= EPOCHS:
             break
-    torch.save(trainer.get_model().state_dict(), args.out)
+    torch.save(trainer.get_model().state_dict(), out)
     trainer.shutdown()
 
 

@@ -24,8 +24,13 @@ def make_trainer(trainer_factory):
 
 @pytest.mark.parametrize("num_workers, use_local", LAYOUTS)
 def test_train_validate_metrics_and_state(make_trainer, num_workers, use_local):
+    """Also, on the same trainer (each trainer start is ~3 s of worker start-up): the model is wrapped in DDP on 2
+    workers (as wrap_ddp=False leaves it unwrapped), get_local_operator() needs use_local, and update_scheduler()
+    without a registered scheduler says so."""
     trainer = make_trainer(num_workers=num_workers, use_local=use_local, config={"lr": 0.02, "data_size": 200})
     assert trainer.worker_group.num_workers == num_workers
+    if num_workers == 2:
+        assert trainer.apply_all_operators(lambda op: type(op.model).__name__) == ["DistributedDataParallel"] * 2
     first = trainer.train()
     for _ in range(3):
         last = trainer.train()
@@ -43,6 +48,11 @@ def test_train_validate_metrics_and_state(make_trainer, num_workers, use_local):
     model = trainer.get_model()
     assert isinstance(model, nn.Linear)  # unwrapped, no DDP
     assert torch.equal(torch.cat([p.reshape(-1) for p in model.parameters()]), params[0])
+    if not use_local:
+        with pytest.raises(NotImplementedError, match="use_local=True"):
+            trainer.get_local_operator()
+        with pytest.raises(TypeError, match="schedulers"):
+            trainer.update_scheduler(1.0)  # LinearOperator registers no scheduler
 
 
 def test_validation_over_two_workers_equals_one_process(make_trainer):
@@ -106,11 +116,6 @@ def test_get_model_to_cpu_returns_copies(make_trainer):
     with torch.no_grad():
         copy.weight.add_(1.0)
     assert not torch.equal(copy.weight, live.weight)
-
-
-def test_get_local_operator_needs_use_local(make_trainer):
-    with pytest.raises(NotImplementedError, match="use_local=True"):
-        make_trainer(num_workers=1).get_local_operator()
 
 
 def test_local_rank_0_lives_in_the_driver(make_trainer):
@@ -207,9 +212,7 @@ def test_custom_ddp_wrapper_with_wrap_ddp_false(make_trainer):
             return {"loss": loss.item(), "wrapped": type(self.model).__name__}
 
     trainer = make_trainer(training_operator_cls=Op, num_workers=2, wrap_ddp=False)
-    assert trainer.train()["wrapped"] == "Linear"
-    wrapped = make_trainer(training_operator_cls=LinearOperator, num_workers=2)
-    assert wrapped.apply_all_operators(lambda op: type(op.model).__name__) == ["DistributedDataParallel"] * 2
+    assert trainer.train()["wrapped"] == "Linear"  # (wrapped by default: test_train_validate_metrics_and_state)
 
 
 def test_self_model_passed_to_register_trains_the_ddp_wrapper(make_trainer):
@@ -243,9 +246,7 @@ def test_update_scheduler_manual(make_trainer):
     trainer.update_scheduler(1.0)
     trainer.update_scheduler(2.0)
     assert trainer.apply_all_operators(lambda op: op.optimizer.param_groups[0]["lr"]) == [0.05, 0.05]
-    plain = make_trainer(num_workers=1)
-    with pytest.raises(TypeError, match="schedulers"):
-        plain.update_scheduler(1.0)
+    # (without a registered scheduler it raises: test_train_validate_metrics_and_state)
 
 
 def test_missing_validation_loader_and_shutdown(make_trainer):
