@@ -207,14 +207,21 @@ def main(argv=None):
             "steps": steps, "repeats": repeats, "torch": torch.__version__, "cpus": os.cpu_count(),
             "smoke": args.smoke_test, "date": time.strftime("%Y-%m-%d"), "load_average_start": load_at_start,
             "load_average_end": os.getloadavg()}
-    sys.stdout.write(f"MLP {'-'.join(map(str, widths))}: {parameters / 1e6:.2f} M parameters, Adam, global batch "
-                     f"{GLOBAL_BATCH}; torch {torch.__version__}, {os.cpu_count()} CPUs, load average (1 min) "
-                     f"{load_at_start[0]:.1f} at the start, {meta['load_average_end'][0]:.1f} at the end\n\n")
-    sys.stdout.write(tabulate(rows, headers="keys", floatfmt=".2f", tablefmt="github") + "\n\n")
-    sys.stdout.write(tabulate(ratios, headers="keys", floatfmt=".2f", tablefmt="github") + "\n")
-    result = {"meta": meta, "rows": rows, "ratios": ratios}
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
+    title = f"MLP {'-'.join(map(str, widths))}: {parameters / 1e6:.2f} M parameters, Adam, global batch {GLOBAL_BATCH}"
+    return emit(title, {"meta": meta, "rows": rows, "ratios": ratios}, args.json)
+
+
+def emit(title, result, json_path=None):
+    """Print ``title`` with the machine and its load (``result["meta"]``), then a table of each list in ``result``;
+    write ``result`` as JSON to ``json_path`` too (if given). Returns ``result``."""
+    meta = result["meta"]
+    sys.stdout.write(f"{title}; torch {torch.__version__}, {os.cpu_count()} CPUs, load average (1 min) "
+                     f"{meta['load_average_start'][0]:.1f} at the start, {meta['load_average_end'][0]:.1f} at the "
+                     f"end\n")
+    for rows in (value for value in result.values() if isinstance(value, list)):
+        sys.stdout.write("\n" + tabulate(rows, headers="keys", floatfmt=".2f", tablefmt="github") + "\n")
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as handle:
             json.dump(result, handle, indent=1)
     return result
 

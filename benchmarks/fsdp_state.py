@@ -22,7 +22,6 @@ about 3x the parameters' bytes, sharded over the N ranks). Measured:
 Prints the table and the JSON (``--json PATH`` also writes it).
 """
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -30,11 +29,10 @@ import tempfile
 import time
 
 import ray
-from tabulate import tabulate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fsdp import GLOBAL_BATCH, MLPOperator, cluster  # noqa: E402
+from fsdp import GLOBAL_BATCH, MLPOperator, cluster, emit  # noqa: E402
 
 from raysgd import TorchTrainer  # noqa: E402
 from raysgd.utils import BATCH_SIZE  # noqa: E402
@@ -102,14 +100,7 @@ def main(argv=None):
     meta = {"widths": widths, "global_batch": GLOBAL_BATCH, "smoke": args.smoke_test, "cpus": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d"), "load_average_start": load_at_start,
             "load_average_end": os.getloadavg()}
-    sys.stdout.write(f"MLP {'-'.join(map(str, widths))}, Adam, FSDP; {os.cpu_count()} CPUs, load average (1 min) "
-                     f"{load_at_start[0]:.1f} at the start, {meta['load_average_end'][0]:.1f} at the end\n\n")
-    sys.stdout.write(tabulate(rows, headers="keys", floatfmt=".2f", tablefmt="github") + "\n")
-    result = {"meta": meta, "rows": rows}
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(result, handle, indent=1)
-    return result
+    return emit(f"MLP {'-'.join(map(str, widths))}, Adam, FSDP", {"meta": meta, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":
