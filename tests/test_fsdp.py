@@ -6,6 +6,7 @@ workers together reads the next ``BATCH_SIZE`` samples in order. The models' par
 columns) do not divide by 3 (nor 7 by 2): the shards are uneven.
 """
 import copy
+import os
 
 import pytest
 import torch
@@ -106,18 +107,20 @@ def test_two_sharded_workers_match_one_process_validate_uneven_shards_and_save_a
     assert trainer.validate()["val_loss"] == pytest.approx(validation_loss(reference(steps=2)), rel=1e-5)
     assert trainer.train(num_steps=1)["num_samples"] == GLOBAL  # training goes on after validation
     assert_same_parameters(trainer.get_model(), reference(steps=3))
-    # the whole state, consolidated on the driver where it is asked for, loads back into the shards
-    saved, path = trainer.state_dict(), str(tmp_path / "whole.ckpt")
+    # the whole state, consolidated on the driver where it is asked for, loads back into the shards; save() writes
+    # a DCP folder of the parts (or, consolidated, one file), and load() reads either
+    saved, folder, whole = trainer.state_dict(), str(tmp_path / "parts"), str(tmp_path / "whole.ckpt")
     want = reference(steps=3).state_dict()
     assert set(saved["models"][0]) == set(want) and all(
         torch.allclose(saved["models"][0][key], want[key], rtol=1e-5, atol=1e-7) for key in want)
-    assert trainer.save(path) == path
-    trainer.train(num_steps=1)
-    trainer.load_state_dict(saved, blocking=True)
-    assert_same_parameters(trainer.get_model(), reference(steps=3))
-    trainer.train(num_steps=1)
-    trainer.load(path, blocking=True)
-    assert_same_parameters(trainer.get_model(), reference(steps=3))
+    assert trainer.save(folder) == folder and trainer.save(whole, consolidated=True) == whole
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "checkpoint.json"} <= set(os.listdir(folder))
+    assert os.path.isfile(whole)
+    for load in (lambda: trainer.load_state_dict(saved, blocking=True), lambda: trainer.load(folder, blocking=True),
+                 lambda: trainer.load(whole, blocking=True)):
+        trainer.train(num_steps=1)
+        load()
+        assert_same_parameters(trainer.get_model(), reference(steps=3))
     assert trainer.controller.commits.enabled  # commits hold every rank's part (tests/test_fsdp_state.py)
 
 

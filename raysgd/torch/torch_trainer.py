@@ -313,9 +313,17 @@ class TorchTrainer:
         """
         self._controller.load_stream(*checkpoint.checked_stream(state_dict, weights_only), blocking=blocking)
 
-    def save(self, checkpoint_path):
-        """Write the trainer state to ``checkpoint_path`` atomically (and to ``storage_path``); returns the path."""
-        return self._controller.save(checkpoint_path)
+    def save(self, checkpoint_path, consolidated=False):
+        """Write the trainer state to ``checkpoint_path`` atomically (and to ``storage_path``); returns the path.
+
+        Under ``strategy="fsdp"`` the path becomes a checkpoint directory (a DCP folder: one part per rank, written
+        on the workers' nodes), which :meth:`load` reads at any number of workers; ``consolidated=True`` writes one
+        file of whole tensors instead (gathered here: for serving, or another tool).
+
+        Example:
+            >>> trainer.save("ckpt")  # doctest: +SKIP
+        """
+        return self._controller.save(checkpoint_path, consolidated=consolidated)
 
     def load(self, checkpoint_path, weights_only=True, blocking=False):
         """Load a file written by :meth:`save` (``weights_only=False`` only for trusted files; see README), or a

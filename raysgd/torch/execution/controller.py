@@ -29,6 +29,7 @@ Example:
 """
 import itertools
 import logging
+import os
 import time
 import types
 
@@ -430,7 +431,10 @@ class RunController:
         state is consolidated here into one state of whole tensors."""
         self.ensure_workers()
         self._snapshot_stale = True
-        point = self.take_snapshot()
+        return self._stream_of(self.take_snapshot())
+
+    def _stream_of(self, point):
+        """The state bytes of ``point``, pulled into the driver (a sharded one consolidated into whole tensors)."""
         if isinstance(point, ShardedPoint):
             return checkpoint.state_to_bytes(point.whole_state(self._timeout_s))
         return point.fetch(self._timeout_s)
@@ -496,9 +500,22 @@ class RunController:
         else:
             self.load_stream(checkpoint.state_to_bytes(state), weights_only=False, blocking=blocking)  # made here
 
-    def save(self, path):
-        """Write the current state to ``path`` atomically (and to ``storage_path``); returns the path."""
-        stream = self._fresh_stream()
+    def save(self, path, consolidated=False):
+        """Write the current state to ``path`` atomically (and to ``storage_path``); returns the path. A sharded state
+        is written as a checkpoint directory of its parts (each by a task on the node holding it, then the head and
+        the marker: a DCP folder), or with ``consolidated`` as one file of whole tensors, made here."""
+        self.ensure_workers()
+        self._snapshot_stale = True
+        point = self.take_snapshot()
+        if isinstance(point, ShardedPoint) and not consolidated:
+            epoch = checkpoint.state_from_bytes(point.head)["rest"]["epoch"]
+            self.durable.submit(lambda: self._part_of(point), reason="save", epoch=epoch)  # storage_path too
+            filesystem_, directory = filesystem.resolve(path)
+            part = parts.ShardedRemoteParts(point, os.fspath(path), local="://" not in os.fspath(path),
+                                            timeout_s=self._timeout_s)
+            filesystem.write_checkpoint_dir(filesystem_, directory, part, {"reason": "save", "epoch": epoch})
+            return path
+        stream = self._stream_of(point)
         return checkpoint.save_state(self.durable.on_save(checkpoint.state_from_bytes(stream), stream), path)
 
     def latest_commit(self):
