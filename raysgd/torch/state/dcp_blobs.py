@@ -91,10 +91,11 @@ def metadata_from_bytes(data, weights_only=True):
     Example:
         >>> metadata_from_bytes(metadata_to_bytes(dcp_metadata.Metadata({}))).state_dict_metadata
         {}
-        >>> metadata_from_bytes(pickle.dumps(print))  # doctest: +ELLIPSIS
+        >>> import os
+        >>> metadata_from_bytes(pickle.dumps(os.getcwd))  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        raysgd.torch.errors.CheckpointError: DCP metadata expected (a pickled Metadata); got ... builtins.print, ...
+        raysgd.torch.errors.CheckpointError: DCP metadata expected (a pickled Metadata); got ... posix.getcwd, ...
     """
     try:
         if weights_only:
