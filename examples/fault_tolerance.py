@@ -50,7 +50,7 @@ def main():
     parser.add_argument("--num-epochs", type=int, default=4)
     parser.add_argument("--smoke-test", action="store_true")
     args = parser.parse_args()
-    ray.init(address="local", num_cpus=max(2, args.num_workers))
+    ray.init(address="local", num_cpus=max(2, args.num_workers), include_dashboard=False)
     size, batch_sleep = (320, 0.02) if args.smoke_test else (3200, 0.01)
     trainer = TorchTrainer(training_operator_cls=SlowLinearOperator, num_workers=args.num_workers, timeout_s=30,
                            config={"size": size, "batch_sleep": batch_sleep})

@@ -92,52 +92,43 @@ def test_bad_arguments_and_a_missing_wandb_are_clear_errors(monkeypatch):
 
 
 @pytest.mark.usefixtures("ray_2cpus")
-def test_a_run_logs_config_and_every_epoch_once_offline(trainer_factory, tmp_path):
-    logger = WandbLogger(project="linear", name="two-workers", mode="offline", dir=tmp_path / "wandb-runs",
-                         tags=["sgd"], group="tests", log_checkpoints=True)
-    trainer = trainer_factory(training_operator_cls=LinearOperator, num_workers=2, config=CONFIG,
-                              storage_path=str(tmp_path / "storage"), callbacks=[logger])
+def test_a_run_logs_config_and_every_epoch_once_and_a_second_trainer_continues_it_without_logging_a_step_twice(
+        trainer_factory, tmp_path, caplog):
+    """The first trainer logs its config and epochs 1-3 (train and validate, checkpoints as artifacts), each epoch
+    once; its newest checkpoint (epoch 3) is then damaged, so the second resumes from epoch 2's and trains epoch 3
+    again: that step is in the run already and is not logged again. (One first trainer for both checks: each
+    trainer start is ~3 s of worker start-up.)"""
+    path, runs = str(tmp_path / "storage"), tmp_path / "wandb-runs"
+    first_logger = WandbLogger(project="linear", name="two-workers", mode="offline", dir=runs, tags=["sgd"],
+                               group="tests", log_checkpoints=True)
+    first = trainer_factory(training_operator_cls=LinearOperator, num_workers=2, config=CONFIG, storage_path=path,
+                            callbacks=[first_logger])
     losses, val_losses = [], []
     for _ in range(3):
-        losses.append(trainer.train()["train_loss"])
-        val_losses.append(trainer.validate()["val_loss"])
-    trainer.shutdown()
-    assert logger.run is None  # finished
-    (path,) = segments(tmp_path / "wandb-runs", logger.run_id, finished=1)
-    (run,) = run_records(path)
-    assert run.run_id == logger.run_id and run.project == "linear" and run.display_name == "two-workers"
+        losses.append(first.train()["train_loss"])
+        val_losses.append(first.validate()["val_loss"])
+        first.controller.durable.flush(timeout_s=60)  # each epoch's checkpoint, with the run id in its marker
+    first.shutdown()
+    assert first_logger.run is None  # finished
+    (first_path,) = segments(runs, first_logger.run_id, finished=1)
+    (run,) = run_records(first_path)
+    assert run.run_id == first_logger.run_id and run.project == "linear" and run.display_name == "two-workers"
     assert list(run.tags) == ["sgd"] and run.run_group == "tests"
     config = {item.key: item.value_json for item in run.config.update}
     assert config["lr"] == "0.01" and config["batch_size"] == "10" and '"momentum":0' in config["nested"]
-    all_rows = rows([path])
-    assert [row["_step"] for row in all_rows] == [1, 2, 3]  # one row per epoch: train and validate together
-    assert history(all_rows, "train/train_loss") == [(1, losses[0]), (2, losses[1]), (3, losses[2])]
-    assert history(all_rows, "validate/val_loss") == [(1, val_losses[0]), (2, val_losses[1]), (3, val_losses[2])]
-    assert [step for step, _ in history(all_rows, "train/num_samples")] == [1, 2, 3]
-    kinds = [r.WhichOneof("record_type") for r in read_records(path, wandb_internal_pb2.Record)]
+    before = rows([first_path])
+    assert [row["_step"] for row in before] == [1, 2, 3]  # one row per epoch: train and validate together
+    assert history(before, "train/train_loss") == [(1, losses[0]), (2, losses[1]), (3, losses[2])]
+    assert history(before, "validate/val_loss") == [(1, val_losses[0]), (2, val_losses[1]), (3, val_losses[2])]
+    assert [step for step, _ in history(before, "train/num_samples")] == [1, 2, 3]
+    kinds = [r.WhichOneof("record_type") for r in read_records(first_path, wandb_internal_pb2.Record)]
     assert "artifact" in kinds and kinds[-1] == "exit"  # the checkpoints, then finished
 
-
-@pytest.mark.usefixtures("ray_2cpus")
-def test_a_second_trainer_continues_the_same_run_without_logging_a_step_twice(trainer_factory, tmp_path, caplog):
-    """The first trainer logs epochs 1-3; its newest checkpoint (epoch 3) is then damaged, so the second resumes
-    from epoch 2's and trains epoch 3 again: that step is in the run already and is not logged again."""
-    path, runs = str(tmp_path / "storage"), tmp_path / "wandb-runs"
-    first_logger = WandbLogger(project="durable", mode="offline", dir=runs)
-    first = trainer_factory(training_operator_cls=LinearOperator, num_workers=2, config=CONFIG, storage_path=path,
-                            callbacks=[first_logger])
-    for _ in range(3):
-        first.train()
-        first.validate()
-        first.controller.durable.flush(timeout_s=60)  # each epoch's checkpoint, with the run id in its marker
-    first.shutdown()
     checkpoints = storage.CheckpointStorage(path).list()
     newest = os.path.join(checkpoints[-1][1], storage.STATE_FILE)
     with open(newest, "r+b") as handle:
         handle.truncate(os.path.getsize(newest) // 2)
-    before = rows(segments(runs, finished=1))
-
-    second_logger = WandbLogger(project="durable", mode="offline", dir=runs)
+    second_logger = WandbLogger(project="linear", mode="offline", dir=runs)
     with caplog.at_level("INFO", logger="raysgd.torch.integrations.wandb_logger"):
         second = trainer_factory(training_operator_cls=LinearOperator, num_workers=2, config=CONFIG,
                                  storage_path=path, callbacks=[second_logger])
