@@ -205,8 +205,9 @@ def install_if_requested():
 
 # ----------------------------------------------------------------- ray.train -> raysgd.train
 #: Ray Train's public modules and their raysgd.train counterparts (``install_train``).
+#: ``ray.train.utils`` is there for Ray Data (``iter_torch_batches`` imports it inside a training function).
 TRAIN_MODULES = {"ray.train": "raysgd.train", "ray.train.torch": "raysgd.train.torch",
-                 "ray.train.lightning": "raysgd.train.lightning"}
+                 "ray.train.lightning": "raysgd.train.lightning", "ray.train.utils": "raysgd.train.utils"}
 
 
 class TrainFinder(importlib.abc.MetaPathFinder):

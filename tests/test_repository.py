@@ -90,7 +90,7 @@ DOCTESTED = ["raysgd.utils", "raysgd.optional", "raysgd.meters", "raysgd.timers"
              "raysgd.torch.integrations.tune", "raysgd.data.dataset", "raysgd.data.examples.mlp_identity",
              "raysgd.train", "raysgd.train.config", "raysgd.train.checkpoint", "raysgd.train.run_storage",
              "raysgd.train.session", "raysgd.train.prepare", "raysgd.train.function_worker", "raysgd.train.trainer",
-             "raysgd.train.torch", "raysgd.train.lightning"]
+             "raysgd.train.torch", "raysgd.train.lightning", "raysgd.train.utils"]
 
 
 @pytest.mark.parametrize("name", DOCTESTED)

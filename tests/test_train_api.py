@@ -115,6 +115,7 @@ def test_bad_input_fails_before_any_actor_starts(cluster):
     with pytest.raises(ModuleNotFoundError, match=r"ray.train.tensorflow is not supported by raysgd.train .*TensorFlow"):
         TrainFinder().find_spec("ray.train.tensorflow")
     assert TrainFinder().find_spec("ray.train.torch").loader.target == "raysgd.train.torch"
+    assert TrainFinder().find_spec("ray.train.utils").loader.target == "raysgd.train.utils"  # Ray Data asks it
     assert_released(timeout_s=1)
 
 

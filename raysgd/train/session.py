@@ -134,6 +134,16 @@ def running(session):
         _current.remove(session)
 
 
+def is_running():
+    """Whether a training function runs in this process (a :class:`Session` is open).
+
+    Example:
+        >>> is_running()
+        False
+    """
+    return bool(_current)
+
+
 def current(what="this function"):
     """The running :class:`Session`; a clear error outside the training function."""
     if not _current:
