@@ -1,4 +1,9 @@
-"""Every script in examples/ runs its --smoke-test to the end (in a subprocess, with its own Ray cluster)."""
+"""Every script in examples/ runs its --smoke-test to the end (in a subprocess, with its own Ray cluster).
+
+The Ray Train guides' scripts (``ray_train_*.py``) run as their README commands do, under ``python -m raysgd.legacy
+--train`` (``ray.train`` mapped to raysgd.train), each in a run folder of the test's.
+"""
+import json
 import os
 import pathlib
 import struct
@@ -16,12 +21,47 @@ FOUND = sorted(p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_
 # Extra arguments: the digits example also draws its training curve and logs to MLflow, so both paths are covered.
 EXTRA_ARGS = {"digits_classifier.py": lambda tmp: ["--plot", str(tmp / "curve.png"), "--mlflow", str(tmp / "mlflow")]}
 SMOKE_DEADLINE_S = 240  # a smoke test takes under a minute; the margin is for a loaded 2-core machine
+RAY_TRAIN_RUN = "smoke"  # the --name of a ray_train_*.py run, under tmp_path / "storage"
 
 
 def _run(path, args, cwd):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # always a fresh local cluster
-    return subprocess.run([sys.executable, str(path), "--smoke-test", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=SMOKE_DEADLINE_S)
+    command = [sys.executable, str(path), "--smoke-test", *args]
+    if path.name.startswith("ray_train_"):  # a Ray Train script, run on raysgd.train
+        repo = str(EXAMPLES.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH", "")) if p)
+        command = [sys.executable, "-m", "raysgd.legacy", "--train", str(path), "--smoke-test", "--name",
+                   RAY_TRAIN_RUN, "--storage-path", str(cwd / "storage"), *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=SMOKE_DEADLINE_S)
+
+
+def _reported(run_folder):
+    """The markers (``.raysgd_report.json``) of a raysgd.train run's complete checkpoints, oldest first."""
+    return [json.loads(marker.read_text()) for marker in sorted(run_folder.glob("checkpoint_*/.raysgd_report.json"))]
+
+
+def _check_lightning_guide(result, tmp_path):
+    """Both ranks trained (DDP of 2: Lightning's sampler gave each rank 2 of the 4 batches of 16 per epoch), every
+    epoch reported a checkpoint, the loss fell, and the last checkpoint loads as the guide loads it and has learned
+    the synthetic classes."""
+    markers = _reported(tmp_path / "storage" / RAY_TRAIN_RUN)
+    assert [(m["world_size"], m["metrics"]["epoch"], m["metrics"]["step"]) for m in markers] == \
+        [(2, 0, 2), (2, 1, 4), (2, 2, 6)], markers
+    assert markers[-1]["metrics"]["loss"] < markers[0]["metrics"]["loss"], markers
+    accuracy = float(result.stdout.split("loaded model: accuracy ")[1].split()[0])
+    assert accuracy > 0.5, result.stdout[-2000:]  # 10 classes: chance is 0.1
+
+
+def _check_intro(result, tmp_path, path):
+    """Both epochs reported from 2 workers; run again with the same name and storage path and one more epoch, the
+    script resumes from the latest checkpoint (epoch 1) and trains only epoch 2."""
+    run_folder = tmp_path / "storage" / "distributed_training" / RAY_TRAIN_RUN
+    assert [(m["world_size"], m["metrics"]["epoch"]) for m in _reported(run_folder)] == [(2, 0), (2, 1)]
+    assert "Pred: [" in result.stdout
+    again = _run(path, ["--epochs", "3"], cwd=tmp_path)
+    assert again.returncode == 0, f"the re-run failed:\n{again.stdout[-3000:]}\n{again.stderr[-6000:]}"
+    last = _reported(run_folder)[-1]["metrics"]
+    assert (last["epoch"], last["start_epoch"]) == (2, 2) and len(_reported(run_folder)) == 3, last
 
 
 @pytest.mark.parametrize("name", sorted(set(EXPECTED) | set(FOUND)))
@@ -39,3 +79,7 @@ def test_example_smoke_test(name, tmp_path):
         width, height = struct.unpack(">II", png[16:24])
         assert width > 300 and height > 200
         assert "MLflow run " in result.stdout and (tmp_path / "mlflow" / "mlflow.db").stat().st_size > 0
+    if name == "ray_train_lightning_guide.py":
+        _check_lightning_guide(result, tmp_path)
+    if name == "ray_train_intro.py":
+        _check_intro(result, tmp_path, path)
