@@ -7,7 +7,7 @@ images are synthetic (no download): 1x28x28 tensors of 10 classes, each class a 
 so the loss has something to learn; the ResNet is raysgd's own (:mod:`raysgd.torch.resnet`, torchvision not
 needed) with the guide's 1-channel ``conv1`` (``ImageClassifier(small=True)``: one block per stage, for the smoke
 test). The rest is the guide's code with its ``ray.train`` imports, plus the epochs, batch size and storage options
-from the command line. Run it on raysgd (``ray.train``
+from the command line, and ``ray.init`` (``--address``, else a local Ray without the dashboard). Run it on raysgd (``ray.train``
 mapped to ``raysgd.train``)::
 
     python -m raysgd.legacy --train examples/ray_train_lightning_guide.py --smoke-test
@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import ray
 import ray.train
 import ray.train.lightning
 from ray.train.torch import TorchTrainer
@@ -97,12 +98,15 @@ def train_func(config):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke-test", action="store_true", help="a small model and data set, 3 epochs")
+    parser.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--use-gpu", action="store_true")
     parser.add_argument("--name", default=None)
     parser.add_argument("--storage-path", default=None)
     parser.add_argument("--epochs", type=int, default=None)
     args = parser.parse_args()
+    # TorchTrainer.fit() would start Ray as it is; a local one here skips the dashboard (seconds on a small machine)
+    ray.init(address=args.address or "local", include_dashboard=False)
     config = {"smoke_test": args.smoke_test, "samples": 64 if args.smoke_test else 60000, "batch_size": 16 if args.smoke_test else 128,
               "max_epochs": args.epochs or (3 if args.smoke_test else 10)}
 
