@@ -28,6 +28,10 @@ def _run(path, args, cwd):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # always a fresh local cluster
     command = [sys.executable, str(path), "--smoke-test", *args]
     if path.name.startswith("ray_train_"):  # a Ray Train script, run on raysgd.train
+        # TorchTrainer.fit() starts Ray as a bare ray.init() does, which attaches to the cluster last started by
+        # `ray start` or ray.cluster_utils.Cluster (/tmp/ray/ray_current_cluster: another test's, whose end removed
+        # the guide's placement group): "local" always starts a fresh one.
+        env["RAY_ADDRESS"] = "local"
         repo = str(EXAMPLES.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH", "")) if p)
         command = [sys.executable, "-m", "raysgd.legacy", "--train", str(path), "--smoke-test", "--name",
