@@ -7,13 +7,14 @@ images are synthetic (no download): 1x28x28 tensors of 10 classes, each class a 
 so the loss has something to learn; the ResNet is raysgd's own (:mod:`raysgd.torch.resnet`, torchvision not
 needed) with the guide's 1-channel ``conv1`` (``ImageClassifier(small=True)``: one block per stage, for the smoke
 test). The rest is the guide's code with its ``ray.train`` imports, plus the epochs, batch size and storage options
-from the command line, and ``ray.init`` (``--address``, else a local Ray without the dashboard). Run it on raysgd (``ray.train``
-mapped to ``raysgd.train``)::
+from the command line, and ``ray.init`` (``--address``, else a local Ray without the dashboard). Run it on raysgd
+(``ray.train`` mapped to ``raysgd.train``)::
 
     python -m raysgd.legacy --train examples/ray_train_lightning_guide.py --smoke-test
 
-or on Ray Train itself (``python examples/ray_train_lightning_guide.py``). Every epoch's checkpoint is reported
-(``checkpoint.ckpt``, Lightning's own); the script prints each one's metrics and the loaded model's accuracy.
+Without the mapping (``python examples/ray_train_lightning_guide.py``) the imports are Ray Train's own (not tested
+here). Every epoch's checkpoint is reported (``checkpoint.ckpt``, Lightning's own); the script prints the last
+metrics and the loaded model's accuracy on the training data.
 """
 import argparse
 import os
@@ -107,8 +108,8 @@ def main():
     args = parser.parse_args()
     # TorchTrainer.fit() would start Ray as it is; a local one here skips the dashboard (seconds on a small machine)
     ray.init(address=args.address or "local", include_dashboard=False)
-    config = {"smoke_test": args.smoke_test, "samples": 64 if args.smoke_test else 60000, "batch_size": 16 if args.smoke_test else 128,
-              "max_epochs": args.epochs or (3 if args.smoke_test else 10)}
+    config = {"smoke_test": args.smoke_test, "samples": 64 if args.smoke_test else 60000,
+              "batch_size": 16 if args.smoke_test else 128, "max_epochs": args.epochs or (3 if args.smoke_test else 10)}
 
     # [2] Configure scaling and resource requirements.
     scaling_config = ray.train.ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu)

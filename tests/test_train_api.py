@@ -174,6 +174,8 @@ def test_the_guide_script_runs_unchanged_and_a_killed_driver_resumes_from_its_la
 
 
 def lightning_loop(config):
+    """The Lightning names on every rank: a checkpoint per epoch (4 batches of 4 per epoch, 2 per rank); rank 1
+    SIGKILLs itself once, at epoch 1's second batch; a restart resumes Lightning from ``get_checkpoint()``."""
     import lightning.pytorch as pl  # noqa: PLC0415 (only this test needs Lightning)
 
     from raysgd.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback, prepare_trainer
@@ -184,6 +186,10 @@ def lightning_loop(config):
             self.layer = torch.nn.Linear(2, 1)
 
         def training_step(self, batch, index):
+            if raysgd.train.get_context().get_world_rank() == 1 and self.current_epoch == 1 and index == 1 and \
+                    not os.path.exists(config["kill_marker"]):
+                open(config["kill_marker"], "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
             loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
             self.log("loss", loss)
             return loss
@@ -193,7 +199,7 @@ def lightning_loop(config):
 
     data = DataLoader(TensorDataset(torch.randn(16, 2), torch.randn(16, 1)), batch_size=4)
     trainer = prepare_trainer(pl.Trainer(
-        max_epochs=2, devices="auto", accelerator="cpu", strategy=RayDDPStrategy(), plugins=[RayLightningEnvironment()],
+        max_epochs=3, devices="auto", accelerator="cpu", strategy=RayDDPStrategy(), plugins=[RayLightningEnvironment()],
         callbacks=[RayTrainReportCallback()], enable_checkpointing=False, logger=False, enable_progress_bar=False,
         enable_model_summary=False))
     checkpoint = raysgd.train.get_checkpoint()
@@ -202,21 +208,23 @@ def lightning_loop(config):
         trainer.fit(Tiny(), data, ckpt_path=path if checkpoint else None)
 
 
-def test_lightning_trainer_reports_its_checkpoints_and_resumes(tmp_path):
-    """The Lightning names inside a function worker (this process, a real gloo group of one): a checkpoint per
-    epoch; a second run with max_epochs reached resumes from the latest one (no new epoch trained)."""
-    from raysgd.train.function_worker import FunctionWorker
-
-    worker = FunctionWorker(lightning_loop, {}, is_local=True)
-    worker.setup_process_group(worker.setup_address(), 0, 1, 30)
-    worker.setup_operator()
-    run_info = {"storage_path": str(tmp_path), "name": "lightning"}
-    answer = worker.run_loop(run_info)
-    assert answer["reports"] == 2 and answer["metrics"]["epoch"] == 1 and answer["metrics"]["step"] == 8
-    assert sorted(os.listdir(answer["checkpoint"])) == [".raysgd_report.json", "checkpoint.ckpt"]
-    latest = raysgd.train.run_storage.RunFolder(str(tmp_path), "lightning").latest()
-    assert worker.run_loop(run_info, resume=latest)["reports"] == 0  # resumed after its last epoch: nothing to do
-    worker.shutdown()
+def test_lightning_on_two_workers_reports_each_epoch_and_a_killed_rank_resumes_from_the_checkpoint(cluster, tmp_path):
+    """A Lightning Trainer in the function on 2 real workers (DDP of 2 ranks; Lightning's sampler shards the data):
+    rank 1 SIGKILLed in epoch 1; the group re-forms and Lightning resumes from epoch 0's checkpoint (global step 2),
+    so the epochs are reported in order with the steps of 2 ranks, and the last checkpoint is Lightning's."""
+    marker = str(tmp_path / "killed")
+    result = TorchTrainer(lightning_loop, train_loop_config={"kill_marker": marker},
+                          scaling_config=ScalingConfig(num_workers=2), torch_config=FAST,
+                          run_config=RunConfig(name="lightning", storage_path=str(tmp_path),
+                                               failure_config=FailureConfig(max_failures=1))).fit()
+    assert os.path.exists(marker) and result.num_failures == 1
+    reports = sorted((tmp_path / "lightning").glob("checkpoint_*/.raysgd_report.json"))
+    markers = [json.loads(report.read_text()) for report in reports]
+    assert [(m["world_size"], m["metrics"]["epoch"], m["metrics"]["step"]) for m in markers] == \
+        [(2, 0, 2), (2, 1, 4), (2, 2, 6)], markers
+    assert result.metrics["epoch"] == 2 and result.metrics["step"] == 6
+    assert sorted(os.listdir(result.checkpoint.path)) == [".raysgd_report.json", "checkpoint.ckpt"]
+    assert_released()
 
 
 def test_reported_checkpoints_go_to_an_s3_uri_marker_last_and_read_back(tmp_path):
