@@ -111,15 +111,15 @@ class SparePool:
             self._refill_at[bundle] = self._clock() + refill_delay_s()
 
     def available(self):
-        """How many spares are alive (ready or still warming), as far as the pool knows now."""
-        return sum(1 for spare in self._spares.values() if spare.state() not in ("dead", "broken"))
+        """How many spares are ready (warm, and alive as far as the pool knows now). A spare still warming is not
+        counted: its actor may wait for a bundle Ray cannot place (a lost node's), and a rank must never wait for it."""
+        return sum(1 for spare in self._spares.values() if spare.state() == "ready")
 
     def take(self):
-        """A live spare (a ready one first) leaving the pool, or None; its bundle leaves the pool with it."""
+        """A ready spare leaving the pool, or None; its bundle leaves the pool with it."""
         self.tend(force=True)
-        ranked = sorted(self._spares.items(), key=lambda item: item[1].pid is None)
-        for bundle, spare in ranked:
-            if spare.state() == "ready" or spare.state() == "warming":
+        for bundle, spare in list(self._spares.items()):
+            if spare.state() == "ready":
                 del self._spares[bundle]
                 return spare
         return None
