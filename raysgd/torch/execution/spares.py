@@ -26,10 +26,17 @@ import ray
 from ray.exceptions import RayActorError
 
 from raysgd.torch.constants import env_float
+from raysgd.torch.execution import diagnostics
 
 logger = logging.getLogger(__name__)
 
 _PING_S = 0.5  # how often an idle spare is asked whether it lives
+
+
+def warm_limit_s():
+    """``SGD_SPARE_WARM_S`` (default 120): a spare not warm by then (its actor never placed, or stuck) is killed, its
+    stacks logged, and another started in its bundle."""
+    return env_float("SGD_SPARE_WARM_S", 120.0)
 
 
 def refill_delay_s():
@@ -145,6 +152,8 @@ class SparePool:
                 self.refills += 1
             elif state == "broken":
                 self._give_up(bundle, spare)
+            elif state == "warming" and now - spare.started > warm_limit_s():
+                self._restart_stuck(bundle, spare)
             elif state == "ready" and not was_ready and spare.refill:
                 self.last_refill_s = now - spare.started
                 logger.info("Spare refilled in bundle %d in %.2f s", bundle, self.last_refill_s)
@@ -157,6 +166,19 @@ class SparePool:
                 self._begin(bundle, refill=True)
         if now >= self._next_ping:
             self._next_ping = now + _PING_S
+
+    def _restart_stuck(self, bundle, spare):
+        """A spare still warming after ``SGD_SPARE_WARM_S``: log where it is, kill it, start another in its bundle."""
+        try:
+            stacks = diagnostics.gather_stacks({bundle: spare.handle.stacks_request()}, timeout_s=5).get(bundle)
+        except Exception as err:  # noqa: BLE001 (the stacks are forensics only)
+            stacks = f"no stacks: {type(err).__name__}: {err}"
+        logger.warning("Spare in bundle %d is not warm after %.0f s; starting another. Its stacks:\n%s", bundle,
+                       warm_limit_s(), stacks)
+        spare.handle.kill()
+        del self._spares[bundle]
+        self.refills += 1
+        self._begin(bundle, refill=True)
 
     def _give_up(self, bundle, spare):
         """A spare's warm-up raised (the hook's error, which a refill would meet again): no more spares."""
