@@ -18,6 +18,7 @@ resident memory, and its CPU use while the group trains, beside a rank's). The t
 and the workers and failures after recovery.
 """
 import json
+import logging
 import os
 import signal
 import sys
@@ -138,6 +139,7 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
         t_kill = time.time()
         if fault in ("process", "spare"):
             os.kill(int(open(path).read()), signal.SIGKILL)
+            logging.getLogger("raysgd.benchmark").info("SIGKILL sent to rank 1")
         elif fault == "drain":
             _drain(cluster, node_of_rank1)
         else:
@@ -153,7 +155,8 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
                 raise RuntimeError("the spare was not refilled")
             extra["refill_s"] = trainer.worker_group.spares.last_refill_s
             extra.update(_spare_cost(trainer, 3 if smoke else 10))
-        return {"resumed_s": _resumed_s(stamps, t_kill), "recomputed": len(stamps) - 2 * steps,
+        return {"resumed_s": _resumed_s(stamps, t_kill), "next_batch_s": min(t for t in stamps if t > t_kill) - t_kill,
+                "recomputed": len(stamps) - 2 * steps,
                 "workers_after": trainer.worker_group.num_workers, "failures": trainer.num_failures,
                 "num_samples": result["stats"]["num_samples"], **extra}
     finally:
@@ -165,6 +168,8 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
 
 
 def main():
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("raysgd").setLevel(logging.INFO)  # the recovery's steps, timed, on stderr
     args = bench_args(__doc__, "runs per setting (median)", cases=CASE_NAMES)
     chosen = set(args.cases.split(","))
     repeats = 1 if args.smoke_test else args.repeats
@@ -187,6 +192,7 @@ def main():
                              "survivors": "all moved at a commit" if fault == "drain" else
                              "kept" if keep else "restarted (SGD_KEEP_SURVIVORS=0)",
                              "event_to_resumed_s": times[len(times) // 2],
+                             "event_to_next_batch_s": sorted(r["next_batch_s"] for r in runs)[len(runs) // 2],
                              "recomputed_batches": max(r["recomputed"] for r in runs),
                              "workers_after": runs[-1]["workers_after"], "failures": runs[-1]["failures"],
                              "repeats": repeats, "all_s": times})
