@@ -149,6 +149,10 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
         if "stats" not in result:
             raise RuntimeError(f"train() did not finish ({fault}, keep={keep})")
         stamps = [float(line) for line in open(log).read().split()]
+        after = [t for t in stamps if t > t_kill]
+        gaps = sorted(((b - a, a - t_kill, i) for i, (a, b) in enumerate(zip(after, after[1:]))), reverse=True)[:3]
+        logging.getLogger("raysgd.benchmark").info("longest pauses after the first batch (s, at s after the kill, "
+                                                    "batch): %s", [tuple(round(x, 2) for x in g) for g in gaps])
         if fault == "spare":
             extra["rank1_is_the_spare"] = trainer.apply_all_workers(os.getpid)[1] == spare_pid
             if trainer.worker_group.spares.wait_ready(1, DEADLINE_S) != 1:
