@@ -83,3 +83,36 @@ def test_an_idle_spare_that_dies_is_refilled_and_is_no_failure(ray_4cpus, traine
     assert torch.equal(counts(trainer), torch.ones(N))
     trainer.shutdown()
     assert_released()
+
+
+def test_spares_are_ignored_inside_a_trials_placement_group(ray_4cpus):
+    """Inside a placement group that is not the trainer's own (a Tune trial's: bundle 0 for the trainable, then one
+    per worker) no spare is started, and the run trains as with num_spares=0 (a warning says so)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=1)
+    def trial():
+        import logging
+
+        seen = []
+        handler = logging.Handler()
+        handler.emit = lambda record: seen.append(record.getMessage())
+        logging.getLogger("raysgd").addHandler(handler)
+        trainer = TorchTrainer(training_operator_cls=CountingOperator, num_workers=1, num_spares=1,
+                               config={"n": 20, "batch_size": 10}, timeout_s=30)
+        try:
+            return (trainer.train()["num_samples"], len(trainer.worker_group.spares.bundles),
+                    any("num_spares=1 is ignored inside a Tune trial" in line for line in seen))
+        finally:
+            trainer.shutdown()
+
+    pg = placement_group([{"CPU": 1}, {"CPU": 1}])
+    try:
+        ray.get(pg.ready(), timeout=60)
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0,
+                                                    placement_group_capture_child_tasks=True)
+        assert ray.get(trial.options(scheduling_strategy=strategy).remote(), timeout=300) == (20, 0, True)
+    finally:
+        remove_placement_group(pg)
