@@ -150,12 +150,15 @@ def _commit_stats():
     return dict(committer.STATS)
 
 
-def bench_args(doc, repeats_help):
-    """``--smoke-test``, ``--json`` and ``--repeats`` (default 3), the options of the benchmarks beside this one."""
+def bench_args(doc, repeats_help, cases=None):
+    """``--smoke-test``, ``--json`` and ``--repeats`` (default 3), the options of the benchmarks beside this one;
+    with ``cases`` (their names) also ``--cases`` (comma-separated, default all)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--smoke-test", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--repeats", type=int, default=3, help=repeats_help)
+    if cases:
+        parser.add_argument("--cases", default=",".join(cases), help=f"which of {', '.join(cases)}")
     return parser.parse_args()
 
 

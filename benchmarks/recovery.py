@@ -2,7 +2,7 @@
 
 Run from the repository root (it starts its own multi-node cluster on this machine)::
 
-    PYTHONPATH=$PWD python benchmarks/recovery.py [--smoke-test] [--repeats N] [--json out.json]
+    PYTHONPATH=$PWD python benchmarks/recovery.py [--smoke-test] [--repeats N] [--json out.json] [--cases ...]
 
 A ``ray.cluster_utils.Cluster`` with a 0-CPU head and two 1-CPU worker nodes; 2 workers (one per node) train
 the MLP of ``workloads.py`` with commits every 10 steps. Rank 1 stops at step 25 of the epoch; once the commit at
@@ -10,11 +10,15 @@ step 20 is stored, the benchmark either SIGKILLs rank 1's process (its node live
 replacement) or removes rank 1's node (the group goes on without it). Each is run with survivors kept (the
 default) and with ``SGD_KEEP_SURVIVORS=0`` (every worker restarts, as before). A third case drains rank 1's node
 instead (Ray's preemption notice, as ``ray start --block`` sends it on SIGTERM) once the step-20 commit is stored,
-with a spare node to move to; rank 1 does not stop. The table gives the seconds from the event to training resumed
+with a spare node to move to; rank 1 does not stop. The case "spare" kills rank 1's process as the first case does,
+with ``TorchTrainer(num_spares=1)``: a third 1-CPU node holds the spare's bundle (removed after the case); it also
+gives the spare's refill time (from the refill's start to its spare ready) and the cost of an idle spare (its
+resident memory, and its CPU use while the group trains, beside a rank's). The table gives the seconds from the event to training resumed
 (the end of the longest pause in the batch log after it; median of ``--repeats``), the batches computed twice,
 and the workers and failures after recovery.
 """
 import json
+import logging
 import os
 import signal
 import sys
@@ -35,7 +39,9 @@ from workloads import workload_spec  # noqa: E402
 FAST_HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
 DEADLINE_S = 300
 EVENTS = {"process": "rank 1's process killed", "node": "rank 1's node lost",
-          "drain": "rank 1's node drained (notice)"}
+          "drain": "rank 1's node drained (notice)", "spare": "rank 1's process killed, with a spare"}
+CASES = (("process", True), ("process", False), ("spare", True), ("node", True), ("node", False), ("drain", True))
+CASE_NAMES = ("process", "process-restart", "spare", "node", "node-restart", "drain")
 
 
 def _live_worker_nodes():
@@ -43,10 +49,19 @@ def _live_worker_nodes():
 
 
 def _add_node(cluster):
-    """One more 1-CPU node, once Ray lists it (``wait_for_nodes`` also counts drained nodes that ended)."""
+    """One more 1-CPU node, once Ray lists it (``wait_for_nodes`` also counts drained nodes that ended); returns it."""
     want, deadline = _live_worker_nodes() + 1, time.monotonic() + DEADLINE_S
-    cluster.add_node(num_cpus=1)
+    node = cluster.add_node(num_cpus=1)
     while _live_worker_nodes() < want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return node
+
+
+def _remove_free_node(cluster, node):
+    """Remove worker ``node`` (no actor is left on it once the trainer shut down) and wait until it is gone."""
+    want, deadline = _live_worker_nodes() - 1, time.monotonic() + DEADLINE_S
+    cluster.remove_node(node)
+    while _live_worker_nodes() > want and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
@@ -58,6 +73,31 @@ def _drain(cluster, node_id):
         int((time.time() + 120) * 1000))
     if not accepted:
         raise RuntimeError(f"the drain was refused: {why}")
+
+
+def _proc(pid):
+    """``(resident MiB, CPU seconds)`` of process ``pid`` on this machine (Linux's /proc)."""
+    with open(f"/proc/{pid}/status") as handle:
+        rss_kib = next(int(line.split()[1]) for line in handle if line.startswith("VmRSS:"))
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return rss_kib / 1024, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _spare_cost(trainer, seconds):
+    """The idle spare's and rank 0's resident MiB and CPU share (CPU seconds per second) over ``seconds`` of
+    training."""
+    spare, rank0 = trainer.worker_group.spares.pids()[0], trainer.apply_all_workers(os.getpid)[0]
+    before = {pid: _proc(pid) for pid in (spare, rank0)}
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        trainer.train(num_steps=20)
+    wall = time.monotonic() - start
+    after, cost = {pid: _proc(pid) for pid in (spare, rank0)}, {}
+    for name, pid in (("spare", spare), ("rank0", rank0)):
+        cost[f"{name}_rss_mib"] = after[pid][0]
+        cost[f"{name}_cpu_share"] = (after[pid][1] - before[pid][1]) / wall
+    return cost
 
 
 def _resumed_s(stamps, t_event):
@@ -73,15 +113,20 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
     steps, step = (40, 25) if smoke else (120, 25)
     log, path = os.path.join(work_dir, f"log-{run}"), os.path.join(work_dir, f"fault-{run}")
     os.environ["SGD_KEEP_SURVIVORS"] = "1" if keep else "0"
-    if fault == "drain":
-        _add_node(cluster)  # somewhere to move to; the drained node ends once the workers left it
+    # somewhere to move to (the drained node ends once the workers left it), or the spare's node
+    added = _add_node(cluster) if fault in ("drain", "spare") else None
     trainer = TorchTrainer(training_operator_cls=LoggingOperator, num_workers=2, timeout_s=60,
-                           commit_every_n_steps=10,
+                           commit_every_n_steps=10, num_spares=1 if fault == "spare" else 0,
                            config=dict(model="mlp", batch_size=sizes["batch_size"], log=log, fault_step=step,
                                        fault_path=None if fault == "drain" else path,
                                        num_samples=2 * sizes["batch_size"] * steps))
     try:
         node_of_rank1 = trainer.apply_all_workers(lambda: ray.get_runtime_context().get_node_id())[1]
+        extra = {}
+        if fault == "spare":
+            if trainer.worker_group.spares.wait_ready(1, DEADLINE_S) != 1:
+                raise RuntimeError("the spare did not become ready")
+            spare_pid = trainer.worker_group.spares.pids()[0]
         result = {}
         thread = threading.Thread(target=lambda: result.update(stats=trainer.train()), daemon=True)
         thread.start()
@@ -92,8 +137,9 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
                 break
             time.sleep(0.01)
         t_kill = time.time()
-        if fault == "process":
+        if fault in ("process", "spare"):
             os.kill(int(open(path).read()), signal.SIGKILL)
+            logging.getLogger("raysgd.benchmark").info("SIGKILL sent to rank 1")
         elif fault == "drain":
             _drain(cluster, node_of_rank1)
         else:
@@ -103,17 +149,33 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
         if "stats" not in result:
             raise RuntimeError(f"train() did not finish ({fault}, keep={keep})")
         stamps = [float(line) for line in open(log).read().split()]
-        return {"resumed_s": _resumed_s(stamps, t_kill), "recomputed": len(stamps) - 2 * steps,
+        after = [t for t in stamps if t > t_kill]
+        gaps = sorted(((b - a, a - t_kill, i) for i, (a, b) in enumerate(zip(after, after[1:]))), reverse=True)[:3]
+        logging.getLogger("raysgd.benchmark").info("longest pauses after the first batch (s, at s after the kill, "
+                                                    "batch): %s", [tuple(round(x, 2) for x in g) for g in gaps])
+        if fault == "spare":
+            extra["rank1_is_the_spare"] = trainer.apply_all_workers(os.getpid)[1] == spare_pid
+            if trainer.worker_group.spares.wait_ready(1, DEADLINE_S) != 1:
+                raise RuntimeError("the spare was not refilled")
+            extra["refill_s"] = trainer.worker_group.spares.last_refill_s
+            extra.update(_spare_cost(trainer, 3 if smoke else 10))
+        return {"resumed_s": _resumed_s(stamps, t_kill), "next_batch_s": min(t for t in stamps if t > t_kill) - t_kill,
+                "recomputed": len(stamps) - 2 * steps,
                 "workers_after": trainer.worker_group.num_workers, "failures": trainer.num_failures,
-                "num_samples": result["stats"]["num_samples"]}
+                "num_samples": result["stats"]["num_samples"], **extra}
     finally:
         trainer.shutdown()
         if fault == "node":
             _add_node(cluster)  # back to two worker nodes for the next run
+        elif fault == "spare":
+            _remove_free_node(cluster, added)  # back to two worker nodes for the next case
 
 
 def main():
-    args = bench_args(__doc__, "runs per setting (median)")
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("raysgd").setLevel(logging.INFO)  # the recovery's steps, timed, on stderr
+    args = bench_args(__doc__, "runs per setting (median)", cases=CASE_NAMES)
+    chosen = set(args.cases.split(","))
     repeats = 1 if args.smoke_test else args.repeats
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": FAST_HEALTH_CHECK})
     rows = []
@@ -124,8 +186,9 @@ def main():
         ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(
             [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])}})
         with tempfile.TemporaryDirectory() as work_dir:
-            for fault, keep in (("process", True), ("process", False), ("node", True), ("node", False),
-                                ("drain", True)):
+            for (fault, keep), name in zip(CASES, CASE_NAMES):
+                if name not in chosen:
+                    continue
                 runs = [_one(cluster, fault, keep, args.smoke_test, work_dir, f"{fault}-{keep}-{i}")
                         for i in range(repeats)]
                 times = sorted(r["resumed_s"] for r in runs)
@@ -133,9 +196,14 @@ def main():
                              "survivors": "all moved at a commit" if fault == "drain" else
                              "kept" if keep else "restarted (SGD_KEEP_SURVIVORS=0)",
                              "event_to_resumed_s": times[len(times) // 2],
+                             "event_to_next_batch_s": sorted(r["next_batch_s"] for r in runs)[len(runs) // 2],
                              "recomputed_batches": max(r["recomputed"] for r in runs),
                              "workers_after": runs[-1]["workers_after"], "failures": runs[-1]["failures"],
-                             "repeats": repeats})
+                             "repeats": repeats, "all_s": times})
+                if fault == "spare":
+                    rows[-1].update(refill_s=sorted(r["refill_s"] for r in runs)[len(runs) // 2],
+                                    rank1_is_the_spare=all(r["rank1_is_the_spare"] for r in runs),
+                                    **{k: runs[-1][k] for k in runs[-1] if k.endswith(("_rss_mib", "_cpu_share"))})
     finally:
         os.environ.pop("SGD_KEEP_SURVIVORS", None)
         ray.shutdown()

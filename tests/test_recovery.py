@@ -279,3 +279,20 @@ def test_fit_counts_what_the_placement_strategy_allows():
     assert fit_for_strategy(free, {"b"}, "STRICT_PACK", 1, 0, 8) == 1  # only on the group's own node
     assert fit_for_strategy(free, set(), "STRICT_PACK", 1, 0, 8) == 3  # a new group: the roomiest node
     assert fit_for_strategy(free, {"a"}, "PACK", 1, 0, 8) == fit_for_strategy(free, {"a"}, "SPREAD", 1, 0, 8) == 4
+
+
+def test_warm_spares_take_vacant_ranks_a_lost_bundles_first_in_the_old_rank_order():
+    from raysgd.torch.fault_tolerance.reform import SPARE, plan
+
+    placed, alive = {0: "a", 1: "b", 2: "c", 3: "a"}, {"a", "b", "c"}
+    # bundle 3 is a spare's (not in ``order``); the ranks were in bundles 2, 0, 1 (a spare took rank 0 before)
+    assert plan(placed, alive, {2: "r0", 1: "r2"}, min_size=1, fit_elsewhere=0, order=[2, 0, 1], spares=1) == [
+        (2, "r0"), (0, SPARE), (1, "r2")]  # the dead rank 1's bundle: the spare takes rank 1
+    assert plan(placed, alive, {2: "r0", 1: "r2"}, min_size=1, fit_elsewhere=0, order=[2, 0, 1]) == [
+        (2, "r0"), (0, None), (1, "r2")]  # no spare: a new process there, as before
+    # node b is lost with rank 1 and rank 2 died on node a: the one spare takes the lost node's rank, so the group
+    # keeps its size, and the live bundle takes a new process
+    assert plan({0: "a", 2: "a"}, {"a"}, {0: "r0"}, min_size=1, fit_elsewhere=1, size=3, spares=1) == [
+        (0, "r0"), (1, SPARE), (2, None)]
+    assert plan({0: "a"}, {"a"}, {}, min_size=1, fit_elsewhere=0, spares=1) == [(0, SPARE)]  # no survivor needed
+    assert plan({0: "a"}, {"a"}, {}, min_size=1, fit_elsewhere=0, spares=0) is None

@@ -205,6 +205,13 @@ def _backend(v, caller):
     return backend
 
 
+def _spares(v, caller):
+    value = v["num_spares"]
+    expect(isinstance(value, int) and not isinstance(value, bool) and value >= 0, "num_spares", "an int >= 0",
+           value, caller=caller)
+    return value
+
+
 def _timeout(v, caller):
     expect(_is_number(v["timeout_s"]) and v["timeout_s"] > 0, "timeout_s", "a number of seconds > 0", v["timeout_s"],
            caller=caller)
@@ -371,12 +378,17 @@ class TrainerOptions:
         None, "with `strategy=\"fsdp\"`: `reshard_after_forward`, `mp_policy`, `offload_policy` (passed to "
         "`fully_shard`) and `shard_policy` (the submodules sharded on their own before the root)", _fsdp_args,
         worker=True)
+    num_spares: int = option(
+        0, "warm spare workers kept idle beside the group, each with its own bundle of `num_cpus_per_worker` (and "
+        "GPUs): a rank whose process dies is replaced by a spare, which has imported torch and run "
+        "`initialization_hook` already, instead of a new process; refilled in the background; ignored inside a Tune "
+        "trial (see Warm spares)", _spares)
 
     #: The order the checks run in (each may rely on those before it); ``use_gpu`` is resolved before ``backend``.
     ORDER = ("placement_strategy", "training_operator_cls", "initialization_hook", "config", "num_workers",
              "num_cpus_per_worker", "use_gpu", "use_local", "num_gpus_per_worker", "backend", "timeout_s", "use_fp16",
              "wrap_ddp", "use_tqdm", "add_dist_sampler", "scheduler_step_freq", "fixed_worker_batch",
-             "strategy", "fsdp_args", "commit_every_n_steps", "callbacks", "ray_metrics")
+             "strategy", "fsdp_args", "commit_every_n_steps", "callbacks", "ray_metrics", "num_spares")
 
     @classmethod
     def from_kwargs(cls, kwargs):

@@ -85,7 +85,7 @@ class TorchTrainer:
             group = WorkerGroup(options.worker_options(), num_cpus_per_worker=options.num_cpus_per_worker,
                                 num_gpus=options.num_gpus_per_worker if options.use_gpu else 0,
                                 use_local=options.use_local, timeout_s=options.timeout_s,
-                                placement_strategy=options.placement_strategy)
+                                placement_strategy=options.placement_strategy, num_spares=options.num_spares)
             self._controller = RunController(
                 group, operator_cls=options.training_operator_cls, initialization_hook=options.initialization_hook,
                 config=options.config, split=batch_split.splitter(options.fixed_worker_batch, self.max_replicas),

@@ -49,8 +49,14 @@ class Placement:
             bundle[f"node:{ray.util.get_node_ip_address()}"] = 0.001  # rank 0 is this process: this node
         return bundle
 
-    def reserve(self, n, pg_timeout_s):
-        """``(placement group, first bundle index, owned)`` for ranks 0..n-1: the Tune trial's group, or a new one."""
+    @staticmethod
+    def in_trial():
+        """Whether this process runs inside a Tune trial's placement group (the workers then use the trial's)."""
+        return get_current_placement_group() is not None
+
+    def reserve(self, n, pg_timeout_s, spares=0):
+        """``(placement group, first bundle index, owned)`` for ranks 0..n-1: the Tune trial's group, or a new one
+        whose bundles ``n..n+spares-1`` are for warm spares (:mod:`raysgd.torch.execution.spares`; none in a trial's)."""
         trial_pg = get_current_placement_group()
         if trial_pg is not None:
             offset = 0 if self._use_local else 1  # bundle 0 is the trainable (which is rank 0 with use_local)
@@ -65,13 +71,16 @@ class Placement:
         if total.get("CPU", 0) < n * self._cpus or total.get("GPU", 0) < n * self._gpus:
             logger.warning("%d workers with %s each exceed the whole cluster (%s): waiting up to %.0f s for it to "
                            "grow", n, self.bundle(1), total, pg_timeout_s)
-        pg = placement_group([self.bundle(rank) for rank in range(n)], strategy=self.strategy)
+        pg = placement_group([self.bundle(rank) for rank in range(n)] + [self.bundle(n) for _ in range(spares)],
+                             strategy=self.strategy)
         try:
             ray.get(pg.ready(), timeout=pg_timeout_s)
         except GetTimeoutError as err:
             remove_placement_group(pg)
-            raise TimeoutError(f"{n} workers with {self.bundle(1)} each could not be placed ({self.strategy}) "
-                               f"within {pg_timeout_s:.0f} s; free resources: {ray.available_resources()}") from err
+            with_spares = f" and {spares} spare(s)" if spares else ""
+            raise TimeoutError(f"{n} workers{with_spares} with {self.bundle(1)} each could not be placed "
+                               f"({self.strategy}) within {pg_timeout_s:.0f} s; free resources: "
+                               f"{ray.available_resources()}") from err
         return pg, 0, True
 
     @staticmethod
@@ -167,12 +176,16 @@ def _alive_nodes(skip_dying=False):
     return alive - set(cluster_state.dying_nodes()) if skip_dying else alive
 
 
-def reform_plan(pg, kept, min_size, how_many_fit):
-    """:func:`~raysgd.torch.fault_tolerance.reform.plan` for placement group ``pg`` as Ray sees it now (``how_many_fit(n)``: workers that fit outside)."""
+def reform_plan(pg, kept, min_size, how_many_fit, order=None, spares=0):
+    """:func:`~raysgd.torch.fault_tolerance.reform.plan` for placement group ``pg`` as Ray sees it now (``how_many_fit(n)``:
+    workers that fit outside; ``order``: the bundles ranks may use, in rank order, default all; ``spares``: how many
+    warm spares may take vacant ranks)."""
     placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
     alive, size = _alive_nodes(skip_dying=True), len(pg.bundle_specs)
-    lost = sum(1 for b in range(size) if b not in kept and placed.get(b) not in alive)
-    return reform.plan(placed, alive, kept, min_size, how_many_fit(lost) if lost else 0, size=size)
+    order = list(range(size)) if order is None else list(order)
+    lost = max(0, sum(1 for b in order if b not in kept and placed.get(b) not in alive) - spares)
+    return reform.plan(placed, alive, kept, min_size, how_many_fit(lost) if lost else 0, size=size, order=order,
+                       spares=spares)
 
 
 def nodes_of(pg, handles):
@@ -181,10 +194,11 @@ def nodes_of(pg, handles):
     return {h.rank: placed.get(h.bundle) for h in handles if h.actor is not None}
 
 
-def spare_bundles(pg, handles):
-    """How many bundles of ``pg`` are placed on a live node with no worker of ``handles`` in them."""
-    if pg is None or len(handles) >= len(pg.bundle_specs):
+def spare_bundles(pg, used):
+    """How many bundles of ``pg`` are placed on a live node and not in ``used`` (the bundles of the workers and of the
+    warm spares)."""
+    if pg is None or len(used) >= len(pg.bundle_specs):
         return 0
     placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
-    used, alive = {h.bundle for h in handles}, _alive_nodes()
+    alive = _alive_nodes()
     return sum(1 for b, node in placed.items() if b not in used and node in alive)

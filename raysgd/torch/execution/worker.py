@@ -27,6 +27,7 @@ import logging
 import os
 import pickle
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -117,6 +118,34 @@ class TorchWorker:
         """Run the trainer's ``initialization_hook`` in this process."""
         if hook is not None:
             hook()
+
+    def warm_up(self, hook):
+        """Make this process a warm spare (:mod:`raysgd.torch.execution.spares`): warm the DDP machinery (a
+        throwaway model wrapped in a one-rank gloo process group of its own, then left; the random streams are put
+        back), then run ``hook``. No rank, no process group, no operator: ``setup()`` may read the rank, so it runs
+        when the spare takes one (:meth:`take_rank`). Returns this process's id."""
+        started = time.perf_counter()
+        if dist.is_available() and not dist.is_initialized():
+            try:
+                with torch.random.fork_rng(devices=[]):
+                    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+                    try:
+                        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
+                        model(torch.zeros(1, 2)).sum().backward()
+                    finally:
+                        dist.destroy_process_group()
+            except Exception as err:  # noqa: BLE001 (a cold spare still saves the process start-up)
+                logger.debug("warming DDP in a spare failed: %s", err)
+        self.run_hook(hook)
+        logger.debug("spare warm in %.2f s", time.perf_counter() - started)
+        return os.getpid()
+
+    def take_rank(self, config, world_rank, world_size, hook=None):
+        """A warm spare becomes ``world_rank`` of a re-formed group of ``world_size`` (with ``config``), as a
+        survivor does (:meth:`rejoin`); ``hook``, when given (the trainer's hook changed since the spare ran it), runs
+        first. ``setup_process_group`` and ``setup_operator`` follow."""
+        self.run_hook(hook)
+        self.rejoin(config, world_rank, world_size)
 
     def node_ip(self):
         import ray  # noqa: PLC0415 (only for the address; the worker itself needs no Ray)

@@ -20,9 +20,10 @@ from raysgd.torch.execution import calls as _calls
 from raysgd.torch.execution import cluster_state, diagnostics, placement
 from raysgd.torch.execution.local_runner import LocalRunner
 from raysgd.torch.execution.placement import Placement
+from raysgd.torch.execution.spares import SparePool
 from raysgd.torch.execution.worker import TorchWorker
 from raysgd.torch.execution.worker_handle import Handle, start_actor
-from raysgd.torch.fault_tolerance import reform
+from raysgd.torch.fault_tolerance import recovery, reform
 from raysgd.torch.state.restart_point import RestartPoint, ShardedPoint
 
 logger = logging.getLogger(__name__)
@@ -41,10 +42,12 @@ class WorkerGroup:
         placement_strategy: of the placement group this group creates (not used inside a Tune trial).
         worker_cls: the class each worker is (:class:`TorchWorker`, or a subclass with the same start-up methods,
             such as :class:`raysgd.train.function_worker.FunctionWorker`).
+        num_spares: warm spares kept beside the workers, each in a bundle of the group's placement group (see
+            :mod:`raysgd.torch.execution.spares`); none inside a Tune trial (logged).
     """
 
     def __init__(self, worker_options, *, num_cpus_per_worker=1, num_gpus=0, use_local=False, timeout_s=1800,
-                 placement_strategy="SPREAD", worker_cls=TorchWorker):
+                 placement_strategy="SPREAD", worker_cls=TorchWorker, num_spares=0):
         self._worker_cls = worker_cls
         self._worker_options, self._cpus, self._gpus = worker_options, num_cpus_per_worker, num_gpus
         self._use_local, self._timeout_s = use_local, timeout_s
@@ -57,6 +60,8 @@ class WorkerGroup:
         self.broken = False
         self.generation = 0  # counts start(): per-rank inputs built for one generation die with it
         self._nodes = []  # each rank's node id, learnt at the rendezvous
+        self._num_spares, self._spares = num_spares, SparePool(start=None, hook=None)
+        self._rank_bundles = []  # each rank's bundle, in rank order (a spare that took a rank keeps its own)
 
     @property
     def num_workers(self):
@@ -72,10 +77,16 @@ class WorkerGroup:
         """The :class:`TorchWorker` living in the driver (``use_local``), else None."""
         return self._handles[0].local if self._handles and self._handles[0].local is not None else None
 
+    @property
+    def spares(self):
+        """The :class:`~raysgd.torch.execution.spares.SparePool` of the running group (empty without spares)."""
+        return self._spares
+
     def how_many_fit(self, limit, settle_s=0.0):
         """How many workers fit now, at most ``limit`` (:meth:`Placement.how_many_fit`), plus the group's own
-        placed bundles no worker uses (a lost node's, placed again): growing frees them."""
-        spare = placement.spare_bundles(self._pg, self._handles) if self._own_pg and not self.broken else 0
+        placed bundles no worker or spare uses (a lost node's, placed again): growing frees them."""
+        used = {h.bundle for h in self._handles} | self._spares.bundles
+        spare = placement.spare_bundles(self._pg, used) if self._own_pg and not self.broken else 0
         own = self._pg if self._own_pg and not self.broken else None
         return min(limit, spare + self._placement.how_many_fit(max(0, limit - spare), settle_s, own_pg=own))
 
@@ -95,12 +106,22 @@ class WorkerGroup:
         """
         if self._handles:
             raise RuntimeError("WorkerGroup.start called on a running group; shut it down first")
-        if self._kept:
+        if self._kept or self._pg is not None:  # survivors, or spares, of a group that did not re-form
             self._kill_all()
         pg_timeout_s = constants.SGD_PLACEMENT_GROUP_TIMEOUT_S if pg_timeout_s is None else pg_timeout_s
         self.broken = False
         self.generation += 1
-        self._pg, offset, self._own_pg = self._placement.reserve(n, pg_timeout_s)
+        spares = self._spares_that_fit(n)
+        try:
+            self._pg, offset, self._own_pg = self._placement.reserve(
+                n, min(pg_timeout_s, recovery.placement_try_s()) if spares else pg_timeout_s, spares)
+        except TimeoutError as err:
+            if not spares:
+                raise
+            logger.warning("%d workers and %d spare(s) could not be placed (%s); starting without spares", n, spares,
+                           err)
+            spares = 0
+            self._pg, offset, self._own_pg = self._placement.reserve(n, pg_timeout_s)
         options = dict(self._worker_options, num_cpus=self._cpus, world_size=n)
         for rank in range(n):
             if rank == 0 and self._use_local:
@@ -113,26 +134,65 @@ class WorkerGroup:
         self.run("run_hook", initialization_hook, deadline_s=self._timeout_s + 60,
                  on_tick=self._placement.watch.check if self._placement.watch is not None else None)
         self._connect(n)
-        logger.info("Started %d worker(s)%s", n, " (rank 0 local)" if self._use_local else "")
+        self._rank_bundles = [h.bundle for h in self._handles]
+        self._spares = SparePool(lambda bundle: start_actor(None, self._pg, bundle, self._cpus, self._gpus, operator_cls,
+                                                            config, options, self._worker_cls), initialization_hook)
+        self._spares.fill(range(offset + n, offset + n + spares))
+        logger.info("Started %d worker(s)%s%s", n, " (rank 0 local)" if self._use_local else "",
+                    f" and {spares} warm spare(s) beside them" if spares else "")
         return n
 
+    def _spares_that_fit(self, n):
+        """How many of ``num_spares`` to reserve bundles for beside ``n`` workers: none in a Tune trial's placement
+        group (logged), else as many as fit now (fewer logged)."""
+        if not self._num_spares:
+            return 0
+        if self._placement.in_trial():
+            logger.warning("num_spares=%d is ignored inside a Tune trial: its placement group holds the trial's "
+                           "workers only (a dead rank is replaced by a new process)", self._num_spares)
+            return 0
+        fit = max(0, min(self._num_spares, self._placement.how_many_fit(n + self._num_spares) - n))
+        if fit < self._num_spares:
+            logger.warning("Only %d of num_spares=%d fit beside %d workers now; the group runs with %d (the next "
+                           "restart of every worker tries again)", fit, self._num_spares, n, fit)
+        return fit
+
     def reform(self, operator_cls, config_for, min_size, initialization_hook=None):
-        """Re-form the group from the survivors of the last failure (see :mod:`raysgd.torch.fault_tolerance.reform`); returns the
-        size, or None when the whole group must restart instead. ``config_for(n)``: the worker config at ``n``."""
+        """Re-form the group from the survivors of the last failure (see :mod:`raysgd.torch.fault_tolerance.reform`),
+        warm spares taking vacant ranks first; returns the size, or None when the whole group must restart instead.
+        ``config_for(n)``: the worker config at ``n``."""
         kept = {h.bundle: h for h in self._kept}
-        new = placement.reform_plan(self._pg, kept, min_size, self.how_many_fit) if kept and self._own_pg and \
-            self._pg is not None and (not self._use_local or 0 in kept) else None
-        if new is None:
+        spares = self._spares.available() if self._own_pg and self._pg is not None else 0
+        new = None
+        if (kept or spares) and self._own_pg and self._pg is not None and (not self._use_local or 0 in kept):
+            order = self._rank_bundles + sorted(set(range(len(self._pg.bundle_specs))) - set(self._rank_bundles)
+                                                - self._spares.bundles)
+            new = placement.reform_plan(self._pg, kept, min_size, self.how_many_fit, order=order, spares=spares)
+        taken = {bundle: self._spares.take() for bundle, handle in new or () if handle == reform.SPARE}
+        if new is None or None in taken.values():  # no plan, or a spare it counted on died meanwhile
+            for spare in taken.values():
+                if spare is not None:
+                    spare.handle.kill()
             self._kill_all()
             return None
         n, config, fresh = len(new), config_for(len(new)), set()
         self._kept, self._handles, self.broken = [], [], False
         self.generation += 1
+        self._spares.hook = initialization_hook  # refills run the hook of now
+        calls = {}
         for rank, (bundle, handle) in enumerate(new):
             if handle is None:
                 handle = start_actor(rank, self._pg, bundle, self._cpus, self._gpus, operator_cls, config,
                                      dict(self._worker_options, num_cpus=self._cpus, world_size=n), self._worker_cls)
                 fresh.add(rank)
+                calls[rank] = lambda h: h.call("run_hook", initialization_hook)
+            elif handle == reform.SPARE:
+                spare, handle = taken[bundle], taken[bundle].handle
+                self._spares.give(bundle)  # the vacated bundle takes a refill
+                hook = initialization_hook if spare.hook is not initialization_hook else None
+                calls[rank] = lambda h, hook=hook: h.call("take_rank", config, h.rank, n, hook)
+            else:
+                calls[rank] = lambda h: h.call("rejoin", config, h.rank, n)
             handle.rank = rank
             self._handles.append(handle)
         local = self._handles[0] if self._handles[0].local is not None else None
@@ -140,10 +200,11 @@ class WorkerGroup:
             if local.runner is not None:
                 local.runner.stop(_LOCAL_STOP_S)
             local.runner = self._runner = LocalRunner() if n > 1 else None
-        self._collect({h.rank: h.call("run_hook", initialization_hook) if h.rank in fresh else h.call("rejoin", config, h.rank, n)
-                       for h in self._ordered()}, deadline_s=self._timeout_s + 60)
+        self._collect({h.rank: calls[h.rank](h) for h in self._ordered()}, deadline_s=self._timeout_s + 60)
         self._connect(n)
-        logger.info("Re-formed the group: %d worker(s), %d kept, %d new", n, n - len(fresh), len(fresh))
+        self._rank_bundles = [h.bundle for h in self._handles]
+        logger.info("Re-formed the group: %d worker(s), %d kept, %d warm spare(s), %d new", n, len(kept),
+                    len(taken), len(fresh))
         return n
 
     def _connect(self, n):
@@ -172,7 +233,16 @@ class WorkerGroup:
         handles = self._ordered()
         extra = rank_kwargs(len(handles)) if rank_kwargs is not None else None
         calls = {h.rank: h.call(method, *args, **kwargs, **(extra[h.rank] if extra else {})) for h in handles}
-        return self._collect(calls, deadline_s=deadline_s, on_tick=on_tick, lockstep=lockstep)
+        self._tend_spares()
+        ticks = self._tend_spares if on_tick is None else lambda: (self._tend_spares(), on_tick())
+        return self._collect(calls, deadline_s=deadline_s, on_tick=ticks, lockstep=lockstep)
+
+    def _tend_spares(self):
+        """The spares' upkeep (:meth:`SparePool.tend`): never waits, and its errors never end a call."""
+        try:
+            self._spares.tend()
+        except Exception as err:  # noqa: BLE001 (the spares are a help, never a reason to fail)
+            logger.warning("Tending the spares failed: %s: %s", type(err).__name__, err)
 
     def submit(self, method, *args, **kwargs):
         """Call ``method`` on every worker without waiting; errors surface at the next :meth:`run`."""
@@ -270,7 +340,7 @@ class WorkerGroup:
                 stacks = self.stack_traces()
             except Exception as err:  # noqa: BLE001 (the failure matters more than its forensics)
                 stacks = {rank: f"no stack: {type(err).__name__}: {err}" for rank in unresponsive}
-        self._kill_all(keep)
+        self._kill_all(keep, spares_stay=self._can_keep() and self._spares.available() > 0)
         descriptions = {rank: _calls.describe(err) for rank, err in failures.items()}
         failure = WorkerFailure(message, descriptions, unresponsive, stacks)
         logger.warning("Ending the attempt: %s", failure)
@@ -287,8 +357,9 @@ class WorkerGroup:
         return diagnostics.gather_stacks({h.rank: h.stacks_request() for h in list(self._handles)}, timeout_s)
 
     # ----------------------------------------------------------------- teardown
-    def _kill_all(self, keep=()):
-        """Kill every worker but the ranks in ``keep`` (kept for :meth:`reform`); the placement group stays for them."""
+    def _kill_all(self, keep=(), spares_stay=False):
+        """Kill every worker but the ranks in ``keep`` (kept for :meth:`reform`); the placement group (and the spares
+        in it) stays for them, or with ``spares_stay`` for the spares to re-form the group alone."""
         handles = [h for h in self._handles if h.rank not in keep] + self._kept
         self._kept, self._handles = [h for h in self._handles if h.rank in keep], []
         self._submitted = None
@@ -301,10 +372,11 @@ class WorkerGroup:
                 handle.kill()
             except Exception as err:  # noqa: BLE001 (already gone)
                 logger.debug("kill rank %d: %s", handle.rank, err)
-        if not self._kept:
+        if not self._kept and not spares_stay:
             self._remove_pg()
 
     def _remove_pg(self):
+        self._spares.clear()
         pg, self._pg = self._pg, None
         if pg is not None and self._own_pg:
             Placement.remove(pg)
@@ -317,6 +389,7 @@ class WorkerGroup:
         wait), so ``ray.available_resources()`` right after counts them free.
         """
         actor_ids = [h.actor._actor_id.hex() for h in self._handles + self._kept if h.actor is not None]
+        actor_ids += [actor._actor_id.hex() for actor in self._spares.actors]
         pg = self._pg if self._own_pg else None
         before = ray.available_resources() if pg is not None else {}
         try:

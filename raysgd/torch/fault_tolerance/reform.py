@@ -20,10 +20,19 @@ Example:
     [(0, 'survivor')]
     >>> plan({0: "a"}, {"a"}, kept={0: "survivor"}, size=2, min_size=1, fit_elsewhere=1) is None  # restart: 2 fit
     True
+    >>> # with a warm spare (``TorchTrainer(num_spares=1)``), it takes the rank the lost node held
+    >>> plan({0: "a"}, {"a"}, kept={0: "survivor"}, size=2, min_size=1, fit_elsewhere=1, spares=1)
+    [(0, 'survivor'), (1, 'spare')]
+
+A warm spare (:mod:`raysgd.torch.execution.spares`) takes a vacant rank before a new process would: first the
+ranks whose bundle was lost (nothing else could replace them), then those whose bundle is free on a live node.
 """
 from raysgd.torch.constants import env_float
 from raysgd.torch.errors import CollectiveError
 from raysgd.torch.fault_tolerance import preemption
+
+#: In a :func:`plan`, the rank a warm spare takes (instead of a handle, or None for a new process).
+SPARE = "spare"
 
 
 def enabled():
@@ -47,8 +56,8 @@ def can_stay(error):
     return isinstance(error, CollectiveError) and not error.message.startswith(preemption.MARK)
 
 
-def plan(bundles_to_node, alive_nodes, kept, min_size, fit_elsewhere, size=None):
-    """The new group as ``[(bundle, kept handle or None for a replacement), ...]`` in rank order, or None.
+def plan(bundles_to_node, alive_nodes, kept, min_size, fit_elsewhere, size=None, order=None, spares=0):
+    """The new group as ``[(bundle, kept handle, None for a new process or SPARE), ...]`` in rank order, or None.
 
     Args:
         bundles_to_node: ``{bundle index: node id}`` of the placed bundles (``placement_group_table``).
@@ -58,16 +67,26 @@ def plan(bundles_to_node, alive_nodes, kept, min_size, fit_elsewhere, size=None)
         fit_elsewhere: how many workers fit outside the placement group now; when a lost bundle could be
             replaced by a fresh placement group, None (restart the whole group instead, at a larger size).
         size: the number of bundles (default: those in ``bundles_to_node`` and ``kept``).
+        order: the bundles the ranks may use, in rank order (default ``range(size)``; a spare's bundle is not one).
+        spares: how many warm spares may take vacant ranks: a lost bundle's rank first, then a new process's. The
+            entry keeps the vacated bundle (it goes to the spares' pool); the spare keeps its own.
     """
     size = size if size is not None else max([*bundles_to_node, *kept], default=-1) + 1
+    order = list(range(size)) if order is None else list(order)
+    vacant = [bundle for bundle in order if bundle not in kept]
+    lost_bundles = [bundle for bundle in vacant if bundles_to_node.get(bundle) not in alive_nodes]
+    live = [bundle for bundle in vacant if bundle not in lost_bundles]
+    by_spare = set(lost_bundles[:spares]) | set(live[:max(0, spares - len(lost_bundles))])
     new, lost = [], 0
-    for bundle in range(size):
+    for bundle in order:
         if bundle in kept:
             new.append((bundle, kept[bundle]))
-        elif bundles_to_node.get(bundle) in alive_nodes:
+        elif bundle in by_spare:
+            new.append((bundle, SPARE))
+        elif bundle in live:
             new.append((bundle, None))
         else:
             lost += 1
-    if not kept or len(new) < min_size or (lost and fit_elsewhere > 0):
+    if not (kept or by_spare) or len(new) < min_size or (lost and fit_elsewhere > 0):
         return None
     return new
