@@ -155,3 +155,17 @@ def test_a_lazy_module_imports_on_first_use_only(monkeypatch):
         lazy.fs  # noqa: B018 (the attribute access is the import)
     json = optional.lazy("json", "reading JSON")
     assert json.loads("[2]") == [2] and "imported" in repr(json)
+
+
+def test_the_driver_and_a_ddp_worker_never_import_torchs_distributed_checkpoint():
+    """DCP (with DTensor and sympy: about 0.65 s of every process start) is imported by sharded strategies only:
+    ``import raysgd``, the trainer and the worker's module leave it out (a DDP worker's first DDP wrap imports
+    ``torch._dynamo``, which brings most of it anyway; the driver and 1-worker runs never do)."""
+    code = ("import sys, raysgd, raysgd.legacy, raysgd.train; from raysgd.torch import TorchTrainer; "
+            "import raysgd.torch.execution.worker; "
+            "print(sorted(n for n in sys.modules if n.startswith(('torch.distributed.checkpoint', "
+            "'torch.distributed.tensor', 'sympy'))))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]", done.stdout

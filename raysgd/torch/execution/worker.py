@@ -36,7 +36,7 @@ from raysgd.torch.state import checkpoint, restart_point
 from raysgd.torch.sharding import loaders as _data
 from raysgd.torch.operator import evaluation
 from raysgd.torch.operator.tracing import TraceRecorder
-from raysgd.torch.state import model_copy, sharded
+from raysgd.torch.state import model_copy
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.state import training_state as _state
 from raysgd.torch.state.committer import STATS as COMMIT_STATS, Committer, serialise
@@ -341,6 +341,8 @@ class TorchWorker:
         """``(part, head)`` of a sharded state, a collective of every rank: ``part`` this rank's shards of the models
         and optimizers (:class:`raysgd.torch.state.sharded.Part`, one file of a DCP checkpoint); ``head`` on rank 0
         the rest of the state with every rank's random streams and the DCP metadata (bytes), None elsewhere."""
+        from raysgd.torch.state import sharded  # noqa: PLC0415 (DCP's import: sharded strategies only)
+
         part = sharded.save_parts(_state.capture_shards(self.operator))
         if self.world_rank != 0:
             return part, None
@@ -355,6 +357,8 @@ class TorchWorker:
         each fetches the parts its new shard overlaps."""
         location = self.operator.device if self.operator.use_gpu else "cpu"
         if isinstance(refs, restart_point.ShardedRefs):
+            from raysgd.torch.state import sharded  # noqa: PLC0415 (DCP's import: sharded strategies only)
+
             head = checkpoint.state_from_bytes(refs.head, weights_only=weights_only)
             shards = _state.capture_shards(self.operator, metadata=head["metadata"])  # what the parts fill
             sharded.load_parts(shards, head["metadata"], refs.fetcher(timeout_s), weights_only=weights_only)

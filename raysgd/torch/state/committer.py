@@ -35,7 +35,6 @@ import torch
 from raysgd.meters import merge_partial
 from raysgd.torch.sharding import loaders as _data
 from raysgd.torch.fault_tolerance import preemption
-from raysgd.torch.state import sharded
 from raysgd.torch.state import training_state as _state
 
 logger = logging.getLogger(__name__)
@@ -268,6 +267,8 @@ class Committer:
             # rest of the state and the part's metadata in rank 0's record
             state = None
             if _state.is_sharded(op):
+                from raysgd.torch.state import sharded  # noqa: PLC0415 (DCP's import: sharded strategies only)
+
                 part = sharded.save_parts(_state.capture_shards(op))
                 state = memoryview(part.blob).toreadonly()
                 if worker.world_rank == 0:

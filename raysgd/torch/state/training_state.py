@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from raysgd.torch.operator import compiled as _compiled
-from raysgd.torch.state import sharded
 from raysgd.meters import merge_partial
 
 logger = logging.getLogger(__name__)
@@ -202,12 +201,14 @@ def capture_shards(operator, full=False, metadata=None):
     of DTensors: :func:`raysgd.torch.state.sharded.models_and_optimizers_state`); what the parts save and, with a
     checkpoint's ``metadata``, what they load into. ``full``: whole CPU tensors instead (a collective)."""
     parts = operator.state_parts()
+    from raysgd.torch.state import sharded  # noqa: PLC0415 (DCP's import: only sharded strategies pay it)
     return sharded.models_and_optimizers_state(parts["models"], parts["optimizers"], full=full, metadata=metadata)
 
 
 def restore_shards(operator, shards):
     """Load :func:`capture_shards`' state (filled by a load of the parts) into the operator's models and optimizers."""
     parts = operator.state_parts()
+    from raysgd.torch.state import sharded  # noqa: PLC0415 (DCP's import: only sharded strategies pay it)
     sharded.load_models_and_optimizers(parts["models"], parts["optimizers"], shards)
 
 
@@ -215,6 +216,7 @@ def _restore_full_into_shards(parts, state):
     """A whole (unsharded) state's models and optimizers loaded into sharded ones: each rank keeps its shard."""
     _check_count("models", parts["models"], state["models"])
     _check_count("optimizers", parts["optimizers"], state["optimizers"])
+    from raysgd.torch.state import sharded  # noqa: PLC0415 (DCP's import: only sharded strategies pay it)
     sharded.load_models_and_optimizers(parts["models"], parts["optimizers"], state, full=True)
 
 
