@@ -33,8 +33,6 @@ import os
 import time
 import types
 
-import ray
-
 from raysgd.callbacks import Failure
 from raysgd.torch import constants
 from raysgd.torch.errors import CheckpointError, WorkerFailure
