@@ -332,6 +332,19 @@ def remove_node_after_commit(trainer, cluster, node, marker, min_steps, timeout_
     return thread
 
 
+def stored_commit(trainer, steps, timeout_s=30):
+    """The trainer's latest commit once it is the one at ``steps`` (or the latest seen at the deadline). A commit
+    taken at a call's last step is sent by a background thread of each rank and may complete just after ``train()``
+    returned (commits are asynchronous: README "Commits inside an epoch"), so a test waits for it instead of reading
+    ``latest_commit()`` once."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        commit = trainer.latest_commit()
+        if (commit is not None and commit["cursor"]["steps"] == steps) or time.monotonic() > deadline:
+            return commit
+        time.sleep(0.02)
+
+
 def kill_after_commit(trainer, marker, min_steps, timeout_s=60):
     """Once a worker waits at the fault (its pid in ``marker``) and a commit of >= ``min_steps`` is stored, SIGKILL it."""
 

@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import RandomSampler
 
 from conftest import assert_released
-from helpers import CountingOperator, LinearOperator, counts, executed, kill_after_commit, seeding_hook
+from helpers import (CountingOperator, LinearOperator, counts, executed, kill_after_commit, seeding_hook,
+                     stored_commit)
 from raysgd.torch import constants
 from raysgd.torch.state import checkpoint
 from raysgd.torch.sharding.epoch_order import draw_stream
@@ -32,7 +33,7 @@ def test_fault_free_epoch_trains_every_sample_once_and_commits(trainers, tmp_pat
     stats = trainer.train()
     assert stats["num_samples"] == N
     assert torch.equal(counts(trainer), torch.ones(N))
-    commit = trainer.latest_commit()
+    commit = stored_commit(trainer, 12)  # the commit at the last step may still be on its way when train() returns
     assert commit["cursor"]["steps"] == 12 and commit["cursor"]["consumed"] == N
     assert len(commit["rng"]) == 2 and len(commit["meters"]) == 2  # every rank contributed
 
@@ -123,7 +124,7 @@ def test_a_lost_commit_store_is_replaced_and_the_call_restarts_from_its_start(tr
     assert killed and trainer.num_failures == 1
     assert stats["num_samples"] == N and torch.equal(counts(trainer), torch.ones(N))  # exactly once
     assert executed(log) >= 24 + 2 * 8, executed(log)  # replayed from the call's start: its commits were lost
-    assert trainer.latest_commit()["cursor"]["steps"] == 12  # the new store holds the retry's commits
+    assert stored_commit(trainer, 12)["cursor"]["steps"] == 12  # the new store holds the retry's commits
     assert trainer.train()["num_samples"] == N and torch.equal(counts(trainer), 2 * torch.ones(N))
 
 

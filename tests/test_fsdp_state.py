@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from helpers import CountingOperator, counts, executed, kill_after_commit, seeding_hook
+from helpers import CountingOperator, counts, executed, kill_after_commit, seeding_hook, stored_commit
 from raysgd.torch.operator import fsdp
 from raysgd.torch.storage import filesystem
 from s3_server import moto_s3
@@ -68,7 +68,7 @@ def test_a_worker_killed_after_a_sharded_commit_resumes_exactly_once_and_bit_exa
     assert first["num_samples"] == N and first["train_loss"] == pytest.approx(expected[0]["train_loss"], rel=1e-9)
     assert torch.equal(counts(faulty), torch.ones(N))  # every sample once
     assert executed(log) <= 24 + 2 * EVERY, executed(log)  # one commit interval recomputed, not the epoch
-    commit = faulty.latest_commit()  # the whole state of a sharded commit, consolidated where it is asked for
+    commit = stored_commit(faulty, 12)  # the whole state of a sharded commit, consolidated where it is asked for
     assert commit["cursor"]["steps"] == 12 and torch.equal(commit["models"][0]["p"], torch.ones(N))
     faulty.train()
     got = faulty.state_dict()

@@ -95,8 +95,7 @@ def test_the_preemption_commit_reaches_storage_whichever_news_reaches_the_driver
         for pid in targets:
             os.kill(pid, signal.SIGTERM)
         while time.monotonic() < deadline:  # the agreed commit is complete in the store: the grace ends
-            commit = trainer.latest_commit()
-            if commit is not None and commit["cursor"]["steps"] == STEP + 2:
+            if trainer.latest_commit() is not None:  # the only commit: the preemption commit
                 break
             time.sleep(0.02)
         for pid in targets:
@@ -113,7 +112,13 @@ def test_the_preemption_commit_reaches_storage_whichever_news_reaches_the_driver
     written = checkpoints(path)
     assert [marker["reason"] for _, marker in written] == ["preemption", "train"]
     state = torch.load(io.BytesIO(written[0][0]), weights_only=True)
-    assert state["cursor"]["steps"] == STEP + 2 and state["cursor"]["consumed"] == 2 * BATCH * (STEP + 2)
+    # Rank 1 waits in step STEP for its signal, so its news enters the exchange at the boundary after it and is
+    # agreed one boundary later (STEP + 2). A signal to every rank can reach rank 0 while it is still before its
+    # own boundary after step STEP - 1 (ranks leave a step's all-reduce together but reach their boundary apart):
+    # then the agreement comes one boundary earlier. Either way the stored commit is the agreed one, whole.
+    agreed = {STEP + 2} if signalled == "one rank" else {STEP + 1, STEP + 2}
+    steps = state["cursor"]["steps"]
+    assert steps in agreed and state["cursor"]["consumed"] == 2 * BATCH * steps, state["cursor"]
 
 
 def test_an_earlier_failed_upload_does_not_abort_the_recovery_from_a_preemption(trainer_factory, tmp_path, caplog):

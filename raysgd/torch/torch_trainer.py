@@ -295,7 +295,8 @@ class TorchTrainer:
     def latest_commit(self):
         """The latest complete commit of the running (or last) ``train()`` call as a state dict, or None.
 
-        Its ``cursor`` and per-rank ``rng`` let :meth:`load_state_dict` resume that epoch exactly there.
+        Its ``cursor`` and per-rank ``rng`` let :meth:`load_state_dict` resume that epoch exactly there. Commits
+        are sent in the background: one taken at the call's last step may complete just after ``train()`` returned.
         Example: ``trainer.latest_commit()["cursor"]["consumed"]``; safe from another thread during train().
         """
         return self._controller.latest_commit()
