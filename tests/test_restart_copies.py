@@ -5,6 +5,7 @@ object store and a copy goes to rank 1's node before the call trains. Rank 0 the
 is killed: the primary copy is gone with it, the group restarts at 2 workers (the third node) from the copy, and
 the result is bit-exact with a run that lost nothing (dropout draws from each rank's own stream).
 """
+import os
 import threading
 import time
 
@@ -171,3 +172,36 @@ def test_a_sharded_run_loses_a_node_at_3_workers_then_grows_back_at_a_commit_poi
     finally:
         trainer.shutdown()
 
+
+def test_a_lost_nodes_rank_is_taken_by_a_warm_spare_on_another_node(three_nodes, expected, tmp_path):
+    """Two workers and one warm spare, one per node: rank 0's node is killed after the commit at step 2. The spare
+    (on the third node) takes rank 0 and resumes from the commit's buddy copy; rank 1 keeps its process; the group
+    keeps its size; every sample once, bit-exact with a run that lost nothing."""
+    cluster, _ = three_nodes
+    worker_nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
+    for _ in range(3 - len(worker_nodes)):  # a test above removed one
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    marker = tmp_path / "rank0-at-batch-3"
+    fault = {"rank": 0, "batch": 3, "kind": "sleep", "seconds": 300, "marker": str(marker)}
+    trainer = TorchTrainer(training_operator_cls=FaultyOperator, num_workers=2, config={**CONFIG, "fault": fault},
+                           commit_every_n_steps=2, timeout_s=30, num_spares=1)
+    try:
+        assert trainer.worker_group.spares.wait_ready(1, timeout_s=120) == 1
+        spare_pid, = trainer.worker_group.spares.pids()
+        placed, pids = node_ids(trainer), trainer.apply_all_workers(os.getpid)
+        assert len(set(placed)) == 2
+        doomed = next(node for node in cluster.list_all_nodes() if node.node_id == placed[0])
+
+        killer = remove_node_after_commit(trainer, cluster, doomed, marker, min_steps=2)
+        stats = trainer.train()
+        killer.join(timeout=30)
+        assert not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == doomed.node_id)
+        assert trainer.num_failures == 1 and trainer.worker_group.num_workers == 2
+        assert trainer.apply_all_workers(os.getpid) == [spare_pid, pids[1]]  # the spare took rank 0; rank 1 kept
+        assert doomed.node_id not in node_ids(trainer)
+        assert stats["num_samples"] == CONFIG["data_size"]  # the whole epoch once
+        for key, value in weights(trainer).items():
+            assert torch.equal(value, expected[1][key]), key
+    finally:
+        trainer.shutdown()

@@ -1,9 +1,9 @@
 """Warm spares: idle worker processes, ready to take the rank of a worker that died (``TorchTrainer(num_spares=k)``).
 
 Layer 4 helper of :mod:`raysgd.torch.execution.worker_group`, which owns the pool (the spares live in bundles of the
-group's placement group) and alone asks it for a spare. A spare is a worker actor that has imported torch and
-``torch._dynamo``, warmed the DDP machinery in a process group of its own (one rank, gloo, a throwaway model) and
-run the trainer's ``initialization_hook`` (:meth:`~raysgd.torch.execution.worker.TorchWorker.warm_up`); it holds no
+group's placement group) and alone asks it for a spare. A spare is a worker actor that has imported torch,
+``torch._dynamo`` and DDP's module (all that made the first DDP wrap slow) and run the trainer's
+``initialization_hook`` (:meth:`~raysgd.torch.execution.worker.TorchWorker.warm_up`); it holds no
 rank, joins no process group and has not built the operator (``setup()`` may read the rank). When a rank dies,
 :meth:`SparePool.take` hands the group a spare, which joins the re-formed group as a survivor does
 (:meth:`~raysgd.torch.execution.worker.TorchWorker.take_rank`), and the dead rank's bundle becomes a spare's bundle:

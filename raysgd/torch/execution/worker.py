@@ -120,22 +120,21 @@ class TorchWorker:
             hook()
 
     def warm_up(self, hook):
-        """Make this process a warm spare (:mod:`raysgd.torch.execution.spares`): warm the DDP machinery (a
-        throwaway model wrapped in a one-rank gloo process group of its own, then left; the random streams are put
-        back), then run ``hook``. No rank, no process group, no operator: ``setup()`` may read the rank, so it runs
-        when the spare takes one (:meth:`take_rank`). Returns this process's id."""
+        """Make this process a warm spare (:mod:`raysgd.torch.execution.spares`): import what the first DDP wrap
+        imports (``torch._dynamo`` and DDP's module: the whole of the first wrap's 1-2.5 s; measured, the wrap after
+        them takes no time), then run ``hook``. No rank, no process group, no operator: ``setup()`` may read the
+        rank, so it runs when the spare takes one (:meth:`take_rank`). Returns this process's id.
+
+        Nothing is wrapped here on purpose: a throwaway DDP model in a one-rank group, as this did before, could
+        hang the spare for good when its Reducer was freed after its group was destroyed (the group's destructor
+        joining a gloo thread, seen in a native stack)."""
         started = time.perf_counter()
-        if dist.is_available() and not dist.is_initialized():
+        if dist.is_available():
             try:
-                with torch.random.fork_rng(devices=[]):
-                    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-                    try:
-                        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))
-                        model(torch.zeros(1, 2)).sum().backward()
-                    finally:
-                        dist.destroy_process_group()
+                import torch._dynamo  # noqa: F401, PLC0415 (the import is the warming)
+                import torch.nn.parallel.distributed  # noqa: F401, PLC0415
             except Exception as err:  # noqa: BLE001 (a cold spare still saves the process start-up)
-                logger.debug("warming DDP in a spare failed: %s", err)
+                logger.debug("warming DDP's imports in a spare failed: %s", err)
         self.run_hook(hook)
         logger.debug("spare warm in %.2f s", time.perf_counter() - started)
         return os.getpid()
