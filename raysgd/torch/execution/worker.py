@@ -131,8 +131,8 @@ class TorchWorker:
         started = time.perf_counter()
         if dist.is_available():
             try:
-                import torch._dynamo  # noqa: F401, PLC0415 (the import is the warming)
-                import torch.nn.parallel.distributed  # noqa: F401, PLC0415
+                for module in ("torch._dynamo", "torch.nn.parallel.distributed"):  # the import is the warming
+                    importlib.import_module(module)
             except Exception as err:  # noqa: BLE001 (a cold spare still saves the process start-up)
                 logger.debug("warming DDP's imports in a spare failed: %s", err)
         self.run_hook(hook)
