@@ -313,16 +313,18 @@ def signal_at_marker(marker, sig, ready=lambda: True, timeout_s=60):
     return thread
 
 
-def remove_node_after_commit(trainer, cluster, node, marker, min_steps, timeout_s=120):
+def remove_node_after_commit(trainer, cluster, node, marker, min_steps, timeout_s=120, before=None):
     """A daemon thread: once a worker waits at its fault (``marker`` exists) and a commit of >= ``min_steps`` is
-    stored, remove ``node`` (a ``ray.cluster_utils.Cluster`` node) at once, as a lost machine. Gives up after
-    ``timeout_s``."""
+    stored, remove ``node`` (a ``ray.cluster_utils.Cluster`` node) at once, as a lost machine (``before()``, when
+    given, runs just before). Gives up after ``timeout_s``."""
 
     def watch():
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             commit = trainer.latest_commit() if os.path.exists(marker) else None
             if commit is not None and commit["cursor"]["steps"] >= min_steps:
+                if before is not None:
+                    before()
                 cluster.remove_node(node, allow_graceful=False)
                 return
             time.sleep(0.02)
@@ -405,3 +407,12 @@ class WideOperator(TrainingOperator):
             models=model, optimizers=torch.optim.SGD(model.parameters(), lr=1e-3), criterion=nn.MSELoss())
         self.register_data(train_loader=DataLoader(TensorDataset(x, x), batch_size=config.get("batch_size", 4)),
                            validation_loader=DataLoader(TensorDataset(x, x), batch_size=config.get("batch_size", 4)))
+
+
+def holders_started():
+    """How many commit part holders (``_HolderActor``, one per node) are alive or starting, from Ray's actor table
+    (a starting actor names no node there yet)."""
+    import ray  # noqa: PLC0415
+
+    return sum(1 for actor in ray._private.state.actors().values()
+               if actor["ActorClassName"] == "_HolderActor" and actor["State"] != "DEAD")

@@ -14,7 +14,7 @@ import ray
 import torch
 
 from conftest import local_cluster
-from helpers import CountingOperator, FaultyOperator, remove_node_after_commit
+from helpers import CountingOperator, FaultyOperator, holders_started, remove_node_after_commit
 from raysgd import TorchTrainer
 
 pytestmark = pytest.mark.slow
@@ -193,9 +193,13 @@ def test_a_lost_nodes_rank_is_taken_by_a_warm_spare_on_another_node(three_nodes,
         assert len(set(placed)) == 2
         doomed = next(node for node in cluster.list_all_nodes() if node.node_id == placed[0])
 
-        killer = remove_node_after_commit(trainer, cluster, doomed, marker, min_steps=2)
+        assert len(set(trainer.worker_group.spare_nodes()) | set(placed)) == 3
+        seen = {}
+        killer = remove_node_after_commit(trainer, cluster, doomed, marker, min_steps=2,
+                                          before=lambda: seen.update(holders=holders_started()))
         stats = trainer.train()
         killer.join(timeout=30)
+        assert seen["holders"] == 3  # the spare's node's commit holder started before the spare took a rank
         assert not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == doomed.node_id)
         assert trainer.num_failures == 1 and trainer.worker_group.num_workers == 2
         assert trainer.apply_all_workers(os.getpid) == [spare_pid, pids[1]]  # the spare took rank 0; rank 1 kept

@@ -289,7 +289,8 @@ class RunController:
             watches, requests = self._watches(), []
             try:
                 results = self.group.run(method, on_tick=self._ticks(watches, requests, on_tick),
-                                         **self.commits.with_plan(kwargs, self.group.rank_nodes()))
+                                         **self.commits.with_plan(kwargs, self.group.rank_nodes(),
+                                                                  standby=self.group.spare_nodes()))
                 self._snapshot_stale = True  # train and validate (custom ones too) may change the state
                 self._take_commit_latency(results)
                 return self.commits.finish(results)

@@ -47,12 +47,13 @@ def refill_delay_s():
 
 class Spare:
     """One idle worker: its :class:`~raysgd.torch.execution.worker_handle.Handle` (its bundle; no rank), the
-    warm-up call (its answer is the process id), the hook it ran, when it started and whether it is a refill."""
+    warm-up call (its answer: the process id and the node id), the hook it ran, when it started and whether it is a
+    refill."""
 
     def __init__(self, handle, hook, clock, refill=False):
         self.handle, self.hook, self.started, self.refill = handle, hook, clock(), refill
         self.warm = handle.call("warm_up", hook)
-        self.ping, self.pid, self.ready_s = None, None, None
+        self.ping, self.pid, self.node, self.ready_s = None, None, None, None
 
     def state(self):
         """``"ready"``, ``"warming"``, ``"dead"`` or ``"broken"`` (its warm-up raised: the hook's error), never
@@ -67,7 +68,7 @@ class Spare:
         except Exception:  # noqa: BLE001 (the hook or the warm-up raised: sorted out by the pool)
             return "broken"
         if self.pid is None:
-            self.pid = answer
+            self.pid, self.node = answer
         self.ping = None
         return "ready"
 
@@ -199,6 +200,10 @@ class SparePool:
             if ready >= count or self._clock() >= deadline or self._broken is not None:
                 return ready
             time.sleep(0.05)
+
+    def nodes(self):
+        """The node ids of the ready spares (their nodes' commit holders start before a spare takes a rank)."""
+        return [spare.node for spare in self._spares.values() if spare.node is not None]
 
     def pids(self):
         """The process ids of the ready spares."""

@@ -123,7 +123,8 @@ class TorchWorker:
         """Make this process a warm spare (:mod:`raysgd.torch.execution.spares`): import what the first DDP wrap
         imports (``torch._dynamo`` and DDP's module: the whole of the first wrap's 1-2.5 s; measured, the wrap after
         them takes no time), then run ``hook``. No rank, no process group, no operator: ``setup()`` may read the
-        rank, so it runs when the spare takes one (:meth:`take_rank`). Returns this process's id.
+        rank, so it runs when the spare takes one (:meth:`take_rank`). Returns ``(process id, node id)``: the
+        node's commit holder is started before the spare takes a rank.
 
         Nothing is wrapped here on purpose: a throwaway DDP model in a one-rank group, as this did before, could
         hang the spare for good when its Reducer was freed after its group was destroyed (the group's destructor
@@ -137,7 +138,7 @@ class TorchWorker:
                 logger.debug("warming DDP's imports in a spare failed: %s", err)
         self.run_hook(hook)
         logger.debug("spare warm in %.2f s", time.perf_counter() - started)
-        return os.getpid()
+        return os.getpid(), restart_point.this_node()
 
     def take_rank(self, config, world_rank, world_size, hook=None):
         """A warm spare becomes ``world_rank`` of a re-formed group of ``world_size`` (with ``config``), as a

@@ -94,6 +94,10 @@ class WorkerGroup:
         """The node id of each rank of the running group, in rank order (empty before it started)."""
         return list(self._nodes) if not self.broken else []
 
+    def spare_nodes(self):
+        """The node ids of the ready warm spares (none while the group is broken)."""
+        return self._spares.nodes() if not self.broken else []
+
     def placed_on(self):
         """``{rank: node id}`` of the remote workers a restart could place elsewhere (none inside a Tune trial)."""
         return placement.nodes_of(self._pg, self._handles) if self._own_pg and not self.broken else {}
