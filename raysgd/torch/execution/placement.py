@@ -182,6 +182,15 @@ class Bundles:
             bundle -= count
         raise IndexError(f"no bundle {bundle}")
 
+    def live(self):
+        """The numbers of the bundles of the groups not removed."""
+        numbers, base = set(), 0
+        for pg, count in self.groups:
+            if pg is not None:
+                numbers.update(range(base, base + count))
+            base += count
+        return numbers
+
     def of(self, pg):
         """The numbers of ``pg``'s bundles."""
         base = 0

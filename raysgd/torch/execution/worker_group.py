@@ -178,8 +178,7 @@ class WorkerGroup:
         new = None
         if (kept or spares) and self._own_pg and self._pg is not None and (not self._use_local or 0 in kept):
             bundles = self._bundles()
-            order = self._rank_bundles + sorted(set(range(bundles.size)) - set(self._rank_bundles)
-                                                - self._spares.bundles)
+            order = self._rank_bundles + sorted(bundles.live() - set(self._rank_bundles) - self._spares.bundles)
             new = placement.reform_plan(bundles, kept, min_size, self.how_many_fit, order=order, spares=spares)
         taken = {bundle: self._spares.take() for bundle, handle in new or () if handle == reform.SPARE}
         if new is None or None in taken.values():  # no plan, or a spare it counted on died meanwhile
@@ -196,7 +195,7 @@ class WorkerGroup:
         (:func:`~raysgd.torch.fault_tolerance.reform.resize_plan`). The ranks on draining or lost nodes are released,
         a ready warm spare takes a moved rank's place, and new processes start in free bundles of the group's or in a
         new placement group (:meth:`Placement.reserve_more`). Returns the size, or None (the reason logged) when the
-        whole group must restart instead; its ranks are then killed."""
+        whole group must restart instead (the caller's :meth:`shutdown` then releases it all)."""
         why = self._why_not_partial()
         if why is None and not self.broken:  # between calls: every rank stays where it is, idle
             self._drain_submitted()
@@ -223,7 +222,6 @@ class WorkerGroup:
                 found = ([(next(numbers), None) if entry == (None, None) else entry for entry in found[0]],) + found[1:]
         if why is not None:
             logger.info("Not keeping the healthy ranks for this resize (%s): every worker restarts", why)
-            self._kill_all()
             return None
         plan, leaving, _ = found
         taken = {bundle: self._spares.take(usable) for bundle, handle in plan if handle == reform.SPARE}
@@ -232,7 +230,6 @@ class WorkerGroup:
                 if spare is not None:
                     spare.handle.kill()
             logger.info("Not keeping the healthy ranks for this resize (a spare died): every worker restarts")
-            self._kill_all()
             return None
         self._kept = [h for h in self._kept if h not in leaving]
         for handle in leaving:  # their nodes drain: they go now, the others stay
