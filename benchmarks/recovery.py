@@ -20,7 +20,8 @@ and the workers and failures after recovery.
 Two cases keep the healthy ranks in their processes at a planned resize (README "Partial moves and grows"):
 "drain-spare" drains rank 1's node with ``num_spares=1`` (a third node holds the spare, a fourth is free for its
 refill): rank 0 stays, the spare takes rank 1; "grow" starts ``num_workers=(2, 3)`` on the two nodes and adds a
-third once the step-20 commit is stored: both ranks stay, rank 2 starts in a placement group of its own. Both say
+third node's CPU (held by a placement group of the benchmark's until then) once the step-20 commit is stored: both
+ranks stay, rank 2 starts in a placement group of its own. Both say
 whether the kept ranks kept their process ids; the batches computed twice are counted from each rank's steps.
 """
 import json
@@ -141,11 +142,15 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
     os.environ["SGD_KEEP_SURVIVORS"] = "1" if keep else "0"
     # somewhere to move to (the drained node ends once the workers left it), or the spare's node
     added = _add_node(cluster) if fault in ("drain", "spare", "drain-spare") else None
+    hog = None
     if fault == "drain-spare":
         _add_node(cluster)  # the spare's refill goes somewhere
-    with_spare, planned = fault in ("spare", "drain-spare"), fault in ("drain", "drain-spare", "grow")
-    if fault == "grow":
+    elif fault == "grow":  # a third node, held by a placement group of its own until the event removes it
         os.environ["SGD_RESIZE_COOLDOWN_S"] = "0"
+        _add_node(cluster)
+        hog = ray.util.placement_group([{"CPU": 1}])
+        ray.get(hog.ready(), timeout=DEADLINE_S)
+    with_spare, planned = fault in ("spare", "drain-spare"), fault in ("drain", "drain-spare", "grow")
     trainer = TorchTrainer(training_operator_cls=LoggingOperator, num_workers=(2, 3) if fault == "grow" else 2,
                            timeout_s=60, commit_every_n_steps=10, num_spares=1 if with_spare else 0,
                            config=dict(model="mlp", batch_size=sizes["batch_size"], log=log, fault_step=step,
@@ -175,8 +180,8 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
         elif fault in ("drain", "drain-spare"):
             _drain(cluster, node_of_rank1)
         elif fault == "grow":
-            _add_node(cluster)
-            t_kill = time.time()  # Ray lists the node: the grow check can see it from now
+            ray.util.remove_placement_group(hog)  # the third node's CPU is free: the grow check sees it
+            hog = None
         else:
             cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node_of_rank1),
                                 allow_graceful=False)
@@ -211,6 +216,8 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
     finally:
         trainer.shutdown()
         os.environ.pop("SGD_RESIZE_COOLDOWN_S", None)
+        if hog is not None:
+            ray.util.remove_placement_group(hog)
         if fault == "node":
             _add_node(cluster)  # back to two worker nodes for the next run
         elif fault == "spare":
