@@ -4,7 +4,9 @@ Layer 4: with :mod:`~raysgd.torch.execution.worker_handle`, the only module that
 round of calls is collected by :func:`raysgd.torch.execution.calls.collect`, whose outcome the group acts on: a
 dead actor, a lost node or a collective that timed out ends the attempt at once as
 :class:`~raysgd.torch.errors.WorkerFailure`: ranks still stuck are killed, those whose call ended are kept for
-:meth:`WorkerGroup.reform`. An exception raised by user code is re-raised with its original type.
+:meth:`WorkerGroup.reform`. An exception raised by user code is re-raised with its original type. A planned resize
+(a drain move, a grow) re-forms the same way from the ranks on healthy nodes (:meth:`WorkerGroup.resize`), in a
+second placement group when the first has no room for the ranks that join.
 
 Example:
     >>> # group = WorkerGroup(worker_options, num_cpus_per_worker=1, num_gpus=0, use_local=False, timeout_s=60)
