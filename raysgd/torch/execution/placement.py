@@ -91,11 +91,14 @@ class Placement:
         """A new placement group of ``n`` bundles for ranks that join a running group (a partial move or grow), of
         this strategy, or None when it is not placed within ``timeout_s`` (removed then) or the strategy is strict
         (``STRICT_SPREAD``/``STRICT_PACK`` constrain the bundles against each other: a second group cannot keep
-        that promise, so the whole group restarts instead)."""
+        that promise, so the whole group restarts instead). ``timeout_s`` None: returned at once, placed when Ray
+        can (for spares' refills, which never hold a rank up)."""
         if self.strategy.startswith("STRICT_"):
             logger.info("A %s group cannot gain a second placement group and keep its promise", self.strategy)
             return None
         pg = placement_group([self.bundle(1) for _ in range(n)], strategy=self.strategy)
+        if timeout_s is None:
+            return pg
         try:
             ray.get(pg.ready(), timeout=timeout_s)
         except GetTimeoutError:
@@ -213,6 +216,14 @@ class Bundles:
 
 def _as_bundles(pg):
     return pg if isinstance(pg, Bundles) else Bundles([(pg, len(pg.bundle_specs))])
+
+
+def placed(pg):
+    """Whether Ray has placed (reserved) ``pg``'s bundles: a refill's group may still wait for room."""
+    try:
+        return ray.util.placement_group_table(pg).get("state") == "CREATED"
+    except Exception:  # noqa: BLE001 (a removed group holds nothing)
+        return False
 
 
 def usable_bundles(bundles):

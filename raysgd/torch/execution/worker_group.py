@@ -226,6 +226,7 @@ class WorkerGroup:
             logger.info("Not keeping the healthy ranks for this resize (%s): every worker restarts", why)
             return None
         plan, leaving, _ = found
+        plan = self._refill_elsewhere(plan)
         taken = {bundle: self._spares.take(usable) for bundle, handle in plan if handle == reform.SPARE}
         if None in taken.values():  # a spare it counted on died meanwhile
             for spare in taken.values():
@@ -241,6 +242,18 @@ class WorkerGroup:
         logger.info("Resized to %d worker(s) keeping %d in their processes (%d left draining nodes)", size,
                     len(ranks) - len(leaving), len(leaving))
         return size
+
+    def _refill_elsewhere(self, plan):
+        """``plan`` with each spare's entry naming a bundle of a new placement group for its refill (not placed yet,
+        never waited for), instead of the moved rank's bundle on a draining node, where Ray places nothing until the
+        node is gone; unchanged for a strict strategy (the refill then waits for that bundle)."""
+        moved = sum(1 for _, handle in plan if handle == reform.SPARE)
+        pg = self._placement.reserve_more(moved, timeout_s=None) if moved else None
+        if pg is None:
+            return plan
+        numbers = iter(range(self._bundles().size, self._bundles().size + moved))
+        self._extra.append((pg, moved))
+        return [(next(numbers), handle) if handle == reform.SPARE else (bundle, handle) for bundle, handle in plan]
 
     def _why_not_partial(self):
         """Why a resize cannot keep the healthy ranks (None: it can)."""
@@ -491,6 +504,8 @@ class WorkerGroup:
         actor_ids += [actor._actor_id.hex() for actor in self._spares.actors]
         pgs = [pg for pg in [self._pg, *(pg for pg, _ in self._extra)] if pg is not None] if self._own_pg else []
         before = ray.available_resources() if pgs else {}
+        held = cluster_state.held_by([bundle for pg in pgs if pg is self._pg or placement.placed(pg)  # a refill's
+                                      for bundle in pg.bundle_specs])  # group may still wait for room
         try:
             if self._handles and not force and not self.broken:
                 self.run("shutdown", deadline_s=constants.SGD_SHUTDOWN_TIMEOUT_S)
@@ -500,7 +515,6 @@ class WorkerGroup:
             self._kill_all()
             self.broken = False
             if actor_ids or pgs:
-                held = cluster_state.held_by([bundle for pg in pgs for bundle in pg.bundle_specs])
                 cluster_state.wait_until_released(
                     actor_ids, [pg.id.hex() for pg in pgs],
                     {key: before.get(key, 0) + amount for key, amount in held.items()},
