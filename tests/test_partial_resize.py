@@ -59,7 +59,7 @@ def assert_same_state(got, expected):
 def test_a_drain_move_keeps_the_healthy_rank_and_a_spare_takes_the_moved_one(cluster, tmp_path, monkeypatch):
     """Rank 1's node drains mid-epoch (no free node, a warm spare on the third): every rank stops at the next commit
     point, rank 0 keeps its process, the spare takes rank 1; every sample trained once, nothing recomputed, no
-    failure, and the state is bit-identical to an uninterrupted run."""
+    failure, and the state is bit-identical to an uninterrupted run. A node added later takes the spare's refill."""
     made, nodes = cluster
     exactly(made, nodes, 3)
     monkeypatch.setenv("SGD_DRAIN_CHECK_S", "0.2")
@@ -94,6 +94,8 @@ def test_a_drain_move_keeps_the_healthy_rank_and_a_spare_takes_the_moved_one(clu
         assert torch.equal(got["models"][0]["p"], torch.ones(n))  # every sample exactly once
         assert len(lines(tmp_path)) == n // 4  # nothing recomputed: each batch of 4 ran once
         assert_same_state(got, expected)
+        add_node(made, nodes)  # room for the refill's placement group (nothing is placed on the draining node)
+        ready_spare_pids(trainer, other_than=[pids[0], spare_pid])
     finally:
         trainer.shutdown()
     assert_released()
