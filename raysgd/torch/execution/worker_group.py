@@ -214,18 +214,18 @@ class WorkerGroup:
             found = reform.resize_plan([(None if h.actor is None else h.bundle, h) for h in ranks], usable, target,
                                        self._spares.available(usable), free)
             why = None if found is not None else f"no rank stays on a usable node below {target} workers"
-        if found is not None and found[2]:
-            pg = self._placement.reserve_more(found[2], recovery.placement_try_s())
+        plan, leaving, more = found if found is not None else (None, None, 0)
+        if more:  # the ranks no free bundle takes: a placement group of their own, placed within the try
+            pg = self._placement.reserve_more(more, recovery.placement_try_s())
             if pg is None:
-                why = f"{found[2]} more bundle(s) could not be placed as a second placement group"
+                why = f"{more} more bundle(s) could not be placed as a second placement group"
             else:
-                numbers = iter(range(bundles.size, bundles.size + found[2]))
-                self._extra.append((pg, found[2]))
-                found = ([(next(numbers), None) if entry == (None, None) else entry for entry in found[0]],) + found[1:]
+                numbers = iter(range(bundles.size, bundles.size + more))
+                self._extra.append((pg, more))
+                plan = [(next(numbers), None) if entry == (None, None) else entry for entry in plan]
         if why is not None:
             logger.info("Not keeping the healthy ranks for this resize (%s): every worker restarts", why)
             return None
-        plan, leaving, _ = found
         plan = self._refill_elsewhere(plan)
         taken = {bundle: self._spares.take(usable) for bundle, handle in plan if handle == reform.SPARE}
         if None in taken.values():  # a spare it counted on died meanwhile
