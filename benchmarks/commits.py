@@ -33,7 +33,8 @@ DEADLINE_S = 300
 
 
 class LoggingOperator(BenchOperator):
-    """BenchOperator that appends each executed batch to ``config["log"]`` and stops at ``config["fault_step"]``."""
+    """BenchOperator that appends each executed batch to ``config["log"]`` (its time; with ``config["log_steps"]`` also
+    its rank and global step) and stops at ``config["fault_step"]``."""
 
     def train_batch(self, batch, batch_info):
         fault, path = self.config.get("fault_step"), self.config.get("fault_path")
@@ -43,9 +44,10 @@ class LoggingOperator(BenchOperator):
             os.replace(path + ".tmp", path)
             time.sleep(DEADLINE_S)  # killed by the driver
         metrics = super().train_batch(batch, batch_info)
-        if self.config.get("log"):
+        if self.config.get("log"):  # with log_steps, each line also names the rank and the step
             with open(self.config["log"], "a") as handle:
-                handle.write(f"{time.time()}\n")
+                handle.write(f"{time.time()} {self.world_rank} {self.global_step}\n" if self.config.get("log_steps")
+                             else f"{time.time()}\n")
         return metrics
 
 

@@ -16,6 +16,13 @@ gives the spare's refill time (from the refill's start to its spare ready) and t
 resident memory, and its CPU use while the group trains, beside a rank's). The table gives the seconds from the event to training resumed
 (the end of the longest pause in the batch log after it; median of ``--repeats``), the batches computed twice,
 and the workers and failures after recovery.
+
+Two cases keep the healthy ranks in their processes at a planned resize (README "Partial moves and grows"):
+"drain-spare" drains rank 1's node with ``num_spares=1`` (a third node holds the spare, a fourth is free for its
+refill): rank 0 stays, the spare takes rank 1; "grow" starts ``num_workers=(2, 3)`` on the two nodes and adds a
+third node's CPU (held by a placement group of the benchmark's until then) once the step-20 commit is stored: both
+ranks stay, rank 2 starts in a placement group of its own. Both say
+whether the kept ranks kept their process ids; the batches computed twice are counted from each rank's steps.
 """
 import json
 import logging
@@ -39,9 +46,13 @@ from workloads import workload_spec  # noqa: E402
 FAST_HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
 DEADLINE_S = 300
 EVENTS = {"process": "rank 1's process killed", "node": "rank 1's node lost",
-          "drain": "rank 1's node drained (notice)", "spare": "rank 1's process killed, with a spare"}
-CASES = (("process", True), ("process", False), ("spare", True), ("node", True), ("node", False), ("drain", True))
-CASE_NAMES = ("process", "process-restart", "spare", "node", "node-restart", "drain")
+          "drain": "rank 1's node drained (notice)", "spare": "rank 1's process killed, with a spare",
+          "drain-spare": "rank 1's node drained (notice), with a spare", "grow": "a node added: grow 2 -> 3"}
+SURVIVORS = {"drain": "all moved at a commit", "drain-spare": "rank 0 kept, the spare took rank 1",
+             "grow": "both kept, rank 2 new"}
+CASES = (("process", True), ("process", False), ("spare", True), ("node", True), ("node", False), ("drain", True),
+         ("drain-spare", True), ("grow", True))
+CASE_NAMES = ("process", "process-restart", "spare", "node", "node-restart", "drain", "drain-spare", "grow")
 
 
 def _live_worker_nodes():
@@ -55,6 +66,22 @@ def _add_node(cluster):
     while _live_worker_nodes() < want and time.monotonic() < deadline:
         time.sleep(0.1)
     return node
+
+
+def _back_to_two(cluster):
+    """After a drain case: wait (bounded) for the drained node to end, then remove added nodes until two worker nodes
+    are left."""
+    from raysgd.torch.execution import cluster_state  # noqa: PLC0415
+
+    deadline = time.monotonic() + 60
+    while cluster_state.draining_nodes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    for node in reversed(list(cluster.worker_nodes)):
+        if _live_worker_nodes() <= 2:
+            break
+        if node.node_id in alive and node.node_id not in cluster_state.draining_nodes():
+            _remove_free_node(cluster, node)
 
 
 def _remove_free_node(cluster, node):
@@ -114,16 +141,26 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
     log, path = os.path.join(work_dir, f"log-{run}"), os.path.join(work_dir, f"fault-{run}")
     os.environ["SGD_KEEP_SURVIVORS"] = "1" if keep else "0"
     # somewhere to move to (the drained node ends once the workers left it), or the spare's node
-    added = _add_node(cluster) if fault in ("drain", "spare") else None
-    trainer = TorchTrainer(training_operator_cls=LoggingOperator, num_workers=2, timeout_s=60,
-                           commit_every_n_steps=10, num_spares=1 if fault == "spare" else 0,
+    added = _add_node(cluster) if fault in ("drain", "spare", "drain-spare") else None
+    hog = None
+    if fault == "drain-spare":
+        _add_node(cluster)  # the spare's refill goes somewhere
+    elif fault == "grow":  # a third node, held by a placement group of its own until the event removes it
+        os.environ["SGD_RESIZE_COOLDOWN_S"] = "0"
+        _add_node(cluster)
+        hog = ray.util.placement_group([{"CPU": 1}])
+        ray.get(hog.ready(), timeout=DEADLINE_S)
+    with_spare, planned = fault in ("spare", "drain-spare"), fault in ("drain", "drain-spare", "grow")
+    trainer = TorchTrainer(training_operator_cls=LoggingOperator, num_workers=(2, 3) if fault == "grow" else 2,
+                           timeout_s=60, commit_every_n_steps=10, num_spares=1 if with_spare else 0,
                            config=dict(model="mlp", batch_size=sizes["batch_size"], log=log, fault_step=step,
-                                       fault_path=None if fault == "drain" else path,
+                                       fault_path=None if planned else path, log_steps=True,
                                        num_samples=2 * sizes["batch_size"] * steps))
     try:
         node_of_rank1 = trainer.apply_all_workers(lambda: ray.get_runtime_context().get_node_id())[1]
+        pids = trainer.apply_all_workers(os.getpid)
         extra = {}
-        if fault == "spare":
+        if with_spare:
             if trainer.worker_group.spares.wait_ready(1, DEADLINE_S) != 1:
                 raise RuntimeError("the spare did not become ready")
             spare_pid = trainer.worker_group.spares.pids()[0]
@@ -132,7 +169,7 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
         thread.start()
         deadline = time.monotonic() + DEADLINE_S
         while time.monotonic() < deadline and thread.is_alive():  # the stop at step 25, after the step-20 commit
-            if (fault == "drain" or os.path.exists(path)) and \
+            if (planned or os.path.exists(path)) and \
                     (trainer.latest_commit() or {}).get("cursor", {}).get("steps", -1) >= 20:
                 break
             time.sleep(0.01)
@@ -140,35 +177,53 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
         if fault in ("process", "spare"):
             os.kill(int(open(path).read()), signal.SIGKILL)
             logging.getLogger("raysgd.benchmark").info("SIGKILL sent to rank 1")
-        elif fault == "drain":
+        elif fault in ("drain", "drain-spare"):
             _drain(cluster, node_of_rank1)
+        elif fault == "grow":
+            ray.util.remove_placement_group(hog)  # the third node's CPU is free: the grow check sees it
+            hog = None
         else:
             cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node_of_rank1),
                                 allow_graceful=False)
         thread.join(timeout=DEADLINE_S)
         if "stats" not in result:
             raise RuntimeError(f"train() did not finish ({fault}, keep={keep})")
-        stamps = [float(line) for line in open(log).read().split()]
+        logged = [line.split() for line in open(log).read().splitlines()]
+        stamps = [float(fields[0]) for fields in logged]
         after = [t for t in stamps if t > t_kill]
         gaps = sorted(((b - a, a - t_kill, i) for i, (a, b) in enumerate(zip(after, after[1:]))), reverse=True)[:3]
         logging.getLogger("raysgd.benchmark").info("longest pauses after the first batch (s, at s after the kill, "
                                                     "batch): %s", [tuple(round(x, 2) for x in g) for g in gaps])
-        if fault == "spare":
-            extra["rank1_is_the_spare"] = trainer.apply_all_workers(os.getpid)[1] == spare_pid
-            if trainer.worker_group.spares.wait_ready(1, DEADLINE_S) != 1:
-                raise RuntimeError("the spare was not refilled")
-            extra["refill_s"] = trainer.worker_group.spares.last_refill_s
-            extra.update(_spare_cost(trainer, 3 if smoke else 10))
+        after_pids = trainer.apply_all_workers(os.getpid)
+        if planned:
+            kept = pids[:2] if fault == "grow" else pids[:1]
+            extra["kept_pids"] = after_pids[:len(kept)] == kept
+        if with_spare:
+            extra["rank1_is_the_spare"] = after_pids[1] == spare_pid
+            if trainer.worker_group.spares.wait_ready(1, 60 if fault == "drain-spare" else DEADLINE_S) != 1:
+                if fault == "spare":
+                    raise RuntimeError("the spare was not refilled")
+                extra["refill_s"] = None  # its bundle is on the draining node
+            else:
+                extra["refill_s"] = trainer.worker_group.spares.last_refill_s
+            if fault == "spare":
+                extra.update(_spare_cost(trainer, 3 if smoke else 10))
+        ran = [(fields[1], fields[2]) for fields in logged]
         return {"resumed_s": _resumed_s(stamps, t_kill), "next_batch_s": min(t for t in stamps if t > t_kill) - t_kill,
-                "recomputed": len(stamps) - 2 * steps,
+                "recomputed": len(ran) - len(set(ran)) if planned else len(stamps) - 2 * steps,
                 "workers_after": trainer.worker_group.num_workers, "failures": trainer.num_failures,
                 "num_samples": result["stats"]["num_samples"], **extra}
     finally:
         trainer.shutdown()
+        os.environ.pop("SGD_RESIZE_COOLDOWN_S", None)
+        if hog is not None:
+            ray.util.remove_placement_group(hog)
         if fault == "node":
             _add_node(cluster)  # back to two worker nodes for the next run
         elif fault == "spare":
             _remove_free_node(cluster, added)  # back to two worker nodes for the next case
+        elif fault in ("drain-spare", "grow"):
+            _back_to_two(cluster)
 
 
 def main():
@@ -193,13 +248,20 @@ def main():
                         for i in range(repeats)]
                 times = sorted(r["resumed_s"] for r in runs)
                 rows.append({"event": EVENTS[fault],
-                             "survivors": "all moved at a commit" if fault == "drain" else
-                             "kept" if keep else "restarted (SGD_KEEP_SURVIVORS=0)",
+                             "survivors": SURVIVORS.get(fault) or ("kept" if keep else
+                                                                   "restarted (SGD_KEEP_SURVIVORS=0)"),
                              "event_to_resumed_s": times[len(times) // 2],
                              "event_to_next_batch_s": sorted(r["next_batch_s"] for r in runs)[len(runs) // 2],
                              "recomputed_batches": max(r["recomputed"] for r in runs),
                              "workers_after": runs[-1]["workers_after"], "failures": runs[-1]["failures"],
                              "repeats": repeats, "all_s": times})
+                if "kept_pids" in runs[-1]:
+                    rows[-1]["kept_pids"] = all(r["kept_pids"] for r in runs)
+                if fault == "drain-spare":
+                    refills = sorted(r["refill_s"] for r in runs if r["refill_s"] is not None)
+                    rows[-1].update(refill_s=refills[len(refills) // 2] if refills else None,
+                                    refilled=f"{len(refills)}/{len(runs)}",
+                                    rank1_is_the_spare=all(r["rank1_is_the_spare"] for r in runs))
                 if fault == "spare":
                     rows[-1].update(refill_s=sorted(r["refill_s"] for r in runs)[len(runs) // 2],
                                     rank1_is_the_spare=all(r["rank1_is_the_spare"] for r in runs),

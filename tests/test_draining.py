@@ -84,7 +84,7 @@ def test_workers_leave_a_draining_node_at_a_commit_point_and_the_epoch_goes_on(c
     trainer = TorchTrainer(training_operator_cls=CountingOperator, num_workers=2, config=config, timeout_s=30,
                            commit_every_n_steps=2)
     try:
-        before = trainer.apply_all_workers(node_id)
+        before, pids = trainer.apply_all_workers(node_id), trainer.apply_all_workers(os.getpid)
         assert len(set(before)) == 2  # SPREAD: one worker per node, the third node free
 
         def drain_at_the_gate():
@@ -99,6 +99,7 @@ def test_workers_leave_a_draining_node_at_a_commit_point_and_the_epoch_goes_on(c
         thread.join(timeout=5)
         after = trainer.apply_all_workers(node_id)
         assert before[1] not in after and len(set(after)) == 2  # moved within the call, off the draining node
+        assert trainer.apply_all_workers(os.getpid)[0] == pids[0]  # rank 0 stayed in its process
         assert trainer.num_failures == 0  # a move is no failure
         assert sum(s["num_samples"] for s in stats) == n  # the whole epoch, each batch counted once
         assert torch.equal(trainer.state_dict()["models"][0]["p"], torch.ones(n))  # every sample exactly once
@@ -162,19 +163,20 @@ def test_a_draining_node_is_no_room_to_grow_into(cluster, monkeypatch):
 
 def test_workers_leave_a_draining_node_before_the_next_call(cluster):
     """A worker on a draining node moves before the next call, from the state the last call left: no failure,
-    every sample trained once per epoch."""
+    every sample trained once per epoch; rank 0, on a healthy node, keeps its process."""
     made, nodes = cluster
     exactly(made, nodes, 2)
     n = 48
     trainer = TorchTrainer(training_operator_cls=CountingOperator, num_workers=2, config={"n": n}, timeout_s=30)
     try:
         trainer.train()
-        before = trainer.apply_all_workers(node_id)
+        before, pids = trainer.apply_all_workers(node_id), trainer.apply_all_workers(os.getpid)
         drain(made, before[1])
         fresh = add_node(made, nodes)
         trainer.train()
         after = trainer.apply_all_workers(node_id)
         assert sorted(after) == sorted([before[0], fresh.node_id])  # rank 1 left its draining node before the call
+        assert trainer.apply_all_workers(os.getpid)[0] == pids[0]  # rank 0 stayed in its process
         assert trainer.num_failures == 0
         assert torch.equal(trainer.state_dict()["models"][0]["p"], torch.full((n,), 2.0))  # 2 epochs, each once
     finally:

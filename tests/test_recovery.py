@@ -296,3 +296,25 @@ def test_warm_spares_take_vacant_ranks_a_lost_bundles_first_in_the_old_rank_orde
         (0, "r0"), (1, SPARE), (2, None)]
     assert plan({0: "a"}, {"a"}, {}, min_size=1, fit_elsewhere=0, spares=1) == [(0, SPARE)]  # no survivor needed
     assert plan({0: "a"}, {"a"}, {}, min_size=1, fit_elsewhere=0, spares=0) is None
+
+
+def test_a_planned_resize_keeps_the_ranks_on_usable_nodes_and_fills_the_rest():
+    from raysgd.torch.fault_tolerance.reform import SPARE, resize_plan
+
+    ranks = [(0, "r0"), (1, "r1"), (2, "r2")]
+    # rank 1's node drains: a spare takes its place (the vacated bundle 1 goes to the pool), the others stay
+    assert resize_plan(ranks, usable={0, 2, 5}, target=3, spares=1, free=[5]) == (
+        [(0, "r0"), (1, SPARE), (2, "r2")], ["r1"], 0)
+    # no spare: a free bundle of the group's, then a new placement group's (None)
+    assert resize_plan(ranks, usable={0, 2, 5}, target=3, spares=0, free=[5]) == (
+        [(0, "r0"), (5, None), (2, "r2")], ["r1"], 0)
+    assert resize_plan(ranks, usable={0, 2}, target=3, spares=0, free=[]) == (
+        [(0, "r0"), (None, None), (2, "r2")], ["r1"], 1)
+    # a grow from 3 to 5: every rank stays, the added ranks follow; spares are only for moved ranks
+    assert resize_plan(ranks, usable={0, 1, 2, 7}, target=5, spares=2, free=[7]) == (
+        [(0, "r0"), (1, "r1"), (2, "r2"), (7, None), (None, None)], [], 1)
+    # fewer fit elsewhere: the moved rank's place is dropped; rank 0 in the driver (bundle None) always stays
+    assert resize_plan([(None, "local"), (1, "r1")], usable=set(), target=1, spares=0, free=[]) == (
+        [(None, "local")], ["r1"], 0)
+    assert resize_plan(ranks, usable={0, 1, 2}, target=2, spares=0, free=[]) is None  # a shrink: restart all
+    assert resize_plan(ranks, usable=set(), target=3, spares=3, free=[]) is None  # nothing stays: restart all

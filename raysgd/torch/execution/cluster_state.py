@@ -63,18 +63,20 @@ def wait_until_released(actor_ids, pg_id=None, expected=None, timeout_s=10.0):
 
     Args:
         actor_ids: hex ids of the killed actors.
-        pg_id: hex id of the removed placement group, or None (a Tune trial's group is not ours).
+        pg_id: hex id of the removed placement group, a list of them (a group that gained one per partial move or
+            grow), or None (a Tune trial's group is not ours).
         expected: ``{"CPU": n, ...}``: the least ``ray.available_resources()`` must show again
             (what was available before the removal plus what the group held, capped at the cluster's total).
 
     Returns True when everything was seen released within ``timeout_s``.
     """
     deadline = time.monotonic() + timeout_s
+    pg_ids = [pg_id] if isinstance(pg_id, str) else list(pg_id or ())
     while True:
         released = _actors_dead(actor_ids)
-        if released and (pg_id is not None or expected):
+        if released and (pg_ids or expected):
             available, total = ray.available_resources(), ray.cluster_resources()
-            released = not any(pg_id in key for key in available) if pg_id else True
+            released = not any(pg in key for pg in pg_ids for key in available)
             for key, amount in (expected or {}).items():
                 released = released and available.get(key, 0) + 1e-6 >= min(amount, total.get(key, 0))
         if released:

@@ -242,8 +242,8 @@ class RunController:
         return current + extra
 
     def _move_size(self, ranks):
-        return recovery.move_size(self.group.num_workers, len(ranks), self.group.how_many_fit, self.min_workers,
-                                  self.max_workers)
+        return recovery.move_size(self.group.num_workers, len(ranks), self.group.how_many_can_move,
+                                  self.min_workers, self.max_workers)
 
     def _move_off_draining(self, state):
         """Before a call: restart the group off draining nodes from ``state`` (the call's starting state) when a

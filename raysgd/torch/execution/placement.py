@@ -11,6 +11,10 @@ which the trainer does not retry: the trial fails and ``FailureConfig(max_failur
 policy is :class:`raysgd.torch.fault_tolerance.recovery.PlacementWatch`, pure). After a failure, the bundles a
 re-formed group can use come from Ray's view of the placement group (:func:`reform_plan`).
 
+A group of its own may gain a placement group per partial move or grow (:meth:`Placement.reserve_more`: the ranks
+that join while the others keep their processes, README "Partial moves and grows"); :class:`Bundles` numbers the
+bundles of all of them as one list (the first group's first), so a bundle index names one bundle of the run.
+
 Example:
     >>> Placement(cpus=2, gpus=1, use_local=False, strategy="PACK").bundle(1)
     {'CPU': 2, 'GPU': 1}
@@ -83,6 +87,26 @@ class Placement:
                                f"{ray.available_resources()}") from err
         return pg, 0, True
 
+    def reserve_more(self, n, timeout_s):
+        """A new placement group of ``n`` bundles for ranks that join a running group (a partial move or grow), of
+        this strategy, or None when it is not placed within ``timeout_s`` (removed then) or the strategy is strict
+        (``STRICT_SPREAD``/``STRICT_PACK`` constrain the bundles against each other: a second group cannot keep
+        that promise, so the whole group restarts instead). ``timeout_s`` None: returned at once, placed when Ray
+        can (for spares' refills, which never hold a rank up)."""
+        if self.strategy.startswith("STRICT_"):
+            logger.info("A %s group cannot gain a second placement group and keep its promise", self.strategy)
+            return None
+        pg = placement_group([self.bundle(1) for _ in range(n)], strategy=self.strategy)
+        if timeout_s is None:
+            return pg
+        try:
+            ray.get(pg.ready(), timeout=timeout_s)
+        except GetTimeoutError:
+            logger.info("%d more bundle(s) of %s were not placed within %.1f s", n, self.bundle(1), timeout_s)
+            self.remove(pg)
+            return None
+        return pg
+
     @staticmethod
     def remove(pg):
         """Remove a placement group this group created and wait (bounded) until Ray reports it removed."""
@@ -124,13 +148,89 @@ class Placement:
 
 
 def _nodes_of(pg):
-    """The node ids holding ``pg``'s bundles (empty for None or an unknown group)."""
+    """The node ids holding the bundles of ``pg`` (a placement group or :class:`Bundles`; empty for None or a removed
+    group)."""
     if pg is None:
         return set()
     try:
-        return set(ray.util.placement_group_table(pg).get("bundles_to_node_id", {}).values())
+        return set(_as_bundles(pg).table().values())
     except Exception:  # noqa: BLE001 (a removed group: holds nothing)
         return set()
+
+
+class Bundles:
+    """The bundles of a worker group's placement groups as one numbered list: the first group's ``0..n-1``, then those
+    of each group added for ranks that joined later, in order. ``groups``: ``[(placement group, bundle count)]``; a
+    removed group's entry is ``(None, count)``, so the numbers of the others never change.
+
+    Example:
+        >>> Bundles([]).size, Bundles([(None, 2), (None, 1)]).size
+        (0, 3)
+    """
+
+    def __init__(self, groups):
+        self.groups = list(groups)
+
+    @property
+    def size(self):
+        return sum(count for _, count in self.groups)
+
+    def locate(self, bundle):
+        """``(placement group, its bundle index)`` of ``bundle``; ``IndexError`` for a removed group's or none."""
+        for pg, count in self.groups:
+            if bundle < count:
+                if pg is None:
+                    raise IndexError(f"bundle {bundle}'s placement group was removed")
+                return pg, bundle
+            bundle -= count
+        raise IndexError(f"no bundle {bundle}")
+
+    def live(self):
+        """The numbers of the bundles of the groups not removed."""
+        numbers, base = set(), 0
+        for pg, count in self.groups:
+            if pg is not None:
+                numbers.update(range(base, base + count))
+            base += count
+        return numbers
+
+    def of(self, pg):
+        """The numbers of ``pg``'s bundles."""
+        base = 0
+        for group, count in self.groups:
+            if group is pg:
+                return range(base, base + count)
+            base += count
+        return range(0)
+
+    def table(self):
+        """``{bundle: node id}`` of the placed bundles, as Ray sees them now."""
+        placed, base = {}, 0
+        for pg, count in self.groups:
+            if pg is not None:
+                for bundle, node in ray.util.placement_group_table(pg).get("bundles_to_node_id", {}).items():
+                    placed[base + int(bundle)] = node
+            base += count
+        return placed
+
+
+def _as_bundles(pg):
+    return pg if isinstance(pg, Bundles) else Bundles([(pg, len(pg.bundle_specs))])
+
+
+def placed(pg):
+    """Whether Ray has placed (reserved) ``pg``'s bundles: a refill's group may still wait for room."""
+    try:
+        return ray.util.placement_group_table(pg).get("state") == "CREATED"
+    except Exception:  # noqa: BLE001 (a removed group holds nothing)
+        return False
+
+
+def usable_bundles(bundles):
+    """The bundles of ``bundles`` (a :class:`Bundles`) placed on a live node that Ray is not draining and that still
+    answers: where a rank may stay or start."""
+    alive = _alive_nodes(skip_dying=True)
+    return {bundle for bundle, node in bundles.table().items() if node in alive}
 
 
 def unplaced_limit_s():
@@ -177,11 +277,12 @@ def _alive_nodes(skip_dying=False):
 
 
 def reform_plan(pg, kept, min_size, how_many_fit, order=None, spares=0):
-    """:func:`~raysgd.torch.fault_tolerance.reform.plan` for placement group ``pg`` as Ray sees it now (``how_many_fit(n)``:
-    workers that fit outside; ``order``: the bundles ranks may use, in rank order, default all; ``spares``: how many
-    warm spares may take vacant ranks)."""
-    placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
-    alive, size = _alive_nodes(skip_dying=True), len(pg.bundle_specs)
+    """:func:`~raysgd.torch.fault_tolerance.reform.plan` for placement group ``pg`` (or :class:`Bundles`) as Ray sees it
+    now (``how_many_fit(n)``: workers that fit outside; ``order``: the bundles ranks may use, in rank order, default
+    all; ``spares``: how many warm spares may take vacant ranks)."""
+    bundles = _as_bundles(pg)
+    placed = bundles.table()
+    alive, size = _alive_nodes(skip_dying=True), bundles.size
     order = list(range(size)) if order is None else list(order)
     lost = max(0, sum(1 for b in order if b not in kept and placed.get(b) not in alive) - spares)
     return reform.plan(placed, alive, kept, min_size, how_many_fit(lost) if lost else 0, size=size, order=order,
@@ -189,16 +290,17 @@ def reform_plan(pg, kept, min_size, how_many_fit, order=None, spares=0):
 
 
 def nodes_of(pg, handles):
-    """``{rank: node id}`` of the workers of ``handles`` that are actors in bundles of ``pg``."""
-    placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {}) if pg is not None else {}
+    """``{rank: node id}`` of the workers of ``handles`` that are actors in bundles of ``pg`` (or :class:`Bundles`)."""
+    placed = _as_bundles(pg).table() if pg is not None else {}
     return {h.rank: placed.get(h.bundle) for h in handles if h.actor is not None}
 
 
 def spare_bundles(pg, used):
-    """How many bundles of ``pg`` are placed on a live node and not in ``used`` (the bundles of the workers and of the
-    warm spares)."""
-    if pg is None or len(used) >= len(pg.bundle_specs):
+    """How many bundles of ``pg`` (or :class:`Bundles`) are placed on a live node and not in ``used`` (the bundles of
+    the workers and of the warm spares)."""
+    bundles = _as_bundles(pg) if pg is not None else None
+    if bundles is None or len(used) >= bundles.size:
         return 0
-    placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
+    placed = bundles.table()
     alive = _alive_nodes()
     return sum(1 for b, node in placed.items() if b not in used and node in alive)

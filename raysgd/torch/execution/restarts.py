@@ -8,7 +8,8 @@ pure policies of :mod:`raysgd.torch.fault_tolerance.recovery`.
   range ``(min, max)`` starts as many as fit now, at least ``min``.
 - :func:`restart_group`: after a failure, re-form the group from its survivors when it can be (they keep their
   processes), else tear it down and start as many workers as fit (never below the minimum; capped exponential
-  backoff while none fit); to grow or move, restart at the size asked for.
+  backoff while none fit); to grow or move, re-form at the size asked for keeping the ranks on healthy nodes in
+  their processes (a partial move or grow: ``WorkerGroup.resize``) when it can, else restart every worker at it.
 - :func:`leaving`: the ranks on nodes Ray is draining (its preemption notice).
 - :class:`StopRequest`: a request to every rank to stop at its next agreed commit point, asked again where it was
   lost or not answered (:class:`~raysgd.torch.fault_tolerance.watches.Asking` says which).
@@ -67,6 +68,20 @@ def _reform(group, state, operator_cls, config_for, low, initialization_hook, ti
         return None
 
 
+def _resize(group, state, target, operator_cls, config_for, initialization_hook, timeout_s):
+    """Re-form ``group`` at ``target`` keeping the ranks on healthy nodes (``WorkerGroup.resize``) and load ``state``
+    on every rank (the kept ones rebuilt their operator); the size, or None (restart all)."""
+    try:
+        started = group.resize(target, operator_cls, config_for, initialization_hook=initialization_hook)
+        if started:
+            group.run("load_restart_point", *state.load_args(), deadline_s=timeout_s)
+        return started
+    except Exception as err:  # noqa: BLE001 (restarting every worker is the tried path)
+        logger.warning("Resizing the group while keeping its healthy ranks failed (%s: %s); restarting every worker",
+                       type(err).__name__, err)
+        return None
+
+
 def restart_group(group, state, *, start, config_for, operator_cls, initialization_hook, low, high, timeout_s,
                   target=None, max_retries=None):
     """Restart ``group`` loading ``state`` (a :class:`~raysgd.torch.state.restart_point.RestartPoint`): after a failure (no ``target``) re-formed from its survivors
@@ -74,8 +89,10 @@ def restart_group(group, state, *, start, config_for, operator_cls, initializati
     ``target``, by default ``high``; never below ``low``; capped exponential backoff while none fit, at most
     ``max_retries`` tries). ``config_for(n)`` is the worker config at ``n``. Returns the number of workers started;
     raises :class:`~raysgd.torch.fault_tolerance.recovery.RestartGaveUp` when no try succeeds."""
-    started = _reform(group, state, operator_cls, config_for, low, initialization_hook, timeout_s) \
-        if target is None else None  # a failure: survivors keep their processes
+    if target is None:  # a failure: survivors keep their processes
+        started = _reform(group, state, operator_cls, config_for, low, initialization_hook, timeout_s)
+    else:  # a grow or a move: the ranks on healthy nodes keep theirs
+        started = _resize(group, state, target, operator_cls, config_for, initialization_hook, timeout_s)
     if started:
         logger.info("Worker group restarted with %d of %d workers (survivors kept their processes)", started, high)
         return started

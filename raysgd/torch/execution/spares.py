@@ -118,16 +118,19 @@ class SparePool:
                            err)
             self._refill_at[bundle] = self._clock() + refill_delay_s()
 
-    def available(self):
-        """How many spares are ready (warm, and alive as far as the pool knows now). A spare still warming is not
-        counted: its actor may wait for a bundle Ray cannot place (a lost node's), and a rank must never wait for it."""
-        return sum(1 for spare in self._spares.values() if spare.state() == "ready")
+    def available(self, usable=None):
+        """How many spares are ready (warm, and alive as far as the pool knows now), only those in ``usable`` bundles
+        when given (not on a draining node, say). A spare still warming is not counted: its actor may wait for a
+        bundle Ray cannot place (a lost node's), and a rank must never wait for it."""
+        return sum(1 for bundle, spare in self._spares.items()
+                   if (usable is None or bundle in usable) and spare.state() == "ready")
 
-    def take(self):
-        """A ready spare leaving the pool, or None; its bundle leaves the pool with it."""
+    def take(self, usable=None):
+        """A ready spare leaving the pool (one in ``usable`` bundles when given), or None; its bundle leaves the pool
+        with it."""
         self.tend(force=True)
         for bundle, spare in list(self._spares.items()):
-            if spare.state() == "ready":
+            if (usable is None or bundle in usable) and spare.state() == "ready":
                 del self._spares[bundle]
                 return spare
         return None

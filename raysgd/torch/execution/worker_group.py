@@ -4,7 +4,9 @@ Layer 4: with :mod:`~raysgd.torch.execution.worker_handle`, the only module that
 round of calls is collected by :func:`raysgd.torch.execution.calls.collect`, whose outcome the group acts on: a
 dead actor, a lost node or a collective that timed out ends the attempt at once as
 :class:`~raysgd.torch.errors.WorkerFailure`: ranks still stuck are killed, those whose call ended are kept for
-:meth:`WorkerGroup.reform`. An exception raised by user code is re-raised with its original type.
+:meth:`WorkerGroup.reform`. An exception raised by user code is re-raised with its original type. A planned resize
+(a drain move, a grow) re-forms the same way from the ranks on healthy nodes (:meth:`WorkerGroup.resize`), in a
+second placement group when the first has no room for the ranks that join.
 
 Example:
     >>> # group = WorkerGroup(worker_options, num_cpus_per_worker=1, num_gpus=0, use_local=False, timeout_s=60)
@@ -55,6 +57,7 @@ class WorkerGroup:
         self._handles = []
         self._kept = []  # survivors of a failure, waiting for reform() (or the next start, which kills them)
         self._pg, self._own_pg = None, False
+        self._extra = []  # [(placement group, bundles)] added by partial moves and grows; (None, n) once removed
         self._submitted = None
         self._runner = None  # rank 0's thread (use_local with remote ranks)
         self.broken = False
@@ -86,8 +89,8 @@ class WorkerGroup:
         """How many workers fit now, at most ``limit`` (:meth:`Placement.how_many_fit`), plus the group's own
         placed bundles no worker or spare uses (a lost node's, placed again): growing frees them."""
         used = {h.bundle for h in self._handles} | self._spares.bundles
-        spare = placement.spare_bundles(self._pg, used) if self._own_pg and not self.broken else 0
-        own = self._pg if self._own_pg and not self.broken else None
+        spare = placement.spare_bundles(self._bundles(), used) if self._own_pg and not self.broken else 0
+        own = self._bundles() if self._own_pg and not self.broken else None
         return min(limit, spare + self._placement.how_many_fit(max(0, limit - spare), settle_s, own_pg=own))
 
     def rank_nodes(self):
@@ -100,7 +103,18 @@ class WorkerGroup:
 
     def placed_on(self):
         """``{rank: node id}`` of the remote workers a restart could place elsewhere (none inside a Tune trial)."""
-        return placement.nodes_of(self._pg, self._handles) if self._own_pg and not self.broken else {}
+        return placement.nodes_of(self._bundles(), self._handles) if self._own_pg and not self.broken else {}
+
+    def _bundles(self):
+        """The bundles of the group's placement groups, numbered as one list (:class:`placement.Bundles`)."""
+        return placement.Bundles([(self._pg, len(self._pg.bundle_specs))] + self._extra if self._pg is not None else [])
+
+    def _start_in(self, rank, bundle, operator_cls, config, options):
+        """A new worker actor in ``bundle`` (a number of :meth:`_bundles`)."""
+        pg, index = self._bundles().locate(bundle)
+        handle = start_actor(rank, pg, index, self._cpus, self._gpus, operator_cls, config, options, self._worker_cls)
+        handle.bundle = bundle
+        return handle
 
     # ----------------------------------------------------------------- start-up
     def start(self, n, operator_cls, config, pg_timeout_s=None, initialization_hook=None):
@@ -139,8 +153,8 @@ class WorkerGroup:
                  on_tick=self._placement.watch.check if self._placement.watch is not None else None)
         self._connect(n)
         self._rank_bundles = [h.bundle for h in self._handles]
-        self._spares = SparePool(lambda bundle: start_actor(None, self._pg, bundle, self._cpus, self._gpus, operator_cls,
-                                                            config, options, self._worker_cls), initialization_hook)
+        self._spares = SparePool(lambda bundle: self._start_in(None, bundle, operator_cls, config, options),
+                                 initialization_hook)
         self._spares.fill(range(offset + n, offset + n + spares))
         logger.info("Started %d worker(s)%s%s", n, " (rank 0 local)" if self._use_local else "",
                     f" and {spares} warm spare(s) beside them" if spares else "")
@@ -169,9 +183,9 @@ class WorkerGroup:
         spares = self._spares.available() if self._own_pg and self._pg is not None else 0
         new = None
         if (kept or spares) and self._own_pg and self._pg is not None and (not self._use_local or 0 in kept):
-            order = self._rank_bundles + sorted(set(range(len(self._pg.bundle_specs))) - set(self._rank_bundles)
-                                                - self._spares.bundles)
-            new = placement.reform_plan(self._pg, kept, min_size, self.how_many_fit, order=order, spares=spares)
+            bundles = self._bundles()
+            order = self._rank_bundles + sorted(bundles.live() - set(self._rank_bundles) - self._spares.bundles)
+            new = placement.reform_plan(bundles, kept, min_size, self.how_many_fit, order=order, spares=spares)
         taken = {bundle: self._spares.take() for bundle, handle in new or () if handle == reform.SPARE}
         if new is None or None in taken.values():  # no plan, or a spare it counted on died meanwhile
             for spare in taken.values():
@@ -179,15 +193,112 @@ class WorkerGroup:
                     spare.handle.kill()
             self._kill_all()
             return None
+        return self._form(new, taken, operator_cls, config_for, initialization_hook)
+
+    def resize(self, target, operator_cls, config_for, initialization_hook=None):
+        """Re-form at ``target`` workers keeping the ranks on usable nodes in their processes, after every rank stopped
+        at a commit point (or between calls, idle): a drain move or a grow
+        (:func:`~raysgd.torch.fault_tolerance.reform.resize_plan`). The ranks on draining or lost nodes are released,
+        a ready warm spare takes a moved rank's place, and new processes start in free bundles of the group's or in a
+        new placement group (:meth:`Placement.reserve_more`). Returns the size, or None (the reason logged) when the
+        whole group must restart instead (the caller's :meth:`shutdown` then releases it all)."""
+        why = self._why_not_partial()
+        if why is None and not self.broken:  # between calls: every rank stays where it is, idle
+            self._drain_submitted()
+            self._kept, self._handles, self.broken = self._handles, [], True
+        ranks = sorted(self._kept, key=lambda h: h.rank)
+        if why is None and self._use_local and not (ranks and ranks[0].local is not None):
+            why = "rank 0 (in this process) did not stop cleanly"
+        found = None
+        if why is None:
+            bundles = self._bundles()
+            usable = placement.usable_bundles(bundles)
+            used = {h.bundle for h in ranks} | self._spares.bundles
+            free = [bundle for bundle in range(bundles.size) if bundle in usable and bundle not in used]
+            found = reform.resize_plan([(None if h.actor is None else h.bundle, h) for h in ranks], usable, target,
+                                       self._spares.available(usable), free)
+            why = None if found is not None else f"no rank stays on a usable node below {target} workers"
+        plan, leaving, more = found if found is not None else (None, None, 0)
+        if more:  # the ranks no free bundle takes: a placement group of their own, placed within the try
+            pg = self._placement.reserve_more(more, recovery.placement_try_s())
+            if pg is None:
+                why = f"{more} more bundle(s) could not be placed as a second placement group"
+            else:
+                numbers = iter(range(bundles.size, bundles.size + more))
+                self._extra.append((pg, more))
+                plan = [(next(numbers), None) if entry == (None, None) else entry for entry in plan]
+        if why is not None:
+            logger.info("Not keeping the healthy ranks for this resize (%s): every worker restarts", why)
+            return None
+        plan = self._refill_elsewhere(plan)
+        taken = {bundle: self._spares.take(usable) for bundle, handle in plan if handle == reform.SPARE}
+        if None in taken.values():  # a spare it counted on died meanwhile
+            for spare in taken.values():
+                if spare is not None:
+                    spare.handle.kill()
+            logger.info("Not keeping the healthy ranks for this resize (a spare died): every worker restarts")
+            return None
+        self._kept = [h for h in self._kept if h not in leaving]
+        for handle in leaving:  # their nodes drain: they go now, the others stay
+            handle.kill()
+        size = self._form(plan, taken, operator_cls, config_for, initialization_hook)
+        self._release_unused()
+        logger.info("Resized to %d worker(s) keeping %d in their processes (%d left draining nodes)", size,
+                    len(ranks) - len(leaving), len(leaving))
+        return size
+
+    def _refill_elsewhere(self, plan):
+        """``plan`` with each spare's entry naming a bundle of a new placement group for its refill (not placed yet,
+        never waited for), instead of the moved rank's bundle on a draining node, where Ray places nothing until the
+        node is gone; unchanged for a strict strategy (the refill then waits for that bundle)."""
+        moved = sum(1 for _, handle in plan if handle == reform.SPARE)
+        pg = self._placement.reserve_more(moved, timeout_s=None) if moved else None
+        if pg is None:
+            return plan
+        numbers = iter(range(self._bundles().size, self._bundles().size + moved))
+        self._extra.append((pg, moved))
+        return [(next(numbers), handle) if handle == reform.SPARE else (bundle, handle) for bundle, handle in plan]
+
+    def _why_not_partial(self):
+        """Why a resize cannot keep the healthy ranks (None: it can)."""
+        if not self._own_pg or self._pg is None:
+            return "the placement group is a Tune trial's, which cannot grow" if self._pg is not None else "no group"
+        if not reform.enabled():
+            return "SGD_KEEP_SURVIVORS=0"
+        if self.broken and not self._kept:
+            return "no rank stopped cleanly"
+        return None
+
+    def _release_unused(self):
+        """Remove the added placement groups that no rank or spare uses any longer (their ranks moved on)."""
+        used = {h.bundle for h in self._handles} | self._spares.bundles
+        bundles = self._bundles()
+        for index, (pg, count) in enumerate(self._extra):
+            if pg is not None and not set(bundles.of(pg)) & used:
+                Placement.remove(pg)
+                self._extra[index] = (None, count)
+
+    def how_many_can_move(self, limit):
+        """How many ranks could move off draining nodes now: the ready warm spares on usable nodes, then
+        :meth:`how_many_fit`; at most ``limit``."""
+        spares = 0
+        if self._own_pg and self._pg is not None and not self.broken and self._spares.bundles:
+            spares = self._spares.available(placement.usable_bundles(self._bundles()))
+        return min(limit, spares + self.how_many_fit(max(0, limit - spares)))
+
+    def _form(self, new, taken, operator_cls, config_for, initialization_hook):
+        """Carry out a re-form plan (``[(bundle, handle | SPARE | None)]`` in rank order, ``taken``: ``{bundle: Spare}``
+        of its spares): kept ranks rejoin, spares take their ranks, new processes start; then the rendezvous."""
         n, config, fresh = len(new), config_for(len(new)), set()
+        kept = [handle for _, handle in new if handle is not None and handle != reform.SPARE]
         self._kept, self._handles, self.broken = [], [], False
         self.generation += 1
         self._spares.hook = initialization_hook  # refills run the hook of now
         calls = {}
         for rank, (bundle, handle) in enumerate(new):
             if handle is None:
-                handle = start_actor(rank, self._pg, bundle, self._cpus, self._gpus, operator_cls, config,
-                                     dict(self._worker_options, num_cpus=self._cpus, world_size=n), self._worker_cls)
+                handle = self._start_in(rank, bundle, operator_cls, config,
+                                        dict(self._worker_options, num_cpus=self._cpus, world_size=n))
                 fresh.add(rank)
                 calls[rank] = lambda h: h.call("run_hook", initialization_hook)
             elif handle == reform.SPARE:
@@ -381,9 +492,10 @@ class WorkerGroup:
 
     def _remove_pg(self):
         self._spares.clear()
-        pg, self._pg = self._pg, None
-        if pg is not None and self._own_pg:
-            Placement.remove(pg)
+        pgs, self._pg, self._extra = [self._pg, *(pg for pg, _ in self._extra)], None, []
+        for pg in pgs:
+            if pg is not None and self._own_pg:
+                Placement.remove(pg)
 
     def shutdown(self, force=False):
         """Stop every worker (gracefully unless ``force``) and release the placement group.
@@ -394,8 +506,10 @@ class WorkerGroup:
         """
         actor_ids = [h.actor._actor_id.hex() for h in self._handles + self._kept if h.actor is not None]
         actor_ids += [actor._actor_id.hex() for actor in self._spares.actors]
-        pg = self._pg if self._own_pg else None
-        before = ray.available_resources() if pg is not None else {}
+        pgs = [pg for pg in [self._pg, *(pg for pg, _ in self._extra)] if pg is not None] if self._own_pg else []
+        before = ray.available_resources() if pgs else {}
+        held = cluster_state.held_by([bundle for pg in pgs if pg is self._pg or placement.placed(pg)  # a refill's
+                                      for bundle in pg.bundle_specs])  # group may still wait for room
         try:
             if self._handles and not force and not self.broken:
                 self.run("shutdown", deadline_s=constants.SGD_SHUTDOWN_TIMEOUT_S)
@@ -404,10 +518,9 @@ class WorkerGroup:
         finally:
             self._kill_all()
             self.broken = False
-            if actor_ids or pg is not None:
-                held = cluster_state.held_by(pg.bundle_specs) if pg is not None else {}
+            if actor_ids or pgs:
                 cluster_state.wait_until_released(
-                    actor_ids, pg.id.hex() if pg is not None else None,
+                    actor_ids, [pg.id.hex() for pg in pgs],
                     {key: before.get(key, 0) + amount for key, amount in held.items()},
                     timeout_s=constants.SGD_SHUTDOWN_TIMEOUT_S)
 

@@ -26,6 +26,18 @@ Example:
 
 A warm spare (:mod:`raysgd.torch.execution.spares`) takes a vacant rank before a new process would: first the
 ranks whose bundle was lost (nothing else could replace them), then those whose bundle is free on a live node.
+
+A planned resize (a drain move, or a grow, at a commit point every rank stopped at: :func:`resize_plan`) keeps the
+ranks whose bundle is on a usable node in their processes and fills the rest: a moved rank's place with a warm
+spare, else a free bundle of the group's, else a bundle of a new placement group; an added rank's with a free
+bundle, else a new placement group's (README "Partial moves and grows").
+
+    >>> # rank 1's node drains; a spare is ready: rank 0 stays, the spare takes rank 1 (bundle 1 goes to the pool)
+    >>> resize_plan([(0, "r0"), (1, "r1")], usable={0, 2}, target=2, spares=1, free=[])
+    ([(0, 'r0'), (1, 'spare')], ['r1'], 0)
+    >>> # a grow from 2 to 3 with no free bundle of the group's: one bundle of a new placement group
+    >>> resize_plan([(0, "r0"), (1, "r1")], usable={0, 1}, target=3, spares=1, free=[])
+    ([(0, 'r0'), (1, 'r1'), (None, None)], [], 1)
 """
 from raysgd.torch.constants import env_float
 from raysgd.torch.errors import CollectiveError
@@ -90,3 +102,51 @@ def plan(bundles_to_node, alive_nodes, kept, min_size, fit_elsewhere, size=None,
     if not (kept or by_spare) or len(new) < min_size or (lost and fit_elsewhere > 0):
         return None
     return new
+
+
+def resize_plan(ranks, usable, target, spares, free):
+    """A planned resize keeping the ranks on usable nodes: ``(plan, leaving, more)``, or None when it cannot keep any
+    rank or would shrink below the ranks that stay (then every worker restarts).
+
+    Args:
+        ranks: ``[(bundle, handle), ...]`` of the stopped group in rank order (a bundle of None always stays: rank 0
+            in the driver).
+        usable: the bundles placed on live nodes that Ray is not draining.
+        target: the size to re-form at.
+        spares: how many ready warm spares in usable bundles may take a moved rank's place.
+        free: usable bundles of the group that no rank or spare holds, in the order to use them.
+
+    ``plan`` is ``[(bundle, handle | SPARE | None), ...]`` in rank order, as :func:`plan`'s: a kept rank's entry holds
+    its handle, a spare's the vacated bundle (which goes to the spares' pool), a new process's its bundle, or None
+    for a bundle of the new placement group; ``leaving`` the handles to release (their nodes drain or are gone);
+    ``more`` how many bundles the new placement group needs. The moved ranks keep their places; added ranks follow.
+    """
+
+    def stays(bundle):
+        return bundle is None or bundle in usable
+
+    open_places = target - sum(1 for bundle, _ in ranks if stays(bundle))
+    if open_places < 0 or open_places >= target:  # it would shrink below those that stay, or keep none
+        return None
+    free, plan, leaving, more = list(free), [], [], 0
+
+    def fill(vacated):
+        nonlocal spares, more
+        if vacated is not None and spares > 0:  # a moved rank's place: a warm spare first
+            spares -= 1
+            return vacated, SPARE
+        if free:
+            return free.pop(0), None
+        more += 1
+        return None, None
+
+    for bundle, handle in ranks:
+        if stays(bundle):
+            plan.append((bundle, handle))
+            continue
+        leaving.append(handle)
+        if open_places > 0:  # else this rank's place is dropped: fewer fit
+            open_places -= 1
+            plan.append(fill(bundle))
+    plan.extend(fill(None) for _ in range(open_places))  # added ranks
+    return plan, leaving, more
