@@ -40,7 +40,7 @@ from raysgd.torch.execution import restarts
 from raysgd.torch.fault_tolerance import preemption, recovery
 from raysgd.torch.fault_tolerance.watches import DrainWatch, GrowWatch
 from raysgd.torch.state import checkpoint, training_state
-from raysgd.torch.state.call_start import PendingPoint, TornSnapshot
+from raysgd.torch.state.call_start import PendingPoint, SnapshotFailed
 from raysgd.torch.state.restart_point import (RestartPoint, RestartPointLost, ShardedPoint, copy_all, start_copy,
                                               this_node)
 from raysgd.torch.storage import filesystem, parts
@@ -245,25 +245,26 @@ class RunController:
         copies = [(target, *start_copy(data, target)) for target in self._copy_targets([node]) if target]
         return PendingPoint(token, info, data, node, copies)
 
-    def _settle(self, state):
+    def _settle(self, state, fallback=True):
         """``state`` stored: a :class:`PendingPoint` waited for, and made the restart point. Not stored (rank 0 lost
-        first, or torn bytes: later calls then take theirs before they start), the previous restart point stays and
-        is returned: what the workers trained since it was taken is lost (logged)."""
+        first; or it raised: later calls then take theirs before they start, where its error is raised), the
+        previous restart point stays and is returned (what was trained since it was taken is lost: logged), or
+        None without ``fallback``."""
         if not isinstance(state, PendingPoint):
             return state
         try:
             self._snapshot = state.settle(self._timeout_s)
             return self._snapshot
-        except TornSnapshot as err:
+        except SnapshotFailed as err:
             self._overlap = False
-            logger.warning("The call-start snapshot was refused (%s): this trainer's later calls take theirs before "
-                           "they start", err)
+            logger.warning("The call-start snapshot failed (%s): this trainer's later calls take theirs before they "
+                           "start", err)
         except RestartPointLost as err:
             logger.warning("The call-start snapshot was not stored (%s)", err)
-        if self._snapshot_stale:
+        if fallback and self._snapshot_stale:
             logger.warning("The call falls back to the previous restart point: what was trained since it was taken "
                            "is lost")
-        return self._snapshot
+        return self._snapshot if fallback else None
 
     def _scale_up_target(self, quiet=False):
         """The larger size to restart at now (resources returned, cooldown passed), or None to stay."""
@@ -351,8 +352,8 @@ class RunController:
                                max_retries)
                 self._restart_in_call(state, kwargs, failure, None)
             except Exception:
-                state = self._settle(state)
-                if method == "train_epoch":
+                state = self._settle(state, fallback=False)  # a call that failed before its capture changed nothing
+                if method == "train_epoch" and state is not None:
                     self._undo_partial_call(state)
                 raise
 

@@ -56,7 +56,11 @@ EVENTS = collections.deque(maxlen=256)
 _IMMUTABLE = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, type(None))
 
 
-class TornSnapshot(RuntimeError):
+class SnapshotFailed(RuntimeError):
+    """Rank 0's call-start snapshot raised (the operator's state cannot be serialised, or :class:`TornSnapshot`)."""
+
+
+class TornSnapshot(SnapshotFailed):
     """A protected tensor changed in place while rank 0 serialised the call-start snapshot (outside a ``step``)."""
 
 
@@ -231,8 +235,9 @@ def overlapped(plan, handoff, *, rank, world_size, own_rng, capture_state, parts
         rngs = gather_rngs(own_rng, world_size)
         if rank == 0:
             tensors = gated_tensors(parts["models"], parts["optimizers"])
-            handoff.offer(plan.token, Capture(capture_state(rngs), protected_storages(tensors)))
+            capture = Capture(capture_state(rngs), protected_storages(tensors))
             EVENTS.append(("captured", plan.token))
+            handoff.offer(plan.token, capture)
     except BaseException as err:
         if rank == 0:
             handoff.offer(plan.token, err)
@@ -260,15 +265,17 @@ class PendingPoint:
 
     def settle(self, timeout_s):
         """The stored point with its copies (a copy that failed is logged and left out). Raises
-        :class:`TornSnapshot` when rank 0 refused torn bytes, :class:`~raysgd.torch.state.restart_point.RestartPointLost`
-        when rank 0 was lost before storing them or nothing came within ``timeout_s``."""
+        :class:`SnapshotFailed` when rank 0's snapshot raised (torn bytes, state that cannot be serialised),
+        :class:`~raysgd.torch.state.restart_point.RestartPointLost` when rank 0 was lost before storing them, the
+        call failed before its state was captured, or nothing came within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         try:
             info = ray.get(self.info_ref, timeout=timeout_s)
         except ray_errors.RayTaskError as err:
-            if isinstance(err.cause, TornSnapshot):
-                raise err.cause from err
-            raise restart_point.RestartPointLost(f"the call-start snapshot failed: {err}".splitlines()[0]) from err
+            text = f"{type(err.cause).__name__}: {err.cause}".splitlines()[0]
+            if isinstance(err.cause, SnapshotNotTaken):
+                raise restart_point.RestartPointLost(text) from err
+            raise SnapshotFailed(text) from err
         except ray_errors.RayError as err:
             raise restart_point.RestartPointLost(f"rank 0 was lost before its call-start snapshot was stored "
                                                  f"({type(err).__name__})") from err

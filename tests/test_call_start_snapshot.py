@@ -1,0 +1,77 @@
+"""The call-start snapshot is taken beside the call (raysgd/torch/state/call_start.py): the call trains while rank 0
+serialises its starting state, no rank steps before it is stored, and a failure in the call's first steps restarts
+from it bit-exact, every sample once.
+
+Real actors on a local cluster; the order of events is what each worker recorded, never a wall time.
+"""
+import pytest
+import torch
+
+from helpers import CountingOperator, SnapshotProbeOperator, counts, seeding_hook
+from raysgd.torch.state import call_start
+
+pytestmark = pytest.mark.usefixtures("ray_4cpus")
+
+N, BATCH = 96, 4  # 2 workers: 12 steps an epoch
+
+
+@pytest.fixture
+def trainers(trainer_factory):
+    defaults = {"training_operator_cls": CountingOperator, "num_workers": 2, "timeout_s": 30,
+                "commit_every_n_steps": 0, "initialization_hook": seeding_hook}
+    return lambda **kwargs: trainer_factory(**{**defaults, **kwargs})
+
+
+def rank0_events(trainer):
+    return trainer.apply_all_workers(lambda: list(call_start.EVENTS))[0]
+
+
+def last_call(events):
+    """The events of rank 0's latest overlapped call, from its ``"captured"`` on, names only."""
+    start = max(i for i, (name, _) in enumerate(events) if name == "captured")
+    return [name for name, _ in events[start:]]
+
+
+def test_the_call_trains_while_its_snapshot_is_serialised_and_steps_only_once_it_is_stored(trainers):
+    # The probe in the operator's state holds rank 0's serialisation until the call's first batch has started: a
+    # call that waited for its snapshot would never start (the probe gives up after 30 s and the snapshot fails).
+    trainer = trainers(training_operator_cls=SnapshotProbeOperator, config={"n": N, "batch_size": BATCH})
+    trainer.train(num_steps=2)  # the first call's snapshot is taken before it (a fallback exists from then on)
+    for call in range(2):
+        trainer.train(num_steps=2)
+        names = last_call(rank0_events(trainer))
+        order = [names.index(name) for name in ("captured", "batch_start", "serialised", "gate_open", "batch_end")]
+        assert order == sorted(order), names  # the first step (inside batch_end's batch) after the bytes were stored
+        assert names.count("gate_open") == 1 and "stored_wait" in names, names
+
+
+@pytest.mark.parametrize("rank, step", [(1, 12), (0, 13)], ids=["rank1-first-step", "rank0-second-step"])
+def test_a_worker_lost_in_the_first_steps_of_a_call_restarts_bit_exact_every_sample_once(trainers, tmp_path, rank,
+                                                                                          step):
+    # Call 2 starts at global step 12 with its snapshot serialised beside it. Rank 1 dying at its first batch (rank
+    # 0 still serialising, or holding its first step for the bytes) or rank 0 at its second (after it stepped once:
+    # the bytes were stored) restarts call 2 from its call-start snapshot: bit-exact with a run that lost nothing.
+    config = {"n": N, "batch_size": BATCH}
+    clean = trainers(config=config)
+    for _ in range(3):
+        clean.train()
+    expected = clean.state_dict()
+    clean.shutdown()
+
+    marker = str(tmp_path / "fault")
+    faulty = trainers(config=dict(config, fault={"step": step, "rank": rank, "marker": marker, "exit": True}))
+    faulty.train()
+    stats = faulty.train()
+    assert faulty.num_failures == 1 and (tmp_path / "fault").exists()
+    assert stats["num_samples"] == N  # the whole epoch once
+    faulty.train()  # (state_dict() before it would have taken its snapshot already: nothing to take beside it)
+    events = faulty.apply_all_workers(lambda: list(call_start.EVENTS))
+    assert "serialised" in [name for name, _ in events[0]], events  # the snapshot was taken beside the call
+    assert torch.equal(counts(faulty), 3 * torch.ones(N))  # every sample once per epoch
+    got = faulty.state_dict()
+    assert got["epoch"] == expected["epoch"] == 3 and got["global_step"] == expected["global_step"]
+    for key, value in expected["models"][0].items():
+        assert torch.equal(got["models"][0][key], value), key
+    for index, per_param in expected["optimizers"][0]["state"].items():
+        for name, value in per_param.items():
+            assert torch.equal(got["optimizers"][0]["state"][index][name], value), (index, name)
