@@ -440,7 +440,8 @@ class SnapshotProbe:
 
 class SnapshotProbeOperator(CountingOperator):
     """A CountingOperator that records ``("batch_start", step)`` and ``("batch_end", step)`` in
-    ``call_start.EVENTS`` around each batch, with a :class:`SnapshotProbe` in its state."""
+    ``call_start.EVENTS`` around each batch (after its ``fault``, if any), with a :class:`SnapshotProbe` in its
+    state."""
 
     def state_dict(self):
         return {"probe": SnapshotProbe()}
@@ -451,7 +452,10 @@ class SnapshotProbeOperator(CountingOperator):
     def train_batch(self, batch, batch_info):
         from raysgd.torch.state import call_start
 
+        faults = self.config.get("fault") or []  # before the batch starts: a rank 0 that dies here never releases
+        for fault in faults if isinstance(faults, list) else [faults]:  # the probe (its snapshot is never stored)
+            self._fault(fault)
         call_start.EVENTS.append(("batch_start", self.global_step))
-        result = super().train_batch(batch, batch_info)
+        result = self._step(batch)
         call_start.EVENTS.append(("batch_end", self.global_step))
         return result

@@ -4,6 +4,10 @@ from it bit-exact, every sample once.
 
 Real actors on a local cluster; the order of events is what each worker recorded, never a wall time.
 """
+import logging
+import os
+import signal
+
 import pytest
 import torch
 
@@ -75,3 +79,47 @@ def test_a_worker_lost_in_the_first_steps_of_a_call_restarts_bit_exact_every_sam
     for index, per_param in expected["optimizers"][0]["state"].items():
         for name, value in per_param.items():
             assert torch.equal(got["optimizers"][0]["state"][index][name], value), (index, name)
+
+
+def weights(trainer):
+    return {key: value.clone() for key, value in trainer.get_model(to_cpu=True).state_dict().items()}
+
+
+def test_rank0_lost_while_serialising_restarts_bit_exact_from_a_survivors_capture(trainers, tmp_path, caplog):
+    # Call 2: rank 0's serialisation waits for its first batch (the probe), and rank 0 dies just before that batch,
+    # so its snapshot is never stored. No rank stepped (each waits for it), and rank 1, kept as a survivor, captured
+    # the same starting state with every rank's random streams: the retry starts from it, bit-exact.
+    config = {"n": N, "batch_size": BATCH}
+    clean = trainers(training_operator_cls=SnapshotProbeOperator, config=config)
+    for _ in range(3):
+        clean.train()
+    expected = weights(clean)
+    clean.shutdown()
+
+    fault = {"step": 12, "rank": 0, "marker": str(tmp_path / "fault"), "exit": True}
+    faulty = trainers(training_operator_cls=SnapshotProbeOperator, config=dict(config, fault=fault))
+    faulty.train()
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.execution.controller"):
+        stats = faulty.train()
+    assert faulty.num_failures == 1 and (tmp_path / "fault").exists() and stats["num_samples"] == N
+    assert "a survivor's capture of the call's start is the restart point" in caplog.text
+    assert "falls back to the previous restart point" not in caplog.text
+    faulty.train()
+    got = weights(faulty)
+    assert torch.equal(got["p"], 3 * torch.ones(N))  # every sample once per epoch
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+
+
+def test_rank0_lost_between_calls_restarts_from_a_survivors_capture(trainers, caplog):
+    # Rank 0 dies between calls: the next call's snapshot is never stored and rank 1's capture is the restart point:
+    # every sample once. (Rank 0's own random streams die with it, as they did when the snapshot preceded the
+    # call; this operator's weights then differ from a run that lost nothing, on main too.)
+    trainer = trainers(config={"n": N, "batch_size": BATCH})
+    trainer.train()
+    os.kill(trainer.apply_all_workers(os.getpid)[0], signal.SIGKILL)
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.execution.controller"):
+        stats = trainer.train()
+    assert trainer.num_failures == 1 and stats["num_samples"] == N
+    assert "a survivor's capture of the call's start is the restart point" in caplog.text
+    assert torch.equal(counts(trainer), 2 * torch.ones(N))

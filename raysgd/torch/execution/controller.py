@@ -260,7 +260,12 @@ class RunController:
             logger.warning("The call-start snapshot failed (%s): this trainer's later calls take theirs before they "
                            "start", err)
         except RestartPointLost as err:
-            logger.warning("The call-start snapshot was not stored (%s)", err)
+            survivor = self.group.survivor_snapshot(state.token, self._timeout_s) if fallback else None
+            logger.warning("The call-start snapshot was not stored (%s)%s", err, "; a survivor's capture of the "
+                           "call's start is the restart point" if survivor is not None else "")
+            if survivor is not None:
+                self._snapshot = survivor
+                return survivor
         if fallback and self._snapshot_stale:
             logger.warning("The call falls back to the previous restart point: what was trained since it was taken "
                            "is lost")

@@ -298,6 +298,21 @@ class WorkerGroup:
         self._snapshot_answer = info
         return info, data, (self._nodes[0] if self._nodes else None)
 
+    def survivor_snapshot(self, token, deadline_s):
+        """After a failure in which rank 0 was lost before storing the call-start snapshot of call ``token`` (no rank
+        has stepped since: see :mod:`raysgd.torch.state.call_start`): a :class:`RestartPoint` of the state a survivor
+        kept for :meth:`reform` captured at that call's start, or None when no survivor has it."""
+        for handle in self._kept:
+            call, data = handle.call_with_data("call_start_snapshot", token, min(deadline_s, 60.0))
+            try:
+                info, error = handle.answer(call, deadline_s)
+            except Exception as err:  # noqa: BLE001 (this survivor has none: try the next)
+                logger.debug("rank %d has no call-start state: %s", handle.rank, err)
+                continue
+            if error is None:
+                return RestartPoint([data], nbytes=info["bytes"], nodes=[info["node"]])
+        return None
+
     def _let_snapshot_finish(self):
         """Before a failed call's workers are killed: give rank 0 time to store the call-start snapshot it serialises
         beside the call (its first step waits for it anyway; at most ``SGD_SNAPSHOT_FINISH_S``, default 120 s)."""

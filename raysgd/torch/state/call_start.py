@@ -226,22 +226,29 @@ def gather_rngs(own, world_size):
 @contextlib.contextmanager
 def overlapped(plan, handoff, *, rank, world_size, own_rng, capture_state, parts):
     """The call's start on one rank when its snapshot overlaps the call (``plan``; None: nothing to do): gather
-    the random streams, capture on rank 0 (``capture_state(rngs)``: the state dict; ``parts``: the operator's
-    ``state_parts()``), then hold the first optimizer step until the snapshot is stored, for the call's length."""
+    the random streams (a rank lost meanwhile: this rank's own only, and the call then fails), capture
+    (``capture_state(rngs)``: the state dict; ``parts``: the operator's ``state_parts()``) into ``handoff``: rank
+    0's is serialised beside the call, another rank's only if rank 0 is lost before storing its own (a survivor
+    serialises it, :meth:`raysgd.torch.execution.worker.TorchWorker.call_start_snapshot`); then hold the first
+    optimizer step until rank 0's snapshot is stored, for the call's length."""
     if plan is None:
         yield
         return
     try:
         rngs = gather_rngs(own_rng, world_size)
-        if rank == 0:
-            tensors = gated_tensors(parts["models"], parts["optimizers"])
-            capture = Capture(capture_state(rngs), protected_storages(tensors))
-            EVENTS.append(("captured", plan.token))
-            handoff.offer(plan.token, capture)
+    except Exception as err:  # noqa: BLE001 (raised below, once the state before the call is captured)
+        rngs, lost = None, err
+    else:
+        lost = None
+    try:
+        capture = Capture(capture_state(rngs), protected_storages(gated_tensors(parts["models"], parts["optimizers"])))
     except BaseException as err:
-        if rank == 0:
-            handoff.offer(plan.token, err)
+        handoff.offer(plan.token, err)
         raise
+    EVENTS.append(("captured", plan.token))
+    handoff.offer(plan.token, capture)
+    if lost is not None:
+        raise lost
     gate = Gate(plan, parts["optimizers"], rank)
     try:
         yield
