@@ -155,6 +155,11 @@ class Handoff:
             raise SnapshotNotTaken(f"the call failed before capturing its state: {type(item).__name__}") from item
         return item
 
+    def discard(self, token):
+        """Drop the capture of ``token`` (rank 0 stored its snapshot: a survivor's is no longer needed)."""
+        with self._ready:
+            self._items.pop(token, None)
+
 
 def snapshot_bytes(handoff, token, timeout_s):
     """The snapshot call's work (rank 0, in the ``"snapshot"`` group): ``(nbytes, read-only view)`` of the capture of
@@ -179,8 +184,8 @@ class Gate:
     :class:`~raysgd.torch.errors.CollectiveError` (this rank's call ends cleanly and the process may stay); a snapshot
     that failed otherwise (torn, a copy lost) is logged and training goes on."""
 
-    def __init__(self, plan, optimizers, rank):
-        self._plan, self._rank, self._open = plan, rank, False
+    def __init__(self, plan, optimizers, rank, on_open=None):
+        self._plan, self._rank, self._open, self._on_open = plan, rank, False, on_open
         self._hooks = [optimizer.register_step_pre_hook(self._before_step) for optimizer in optimizers]
 
     def _before_step(self, optimizer, args, kwargs):
@@ -207,6 +212,8 @@ class Gate:
                 logger.warning("rank %d: the call-start snapshot's copy was lost (%s)", self._rank, type(err).__name__)
         self._open = True
         EVENTS.append(("gate_open", token))
+        if self._on_open is not None:
+            self._on_open(token)
 
     def close(self):
         for hook in self._hooks:
@@ -249,7 +256,7 @@ def overlapped(plan, handoff, *, rank, world_size, own_rng, capture_state, parts
     handoff.offer(plan.token, capture)
     if lost is not None:
         raise lost
-    gate = Gate(plan, parts["optimizers"], rank)
+    gate = Gate(plan, parts["optimizers"], rank, on_open=handoff.discard)
     try:
         yield
     finally:
