@@ -123,3 +123,35 @@ def test_rank0_lost_between_calls_restarts_from_a_survivors_capture(trainers, ca
     assert trainer.num_failures == 1 and stats["num_samples"] == N
     assert "a survivor's capture of the call's start is the restart point" in caplog.text
     assert torch.equal(counts(trainer), 2 * torch.ones(N))
+
+
+def test_a_capture_keeps_parameters_by_reference_copies_the_rest_and_sees_a_change_in_place():
+    model = torch.nn.BatchNorm1d(3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()  # momentum buffers exist
+    state = {"models": [model.state_dict()], "optimizers": [optimizer.state_dict()], "epoch": 1}
+    capture = call_start.Capture(state, call_start.protected_storages(
+        call_start.gated_tensors([model], [optimizer])))
+    frozen = capture.state["models"][0]
+    assert frozen["weight"].data_ptr() == model.weight.data_ptr()  # a parameter: by reference
+    assert frozen["running_mean"].data_ptr() != model.running_mean.data_ptr()  # a buffer: copied
+    before = frozen["running_mean"].clone()
+    model(torch.randn(4, 3))  # a forward moves the running statistics, not the capture's
+    assert torch.equal(frozen["running_mean"], before) and capture.changed() == 0
+    optimizer.step()  # what the gate holds back: the capture sees it
+    assert capture.changed() > 0
+
+
+def test_a_handoff_waits_for_its_token_and_says_when_the_call_failed_first():
+    handoff = call_start.Handoff()
+    with pytest.raises(call_start.SnapshotNotTaken, match="within 0.05 s"):
+        handoff.take(1, timeout_s=0.05)
+    handoff.offer(2, ValueError("setup broke"))
+    with pytest.raises(call_start.SnapshotNotTaken, match="ValueError"):
+        handoff.take(2, timeout_s=1)
+    handoff.offer(3, "capture")
+    handoff.offer(4, "newer")  # only the newest is kept
+    assert handoff.take(4, timeout_s=1) == "newer"
+    with pytest.raises(call_start.SnapshotNotTaken):
+        handoff.take(3, timeout_s=0.05)

@@ -87,8 +87,8 @@ def gated_tensors(models, optimizers):
     """Every parameter of ``models`` and every tensor of ``optimizers``' state: changed only by an optimizer step."""
     tensors = [param for model in models for param in model.parameters()]
     for optimizer in optimizers:
-        for per_param in optimizer.state.values():
-            tensors.extend(value for value in per_param.values() if isinstance(value, torch.Tensor))
+        for per_param in getattr(optimizer, "state", {}).values():  # (an optimizer of another kind: copied instead)
+            tensors.extend(value for value in dict(per_param).values() if isinstance(value, torch.Tensor))
     return tensors
 
 
@@ -180,12 +180,17 @@ def snapshot_bytes(handoff, token, timeout_s):
 
 class Gate:
     """Holds each of ``optimizers``' first ``step`` in the call until ``plan``'s snapshot is stored (see the module
-    docstring); :meth:`close` removes its hooks. Rank 0 lost before its bytes were stored ends the wait with a
+    docstring); :meth:`close` removes its hooks. Where one of them is no ``torch.optim.Optimizer`` (no step hooks),
+    the call itself waits for the snapshot before it starts. Rank 0 lost before its bytes were stored ends the wait with a
     :class:`~raysgd.torch.errors.CollectiveError` (this rank's call ends cleanly and the process may stay); a snapshot
     that failed otherwise (torn, a copy lost) is logged and training goes on."""
 
     def __init__(self, plan, optimizers, rank, on_open=None):
         self._plan, self._rank, self._open, self._on_open = plan, rank, False, on_open
+        if not all(hasattr(optimizer, "register_step_pre_hook") for optimizer in optimizers):
+            self._hooks = []  # an optimizer that is no torch Optimizer cannot be held: hold the whole call
+            self.wait()
+            return
         self._hooks = [optimizer.register_step_pre_hook(self._before_step) for optimizer in optimizers]
 
     def _before_step(self, optimizer, args, kwargs):
