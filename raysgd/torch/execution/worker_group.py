@@ -314,8 +314,9 @@ class WorkerGroup:
         return None
 
     def _let_snapshot_finish(self):
-        """Before a failed call's workers are killed: give rank 0 time to store the call-start snapshot it serialises
-        beside the call (its first step waits for it anyway; at most ``SGD_SNAPSHOT_FINISH_S``, default 120 s)."""
+        """Before a failed call's workers are killed (a failure, or a user error leaving the others stuck): give rank 0
+        time to store the call-start snapshot it serialises beside the call (the restart point; at most
+        ``SGD_SNAPSHOT_FINISH_S``, default 120 s)."""
         answer, self._snapshot_answer = self._snapshot_answer, None
         if answer is not None:
             ray.wait([answer], timeout=constants.env_float("SGD_SNAPSHOT_FINISH_S", 120.0))
@@ -364,6 +365,7 @@ class WorkerGroup:
             return outcome.results
         if outcome.kind == _calls.USER_ERROR:
             if outcome.stuck:  # the others are stuck waiting for the failed rank
+                self._let_snapshot_finish()
                 self._kill_all()
             raise outcome.error
         return self._fail(outcome.failures, outcome.unanswered, outcome.cause, outcome.message, outcome.keep)
