@@ -13,6 +13,8 @@ For each size N: a model of N MB of float32 parameters (one square ``nn.Linear``
   with ``/proc/self/clear_refs`` before the calls), and ``driver_growth_mb`` above its RSS before them;
 - ``overhead_ms``: per-call driver overhead, the call's wall time minus the slowest worker's own time in it
   (``profile=True``'s ``mean_train_epoch_s``; it includes waiting until the worker's commit is stored), median;
+  ``call_ms`` the call's wall time, median (a snapshot serialised beside the call, longer than the call's first
+  forward and backward, is waited for inside the worker's time: it leaves the overhead but not the call);
 - ``commit_ms``: commit latency on rank 0 (the rank that sends the state), from the host copy's start until the
   store holds it (``raysgd.torch.state.committer.STATS``), median; ``in_loop_ms`` the part of it the training loop
   waits for;
@@ -168,11 +170,12 @@ def measure(size_mb, calls, work_dir):
         trainer.train(num_steps=1, info={"commits": True})  # warm-up: lazy initialisation, the first commit
         reset_peak()
         driver_before = read_status()["VmRSS"]
-        overheads = []
+        overheads, walls = [], []
         for _ in range(calls):
             start = time.perf_counter()
             stats = trainer.train(num_steps=1, profile=True, reduce_results=False, info={"commits": True})
-            overheads.append(time.perf_counter() - start - max(s["profile"]["mean_train_epoch_s"] for s in stats))
+            walls.append(time.perf_counter() - start)
+            overheads.append(walls[-1] - max(s["profile"]["mean_train_epoch_s"] for s in stats))
         driver_peak = read_status()["VmHWM"]
         trainer.controller.commits.every_n = 0  # calls without commits: the worker's base rise
         for _ in range(2):
@@ -199,7 +202,7 @@ def measure(size_mb, calls, work_dir):
         killer.join(timeout=5)
         return {"size_mb": size_mb, "state_mb": round(state_mb, 1), "calls": calls,
                 "driver_peak_rss_mb": driver_peak, "driver_growth_mb": driver_peak - driver_before,
-                "overhead_ms": 1000 * _median(overheads),
+                "overhead_ms": 1000 * _median(overheads), "call_ms": 1000 * _median(walls),
                 "commit_ms": 1000 * _median([r["commit_s"] for r in committed]),
                 "in_loop_ms": 1000 * _median([r["in_loop_s"] for r in committed]),
                 "worker_peak_rss_mb": _median([r["peak_mb"] for r in committed]),

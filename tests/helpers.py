@@ -416,3 +416,57 @@ def holders_started():
 
     return sum(1 for actor in ray._private.state.actors().values()
                if actor["ActorClassName"] == "_HolderActor" and actor["State"] != "DEAD")
+
+
+class SnapshotProbe:
+    """Operator state whose serialisation, in a call-start snapshot serialised beside the call
+    (:mod:`raysgd.torch.state.call_start`), waits until this process's call has started its first batch (a
+    ``"batch_start"`` event after the latest ``"captured"`` one), at most 30 s: a call that waited for its snapshot
+    before training would never get there."""
+
+    def __deepcopy__(self, memo):
+        return SnapshotProbe()
+
+    def __reduce__(self):
+        from raysgd.torch.state import call_start
+
+        def overlapping():
+            events = list(call_start.EVENTS)
+            started = [i for i, (name, _) in enumerate(events) if name == "serialising"]
+            return bool(started) and ("serialised", events[started[-1]][1]) not in events[started[-1]:]
+
+        def batch_started():
+            events = list(call_start.EVENTS)
+            captured = [i for i, (name, _) in enumerate(events) if name == "captured"]
+            return bool(captured) and any(name == "batch_start" for name, _ in events[captured[-1]:])
+
+        if overlapping():
+            deadline = time.monotonic() + 30
+            while not batch_started():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the call did not start while its snapshot was serialised")
+                time.sleep(0.005)
+        return SnapshotProbe, ()
+
+
+class SnapshotProbeOperator(CountingOperator):
+    """A CountingOperator that records ``("batch_start", step)`` and ``("batch_end", step)`` in
+    ``call_start.EVENTS`` around each batch (after its ``fault``, if any), with a :class:`SnapshotProbe` in its
+    state."""
+
+    def state_dict(self):
+        return {"probe": SnapshotProbe()}
+
+    def load_state_dict(self, state_dict):
+        pass
+
+    def train_batch(self, batch, batch_info):
+        from raysgd.torch.state import call_start
+
+        faults = self.config.get("fault") or []  # before the batch starts: a rank 0 that dies here never releases
+        for fault in faults if isinstance(faults, list) else [faults]:  # the probe (its snapshot is never stored)
+            self._fault(fault)
+        call_start.EVENTS.append(("batch_start", self.global_step))
+        result = self._step(batch)
+        call_start.EVENTS.append(("batch_end", self.global_step))
+        return result

@@ -40,7 +40,9 @@ from raysgd.torch.execution import restarts
 from raysgd.torch.fault_tolerance import preemption, recovery
 from raysgd.torch.fault_tolerance.watches import DrainWatch, GrowWatch
 from raysgd.torch.state import checkpoint, training_state
-from raysgd.torch.state.restart_point import RestartPoint, RestartPointLost, ShardedPoint, copy_all, this_node
+from raysgd.torch.state.call_start import PendingPoint, SnapshotFailed
+from raysgd.torch.state.restart_point import (RestartPoint, RestartPointLost, ShardedPoint, copy_all, start_copy,
+                                              this_node)
 from raysgd.torch.storage import filesystem, parts
 
 logger = logging.getLogger(__name__)
@@ -87,6 +89,7 @@ class RunController:
         self._snapshot = None  # the restart point: a RestartPoint of rank 0's state (kept until a fresher one)
         self._copies = itertools.count()  # spreads the snapshot's copies over the workers' nodes
         self._snapshot_stale = True  # the state may have moved on since the snapshot
+        self._overlap, self._tokens = True, itertools.count(1)  # call-start snapshots beside the call (until torn)
         self.last_commit_latency_s = None  # the slowest rank's latest stored commit of the last train() call
         self._resize_cooldown_s = constants.env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S) \
             if resize_cooldown_s is None else resize_cooldown_s
@@ -205,26 +208,68 @@ class RunController:
         return self._snapshot
 
     def _copy_elsewhere(self, point):
-        """Copy ``point`` (each part of a sharded one) to another node than its holder's, waiting for it: the workers'
-        other nodes in turn, else the driver's node; none when everything runs on one node (a node loss then takes
-        the driver too)."""
+        """Copy ``point`` (each part of a sharded one) to another node than its holder's, waiting for it (see
+        :meth:`_copy_targets`)."""
         pieces = point.parts if isinstance(point, ShardedPoint) else [point]
+        targets = [(piece, node) for piece, node in zip(pieces, self._copy_targets([p.nodes[0] for p in pieces]))
+                   if node is not None]
+        if targets:
+            copy_all(targets, timeout_s=self._timeout_s)
+
+    def _copy_targets(self, held):
+        """For each node of ``held`` (a piece's holder), the node its copy goes to: the workers' other nodes in turn,
+        else the driver's node; None when everything runs on one node (a node loss then takes the driver too)."""
         try:
             workers = sorted({node for node in self.group.placed_on().values() if node})
             driver = this_node()
         except Exception as err:  # noqa: BLE001 (no copy: the point still has its primary)
             logger.debug("no copy of the restart point: %s", err)
-            return
-        turn = next(self._copies)
-        targets = []
-        for index, piece in enumerate(pieces):
-            held = piece.nodes[0]
-            others = [node for node in workers if node != held] or \
-                ([driver] if held is not None and driver != held else [])
-            if others:
-                targets.append((piece, others[(turn + index) % len(others)]))
-        if targets:
-            copy_all(targets, timeout_s=self._timeout_s)
+            return [None] * len(held)
+        turn, targets = next(self._copies), []
+        for index, node in enumerate(held):
+            others = [other for other in workers if other != node] or \
+                ([driver] if node is not None and driver != node else [])
+            targets.append(others[(turn + index) % len(others)] if others else None)
+        return targets
+
+    def _begin_snapshot(self):
+        """The call's restart point: taken beside the call (a :class:`PendingPoint`, its copy started too) when the
+        state moved on since the last one and the group can (see :mod:`raysgd.torch.state.call_start`), else now."""
+        if self._snapshot is None or not self._snapshot_stale or not self._overlap:
+            return self.take_snapshot()  # the first one is taken now: a fallback exists from then on
+        token = next(self._tokens)
+        begun = self.group.begin_snapshot(token, self._timeout_s)
+        if begun is None:
+            return self.take_snapshot()
+        info, data, node = begun
+        copies = [(target, *start_copy(data, target)) for target in self._copy_targets([node]) if target]
+        return PendingPoint(token, info, data, node, copies)
+
+    def _settle(self, state, fallback=True):
+        """``state`` stored: a :class:`PendingPoint` waited for, and made the restart point. Not stored (rank 0 lost
+        first; or it raised: later calls then take theirs before they start, where its error is raised), the
+        previous restart point stays and is returned (what was trained since it was taken is lost: logged), or
+        None without ``fallback``."""
+        if not isinstance(state, PendingPoint):
+            return state
+        try:
+            self._snapshot = state.settle(self._timeout_s)
+            return self._snapshot
+        except SnapshotFailed as err:
+            self._overlap = False
+            logger.warning("The call-start snapshot failed (%s): this trainer's later calls take theirs before they "
+                           "start", err)
+        except RestartPointLost as err:
+            survivor = self.group.survivor_snapshot(state.token, self._timeout_s) if fallback else None
+            logger.warning("The call-start snapshot was not stored (%s)%s", err, "; a survivor's capture of the "
+                           "call's start is the restart point" if survivor is not None else "")
+            if survivor is not None:
+                self._snapshot = survivor
+                return survivor
+        if fallback and self._snapshot_stale:
+            logger.warning("The call falls back to the previous restart point: what was trained since it was taken "
+                           "is lost")
+        return self._snapshot if fallback else None
 
     def _scale_up_target(self, quiet=False):
         """The larger size to restart at now (resources returned, cooldown passed), or None to stay."""
@@ -245,8 +290,8 @@ class RunController:
         return recovery.move_size(self.group.num_workers, len(ranks), self.group.how_many_can_move,
                                   self.min_workers, self.max_workers)
 
-    def _move_off_draining(self, state):
-        """Before a call: restart the group off draining nodes from ``state`` (the call's starting state) when a
+    def _move_off_draining(self):
+        """Before a call: restart the group off draining nodes from a snapshot of the call's starting state when a
         worker sits on one and the group can move; returns whether it moved."""
         try:
             ranks = restarts.leaving(self.group)
@@ -261,7 +306,7 @@ class RunController:
             return False
         logger.warning("Draining node(s) %s: restarting the workers elsewhere (%d) before the call",
                        restarts.describe_draining(ranks), size)
-        self._restart(state, target=size)
+        self._restart(self.take_snapshot(), target=size)
         return True
 
     # ----------------------------------------------------------------- calls
@@ -278,23 +323,26 @@ class RunController:
         cursor (it takes no commits); ``on_tick()`` runs while the group waits for the workers."""
         self.check_max_retries(max_retries)
         self.ensure_workers()
-        state = self.take_snapshot()  # the restart point, even with max_retries=0 (for the next call)
-        if not self._move_off_draining(state):
+        if not self._move_off_draining():
             target = self._scale_up_target()
             if target is not None:
-                self._restart(state, target=target)
+                self._restart(self.take_snapshot(), target=target)
+        state = self._begin_snapshot()  # the restart point, even with max_retries=0 (for the next call)
+        first = dict(kwargs, snapshot=state.plan(self._timeout_s)) if isinstance(state, PendingPoint) else kwargs
         self.commits.begin_call(method == "train_epoch", replay=replay)
         retries = 0
         while True:
             watches, requests = self._watches(), []
             try:
                 results = self.group.run(method, on_tick=self._ticks(watches, requests, on_tick),
-                                         **self.commits.with_plan(kwargs, self.group.rank_nodes(),
+                                         **self.commits.with_plan(first, self.group.rank_nodes(),
                                                                   standby=self.group.spare_nodes()))
+                self._settle(state)
                 self._snapshot_stale = True  # train and validate (custom ones too) may change the state
                 self._take_commit_latency(results)
                 return self.commits.finish(results)
             except WorkerFailure as failure:
+                state, first = self._settle(state), kwargs
                 stop = next((w for w in watches if w.requested), None)
                 if stop is not None and preemption.was_resize(failure):
                     logger.info("Restarting at %d workers from the commit point (%s)", stop.size, stop.reason)
@@ -310,7 +358,8 @@ class RunController:
                                max_retries)
                 self._restart_in_call(state, kwargs, failure, None)
             except Exception:
-                if method == "train_epoch":
+                state = self._settle(state, fallback=False)  # a call that failed before its capture changed nothing
+                if method == "train_epoch" and state is not None:
                     self._undo_partial_call(state)
                 raise
 

@@ -31,7 +31,10 @@ logger = logging.getLogger(__name__)
 
 #: The actor's concurrency group that answers while the default group trains.
 CONTROL_GROUP = "control"
-CONCURRENCY_GROUPS = {CONTROL_GROUP: 1}
+#: The actor's concurrency group that serialises the call-start snapshot beside the call
+#: (:mod:`raysgd.torch.state.call_start`).
+SNAPSHOT_GROUP = "snapshot"
+CONCURRENCY_GROUPS = {CONTROL_GROUP: 1, SNAPSHOT_GROUP: 1}
 #: Seconds to wait for one rank's stack before giving up on it.
 STACK_TIMEOUT_S = 5.0
 

@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from raysgd.torch.state import checkpoint, restart_point
+from raysgd.torch.state import call_start, checkpoint, restart_point
 from raysgd.torch.sharding import loaders as _data
 from raysgd.torch.operator import evaluation
 from raysgd.torch.operator.tracing import TraceRecorder
@@ -68,6 +68,9 @@ def guard_collectives(method):
 class TorchWorker:
     """One data-parallel replica (see the module docstring). Its methods are what the worker group calls."""
 
+    #: Its train and validate calls take the call-start snapshot beside them (``snapshot=``, :meth:`call_start_snapshot`).
+    overlaps_snapshots = True
+
     def __init__(self, operator_cls, config, *, use_gpu=False, use_fp16=False, use_tqdm=False, wrap_ddp=True,
                  add_dist_sampler=True, scheduler_step_freq=None, backend="gloo", num_cpus=1, world_size=1,
                  is_local=False, strategy="ddp", fsdp_args=None):
@@ -82,6 +85,7 @@ class TorchWorker:
         self._traces = TraceRecorder()  # torch.profiler traces of train calls (TorchTrainer.profile)
         self.timers.disable()
         self._is_local = is_local
+        self._handoff = call_start.Handoff()  # the call-start snapshot's capture, from the call to its serialiser
         self._options = dict(use_fp16=use_fp16, use_tqdm=use_tqdm, wrap_ddp=wrap_ddp,
                              add_dist_sampler=add_dist_sampler, scheduler_step_freq=scheduler_step_freq,
                              strategy=strategy, fsdp_args=fsdp_args)
@@ -221,7 +225,7 @@ class TorchWorker:
 
     @guard_collectives
     def train_epoch(self, num_steps=None, profile=False, info=None, iterator=None, progress=None, commit=None,
-                    trace=False):
+                    trace=False, snapshot=None):
         """Train ``num_steps`` batches (default: the rest of the epoch); returns ``{"epoch", **metrics}``.
 
         ``iterator`` (e.g. a Ray Data shard) replaces the registered loader for this call and
@@ -231,8 +235,13 @@ class TorchWorker:
         The operator's iterator has ``end_epoch()``: the epoch ends with this call (Lightning's ``-1``).
         ``trace``: record the call with ``torch.profiler`` (:meth:`take_trace` hands the trace out).
         When a commit of this rank was stored during the call, the result also holds its latency
-        (``COMMIT_LATENCY``: the driver takes it out).
+        (``COMMIT_LATENCY``: the driver takes it out). ``snapshot`` (a
+        :class:`~raysgd.torch.state.call_start.SnapshotPlan`): the call-start snapshot is taken beside the call.
         """
+        with self._call_start(snapshot):
+            return self._train_epoch(num_steps, profile, info, iterator, progress, commit, trace)
+
+    def _train_epoch(self, num_steps, profile, info, iterator, progress, commit, trace):
         self._begin(profile)
         commits_before = COMMIT_STATS["count"]
         if iterator is not None and self.committer.resume is not None:
@@ -262,8 +271,13 @@ class TorchWorker:
         return result
 
     @guard_collectives
-    def validate(self, num_steps=None, profile=False, info=None):
-        """Validate on ``num_steps`` batches (default: the rest of the validation set); returns metrics."""
+    def validate(self, num_steps=None, profile=False, info=None, snapshot=None):
+        """Validate on ``num_steps`` batches (default: the rest of the validation set); returns metrics.
+        ``snapshot``: as for :meth:`train_epoch`."""
+        with self._call_start(snapshot):
+            return self._validate(num_steps, profile, info)
+
+    def _validate(self, num_steps, profile, info):
         self._begin(profile)
         self.operator.registered_loader("validation")  # a clear error before anything else
         with self.timers.record("validation"), self._val_iter.fresh_after_error(), _state.preserved_rng(), \
@@ -275,6 +289,21 @@ class TorchWorker:
         return stats
 
     # ----------------------------------------------------------------- state
+    def _call_start(self, plan):
+        """The call-start snapshot beside the call (see :mod:`raysgd.torch.state.call_start`); nothing when ``plan``
+        is None."""
+        if plan is None:
+            return contextlib.nullcontext()
+        return call_start.overlapped(plan, self._handoff, rank=self.world_rank, world_size=self.world_size,
+                                     own_rng=self.rng_state(), capture_state=self.state_dict,
+                                     parts=self.operator.state_parts())
+
+    def call_start_snapshot(self, token, timeout_s):
+        """``(info, state bytes)`` of the call-start snapshot that the call with ``token`` captured (rank 0, in the
+        ``"snapshot"`` concurrency group, beside the call): as :meth:`state_snapshot`, serialised while it trains."""
+        view = call_start.snapshot_bytes(self._handoff, token, timeout_s)
+        return {"bytes": view.nbytes, "node": restart_point.this_node()}, pickle.PickleBuffer(view)
+
     def _epoch_now(self):
         """The epoch count a state holds: a loaded cursor still waiting for its epoch counts that epoch (as the
         commit it came from did)."""

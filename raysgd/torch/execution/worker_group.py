@@ -63,6 +63,7 @@ class WorkerGroup:
         self.broken = False
         self.generation = 0  # counts start(): per-rank inputs built for one generation die with it
         self._nodes = []  # each rank's node id, learnt at the rendezvous
+        self._snapshot_answer = None  # the small answer of the latest call-start snapshot taken beside a call
         self._num_spares, self._spares = num_spares, SparePool(start=None, hook=None)
         self._rank_bundles = []  # each rank's bundle, in rank order (a spare that took a rank keeps its own)
 
@@ -397,6 +398,44 @@ class WorkerGroup:
         self.broken = True
         raise WorkerFailure("no worker answered state_snapshot", {r: _calls.describe(e) for r, e in lost.items()})
 
+    def begin_snapshot(self, token, timeout_s):
+        """Ask rank 0 for the call-start snapshot of the call ``token`` without waiting: it serialises the state that
+        call captures, in its ``"snapshot"`` concurrency group beside the call (see
+        :mod:`raysgd.torch.state.call_start`). Returns ``(info ref, data ref, rank 0's node)``, or None where the
+        snapshot cannot overlap a call: a sharded state (a collective of every rank), a local rank 0 (it runs in
+        the driver), a worker class that does not take part (``overlaps_snapshots``), or a broken group."""
+        if self.broken or not self._handles or self._worker_options.get("strategy") == "fsdp" \
+                or self._handles[0].local is not None or not getattr(self._worker_cls, "overlaps_snapshots", False):
+            return None
+        self._drain_submitted()
+        info, data = self._handles[0].call_with_data("call_start_snapshot", token, timeout_s,
+                                                     group=diagnostics.SNAPSHOT_GROUP)
+        self._snapshot_answer = info
+        return info, data, (self._nodes[0] if self._nodes else None)
+
+    def survivor_snapshot(self, token, deadline_s):
+        """After a failure in which rank 0 was lost before storing the call-start snapshot of call ``token`` (no rank
+        has stepped since: see :mod:`raysgd.torch.state.call_start`): a :class:`RestartPoint` of the state a survivor
+        kept for :meth:`reform` captured at that call's start, or None when no survivor has it."""
+        for handle in self._kept:
+            call, data = handle.call_with_data("call_start_snapshot", token, min(deadline_s, 60.0))
+            try:
+                info, error = handle.answer(call, deadline_s)
+            except Exception as err:  # noqa: BLE001 (this survivor has none: try the next)
+                logger.debug("rank %d has no call-start state: %s", handle.rank, err)
+                continue
+            if error is None:
+                return RestartPoint([data], nbytes=info["bytes"], nodes=[info["node"]])
+        return None
+
+    def _let_snapshot_finish(self):
+        """Before a failed call's workers are killed (a failure, or a user error leaving the others stuck): give rank 0
+        time to store the call-start snapshot it serialises beside the call (the restart point; at most
+        ``SGD_SNAPSHOT_FINISH_S``, default 120 s)."""
+        answer, self._snapshot_answer = self._snapshot_answer, None
+        if answer is not None:
+            ray.wait([answer], timeout=constants.env_float("SGD_SNAPSHOT_FINISH_S", 120.0))
+
     def _sharded_snapshot(self, rngs, deadline_s):
         """A :class:`~raysgd.torch.state.restart_point.ShardedPoint`: every rank saves its part at once (a collective)
         into its node's object store; rank 0's answer holds the head. A lost rank ends it as :meth:`run` does."""
@@ -441,6 +480,7 @@ class WorkerGroup:
             return outcome.results
         if outcome.kind == _calls.USER_ERROR:
             if outcome.stuck:  # the others are stuck waiting for the failed rank
+                self._let_snapshot_finish()
                 self._kill_all()
             raise outcome.error
         return self._fail(outcome.failures, outcome.unanswered, outcome.cause, outcome.message, outcome.keep)
@@ -455,6 +495,7 @@ class WorkerGroup:
                 stacks = self.stack_traces()
             except Exception as err:  # noqa: BLE001 (the failure matters more than its forensics)
                 stacks = {rank: f"no stack: {type(err).__name__}: {err}" for rank in unresponsive}
+        self._let_snapshot_finish()
         self._kill_all(keep, spares_stay=self._can_keep() and self._spares.available() > 0)
         descriptions = {rank: _calls.describe(err) for rank, err in failures.items()}
         failure = WorkerFailure(message, descriptions, unresponsive, stacks)

@@ -57,17 +57,19 @@ class Handle:
             return self.runner.submit(run) if self.runner is not None else Done(run)
         return getattr(self.actor, method).remote(*args, **kwargs)
 
-    def call_with_data(self, method, *args):
+    def call_with_data(self, method, *args, group=None):
         """``(call, data ref)`` of ``method`` returning ``(answer, data)``: ``call`` gives the small answer (see
         :meth:`answer`); the data stays in the object store of this worker's node, owned by the driver, unfetched
-        (the local rank's is put into the driver's node's store)."""
+        (the local rank's is put into the driver's node's store). ``group``: the actor's concurrency group to run
+        it in (an actor's only)."""
         if self.local is not None:
             done = Done(lambda: getattr(self.local, method)(*args))
             if done.error is not None:
                 return done, None
             answer, data = done.value
             return Done(lambda: answer), ray.put(data)
-        return getattr(self.actor, method).options(num_returns=2).remote(*args)
+        options = {"concurrency_group": group} if group is not None else {}
+        return getattr(self.actor, method).options(num_returns=2, **options).remote(*args)
 
     def answer(self, call, deadline_s):
         """``(value, None)`` of a ``call`` of this worker, or ``(None, error)`` when it is dead or silent past

@@ -209,6 +209,16 @@ def _copy(value):
 _copy_task = None
 
 
+def start_copy(ref, node):
+    """Start copying the state bytes of ``ref`` (stored already, or still to come: the task waits for them) into
+    ``node``'s object store; returns ``(info ref, data ref)`` of the copy, unwaited (see :func:`copy_to`)."""
+    global _copy_task
+    if _copy_task is None:
+        _copy_task = ray.remote(num_cpus=0, max_retries=0, num_returns=2)(_copy)
+    strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+    return tuple(_copy_task.options(scheduling_strategy=strategy).remote(ref))
+
+
 def copy_to(point, node, timeout_s=600):
     """Copy ``point``'s first copy into ``node``'s object store (a 0-CPU task there fetches it and returns it again:
     the driver owns the copy, lost only with ``node`` or the driver) and add it to ``point``; waits until the copy
@@ -220,13 +230,7 @@ def copy_to(point, node, timeout_s=600):
 def copy_all(targets, timeout_s=600):
     """:func:`copy_to` for each ``(point, node)`` of ``targets`` at once (the parts of a sharded state, each to its
     own node); waits for all. Returns whether each copy was made."""
-    global _copy_task
-    if _copy_task is None:
-        _copy_task = ray.remote(num_cpus=0, max_retries=0, num_returns=2)(_copy)
-    started = []
-    for point, node in targets:
-        strategy = NodeAffinitySchedulingStrategy(node, soft=False)
-        started.append((point, node, *_copy_task.options(scheduling_strategy=strategy).remote(point.refs[0])))
+    started = [(point, node, *start_copy(point.refs[0], node)) for point, node in targets]
     deadline = time.monotonic() + timeout_s
     made = []
     for point, node, info_ref, data_ref in started:
