@@ -54,31 +54,17 @@ def start_first_group(start, how_many_fit, low, high, is_range, timeout_s):
                            f"be placed within {timeout_s:.0f} s; free resources: {ray.available_resources()}") from err
 
 
-def _reform(group, state, operator_cls, config_for, low, initialization_hook, timeout_s):
-    """Re-form ``group`` from the last failure's survivors and load ``state`` (a
-    :class:`~raysgd.torch.state.restart_point.RestartPoint`); the size, or None (restart all)."""
+def _keep_ranks(group, state, form, what, timeout_s):
+    """``form()`` (a re-form keeping ranks in their processes; the size, or a falsy value when it cannot) and load
+    ``state`` (a :class:`~raysgd.torch.state.restart_point.RestartPoint`) on every rank (a kept rank rebuilt its
+    operator); the size, or None (restart all). ``what`` names the attempt in the log."""
     try:
-        started = group.reform(operator_cls, config_for, low, initialization_hook=initialization_hook)
+        started = form()
         if started:
             group.run("load_restart_point", *state.load_args(), deadline_s=timeout_s)
         return started
     except Exception as err:  # noqa: BLE001 (restarting every worker is the tried path)
-        logger.warning("Re-forming the group from its survivors failed (%s: %s); restarting every worker",
-                       type(err).__name__, err)
-        return None
-
-
-def _resize(group, state, target, operator_cls, config_for, initialization_hook, timeout_s):
-    """Re-form ``group`` at ``target`` keeping the ranks on healthy nodes (``WorkerGroup.resize``) and load ``state``
-    on every rank (the kept ones rebuilt their operator); the size, or None (restart all)."""
-    try:
-        started = group.resize(target, operator_cls, config_for, initialization_hook=initialization_hook)
-        if started:
-            group.run("load_restart_point", *state.load_args(), deadline_s=timeout_s)
-        return started
-    except Exception as err:  # noqa: BLE001 (restarting every worker is the tried path)
-        logger.warning("Resizing the group while keeping its healthy ranks failed (%s: %s); restarting every worker",
-                       type(err).__name__, err)
+        logger.warning("%s failed (%s: %s); restarting every worker", what, type(err).__name__, err)
         return None
 
 
@@ -90,9 +76,13 @@ def restart_group(group, state, *, start, config_for, operator_cls, initializati
     ``max_retries`` tries). ``config_for(n)`` is the worker config at ``n``. Returns the number of workers started;
     raises :class:`~raysgd.torch.fault_tolerance.recovery.RestartGaveUp` when no try succeeds."""
     if target is None:  # a failure: survivors keep their processes
-        started = _reform(group, state, operator_cls, config_for, low, initialization_hook, timeout_s)
+        started = _keep_ranks(group, state, lambda: group.reform(operator_cls, config_for, low,
+                                                                 initialization_hook=initialization_hook),
+                              "Re-forming the group from its survivors", timeout_s)
     else:  # a grow or a move: the ranks on healthy nodes keep theirs
-        started = _resize(group, state, target, operator_cls, config_for, initialization_hook, timeout_s)
+        started = _keep_ranks(group, state, lambda: group.resize(target, operator_cls, config_for,
+                                                                 initialization_hook=initialization_hook),
+                              "Resizing the group while keeping its healthy ranks", timeout_s)
     if started:
         logger.info("Worker group restarted with %d of %d workers (survivors kept their processes)", started, high)
         return started
