@@ -56,6 +56,17 @@ def assert_same_state(got, expected):
             assert torch.equal(got["optimizers"][0]["state"][index][name], value), (index, name)
 
 
+def uninterrupted(n, tmp_path):
+    """The state after one epoch of ``n`` samples at 2 workers with nothing drained (in ``tmp_path / "clean"``)."""
+    (tmp_path / "clean").mkdir()
+    clean = TorchTrainer(num_workers=2, config=config(n, tmp_path / "clean", gate=False), **COMMON)
+    try:
+        clean.train()
+        return clean.state_dict()
+    finally:
+        clean.shutdown()
+
+
 def test_a_drain_move_keeps_the_healthy_rank_and_a_spare_takes_the_moved_one(cluster, tmp_path, monkeypatch):
     """Rank 1's node drains mid-epoch (no free node, a warm spare on the third): every rank stops at the next commit
     point, rank 0 keeps its process, the spare takes rank 1; every sample trained once, nothing recomputed, no
@@ -64,13 +75,7 @@ def test_a_drain_move_keeps_the_healthy_rank_and_a_spare_takes_the_moved_one(clu
     exactly(made, nodes, 3)
     monkeypatch.setenv("SGD_DRAIN_CHECK_S", "0.2")
     n = 96
-    (tmp_path / "clean").mkdir()
-    clean = TorchTrainer(num_workers=2, config=config(n, tmp_path / "clean", gate=False), **COMMON)
-    try:
-        clean.train()
-        expected = clean.state_dict()
-    finally:
-        clean.shutdown()
+    expected = uninterrupted(n, tmp_path)
 
     trainer = TorchTrainer(num_workers=2, num_spares=1, config=config(n, tmp_path), **COMMON)
     try:
@@ -108,13 +113,7 @@ def test_a_drain_move_without_a_spare_keeps_the_healthy_rank(cluster, tmp_path, 
     exactly(made, nodes, 3)
     monkeypatch.setenv("SGD_DRAIN_CHECK_S", "0.2")
     n = 96
-    (tmp_path / "clean").mkdir()
-    clean = TorchTrainer(num_workers=2, config=config(n, tmp_path / "clean", gate=False), **COMMON)
-    try:
-        clean.train()
-        expected = clean.state_dict()
-    finally:
-        clean.shutdown()
+    expected = uninterrupted(n, tmp_path)
 
     trainer = TorchTrainer(num_workers=2, config=config(n, tmp_path), **COMMON)
     try:

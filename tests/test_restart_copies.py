@@ -42,6 +42,22 @@ def expected(three_nodes):
         reference.shutdown()
 
 
+def back_to_three_worker_nodes(three_nodes):
+    """The cluster of ``three_nodes`` with three live 1-CPU worker nodes again (a test before may have removed one)."""
+    cluster, _ = three_nodes
+    worker_nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
+    for _ in range(3 - len(worker_nodes)):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def rank0_sleeps_at_batch_3(tmp_path):
+    """``(marker, fault)``: rank 0 writes ``marker`` and sleeps at batch 3 (until its node is killed)."""
+    marker = tmp_path / "rank0-at-batch-3"
+    return marker, {"rank": 0, "batch": 3, "kind": "sleep", "seconds": 300, "marker": str(marker)}
+
+
 def weights(trainer):
     return {key: value.clone() for key, value in trainer.get_model(to_cpu=True).state_dict().items()}
 
@@ -52,8 +68,7 @@ def node_ids(trainer):
 
 def test_losing_the_node_of_the_restart_point_restarts_from_its_copy(three_nodes, expected, tmp_path):
     cluster, nodes = three_nodes
-    marker = tmp_path / "rank0-at-batch-3"
-    fault = {"rank": 0, "batch": 3, "kind": "sleep", "seconds": 300, "marker": str(marker)}
+    marker, fault = rank0_sleeps_at_batch_3(tmp_path)
     trainer = TorchTrainer(training_operator_cls=FaultyOperator, num_workers=2, config={**CONFIG, "fault": fault},
                            commit_every_n_steps=0, timeout_s=30)  # no commits: the call-start snapshot restarts it
     try:
@@ -86,13 +101,8 @@ def test_losing_the_node_of_a_commits_state_resumes_from_its_buddy_copy(three_no
     """Commits keep rank 0's state part on its own node (its holder) and a copy on a buddy node (rank 1's), never
     on the driver's: rank 0's node is killed after the commit at step 2, and the call resumes from that commit's
     copy at the same size (a third node), every sample once, bit-exact with a run that lost nothing."""
-    cluster, _ = three_nodes
-    worker_nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
-    for _ in range(3 - len(worker_nodes)):  # the test above removed one
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    marker = tmp_path / "rank0-at-batch-3"
-    fault = {"rank": 0, "batch": 3, "kind": "sleep", "seconds": 300, "marker": str(marker)}
+    cluster = back_to_three_worker_nodes(three_nodes)
+    marker, fault = rank0_sleeps_at_batch_3(tmp_path)
     trainer = TorchTrainer(training_operator_cls=FaultyOperator, num_workers=2, config={**CONFIG, "fault": fault},
                            commit_every_n_steps=2, timeout_s=30)
     try:
@@ -177,13 +187,8 @@ def test_a_lost_nodes_rank_is_taken_by_a_warm_spare_on_another_node(three_nodes,
     """Two workers and one warm spare, one per node: rank 0's node is killed after the commit at step 2. The spare
     (on the third node) takes rank 0 and resumes from the commit's buddy copy; rank 1 keeps its process; the group
     keeps its size; every sample once, bit-exact with a run that lost nothing."""
-    cluster, _ = three_nodes
-    worker_nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
-    for _ in range(3 - len(worker_nodes)):  # a test above removed one
-        cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    marker = tmp_path / "rank0-at-batch-3"
-    fault = {"rank": 0, "batch": 3, "kind": "sleep", "seconds": 300, "marker": str(marker)}
+    cluster = back_to_three_worker_nodes(three_nodes)
+    marker, fault = rank0_sleeps_at_batch_3(tmp_path)
     trainer = TorchTrainer(training_operator_cls=FaultyOperator, num_workers=2, config={**CONFIG, "fault": fault},
                            commit_every_n_steps=2, timeout_s=30, num_spares=1)
     try:
