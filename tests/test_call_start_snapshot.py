@@ -155,3 +155,29 @@ def test_a_handoff_waits_for_its_token_and_says_when_the_call_failed_first():
     assert handoff.take(4, timeout_s=1) == "newer"
     with pytest.raises(call_start.SnapshotNotTaken):
         handoff.take(3, timeout_s=0.05)
+
+
+def _gather_on_rank(rank, world_size, init_file, out_dir):
+    """One rank of a real gloo world: the random streams of each rank gathered twice, small ones (one slot) and one
+    rank's too large for its slot (every rank falls back together); written to ``out_dir`` for the test."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        small = call_start.gather_rngs({"rank": rank, "torch": torch.get_rng_state()}, world_size)
+        big = {"rank": rank, "pad": bytes(call_start.RNG_SLOT_BYTES * (rank == 1))}
+        large = call_start.gather_rngs(big, world_size)
+        torch.save({"small": small, "large": large}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_random_streams_of_every_rank_are_gathered_in_one_slot_or_together_fall_back(tmp_path):
+    world_size = 2
+    torch.multiprocessing.spawn(_gather_on_rank, args=(world_size, str(tmp_path / "init"), str(tmp_path)),
+                                nprocs=world_size, join=True)
+    results = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+    for result in results:  # every rank holds every rank's own streams, in rank order
+        assert [result["small"][rank]["rank"] for rank in range(world_size)] == [0, 1]
+        assert [len(result["large"][rank]["pad"]) for rank in range(world_size)] == [0, call_start.RNG_SLOT_BYTES]
+    assert torch.equal(results[0]["small"][1]["torch"], results[1]["small"][1]["torch"])

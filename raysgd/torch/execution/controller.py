@@ -220,7 +220,7 @@ class RunController:
         """For each node of ``held`` (a piece's holder), the node its copy goes to: the workers' other nodes in turn,
         else the driver's node; None when everything runs on one node (a node loss then takes the driver too)."""
         try:
-            workers = sorted({node for node in self.group.placed_on().values() if node})
+            workers = sorted({node for node in self.group.rank_nodes() if node})  # known since the rendezvous
             driver = this_node()
         except Exception as err:  # noqa: BLE001 (no copy: the point still has its primary)
             logger.debug("no copy of the restart point: %s", err)
@@ -327,9 +327,9 @@ class RunController:
             target = self._scale_up_target()
             if target is not None:
                 self._restart(self.take_snapshot(), target=target)
+        self.commits.begin_call(method == "train_epoch", replay=replay)  # the store answers while the snapshot starts
         state = self._begin_snapshot()  # the restart point, even with max_retries=0 (for the next call)
         first = dict(kwargs, snapshot=state.plan(self._timeout_s)) if isinstance(state, PendingPoint) else kwargs
-        self.commits.begin_call(method == "train_epoch", replay=replay)
         retries = 0
         while True:
             watches, requests = self._watches(), []

@@ -63,6 +63,7 @@ class CommitPolicy:
         self._run_id = uuid.uuid4().hex[:12]  # tags this trainer's commits (a loaded commit of another run)
         self._lock = threading.Lock()  # latest_commit() may ask from another thread while a call runs
         self._begun, self._ready = None, False  # the store's answer to the last call's start; it answered once
+        self._previous, self._unconfirmed = None, False  # the call before's answer; this call's not waited for yet
         self.resumed_preemption = False  # the last restart_state() resumed from a preemption commit, first time
         self._preemption_seen = None  # the key of the preemption commit last reported
 
@@ -94,11 +95,19 @@ class CommitPolicy:
         return True
 
     def _begin(self):
-        """Start the call in the store. Once the store answered a call's start, the next one is waited for (a local
-        round trip), so a store lost since is replaced before the call trains; a store still starting up (the
-        trainer's first call) is not waited for."""
-        previous, self._begun = self._begun, self._store.begin(self._call)
-        if self._ready or (previous is not None and ray.wait([previous], timeout=0)[0]):
+        """Start the call in the store; its answer is waited for by :meth:`_confirm` (at the call's first plan), so
+        the round trip overlaps what the driver does before it sends the call."""
+        self._previous, self._begun = self._begun, self._store.begin(self._call)
+        self._unconfirmed = True
+
+    def _confirm(self):
+        """Once the store answered a call's start, the next one is waited for (a local round trip), so a store lost
+        since is replaced before the call trains; a store still starting up (the trainer's first call) is not
+        waited for."""
+        if not self._unconfirmed:
+            return
+        self._unconfirmed = False
+        if self._ready or (self._previous is not None and ray.wait([self._previous], timeout=0)[0]):
             self._ready = True
             self._ask(lambda store: ray.get(self._begun, timeout=60))
 
@@ -133,6 +142,7 @@ class CommitPolicy:
         """The :class:`CommitPlan` of the current attempt (sent to every worker with the call), its sink naming the
         holders of ``nodes`` (each rank's node id) and each node's buddy; the holders of ``standby`` nodes are
         started too (not named)."""
+        self._confirm()
         nodes = list(nodes)
         self._holders.for_nodes(standby)
         sink = self._store.sink(self._holders.for_nodes(nodes), buddies(nodes))
