@@ -161,7 +161,8 @@ class CountingOperator(TrainingOperator):
     step, then waits to be killed, once; with ``"until_sigterm": True`` it waits for a SIGTERM instead and
     trains on (after ``"after_s"`` more seconds in that step), with ``"until_resize": True`` for the driver's
     request to grow, with ``"exit": True`` it ends its process), ``hold`` (``{"step", "rank", "marker"}``: stays
-    inside that global step until killed, once), ``batch_sleep``, ``step_sleeps`` (seconds to sleep at global step
+    inside that global step until killed, once), ``hold_until`` (``{"step", "path"}``: every rank waits inside that
+    global step until ``path`` exists, at most 60 s), ``batch_sleep``, ``step_sleeps`` (seconds to sleep at global step
     i: ``step_sleeps[i]``), and the DataLoader's ``drop_last``, ``loader_workers`` (its ``num_workers``; its
     processes start by forkserver, with a ``loader_timeout_s`` of 120 s) and ``in_order``.
     """
@@ -202,6 +203,11 @@ class CountingOperator(TrainingOperator):
             with open(hold["marker"], "w") as handle:
                 handle.write(str(os.getpid()))
             time.sleep(600)
+        until = self.config.get("hold_until")
+        if until and self.global_step == until["step"]:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(until["path"]) and time.monotonic() < deadline:
+                time.sleep(0.01)
         return self._step(batch)
 
     def _fault(self, fault):

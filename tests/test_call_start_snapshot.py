@@ -7,6 +7,8 @@ Real actors on a local cluster; the order of events is what each worker recorded
 import logging
 import os
 import signal
+import threading
+import time
 
 import pytest
 import torch
@@ -123,6 +125,25 @@ def test_rank0_lost_between_calls_restarts_from_a_survivors_capture(trainers, ca
     assert trainer.num_failures == 1 and stats["num_samples"] == N
     assert "a survivor's capture of the call's start is the restart point" in caplog.text
     assert torch.equal(counts(trainer), 2 * torch.ones(N))
+
+
+def test_the_previous_restart_point_is_dropped_once_the_calls_own_is_stored_not_at_the_calls_end(trainers, tmp_path):
+    release = tmp_path / "release"
+    trainer = trainers(config={"n": N, "batch_size": BATCH, "hold_until": {"step": 14, "path": str(release)}})
+    trainer.train()  # the first call's point is taken before it starts; the second's beside it
+    previous, results = trainer.controller.points.current, []
+    call = threading.Thread(target=lambda: results.append(trainer.train()), daemon=True)
+    call.start()
+    try:
+        deadline = time.monotonic() + 60  # every rank waits at the call's second step until released
+        while trainer.controller.points.current is previous and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert trainer.controller.points.current is not previous  # the old point's bytes can go
+        assert call.is_alive() and not results  # while the call still trains
+    finally:
+        release.touch()
+        call.join(60)
+    assert results and results[0]["num_samples"] == N and torch.equal(counts(trainer), 2 * torch.ones(N))
 
 
 def test_a_capture_keeps_parameters_by_reference_copies_the_rest_and_sees_a_change_in_place():

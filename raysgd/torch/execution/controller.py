@@ -2,9 +2,9 @@
 
 Layer 4 (ray, layers 0-3). ``TorchTrainer`` (the facade) checks its options and hands every call here. The
 :class:`RunController` owns the run's state: the worker group, the restart point (rank 0's state bytes, the
-*snapshot*, and whether the workers may have moved on since), the failures counted, the time of the last
-resize, the commit policy and the durable run's hooks. A ``train()`` or ``validate()`` call runs through its
-attempts (:meth:`RunController.run_call`):
+*snapshot*, and whether the workers may have moved on since: :mod:`raysgd.torch.execution.restart_points`), the
+failures counted, the time of the last resize, the commit policy and the durable run's hooks. A ``train()`` or
+``validate()`` call runs through its attempts (:meth:`RunController.run_call`):
 
 - A :class:`~raysgd.torch.errors.WorkerFailure` counts as a failure (``num_failures``) and uses one of
   ``max_retries``: the group restarts on as many workers as fit (never below the minimum) from the
@@ -27,7 +27,6 @@ Example:
     ...
     ValueError: max_retries expects an int >= 0; got -1
 """
-import itertools
 import logging
 import os
 import time
@@ -37,12 +36,12 @@ from raysgd.callbacks import Failure
 from raysgd.torch import constants
 from raysgd.torch.errors import CheckpointError, WorkerFailure
 from raysgd.torch.execution import restarts
+from raysgd.torch.execution.restart_points import RestartPoints
 from raysgd.torch.fault_tolerance import preemption, recovery
 from raysgd.torch.fault_tolerance.watches import DrainWatch, GrowWatch
 from raysgd.torch.state import checkpoint, training_state
-from raysgd.torch.state.call_start import PendingPoint, SnapshotFailed
-from raysgd.torch.state.restart_point import (RestartPoint, RestartPointLost, ShardedPoint, copy_all, start_copy,
-                                              this_node)
+from raysgd.torch.state.call_start import PendingPoint
+from raysgd.torch.state.restart_point import RestartPoint, RestartPointLost, ShardedPoint
 from raysgd.torch.storage import filesystem, parts
 
 logger = logging.getLogger(__name__)
@@ -86,10 +85,7 @@ class RunController:
         self._num_failures = 0
         self._on_event, self._size = on_event, 0  # the size the events last reported
         self._last_resize = float("-inf")
-        self._snapshot = None  # the restart point: a RestartPoint of rank 0's state (kept until a fresher one)
-        self._copies = itertools.count()  # spreads the snapshot's copies over the workers' nodes
-        self._snapshot_stale = True  # the state may have moved on since the snapshot
-        self._overlap, self._tokens = True, itertools.count(1)  # call-start snapshots beside the call (until torn)
+        self.points = RestartPoints(self._first, timeout_s)  # the restart point and whether the state moved on
         self.last_commit_latency_s = None  # the slowest rank's latest stored commit of the last train() call
         self._resize_cooldown_s = constants.env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S) \
             if resize_cooldown_s is None else resize_cooldown_s
@@ -140,7 +136,7 @@ class RunController:
             config_for=self.worker_config, operator_cls=self._operator_cls, initialization_hook=self.initialization_hook,
             low=self.min_workers, high=self.max_workers, timeout_s=self._timeout_s, target=target,
             max_retries=max_retries)
-        self._snapshot = state
+        self.points.current = state
         self._last_resize = time.monotonic()
         old, self._size = self._size, self.group.num_workers
         if old != self._size:
@@ -164,9 +160,9 @@ class RunController:
         """Restart a group torn down by a failure (from the last snapshot) before using it."""
         group = self.group  # raises after shutdown()
         if group.broken or group.num_workers == 0:
-            if self._snapshot is None:
+            if self.points.current is None:
                 raise RuntimeError("The workers were lost and no state snapshot exists to restart them from.")
-            self._restart(self._snapshot)
+            self._restart(self.points.current)
 
     @staticmethod
     def as_point(state):
@@ -182,7 +178,7 @@ class RunController:
         try:
             return ask()
         except WorkerFailure as failure:
-            if not self.group.broken or self._snapshot is None:
+            if not self.group.broken or self.points.current is None:
                 raise
             self._failed(failure, method)
             logger.warning("Every worker was lost between calls (%s); restarting them from the state at the start "
@@ -195,81 +191,12 @@ class RunController:
         return self._first(lambda: self.group.first_answer(method, *args, deadline_s=self._timeout_s), method)
 
     def take_snapshot(self):
-        """The restart point: a :class:`RestartPoint` of rank 0's current state (any live rank's if rank 0 is gone:
-        DDP replicas hold the same state), with every rank's random streams, so a retry from it puts each rank's
-        streams back (dropout draws the same). Rank 0 writes it into its node's object store and a copy goes to
-        another node; the driver never fetches it (see :mod:`raysgd.torch.state.restart_point`)."""
-        if self._snapshot is None or self._snapshot_stale:
-            rngs = self.group.answers("rng_state", deadline_s=self._timeout_s) if self.group.num_workers > 1 else None
-            point = self._first(lambda: self.group.snapshot(rngs, deadline_s=self._timeout_s), "state_snapshot")
-            self._copy_elsewhere(point)
-            self._snapshot = point
-            self._snapshot_stale = False
-        return self._snapshot
-
-    def _copy_elsewhere(self, point):
-        """Copy ``point`` (each part of a sharded one) to another node than its holder's, waiting for it (see
-        :meth:`_copy_targets`)."""
-        pieces = point.parts if isinstance(point, ShardedPoint) else [point]
-        targets = [(piece, node) for piece, node in zip(pieces, self._copy_targets([p.nodes[0] for p in pieces]))
-                   if node is not None]
-        if targets:
-            copy_all(targets, timeout_s=self._timeout_s)
-
-    def _copy_targets(self, held):
-        """For each node of ``held`` (a piece's holder), the node its copy goes to: the workers' other nodes in turn,
-        else the driver's node; None when everything runs on one node (a node loss then takes the driver too)."""
-        try:
-            workers = sorted({node for node in self.group.rank_nodes() if node})  # known since the rendezvous
-            driver = this_node()
-        except Exception as err:  # noqa: BLE001 (no copy: the point still has its primary)
-            logger.debug("no copy of the restart point: %s", err)
-            return [None] * len(held)
-        turn, targets = next(self._copies), []
-        for index, node in enumerate(held):
-            others = [other for other in workers if other != node] or \
-                ([driver] if node is not None and driver != node else [])
-            targets.append(others[(turn + index) % len(others)] if others else None)
-        return targets
-
-    def _begin_snapshot(self):
-        """The call's restart point: taken beside the call (a :class:`PendingPoint`, its copy started too) when the
-        state moved on since the last one and the group can (see :mod:`raysgd.torch.state.call_start`), else now."""
-        if self._snapshot is None or not self._snapshot_stale or not self._overlap:
-            return self.take_snapshot()  # the first one is taken now: a fallback exists from then on
-        token = next(self._tokens)
-        begun = self.group.begin_snapshot(token, self._timeout_s)
-        if begun is None:
-            return self.take_snapshot()
-        info, data, node = begun
-        copies = [(target, *start_copy(data, target)) for target in self._copy_targets([node]) if target]
-        return PendingPoint(token, info, data, node, copies)
+        """The current restart point, taken now when the state moved on (:meth:`RestartPoints.take`)."""
+        return self.points.take(self.group)
 
     def _settle(self, state, fallback=True):
-        """``state`` stored: a :class:`PendingPoint` waited for, and made the restart point. Not stored (rank 0 lost
-        first; or it raised: later calls then take theirs before they start, where its error is raised), the
-        previous restart point stays and is returned (what was trained since it was taken is lost: logged), or
-        None without ``fallback``."""
-        if not isinstance(state, PendingPoint):
-            return state
-        try:
-            self._snapshot = state.settle(self._timeout_s)
-            return self._snapshot
-        except SnapshotFailed as err:
-            self._overlap = False
-            logger.warning("The call-start snapshot failed (%s): this trainer's later calls take theirs before they "
-                           "start", err)
-        except RestartPointLost as err:
-            survivor = self.group.survivor_snapshot(state.token, self._timeout_s) if fallback else None
-            logger.warning("The call-start snapshot was not stored (%s)%s", err, "; a survivor's capture of the "
-                           "call's start is the restart point" if survivor is not None else "")
-            if survivor is not None:
-                self._snapshot = survivor
-                return survivor
-        if fallback and self._snapshot_stale:
-            logger.warning("The call falls back to the previous restart point: what was trained since it was taken "
-                           "is lost")
-        return self._snapshot if fallback else None
+        """``state`` (the call's point) stored and made the restart point (:meth:`RestartPoints.settle`)."""
+        return self.points.settle(self.group, state, fallback)
 
     def _scale_up_target(self, quiet=False):
         """The larger size to restart at now (resources returned, cooldown passed), or None to stay."""
@@ -328,17 +255,17 @@ class RunController:
             if target is not None:
                 self._restart(self.take_snapshot(), target=target)
         self.commits.begin_call(method == "train_epoch", replay=replay)  # the store answers while the snapshot starts
-        state = self._begin_snapshot()  # the restart point, even with max_retries=0 (for the next call)
+        state = self.points.begin(self.group)  # the restart point, even with max_retries=0 (for the next call)
         first = dict(kwargs, snapshot=state.plan(self._timeout_s)) if isinstance(state, PendingPoint) else kwargs
         retries = 0
         while True:
             watches, requests = self._watches(), []
             try:
-                results = self.group.run(method, on_tick=self._ticks(watches, requests, on_tick),
+                results = self.group.run(method, on_tick=self._ticks(watches, requests, on_tick, state),
                                          **self.commits.with_plan(first, self.group.rank_nodes(),
                                                                   standby=self.group.spare_nodes()))
                 self._settle(state)
-                self._snapshot_stale = True  # train and validate (custom ones too) may change the state
+                self.points.stale = True  # train and validate (custom ones too) may change the state
                 self._take_commit_latency(results)
                 return self.commits.finish(results)
             except WorkerFailure as failure:
@@ -384,13 +311,12 @@ class RunController:
                                   self.commits.running_attempt, describe=restarts.describe_draining))
         return watches
 
-    def _ticks(self, watches, requests, on_tick):
-        """The group's ``on_tick`` for an attempt: each watch's decision becomes a request to the ranks to stop,
-        asked again while unanswered; then the caller's ``on_tick``."""
-        if not watches:
-            return on_tick
-
+    def _ticks(self, watches, requests, on_tick, state):
+        """The group's ``on_tick`` for an attempt: the call's point (``state``) made the restart point once stored
+        (the previous one's bytes freed then); each watch's decision becomes a request to the ranks to stop, asked
+        again while unanswered; then the caller's ``on_tick``."""
         def tick():
+            self.points.settle_if_stored(state)
             for request in list(requests):  # sent at an earlier tick: ask again where unanswered
                 request.tick()
             for watch in watches:
@@ -420,7 +346,7 @@ class RunController:
                                "its start instead", lost)
                 self.commits.abandon_restart(kwargs)
                 self._restart(state, target=size)
-            self._snapshot = state  # a commit is a restart point inside this call only
+            self.points.current = state  # a commit is a restart point inside this call only
         except recovery.RestartGaveUp as err:
             raise RuntimeError(f"Training run failed: the workers could not be restarted ({err}).") from failure
 
@@ -439,7 +365,7 @@ class RunController:
         self.take_snapshot()  # a current restart point before anything can change the state
         try:
             result = self.group.run(method, *args, **kwargs)
-            self._snapshot_stale = True
+            self.points.stale = True
             return result
         except WorkerFailure as failure:
             self._failed(failure, method, gave_up=True)
@@ -478,7 +404,7 @@ class RunController:
         """Rank 0's current state bytes, pulled into the driver (only where the user asks for the state); a sharded
         state is consolidated here into one state of whole tensors."""
         self.ensure_workers()
-        self._snapshot_stale = True
+        self.points.stale = True
         return self._stream_of(self.take_snapshot())
 
     def _stream_of(self, point):
@@ -514,7 +440,7 @@ class RunController:
             self.run("load_restart_point", *point.load_args(weights_only))
         else:
             self.group.submit("load_restart_point", *point.load_args(weights_only))
-        self._snapshot, self._snapshot_stale = point, False
+        self.points.current, self.points.stale = point, False
 
     def load_checkpoint(self, directory, marker):
         """Load a checkpoint directory of ``storage_path`` on every worker, safely: its state file is read and checked
@@ -531,7 +457,7 @@ class RunController:
                                   f"state_dict() holds other objects than tensors, numbers, strings and "
                                   f"containers, make it return those, start with resume=False, or, if you trust "
                                   f"the checkpoint, load it with TorchTrainer.load(path, weights_only=False)") from err
-        self._snapshot, self._snapshot_stale = point, False
+        self.points.current, self.points.stale = point, False
 
     def load_path(self, path, weights_only=True, blocking=False):
         """Load a file written by ``save`` or a checkpoint directory (see ``TorchTrainer.load``)."""
@@ -553,7 +479,7 @@ class RunController:
         is written as a checkpoint directory of its parts (each by a task on the node holding it, then the head and
         the marker: a DCP folder), or with ``consolidated`` as one file of whole tensors, made here."""
         self.ensure_workers()
-        self._snapshot_stale = True
+        self.points.stale = True
         point = self.take_snapshot()
         if isinstance(point, ShardedPoint) and not consolidated:
             epoch = checkpoint.state_from_bytes(point.head)["rest"]["epoch"]

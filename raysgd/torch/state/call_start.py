@@ -305,6 +305,12 @@ class PendingPoint:
     def __init__(self, token, info_ref, data_ref, node, copies=()):
         self.token, self.info_ref, self.data_ref, self.node = token, info_ref, data_ref, node
         self.copies = list(copies)
+        self._point = None  # once settled
+
+    def stored(self):
+        """Whether rank 0's snapshot and every copy answered (stored or failed): :meth:`settle` then never waits."""
+        refs = [self.info_ref] + [info for _, info, _ in self.copies]
+        return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
 
     def plan(self, timeout_s):
         """The :class:`SnapshotPlan` every rank gets with the call."""
@@ -314,7 +320,10 @@ class PendingPoint:
         """The stored point with its copies (a copy that failed is logged and left out). Raises
         :class:`SnapshotFailed` when rank 0's snapshot raised (torn bytes, state that cannot be serialised),
         :class:`~raysgd.torch.state.restart_point.RestartPointLost` when rank 0 was lost before storing them, the
-        call failed before its state was captured, or nothing came within ``timeout_s``."""
+        call failed before its state was captured, or nothing came within ``timeout_s``. Settled again, the same
+        point."""
+        if self._point is not None:
+            return self._point
         deadline = time.monotonic() + timeout_s
         try:
             info = ray.get(self.info_ref, timeout=timeout_s)
@@ -335,6 +344,7 @@ class PendingPoint:
                                node[:12], type(err).__name__, len(point.refs))
                 continue
             point.add_copy(data_ref, copied["node"])
+        self._point = point
         return point
 
     def __repr__(self):

@@ -1,0 +1,132 @@
+"""The run's restart point: the state a call starts from, where its bytes are kept, and when they are stored.
+
+Layer 4 (ray, layers 0-3). The :class:`~raysgd.torch.execution.controller.RunController` keeps one
+:class:`RestartPoints`: its ``current`` point (a :class:`~raysgd.torch.state.restart_point.RestartPoint`, or a
+:class:`~raysgd.torch.state.restart_point.ShardedPoint` of every rank's part, held in the object store of the node
+that wrote it with a copy on another node, never by the driver) and whether the workers may have moved on since
+(``stale``). A point is taken before anything can change the state (:meth:`RestartPoints.take`) or, for a
+``train()``/``validate()`` call, beside the call (:meth:`RestartPoints.begin`, see
+:mod:`raysgd.torch.state.call_start`): the call's :class:`~raysgd.torch.state.call_start.PendingPoint` becomes the
+current point once stored, as soon as the call's watch sees it stored (:meth:`RestartPoints.settle_if_stored`: the
+previous point's bytes are freed then, not at the call's end) or when the call ends or fails
+(:meth:`RestartPoints.settle`).
+
+Example:
+    >>> points = RestartPoints(first=lambda ask, method: ask(), timeout_s=30)
+    >>> points.current is None, points.stale
+    (None, True)
+"""
+import itertools
+import logging
+
+from raysgd.torch.state.call_start import PendingPoint, SnapshotFailed
+from raysgd.torch.state.restart_point import RestartPointLost, ShardedPoint, copy_all, start_copy, this_node
+
+logger = logging.getLogger(__name__)
+
+
+class RestartPoints:
+    """The run's restart point (see the module docstring).
+
+    Args:
+        first: ``first(ask, method)`` runs ``ask()`` (one rank's answer), restarting the workers when every one
+            was lost between calls (the controller's ``_first``).
+        timeout_s: the deadline of each answer waited for.
+    """
+
+    def __init__(self, first, timeout_s):
+        self._first, self._timeout_s = first, timeout_s
+        self.current = None  # the restart point (kept until a fresher one)
+        self.stale = True  # the state may have moved on since ``current`` was taken
+        self._copies = itertools.count()  # spreads the points' copies over the workers' nodes
+        self._overlap, self._tokens = True, itertools.count(1)  # call-start snapshots beside the call (until torn)
+        self._early = None  # the pending point :meth:`settle_if_stored` last tried
+
+    def take(self, group):
+        """The current restart point, taken now when the state moved on: rank 0's state (any live rank's if rank 0
+        is gone: DDP replicas hold the same state) with every rank's random streams, so a retry from it puts each
+        rank's streams back (dropout draws the same). Rank 0 writes it into its node's object store and a copy goes
+        to another node; the driver never fetches it (see :mod:`raysgd.torch.state.restart_point`)."""
+        if self.current is None or self.stale:
+            rngs = group.answers("rng_state", deadline_s=self._timeout_s) if group.num_workers > 1 else None
+            point = self._first(lambda: group.snapshot(rngs, deadline_s=self._timeout_s), "state_snapshot")
+            self._copy_elsewhere(group, point)
+            self.current, self.stale = point, False
+        return self.current
+
+    def _copy_elsewhere(self, group, point):
+        """Copy ``point`` (each part of a sharded one) to another node than its holder's, waiting for it (see
+        :meth:`_copy_targets`)."""
+        pieces = point.parts if isinstance(point, ShardedPoint) else [point]
+        targets = [(piece, node) for piece, node in zip(pieces, self._copy_targets(group, [p.nodes[0] for p in pieces]))
+                   if node is not None]
+        if targets:
+            copy_all(targets, timeout_s=self._timeout_s)
+
+    def _copy_targets(self, group, held):
+        """For each node of ``held`` (a piece's holder), the node its copy goes to: the ranks' other nodes in turn
+        (known since the group's rendezvous: no query per call), else the driver's node; None when everything runs
+        on one node (a node loss then takes the driver too)."""
+        try:
+            workers = sorted({node for node in group.rank_nodes() if node})
+            driver = this_node()
+        except Exception as err:  # noqa: BLE001 (no copy: the point still has its primary)
+            logger.debug("no copy of the restart point: %s", err)
+            return [None] * len(held)
+        turn, targets = next(self._copies), []
+        for index, node in enumerate(held):
+            others = [other for other in workers if other != node] or \
+                ([driver] if node is not None and driver != node else [])
+            targets.append(others[(turn + index) % len(others)] if others else None)
+        return targets
+
+    def begin(self, group):
+        """The call's restart point: taken beside the call (a :class:`PendingPoint`, its copy started too) when the
+        state moved on since the last one and the group can (see :mod:`raysgd.torch.state.call_start`), else now."""
+        if self.current is None or not self.stale or not self._overlap:
+            return self.take(group)  # the first one is taken now: a fallback exists from then on
+        token = next(self._tokens)
+        begun = group.begin_snapshot(token, self._timeout_s)
+        if begun is None:
+            return self.take(group)
+        info, data, node = begun
+        copies = [(target, *start_copy(data, target)) for target in self._copy_targets(group, [node]) if target]
+        return PendingPoint(token, info, data, node, copies)
+
+    def settle_if_stored(self, state):
+        """While the call runs (its watch's tick): ``state``, the call's :class:`PendingPoint`, becomes the current
+        point once it and its copies are stored, so the previous point is dropped (its bytes freed) now rather than at
+        the call's end. One that failed is left to :meth:`settle`, where its error is handled; never waits."""
+        if not isinstance(state, PendingPoint) or state is self._early or not state.stored():
+            return
+        self._early = state
+        try:
+            self.current = state.settle(self._timeout_s)
+        except (SnapshotFailed, RestartPointLost):
+            return
+
+    def settle(self, group, state, fallback=True):
+        """``state`` stored: a :class:`PendingPoint` waited for, and made the restart point. Not stored (rank 0 lost
+        first; or it raised: later calls then take theirs before they start, where its error is raised), the
+        previous restart point stays and is returned (what was trained since it was taken is lost: logged), or
+        None without ``fallback``."""
+        if not isinstance(state, PendingPoint):
+            return state
+        try:
+            self.current = state.settle(self._timeout_s)
+            return self.current
+        except SnapshotFailed as err:
+            self._overlap = False
+            logger.warning("The call-start snapshot failed (%s): this trainer's later calls take theirs before they "
+                           "start", err)
+        except RestartPointLost as err:
+            survivor = group.survivor_snapshot(state.token, self._timeout_s) if fallback else None
+            logger.warning("The call-start snapshot was not stored (%s)%s", err, "; a survivor's capture of the "
+                           "call's start is the restart point" if survivor is not None else "")
+            if survivor is not None:
+                self.current = survivor
+                return survivor
+        if fallback and self.stale:
+            logger.warning("The call falls back to the previous restart point: what was trained since it was taken "
+                           "is lost")
+        return self.current if fallback else None
