@@ -140,3 +140,16 @@ def test_fsdp_state_benchmark_smoke_test_measures_every_column(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     assert row["workers"] == 2 and row["commit_ms"] > 0 and row["checkpoint_s"] > 0, row
     assert "snapshot_ms" in row and "resume_to_1_s" in row and "checkpoint_s" in proc.stdout
+
+
+def test_serialise_stall_smoke_test_measures_both_ways(tmp_path):
+    out = tmp_path / "stall.json"
+    command = [sys.executable, os.path.join(BENCH_DIR, "serialise_stall.py"), "--smoke-test", "--json", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["size_mb"], row["how"]) for row in rows] == [(1, "io.BytesIO"), (1, "serialise")]
+    for row in rows:
+        assert row["serialise_ms"] > 0 and row["worst_stall_ms"] >= 0 and row["loop_share"] > 0, row
+    assert "worst_stall_ms" in proc.stdout  # the table

@@ -217,3 +217,22 @@ def test_a_commits_host_copy_shares_nothing_that_training_goes_on_changing():
     assert (copied["tag"], copied["ratio"]) == ("x", 0.5)
     live = worker.operator
     assert live.seen == {1, 2, 3} and live.hist.tolist() == [2.0, 2.0, 2.0] and live.obj.ids == [1, 2, 3]
+
+
+class _Holder:
+    """A tensor inside an object serialise's size estimate does not look into: its buffer must grow."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def test_serialise_writes_every_tensor_once_and_grows_its_buffer_past_its_estimate():
+    from raysgd.torch.state.committer import serialise  # noqa: PLC0415
+
+    weight = torch.randn(512, 512)
+    record = {"w": weight, "again": weight, "hidden": _Holder(torch.randn(256, 1024)), "meta": [1, "a", (2.5,)]}
+    view = serialise(record)
+    assert view.readonly and len(view) < 2 * weight.nbytes + 1024 * 1024 + 2**16  # the shared tensor once
+    back = torch.load(io.BytesIO(view), weights_only=False)
+    assert torch.equal(back["w"], weight) and back["again"] is back["w"]
+    assert torch.equal(back["hidden"].tensor, record["hidden"].tensor) and back["meta"] == [1, "a", (2.5,)]
