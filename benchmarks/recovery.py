@@ -118,6 +118,15 @@ def _proc(pid):
     return rss_kib / 1024, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _started_at(pid):
+    """When process ``pid`` of this machine started (seconds since the epoch, to a clock tick: Linux's /proc)."""
+    with open(f"/proc/{pid}/stat") as handle:
+        ticks = int(handle.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as handle:  # to 0.01 s (/proc/stat's boot time is whole seconds)
+        uptime = float(handle.read().split()[0])
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _spare_cost(trainer, seconds):
     """The idle spare's and rank 0's resident MiB and CPU share (CPU seconds per second) over ``seconds`` of
     training."""
@@ -192,6 +201,8 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
         else:
             cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node_of_rank1),
                                 allow_graceful=False)
+            logging.getLogger("raysgd.benchmark").info("rank 1's node removed (remove_node returned %.2f s after "
+                                                        "the event)", time.time() - t_kill)
         thread.join(timeout=DEADLINE_S)
         if "stats" not in result:
             raise RuntimeError(f"train() did not finish ({fault}, keep={keep})")
@@ -213,6 +224,9 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
                 extra["refill_s"] = None  # its bundle is on the draining node, or was not placed again in time
             else:
                 extra["refill_s"] = trainer.worker_group.spares.last_refill_s
+                logging.getLogger("raysgd.benchmark").info(
+                    "the refill's process started %.2f s after the event; %.2f s from its start to ready",
+                    _started_at(trainer.worker_group.spares.pids()[0]) - t_kill, extra["refill_s"])
             if fault == "spare":
                 extra.update(_spare_cost(trainer, 3 if smoke else 10))
         ran = [(fields[1], fields[2]) for fields in logged]
