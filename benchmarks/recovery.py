@@ -24,8 +24,12 @@ Two cases keep the healthy ranks in their processes at a planned resize (README 
 "drain-spare" drains rank 1's node with ``num_spares=1`` (a third node holds the spare, a fourth is free for its
 refill): rank 0 stays, the spare takes rank 1; "grow" starts ``num_workers=(2, 3)`` on the two nodes and adds a
 third node's CPU (held by a placement group of the benchmark's until then) once the step-20 commit is stored: both
-ranks stay, rank 2 starts in a placement group of its own. Both say
-whether the kept ranks kept their process ids; the batches computed twice are counted from each rank's steps.
+ranks stay, rank 2 starts in a placement group of its own. Both, and the three cases with a spare, say whether
+the kept ranks kept their process ids; the batches computed twice are counted from each rank's steps.
+
+The log (stderr) gives each run's three longest pauses after the event (their length and start), when
+``remove_node`` returned, and when the refill's process started (from ``/proc``), so that a pause can be set
+against them.
 """
 import json
 import logging
