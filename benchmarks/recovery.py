@@ -80,14 +80,18 @@ def _add_node(cluster):
 
 
 def _back_to_two(cluster):
-    """After a drain case: wait (bounded) for the drained node to end, then remove added nodes until two worker nodes
-    are left."""
+    """After a drain case: wait (bounded) for the drained node to end, remove it if it did not (the trainer shut
+    down: nothing of the run is left on it; Ray places nothing on a draining node, so it must not count as one of
+    the two), then remove added nodes until two worker nodes are left."""
     from raysgd.torch.execution import cluster_state  # noqa: PLC0415
 
     deadline = time.monotonic() + 60
     while cluster_state.draining_nodes() and time.monotonic() < deadline:
         time.sleep(0.2)
     alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    for node in list(cluster.worker_nodes):
+        if node.node_id in alive and node.node_id in cluster_state.draining_nodes():
+            _remove_free_node(cluster, node)
     for node in reversed(list(cluster.worker_nodes)):
         if _live_worker_nodes() <= 2:
             break
