@@ -16,9 +16,9 @@ gives the spare's refill time (from the refill's start to its spare ready) and t
 resident memory, and its CPU use while the group trains, beside a rank's). The case "node-spare" removes rank 1's
 node as "node" does, with ``num_spares=1``: a third node holds the spare (which takes rank 1, so the group keeps
 its size) and a fourth is free, so that Ray places the lost rank's bundle there again and the spare is refilled
-(its refill time as in "spare"; the nodes added are removed after the case). The table gives the seconds from the event to training resumed
-(the end of the longest pause in the batch log after it; median of ``--repeats``), the batches computed twice,
-and the workers and failures after recovery.
+(its refill time as in "spare"; the nodes added are removed after the case). The table gives the seconds from the
+event to training resumed (the end of the longest pause in the batch log after it; median of ``--repeats``), the
+batches computed twice, and the workers and failures after recovery.
 
 Two cases keep the healthy ranks in their processes at a planned resize (README "Partial moves and grows"):
 "drain-spare" drains rank 1's node with ``num_spares=1`` (a third node holds the spare, a fourth is free for its
