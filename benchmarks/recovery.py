@@ -13,16 +13,23 @@ instead (Ray's preemption notice, as ``ray start --block`` sends it on SIGTERM) 
 with a spare node to move to; rank 1 does not stop. The case "spare" kills rank 1's process as the first case does,
 with ``TorchTrainer(num_spares=1)``: a third 1-CPU node holds the spare's bundle (removed after the case); it also
 gives the spare's refill time (from the refill's start to its spare ready) and the cost of an idle spare (its
-resident memory, and its CPU use while the group trains, beside a rank's). The table gives the seconds from the event to training resumed
-(the end of the longest pause in the batch log after it; median of ``--repeats``), the batches computed twice,
-and the workers and failures after recovery.
+resident memory, and its CPU use while the group trains, beside a rank's). The case "node-spare" removes rank 1's
+node as "node" does, with ``num_spares=1``: a third node holds the spare (which takes rank 1, so the group keeps
+its size) and a fourth is free, so that Ray places the lost rank's bundle there again and the spare is refilled
+(its refill time as in "spare"; the nodes added are removed after the case). The table gives the seconds from the
+event to training resumed (the end of the longest pause in the batch log after it; median of ``--repeats``), the
+batches computed twice, and the workers and failures after recovery.
 
 Two cases keep the healthy ranks in their processes at a planned resize (README "Partial moves and grows"):
 "drain-spare" drains rank 1's node with ``num_spares=1`` (a third node holds the spare, a fourth is free for its
 refill): rank 0 stays, the spare takes rank 1; "grow" starts ``num_workers=(2, 3)`` on the two nodes and adds a
 third node's CPU (held by a placement group of the benchmark's until then) once the step-20 commit is stored: both
-ranks stay, rank 2 starts in a placement group of its own. Both say
-whether the kept ranks kept their process ids; the batches computed twice are counted from each rank's steps.
+ranks stay, rank 2 starts in a placement group of its own. Both, and the three cases with a spare, say whether
+the kept ranks kept their process ids; the batches computed twice are counted from each rank's steps.
+
+The log (stderr) gives each run's three longest pauses after the event (their length and start), when
+``remove_node`` returned, and when the refill's process started (from ``/proc``), so that a pause can be set
+against them.
 """
 import json
 import logging
@@ -47,12 +54,16 @@ FAST_HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_failure_thresh
 DEADLINE_S = 300
 EVENTS = {"process": "rank 1's process killed", "node": "rank 1's node lost",
           "drain": "rank 1's node drained (notice)", "spare": "rank 1's process killed, with a spare",
-          "drain-spare": "rank 1's node drained (notice), with a spare", "grow": "a node added: grow 2 -> 3"}
+          "drain-spare": "rank 1's node drained (notice), with a spare", "grow": "a node added: grow 2 -> 3",
+          "node-spare": "rank 1's node lost, with a spare"}
 SURVIVORS = {"drain": "all moved at a commit", "drain-spare": "rank 0 kept, the spare took rank 1",
-             "grow": "both kept, rank 2 new"}
-CASES = (("process", True), ("process", False), ("spare", True), ("node", True), ("node", False), ("drain", True),
-         ("drain-spare", True), ("grow", True))
-CASE_NAMES = ("process", "process-restart", "spare", "node", "node-restart", "drain", "drain-spare", "grow")
+             "grow": "both kept, rank 2 new", "spare": "rank 0 kept, the spare took rank 1",
+             "node-spare": "rank 0 kept, the spare took rank 1"}
+CASES = (("process", True), ("process", False), ("spare", True), ("node", True), ("node-spare", True), ("node", False),
+         ("drain", True), ("drain-spare", True), ("grow", True))
+CASE_NAMES = ("process", "process-restart", "spare", "node", "node-spare", "node-restart", "drain", "drain-spare",
+              "grow")
+SPARE_CASES = ("spare", "node-spare", "drain-spare")
 
 
 def _live_worker_nodes():
@@ -69,14 +80,18 @@ def _add_node(cluster):
 
 
 def _back_to_two(cluster):
-    """After a drain case: wait (bounded) for the drained node to end, then remove added nodes until two worker nodes
-    are left."""
+    """After a drain case: wait (bounded) for the drained node to end, remove it if it did not (the trainer shut
+    down: nothing of the run is left on it; Ray places nothing on a draining node, so it must not count as one of
+    the two), then remove added nodes until two worker nodes are left."""
     from raysgd.torch.execution import cluster_state  # noqa: PLC0415
 
     deadline = time.monotonic() + 60
     while cluster_state.draining_nodes() and time.monotonic() < deadline:
         time.sleep(0.2)
     alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    for node in list(cluster.worker_nodes):
+        if node.node_id in alive and node.node_id in cluster_state.draining_nodes():
+            _remove_free_node(cluster, node)
     for node in reversed(list(cluster.worker_nodes)):
         if _live_worker_nodes() <= 2:
             break
@@ -111,6 +126,15 @@ def _proc(pid):
     return rss_kib / 1024, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _started_at(pid):
+    """When process ``pid`` of this machine started (seconds since the epoch, to a clock tick: Linux's /proc)."""
+    with open(f"/proc/{pid}/stat") as handle:
+        ticks = int(handle.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as handle:  # to 0.01 s (/proc/stat's boot time is whole seconds)
+        uptime = float(handle.read().split()[0])
+    return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _spare_cost(trainer, seconds):
     """The idle spare's and rank 0's resident MiB and CPU share (CPU seconds per second) over ``seconds`` of
     training."""
@@ -141,16 +165,16 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
     log, path = os.path.join(work_dir, f"log-{run}"), os.path.join(work_dir, f"fault-{run}")
     os.environ["SGD_KEEP_SURVIVORS"] = "1" if keep else "0"
     # somewhere to move to (the drained node ends once the workers left it), or the spare's node
-    added = _add_node(cluster) if fault in ("drain", "spare", "drain-spare") else None
+    added = _add_node(cluster) if fault in ("drain", *SPARE_CASES) else None
     hog = None
-    if fault == "drain-spare":
-        _add_node(cluster)  # the spare's refill goes somewhere
+    if fault in ("drain-spare", "node-spare"):
+        _add_node(cluster)  # the spare's refill goes somewhere (Ray places the lost or drained rank's bundle there)
     elif fault == "grow":  # a third node, held by a placement group of its own until the event removes it
         os.environ["SGD_RESIZE_COOLDOWN_S"] = "0"
         _add_node(cluster)
         hog = ray.util.placement_group([{"CPU": 1}])
         ray.get(hog.ready(), timeout=DEADLINE_S)
-    with_spare, planned = fault in ("spare", "drain-spare"), fault in ("drain", "drain-spare", "grow")
+    with_spare, planned = fault in SPARE_CASES, fault in ("drain", "drain-spare", "grow")
     trainer = TorchTrainer(training_operator_cls=LoggingOperator, num_workers=(2, 3) if fault == "grow" else 2,
                            timeout_s=60, commit_every_n_steps=10, num_spares=1 if with_spare else 0,
                            config=dict(model="mlp", batch_size=sizes["batch_size"], log=log, fault_step=step,
@@ -185,6 +209,8 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
         else:
             cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node_of_rank1),
                                 allow_graceful=False)
+            logging.getLogger("raysgd.benchmark").info("rank 1's node removed (remove_node returned %.2f s after "
+                                                        "the event)", time.time() - t_kill)
         thread.join(timeout=DEADLINE_S)
         if "stats" not in result:
             raise RuntimeError(f"train() did not finish ({fault}, keep={keep})")
@@ -195,17 +221,20 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
         logging.getLogger("raysgd.benchmark").info("longest pauses after the first batch (s, at s after the kill, "
                                                     "batch): %s", [tuple(round(x, 2) for x in g) for g in gaps])
         after_pids = trainer.apply_all_workers(os.getpid)
-        if planned:
+        if planned or with_spare:
             kept = pids[:2] if fault == "grow" else pids[:1]
             extra["kept_pids"] = after_pids[:len(kept)] == kept
         if with_spare:
             extra["rank1_is_the_spare"] = after_pids[1] == spare_pid
-            if trainer.worker_group.spares.wait_ready(1, 60 if fault == "drain-spare" else DEADLINE_S) != 1:
+            if trainer.worker_group.spares.wait_ready(1, DEADLINE_S if fault == "spare" else 60) != 1:
                 if fault == "spare":
                     raise RuntimeError("the spare was not refilled")
-                extra["refill_s"] = None  # its bundle is on the draining node
+                extra["refill_s"] = None  # its bundle is on the draining node, or was not placed again in time
             else:
                 extra["refill_s"] = trainer.worker_group.spares.last_refill_s
+                logging.getLogger("raysgd.benchmark").info(
+                    "the refill's process started %.2f s after the event; %.2f s from its start to ready",
+                    _started_at(trainer.worker_group.spares.pids()[0]) - t_kill, extra["refill_s"])
             if fault == "spare":
                 extra.update(_spare_cost(trainer, 3 if smoke else 10))
         ran = [(fields[1], fields[2]) for fields in logged]
@@ -222,7 +251,7 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
             _add_node(cluster)  # back to two worker nodes for the next run
         elif fault == "spare":
             _remove_free_node(cluster, added)  # back to two worker nodes for the next case
-        elif fault in ("drain-spare", "grow"):
+        elif fault in ("drain-spare", "grow", "node-spare"):
             _back_to_two(cluster)
 
 
@@ -257,7 +286,7 @@ def main():
                              "repeats": repeats, "all_s": times})
                 if "kept_pids" in runs[-1]:
                     rows[-1]["kept_pids"] = all(r["kept_pids"] for r in runs)
-                if fault == "drain-spare":
+                if fault in ("drain-spare", "node-spare"):
                     refills = sorted(r["refill_s"] for r in runs if r["refill_s"] is not None)
                     rows[-1].update(refill_s=refills[len(refills) // 2] if refills else None,
                                     refilled=f"{len(refills)}/{len(runs)}",
