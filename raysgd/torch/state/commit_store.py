@@ -132,7 +132,7 @@ class CommitStore:
 
     def __init__(self):
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self._actor = ray.remote(num_cpus=0)(_StoreActor).options(
+        self._actor = ray.remote(num_cpus=0)(part_holders.by_value(_StoreActor)).options(  # its process: no torch
             scheduling_strategy=here).remote()
 
     def sink(self, holders=None, buddy_of=None):

@@ -26,6 +26,7 @@ Example:
 """
 import logging
 import pickle
+import types
 
 import ray
 from ray import exceptions as ray_errors
@@ -51,6 +52,38 @@ def _this_node():
     return ray.get_runtime_context().get_node_id()
 
 
+def by_value(cls):
+    """A copy of ``cls`` (its methods copied too) that Ray sends by value, as it sends a class of ``__main__``.
+
+    Ray sends a class of an importable module by reference: the process that runs it imports that module and, with it,
+    its package (``raysgd`` imports torch: about 1.2 CPU seconds). The 0-CPU helper actors that need no torch (the
+    commit store, the part holders) are made from such a copy, so their processes import only what their methods
+    use. cloudpickle sends each method with the module globals it names: those must be builtins, constants, loggers
+    and modules such as ``ray`` or ``pickle`` (a function or class of a ``raysgd`` module would be sent by reference
+    and bring the import back: the methods below call ``ray.get_runtime_context()``, not ``_this_node``).
+
+    Example:
+        >>> class Box:
+        ...     def get(self):
+        ...         return 1
+        >>> copy = by_value(Box)
+        >>> copy is not Box and copy.__qualname__ == Box.__qualname__ and copy().get() == 1
+        True
+    """
+    namespace = {}
+    for name, value in vars(cls).items():
+        if name in ("__dict__", "__weakref__"):
+            continue
+        if isinstance(value, types.FunctionType):  # a copy: the module's own function would go by reference
+            copy = types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__,
+                                      value.__closure__)
+            copy.__kwdefaults__, copy.__qualname__ = value.__kwdefaults__, value.__qualname__
+            copy.__doc__ = value.__doc__
+            value = copy
+        namespace[name] = value
+    return type(cls.__name__, cls.__bases__, namespace)
+
+
 class _HolderActor:
     """One node's holder (see the module docstring); a threaded actor serving its ranks and its buddies."""
 
@@ -59,7 +92,7 @@ class _HolderActor:
         ``buddy`` holder, a copy on its node; returns ``[(node, [ref]), ...]`` of the copies made."""
         own = ray.put(pickle.PickleBuffer(memoryview(part)))  # owned by this holder, in this node's store
         del part
-        copies = [(_this_node(), [own])]
+        copies = [(ray.get_runtime_context().get_node_id(), [own])]
         if buddy is not None:
             try:
                 copies.append(tuple(ray.get(buddy.copy.remote([own]), timeout=COPY_TIMEOUT_S)))
@@ -73,10 +106,10 @@ class _HolderActor:
         value = ray.get(refs[0], timeout=COPY_TIMEOUT_S)
         mine = ray.put(pickle.PickleBuffer(memoryview(value)))
         del value
-        return _this_node(), [mine]
+        return ray.get_runtime_context().get_node_id(), [mine]
 
     def ping(self):
-        return _this_node()
+        return ray.get_runtime_context().get_node_id()
 
 
 class Holders:
@@ -94,7 +127,8 @@ class Holders:
     def for_nodes(self, nodes):
         """``{node: holder handle}`` for the nodes in ``nodes`` (an iterable of node ids), starting any missing."""
         if self._cls is None:
-            self._cls = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY, max_restarts=0)(_HolderActor)
+            self._cls = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY, max_restarts=0)(
+                by_value(_HolderActor))  # its process imports no torch
         wanted = sorted({node for node in nodes if node is not None})
         for node in wanted:
             if node not in self._by_node:
