@@ -52,15 +52,17 @@ def _this_node():
     return ray.get_runtime_context().get_node_id()
 
 
-def by_value(cls):
-    """A copy of ``cls`` (its methods copied too) that Ray sends by value, as it sends a class of ``__main__``.
+def by_value(obj):
+    """A copy of ``obj``, a class (its methods copied too) or a function, that Ray sends by value, as it sends one of
+    ``__main__``.
 
-    Ray sends a class of an importable module by reference: the process that runs it imports that module and, with it,
-    its package (``raysgd`` imports torch: about 1.2 CPU seconds). The 0-CPU helper actors that need no torch (the
-    commit store, the part holders) are made from such a copy, so their processes import only what their methods
-    use. cloudpickle sends each method with the module globals it names: those must be builtins, constants, loggers
-    and modules such as ``ray`` or ``pickle`` (a function or class of a ``raysgd`` module would be sent by reference
-    and bring the import back: the methods below call ``ray.get_runtime_context()``, not ``_this_node``).
+    Ray sends a class or function of an importable module by reference: the process that runs it imports that module
+    and, with it, its package (``raysgd`` imports torch: about 1.2 CPU seconds, several under load, and a 1-CPU node
+    starts one worker process at a time). The 0-CPU helpers that need no torch (the commit store, the part holders,
+    the restart point's copy task) are made from such a copy, so their processes import only what their code uses.
+    cloudpickle sends each function with the module globals it names: those must be builtins, constants, loggers and
+    modules such as ``ray`` or ``pickle`` (a function or class of a ``raysgd`` module would be sent by reference and
+    bring the import back: the code below calls ``ray.get_runtime_context()``, not ``_this_node``).
 
     Example:
         >>> class Box:
@@ -69,19 +71,17 @@ def by_value(cls):
         >>> copy = by_value(Box)
         >>> copy is not Box and copy.__qualname__ == Box.__qualname__ and copy().get() == 1
         True
+        >>> by_value(len) is len, by_value(_this_node) is not _this_node
+        (True, True)
     """
-    namespace = {}
-    for name, value in vars(cls).items():
-        if name in ("__dict__", "__weakref__"):
-            continue
-        if isinstance(value, types.FunctionType):  # a copy: the module's own function would go by reference
-            copy = types.FunctionType(value.__code__, value.__globals__, value.__name__, value.__defaults__,
-                                      value.__closure__)
-            copy.__kwdefaults__, copy.__qualname__ = value.__kwdefaults__, value.__qualname__
-            copy.__doc__ = value.__doc__
-            value = copy
-        namespace[name] = value
-    return type(cls.__name__, cls.__bases__, namespace)
+    if isinstance(obj, types.FunctionType):  # a copy: the module's own function would go by reference
+        copy = types.FunctionType(obj.__code__, obj.__globals__, obj.__name__, obj.__defaults__, obj.__closure__)
+        copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = obj.__kwdefaults__, obj.__qualname__, obj.__doc__
+        return copy
+    if not isinstance(obj, type):
+        return obj
+    namespace = {name: by_value(value) for name, value in vars(obj).items() if name not in ("__dict__", "__weakref__")}
+    return type(obj.__name__, obj.__bases__, namespace)
 
 
 class _HolderActor:

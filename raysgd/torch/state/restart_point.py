@@ -30,6 +30,8 @@ import ray
 from ray import exceptions as ray_errors
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raysgd.torch.state.part_holders import by_value
+
 logger = logging.getLogger(__name__)
 
 #: Errors that mean "this copy is gone": its node died, its owner is gone, it could not be fetched in time, or the
@@ -203,7 +205,8 @@ def first_available(refs, timeout_s=600):
 
 def _copy(value):
     """Return the fetched ``value`` (state bytes) again, with a small answer: the task's node stores this copy."""
-    return {"bytes": memoryview(value).nbytes, "node": this_node()}, pickle.PickleBuffer(memoryview(value))
+    return ({"bytes": memoryview(value).nbytes, "node": ray.get_runtime_context().get_node_id()},
+            pickle.PickleBuffer(memoryview(value)))
 
 
 _copy_task = None
@@ -214,7 +217,7 @@ def start_copy(ref, node):
     ``node``'s object store; returns ``(info ref, data ref)`` of the copy, unwaited (see :func:`copy_to`)."""
     global _copy_task
     if _copy_task is None:
-        _copy_task = ray.remote(num_cpus=0, max_retries=0, num_returns=2)(_copy)
+        _copy_task = ray.remote(num_cpus=0, max_retries=0, num_returns=2)(by_value(_copy))  # its process: no torch
     strategy = NodeAffinitySchedulingStrategy(node, soft=False)
     return tuple(_copy_task.options(scheduling_strategy=strategy).remote(ref))
 
