@@ -146,6 +146,29 @@ def test_the_previous_restart_point_is_dropped_once_the_calls_own_is_stored_not_
     assert results and results[0]["num_samples"] == N and torch.equal(counts(trainer), 2 * torch.ones(N))
 
 
+def _sleep(seconds):
+    time.sleep(seconds)
+
+
+def test_the_gate_opens_without_a_slow_copy_but_not_without_rank0s_bytes(caplog):
+    import ray  # noqa: PLC0415
+
+    slow = ray.remote(num_cpus=0)(_sleep).remote(5)  # a copy still on its way
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.state.call_start"):
+        gate = call_start.Gate(call_start.SnapshotPlan(1, [ray.put({"bytes": 8}), slow], timeout_s=0.5), [optimizer],
+                               rank=1)
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()  # waited for rank 0's bytes, then gave up on the copy
+        gate.close()
+    assert "copy (part 1) was not stored within 0.5 s" in caplog.text
+    gate = call_start.Gate(call_start.SnapshotPlan(2, [slow], timeout_s=0.5), [optimizer], rank=1)
+    with pytest.raises(TimeoutError, match="not stored within 0.5 s"):
+        optimizer.step()
+    gate.close()
+
+
 def test_a_capture_keeps_parameters_by_reference_copies_the_rest_and_sees_a_change_in_place():
     model = torch.nn.BatchNorm1d(3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -183,8 +183,9 @@ class Gate:
     """Holds each of ``optimizers``' first ``step`` in the call until ``plan``'s snapshot is stored (see the module
     docstring); :meth:`close` removes its hooks. Where one of them is no ``torch.optim.Optimizer`` (no step hooks),
     the call itself waits for the snapshot before it starts. Rank 0 lost before its bytes were stored ends the wait with a
-    :class:`~raysgd.torch.errors.CollectiveError` (this rank's call ends cleanly and the process may stay); a snapshot
-    that failed otherwise (torn, a copy lost) is logged and training goes on."""
+    :class:`~raysgd.torch.errors.CollectiveError` (this rank's call ends cleanly and the process may stay), and its
+    bytes not stored within the plan's ``timeout_s`` with a ``TimeoutError``; a snapshot that failed otherwise (torn,
+    a copy lost or not stored in time: a slow node must not fail the call) is logged and training goes on."""
 
     def __init__(self, plan, optimizers, rank, on_open=None):
         self._plan, self._rank, self._open, self._on_open = plan, rank, False, on_open
@@ -206,8 +207,12 @@ class Gate:
             try:
                 ray.get(ref, timeout=max(0.001, deadline - time.monotonic()))
             except ray_errors.GetTimeoutError as err:
-                raise TimeoutError(f"rank {self._rank}: the call-start snapshot was not stored within "
-                                   f"{self._plan.timeout_s} s") from err
+                if index == 0:
+                    raise TimeoutError(f"rank {self._rank}: the call-start snapshot was not stored within "
+                                       f"{self._plan.timeout_s} s") from err
+                logger.warning("rank %d: the call-start snapshot's copy (part %d) was not stored within %s s; "
+                               "training goes on (the point may have one copy less)", self._rank, index,
+                               self._plan.timeout_s)
             except ray_errors.RayTaskError as err:  # it failed, rank 0 is alive: the driver learns it when it settles
                 logger.warning("rank %d: the call-start snapshot (part %d) failed: %s", self._rank, index,
                                str(err).splitlines()[0])
