@@ -18,6 +18,16 @@ import report  # noqa: E402 (benchmarks/ is not a package)
 import workloads  # noqa: E402
 
 
+def run_smoke(script, out, *options, timeout=300):
+    """Run ``benchmarks/<script> --smoke-test --json out`` (plus ``options``) with the repository importable; returns
+    its JSON and its standard output, after checking it exited cleanly."""
+    command = [sys.executable, os.path.join(BENCH_DIR, script), "--smoke-test", *options, "--json", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
 @pytest.mark.slow
 def test_smoke_test_runs_every_side_and_section(tmp_path):
     out, markdown = tmp_path / "smoke.json", tmp_path / "smoke.md"
@@ -94,12 +104,7 @@ def test_ratios_and_targets():
 
 @pytest.mark.slow
 def test_state_scaling_smoke_test_measures_every_column(tmp_path):
-    out = tmp_path / "state.json"
-    command = [sys.executable, os.path.join(BENCH_DIR, "state_scaling.py"), "--smoke-test", "--json", str(out)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result, stdout = run_smoke("state_scaling.py", tmp_path / "state.json")
     assert result["meta"]["smoke"] and len(result["meta"]["loadavg"]) == 3
     (row,) = result["rows"]
     assert row["size_mb"] == 1 and row["calls"] == 2 and 0.9 < row["state_mb"] < 1.1
@@ -109,47 +114,33 @@ def test_state_scaling_smoke_test_measures_every_column(tmp_path):
     assert row["commit_rise_mb"] >= 0 and row["base_rise_mb"] >= 0 and "commit_extra_x" in row
     assert {"anon_extra_x", "shm_extra_x", "overhead_ms"} <= set(row)  # toy-size memory is allocator noise
     assert row["recover_s"] > 0 and row["failures"] == 1  # the killed worker was replaced inside the call
-    assert "driver_peak_rss_mb" in proc.stdout  # the table
+    assert "driver_peak_rss_mb" in stdout  # the table
 
 
 @pytest.mark.slow
 def test_fsdp_benchmark_smoke_test_measures_both_strategies(tmp_path):
-    out = tmp_path / "fsdp.json"
-    command = [sys.executable, os.path.join(BENCH_DIR, "fsdp.py"), "--smoke-test", "--workers", "1,2", "--json",
-               str(out)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=500, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result, stdout = run_smoke("fsdp.py", tmp_path / "fsdp.json", "--workers", "1,2", timeout=500)
     assert result["meta"]["smoke"]
     rows = {(r["strategy"], r["workers"]): r for r in result["rows"]}
     assert set(rows) == {("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2)}
     assert [rows["fsdp", n]["sharded"] for n in (1, 2)] == [False, True]  # one worker: nothing to shard over
     assert rows["fsdp", 2]["state_mb"] < rows["ddp", 2]["state_mb"] == rows["fsdp", 1]["state_mb"]
     assert all(r["steps_per_s"] > 0 and r["peak_rise_mb"] >= 0 for r in rows.values())
-    assert [r["workers"] for r in result["ratios"]] == [1, 2] and "fsdp/ddp steps_per_s" in proc.stdout
+    assert [r["workers"] for r in result["ratios"]] == [1, 2] and "fsdp/ddp steps_per_s" in stdout
 
 
 @pytest.mark.slow
 def test_fsdp_state_benchmark_smoke_test_measures_every_column(tmp_path):
-    out = tmp_path / "fsdp_state.json"
-    command = [sys.executable, os.path.join(BENCH_DIR, "fsdp_state.py"), "--smoke-test", "--json", str(out)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=500, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["rows"]
+    result, stdout = run_smoke("fsdp_state.py", tmp_path / "fsdp_state.json", timeout=500)
+    (row,) = result["rows"]
     assert row["workers"] == 2 and row["commit_ms"] > 0 and row["checkpoint_s"] > 0, row
-    assert "snapshot_ms" in row and "resume_to_1_s" in row and "checkpoint_s" in proc.stdout
+    assert "snapshot_ms" in row and "resume_to_1_s" in row and "checkpoint_s" in stdout
 
 
 def test_serialise_stall_smoke_test_measures_both_ways(tmp_path):
-    out = tmp_path / "stall.json"
-    command = [sys.executable, os.path.join(BENCH_DIR, "serialise_stall.py"), "--smoke-test", "--json", str(out)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    result, stdout = run_smoke("serialise_stall.py", tmp_path / "stall.json", timeout=120)
+    rows = result["rows"]
     assert [(row["size_mb"], row["how"]) for row in rows] == [(1, "io.BytesIO"), (1, "serialise")]
     for row in rows:
         assert row["serialise_ms"] > 0 and row["worst_stall_ms"] >= 0 and row["loop_share"] > 0, row
-    assert "worst_stall_ms" in proc.stdout  # the table
+    assert "worst_stall_ms" in stdout  # the table
