@@ -76,12 +76,13 @@ def test_time_based_commits_follow_the_training_time_not_the_first_steps(trainer
     monkeypatch.setenv("SGD_COMMIT_INTERVAL_S", "1")
     trainer = trainers(commit_every_n_steps=None, config={"n": 96, "batch_size": 2, "step_sleeps": step_sleeps})
     assert trainer.train()["num_samples"] == 96
-    sent = trainer.apply_all_workers(lambda: committer.STATS["count"])
-    assert sent[0] == sent[1], sent  # every rank committed at the same steps
+    # the commits taken, not those stored: the last one may still be on its way to the store as train() returns
+    taken = trainer.apply_all_workers(lambda: list(committer.STATS["taken"]))
+    assert taken[0] == taken[1], taken  # every rank committed at the same steps
     assert trainer.latest_commit() is not None  # complete: every rank's record under one key
     # about the training time over 1 s (a loaded machine adds some): 2 after the warm-up, 3-4 for the slow-down
     expected = range(1, 5) if case == "a slow warm-up" else range(2, 9)
-    assert sent[0] in expected, (case, sent)
+    assert len(taken[0]) in expected, (case, taken)
 
 
 def store_processes():

@@ -25,6 +25,7 @@ Example:
     >>> commit_due(every_n=None, epoch_steps=7, interval_s=30, trained_s=29.5)
     False
 """
+import collections
 import logging
 import threading
 import time
@@ -42,8 +43,9 @@ logger = logging.getLogger(__name__)
 #: This process's latest commit timings (for benchmarks, and the worker's result: the driver's
 #: ``raysgd_commit_latency_s``): ``in_loop_s`` (the serialisation the loop waits for,
 #: including a wait for the previous commit), ``latency_s`` (from its start until the store holds it),
-#: ``bytes`` and ``count``.
-STATS = {"in_loop_s": None, "latency_s": None, "bytes": None, "count": 0}
+#: ``bytes`` and ``count`` (commits stored), and ``taken``: the keys of the latest commits taken (at most 100; a
+#: commit is taken in the loop and stored in the background, so ``count`` may lag it while one is in flight).
+STATS = {"in_loop_s": None, "latency_s": None, "bytes": None, "count": 0, "taken": collections.deque(maxlen=100)}
 #: The key of rank 0's record holding a sharded commit's head: the rest of the state and the parts' DCP metadata.
 HEAD = "head"
 
@@ -333,6 +335,7 @@ class Committer:
                                                                  worker.world_size, blob, state, started), daemon=True)
         self._thread.start()
         STATS["in_loop_s"] = time.perf_counter() - started
+        STATS["taken"].append(key)
         return key
 
     def _send(self, sink, key, rank, world_size, blob, state, started):
