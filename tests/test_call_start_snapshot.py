@@ -174,9 +174,13 @@ def test_a_capture_keeps_parameters_by_reference_copies_the_rest_and_sees_a_chan
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(4, 3)).sum().backward()
     optimizer.step()  # momentum buffers exist
-    state = {"models": [model.state_dict()], "optimizers": [optimizer.state_dict()], "epoch": 1}
+    streams = [{"python": [3, list(range(625)), None]}]  # made for this capture: taken as it is (not walked)
+    state = {"models": [model.state_dict()], "optimizers": [optimizer.state_dict()], "epoch": 1, "rng": streams,
+             "meters": [{"loss": [1.0]}]}
     capture = call_start.Capture(state, call_start.protected_storages(
-        call_start.gated_tensors([model], [optimizer])))
+        call_start.gated_tensors([model], [optimizer])), fresh=("rng",))
+    assert capture.state["rng"] is streams
+    assert capture.state["meters"] == state["meters"] and capture.state["meters"][0] is not state["meters"][0]
     frozen = capture.state["models"][0]
     assert frozen["weight"].data_ptr() == model.weight.data_ptr()  # a parameter: by reference
     assert frozen["running_mean"].data_ptr() != model.running_mean.data_ptr()  # a buffer: copied

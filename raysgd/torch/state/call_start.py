@@ -46,6 +46,7 @@ from ray import exceptions as ray_errors
 
 from raysgd.torch.errors import CollectiveError
 from raysgd.torch.state import restart_point
+from raysgd.torch.state import training_state as _state
 from raysgd.torch.state.committer import serialise
 
 logger = logging.getLogger(__name__)
@@ -95,11 +96,13 @@ def gated_tensors(models, optimizers):
 
 class Capture:
     """A state dict frozen at the call's start: tensors on ``protected`` storages kept by reference (their version
-    counters noted), every other tensor cloned and every other mutable leaf deep-copied."""
+    counters noted), every other tensor cloned and every other mutable leaf deep-copied; the top-level keys in
+    ``fresh`` are taken as they are (values made for this capture alone, which nothing changes later: the random
+    streams, some 2,500 small values per rank that would take ~1 ms to walk)."""
 
-    def __init__(self, state, protected):
+    def __init__(self, state, protected, fresh=()):
         self._versions = []
-        self.state = self._freeze(state, protected)
+        self.state = {key: value if key in fresh else self._freeze(value, protected) for key, value in state.items()}
 
     def _freeze(self, value, protected):
         if isinstance(value, torch.Tensor):
@@ -286,7 +289,8 @@ def overlapped(plan, handoff, *, rank, world_size, own_rng, capture_state, parts
     else:
         lost = None
     try:
-        capture = Capture(capture_state(rngs), protected_storages(gated_tensors(parts["models"], parts["optimizers"])))
+        capture = Capture(capture_state(rngs), protected_storages(gated_tensors(parts["models"], parts["optimizers"])),
+                          fresh=(_state.RNG,))  # gathered (or made) for this capture
     except BaseException as err:
         handoff.offer(plan.token, err)
         raise
