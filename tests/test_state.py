@@ -1,5 +1,6 @@
 """The one home of the training state, in-process (no Ray): counts checked, weights_only-safe, RNG streams."""
 import io
+import os
 import random
 
 import numpy as np
@@ -236,3 +237,33 @@ def test_serialise_writes_every_tensor_once_and_grows_its_buffer_past_its_estima
     back = torch.load(io.BytesIO(view), weights_only=False)
     assert torch.equal(back["w"], weight) and back["again"] is back["w"]
     assert torch.equal(back["hidden"].tensor, record["hidden"].tensor) and back["meta"] == [1, "a", (2.5,)]
+
+
+def test_a_buffer_sent_out_of_band_survives_a_reference_cycle_and_every_buffer_goes_through_one_helper():
+    """A failed Ray call's traceback can put the ``PickleBuffer`` raysgd hands to Ray and the buffer it wraps in one
+    reference cycle; over a ``memoryview`` the collector then crashed the process (a commit sent to a lost store
+    killed both workers). In a fresh interpreter: the raw pattern dies, the helper's survives; and no module makes
+    a ``PickleBuffer`` but the helper."""
+    import subprocess
+    import sys
+
+    cycle = ("import gc, pickle; from raysgd.torch.state.part_holders import out_of_band\n"
+             "view = memoryview(bytearray(1 << 16)).toreadonly()\n"
+             "wrapped = {wrap}(view)\n"
+             "cycle = [view, wrapped]; cycle.append(cycle); del view, wrapped, cycle\n"
+             "gc.collect(); print('collected')\n")
+    raw = subprocess.run([sys.executable, "-c", cycle.format(wrap="pickle.PickleBuffer")], capture_output=True,
+                         text=True, timeout=120)
+    helper = subprocess.run([sys.executable, "-c", cycle.format(wrap="out_of_band")], capture_output=True, text=True,
+                            timeout=120)
+    assert raw.returncode != 0 and "collected" not in raw.stdout  # the hazard is real on this interpreter
+    assert helper.returncode == 0 and "collected" in helper.stdout, helper.stderr
+
+    package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "raysgd")
+    makers = []
+    for folder, _, files in os.walk(package):
+        for name in files:
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8") as handle:
+                    makers += [f"{name}:{number}" for number, line in enumerate(handle, 1) if "PickleBuffer(" in line]
+    assert makers and {maker.split(":")[0] for maker in makers} == {"part_holders.py"}, makers  # out_of_band

@@ -25,14 +25,13 @@ import importlib
 import itertools
 import logging
 import os
-import pickle
 import socket
 import time
 
 import torch
 import torch.distributed as dist
 
-from raysgd.torch.state import call_start, checkpoint, restart_point
+from raysgd.torch.state import call_start, checkpoint, part_holders, restart_point
 from raysgd.torch.sharding import loaders as _data
 from raysgd.torch.operator import evaluation
 from raysgd.torch.operator.tracing import TraceRecorder
@@ -302,7 +301,7 @@ class TorchWorker:
         """``(info, state bytes)`` of the call-start snapshot that the call with ``token`` captured (rank 0, in the
         ``"snapshot"`` concurrency group, beside the call): as :meth:`state_snapshot`, serialised while it trains."""
         view = call_start.snapshot_bytes(self._handoff, token, timeout_s)
-        return {"bytes": view.nbytes, "node": restart_point.this_node()}, pickle.PickleBuffer(view)
+        return {"bytes": view.nbytes, "node": restart_point.this_node()}, part_holders.out_of_band(view)
 
     def _epoch_now(self):
         """The epoch count a state holds: a loaded cursor still waiting for its epoch counts that epoch (as the
@@ -362,9 +361,9 @@ class TorchWorker:
         if _state.is_sharded(self.operator):
             part, head = self.sharded_state(rngs)
             info = {"bytes": part.nbytes, "node": restart_point.this_node(), "head": head}
-            return info, pickle.PickleBuffer(part.blob)
+            return info, part_holders.out_of_band(part.blob)
         view = serialise(self.state_dict(rngs))
-        return {"bytes": view.nbytes, "node": restart_point.this_node()}, pickle.PickleBuffer(view)
+        return {"bytes": view.nbytes, "node": restart_point.this_node()}, part_holders.out_of_band(view)
 
     def sharded_state(self, rngs=None):
         """``(part, head)`` of a sharded state, a collective of every rank: ``part`` this rank's shards of the models

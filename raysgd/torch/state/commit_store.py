@@ -19,7 +19,6 @@ Example:
 """
 import io
 import logging
-import pickle
 import time
 
 import ray
@@ -102,7 +101,7 @@ class CommitSink:
         part = None
         if state is not None:
             part = part_holders.keep_part(self.holders, self.buddy_of, state, timeout_s)
-        blob = blob if isinstance(blob, bytes) else pickle.PickleBuffer(blob)
+        blob = blob if isinstance(blob, bytes) else part_holders.out_of_band(blob)
         left = max(1.0, timeout_s - (time.monotonic() - started))
         return ray.get(self._actor.put.remote(tuple(key), rank, world_size, blob, part), timeout=left)
 

@@ -28,6 +28,7 @@ import logging
 import pickle
 import types
 
+import numpy
 import ray
 from ray import exceptions as ray_errors
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -52,6 +53,35 @@ def _this_node():
     return ray.get_runtime_context().get_node_id()
 
 
+def out_of_band(buffer):
+    """``buffer`` (any contiguous bytes-like object) wrapped for Ray to send out of band, with no copy
+    (``pickle.PickleBuffer``): over ``buffer`` itself when it is ``bytes``, else over a numpy array of its bytes,
+    never over a ``memoryview``. Every buffer raysgd hands to Ray goes through here.
+
+    Why: a ``PickleBuffer`` is a garbage-collected object. When it and the ``memoryview`` it took its buffer from
+    end up in one reference cycle (a failed Ray call's traceback holds the frames that hold both: a commit sent to a
+    lost store or holder), CPython's collector may clear the memoryview first, which cannot be released while
+    exported ("BufferError: memoryview has 1 exported buffer"), and the process then dies of a segmentation fault.
+    A numpy array is not tracked by the collector, so what it exports is never cleared under it.
+
+    Example:
+        >>> bytes(out_of_band(memoryview(b"abc").toreadonly()).raw()), out_of_band(b"abc").raw().nbytes
+        (b'abc', 3)
+    """
+    if isinstance(buffer, bytes):
+        return pickle.PickleBuffer(buffer)
+    return pickle.PickleBuffer(numpy.frombuffer(buffer, dtype=numpy.uint8))
+
+
+def _names(code):
+    """The global names ``code`` and the code nested in it (comprehensions, lambdas) use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
 def by_value(obj):
     """A copy of ``obj``, a class (its methods copied too) or a function, that Ray sends by value, as it sends one of
     ``__main__``.
@@ -60,9 +90,10 @@ def by_value(obj):
     and, with it, its package (``raysgd`` imports torch: about 1.2 CPU seconds, several under load, and a 1-CPU node
     starts one worker process at a time). The 0-CPU helpers that need no torch (the commit store, the part holders,
     the restart point's copy task) are made from such a copy, so their processes import only what their code uses.
-    cloudpickle sends each function with the module globals it names: those must be builtins, constants, loggers and
-    modules such as ``ray`` or ``pickle`` (a function or class of a ``raysgd`` module would be sent by reference and
-    bring the import back: the code below calls ``ray.get_runtime_context()``, not ``_this_node``).
+    cloudpickle sends each function with the module globals it names: builtins, constants, loggers and modules such as
+    ``ray``, ``pickle`` or ``numpy`` go as they are; a function of a ``raysgd`` module it names (:func:`out_of_band`)
+    is copied by value too (by reference it would bring the import back); a class of a ``raysgd`` module must not be
+    named.
 
     Example:
         >>> class Box:
@@ -75,7 +106,11 @@ def by_value(obj):
         (True, True)
     """
     if isinstance(obj, types.FunctionType):  # a copy: the module's own function would go by reference
-        copy = types.FunctionType(obj.__code__, obj.__globals__, obj.__name__, obj.__defaults__, obj.__closure__)
+        ours = {name: by_value(value) for name, value in obj.__globals__.items()
+                if name in _names(obj.__code__) and isinstance(value, types.FunctionType) and value is not obj
+                and (value.__module__ or "").startswith("raysgd.")}
+        scope = {**obj.__globals__, **ours} if ours else obj.__globals__
+        copy = types.FunctionType(obj.__code__, scope, obj.__name__, obj.__defaults__, obj.__closure__)
         copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = obj.__kwdefaults__, obj.__qualname__, obj.__doc__
         return copy
     if not isinstance(obj, type):
@@ -90,7 +125,7 @@ class _HolderActor:
     def keep(self, part, buddy):
         """Keep ``part`` (a buffer, this node's rank's serialised part) in this node's object store and, with a
         ``buddy`` holder, a copy on its node; returns ``[(node, [ref]), ...]`` of the copies made."""
-        own = ray.put(pickle.PickleBuffer(memoryview(part)))  # owned by this holder, in this node's store
+        own = ray.put(out_of_band(part))  # owned by this holder, in this node's store
         del part
         copies = [(ray.get_runtime_context().get_node_id(), [own])]
         if buddy is not None:
@@ -104,7 +139,7 @@ class _HolderActor:
     def copy(self, refs):
         """Pull ``refs[0]`` from the holder that made it and keep a copy of this holder's own; ``(node, [ref])``."""
         value = ray.get(refs[0], timeout=COPY_TIMEOUT_S)
-        mine = ray.put(pickle.PickleBuffer(memoryview(value)))
+        mine = ray.put(out_of_band(value))
         del value
         return ray.get_runtime_context().get_node_id(), [mine]
 
@@ -157,5 +192,5 @@ def keep_part(holders, buddy_of, part, timeout_s):
     if holder is None:
         raise RuntimeError(f"no part holder for node {node[:12]}: the commit plan names {len(holders)} other node(s)")
     buddy = holders.get(buddy_of.get(node))
-    copies = ray.get(holder.keep.remote(pickle.PickleBuffer(part), buddy), timeout=timeout_s)
+    copies = ray.get(holder.keep.remote(out_of_band(part), buddy), timeout=timeout_s)
     return {"size": memoryview(part).nbytes, "copies": [(where, list(refs)) for where, refs in copies]}

@@ -23,14 +23,13 @@ Example:
     RestartPoint(0 copies, 0.0 MB)
 """
 import logging
-import pickle
 import time
 
 import ray
 from ray import exceptions as ray_errors
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysgd.torch.state.part_holders import by_value
+from raysgd.torch.state.part_holders import by_value, out_of_band
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +205,7 @@ def first_available(refs, timeout_s=600):
 def _copy(value):
     """Return the fetched ``value`` (state bytes) again, with a small answer: the task's node stores this copy."""
     return ({"bytes": memoryview(value).nbytes, "node": ray.get_runtime_context().get_node_id()},
-            pickle.PickleBuffer(memoryview(value)))
+            out_of_band(value))
 
 
 _copy_task = None
