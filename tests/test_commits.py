@@ -1,4 +1,5 @@
 """Commits inside an epoch: exactly-once resume after a real kill, bit-exact at the same size, bounded recompute."""
+import logging
 import os
 import signal
 import threading
@@ -127,6 +128,45 @@ def test_a_lost_commit_store_is_replaced_and_the_call_restarts_from_its_start(tr
     assert executed(log) >= 24 + 2 * 8, executed(log)  # replayed from the call's start: its commits were lost
     assert stored_commit(trainer, 12)["cursor"]["steps"] == 12  # the new store holds the retry's commits
     assert trainer.train()["num_samples"] == N and torch.equal(counts(trainer), 2 * torch.ones(N))
+
+
+def test_a_commit_store_lost_between_calls_is_replaced_during_the_next_call(trainers, caplog):
+    """The call's start does not wait for the store's answer (a round trip every call would pay): a store killed
+    between calls is found and replaced while the next call runs, which trains every sample once; the call after
+    commits into the new store."""
+    trainer = trainers(config={"n": N, "batch_size": BATCH})
+    trainer.train()
+    (store_pid,) = store_processes()
+    os.kill(store_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while store_pid in store_processes() and time.monotonic() < deadline:  # Ray knows the store is dead
+        time.sleep(0.05)
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.state.commit_policy"):
+        assert trainer.train()["num_samples"] == N
+    assert "The commit store was lost" in caplog.text
+    assert trainer.num_failures == 0 and torch.equal(counts(trainer), 2 * torch.ones(N))
+    deadline = time.monotonic() + 30
+    while not store_processes() and time.monotonic() < deadline:  # the new store's process starts in the background
+        time.sleep(0.05)
+    assert store_processes() and store_pid not in store_processes()
+    trainer.train()
+    assert stored_commit(trainer, 12)["cursor"]["steps"] == 12  # the new store holds the third call's commits
+
+
+def test_the_store_and_holder_processes_import_neither_raysgd_nor_torch(trainers):
+    """They are sent by value (``part_holders.by_value``), with the functions of raysgd they call: their processes
+    import only what their code uses (a by-reference function would bring raysgd and torch back: ~1 CPU s each)."""
+    trainer = trainers(config={"n": N, "batch_size": BATCH})
+    trainer.train()
+    from ray._private.state import state
+
+    helpers = [actor for actor in state.actor_table(None).values() if actor["State"] == "ALIVE"
+               and actor["ActorClassName"] in ("_StoreActor", "_HolderActor")]
+    assert {actor["ActorClassName"] for actor in helpers} == {"_StoreActor", "_HolderActor"}
+    for actor in helpers:
+        with open(f"/proc/{actor['Pid']}/maps", encoding="ascii", errors="replace") as maps:
+            mapped = maps.read()
+        assert "libtorch" not in mapped, actor["ActorClassName"]  # raysgd imports torch: neither was imported
 
 
 def test_commits_off_replays_the_call_from_its_start(trainers, tmp_path):

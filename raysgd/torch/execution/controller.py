@@ -250,11 +250,11 @@ class RunController:
         cursor (it takes no commits); ``on_tick()`` runs while the group waits for the workers."""
         self.check_max_retries(max_retries)
         self.ensure_workers()
+        self.commits.begin_call(method == "train_epoch", replay=replay)  # its store answers during the call (check_store)
         if not self._move_off_draining():
             target = self._scale_up_target()
             if target is not None:
                 self._restart(self.take_snapshot(), target=target)
-        self.commits.begin_call(method == "train_epoch", replay=replay)  # the store answers while the snapshot starts
         state = self.points.begin(self.group)  # the restart point, even with max_retries=0 (for the next call)
         first = dict(kwargs, snapshot=state.plan(self._timeout_s)) if isinstance(state, PendingPoint) else kwargs
         retries = 0
@@ -312,10 +312,12 @@ class RunController:
         return watches
 
     def _ticks(self, watches, requests, on_tick, state):
-        """The group's ``on_tick`` for an attempt: the call's point (``state``) made the restart point once stored
+        """The group's ``on_tick`` for an attempt: the store's answer to the call's start read once there (a lost store
+        replaced), the call's point (``state``) made the restart point once stored
         (the previous one's bytes freed then); each watch's decision becomes a request to the ranks to stop, asked
         again while unanswered; then the caller's ``on_tick``."""
         def tick():
+            self.commits.check_store()
             self.points.settle_if_stored(state)
             for request in list(requests):  # sent at an earlier tick: ask again where unanswered
                 request.tick()

@@ -62,8 +62,7 @@ class CommitPolicy:
         self._num_steps = None
         self._run_id = uuid.uuid4().hex[:12]  # tags this trainer's commits (a loaded commit of another run)
         self._lock = threading.Lock()  # latest_commit() may ask from another thread while a call runs
-        self._begun, self._ready = None, False  # the store's answer to the last call's start; it answered once
-        self._previous, self._unconfirmed = None, False  # the call before's answer; this call's not waited for yet
+        self._begun = None  # the store's answer to the call's start, until read (:meth:`check_store`)
         self.resumed_preemption = False  # the last restart_state() resumed from a preemption commit, first time
         self._preemption_seen = None  # the key of the preemption commit last reported
 
@@ -95,21 +94,20 @@ class CommitPolicy:
         return True
 
     def _begin(self):
-        """Start the call in the store; its answer is waited for by :meth:`_confirm` (at the call's first plan), so
-        the round trip overlaps what the driver does before it sends the call."""
-        self._previous, self._begun = self._begun, self._store.begin(self._call)
-        self._unconfirmed = True
+        """Start the call in the store; its answer is read by :meth:`check_store` while the call runs."""
+        self._begun = self._store.begin(self._call)
 
-    def _confirm(self):
-        """Once the store answered a call's start, the next one is waited for (a local round trip), so a store lost
-        since is replaced before the call trains; a store still starting up (the trainer's first call) is not
-        waited for."""
-        if not self._unconfirmed:
+    def check_store(self):
+        """While the call runs (the controller's watch tick; never waits): once the store answered the call's start,
+        read the answer, so a store lost since the previous call is replaced now (see :meth:`_ask`): this attempt's
+        commits are then not stored, and a failure restarts the call from its start; later attempts and calls use
+        the new store. Not waited for before the call starts: the round trip (~1 ms here) would be paid by every
+        call, for a store lost between calls (an OOM kill on the driver's node)."""
+        begun = self._begun
+        if begun is None or not ray.wait([begun], timeout=0)[0]:
             return
-        self._unconfirmed = False
-        if self._ready or (self._previous is not None and ray.wait([self._previous], timeout=0)[0]):
-            self._ready = True
-            self._ask(lambda store: ray.get(self._begun, timeout=60))
+        self._begun = None
+        self._ask(lambda store: ray.get(begun, timeout=1))
 
     def _ask(self, question):
         """``question(store)``; None when the store's process is gone (an OOM kill on the driver's node, say): a
@@ -124,7 +122,7 @@ class CommitPolicy:
                 if self._store is store:
                     logger.warning("The commit store was lost (%s: %s); a new one replaces it, and a failure in "
                                    "this call restarts it from its start", type(err).__name__, err)
-                    self._store, self._ready = CommitStore(), False
+                    self._store = CommitStore()
                     self._begun = self._store.begin(self._call) if self._call else None
             return None
 
@@ -142,7 +140,6 @@ class CommitPolicy:
         """The :class:`CommitPlan` of the current attempt (sent to every worker with the call), its sink naming the
         holders of ``nodes`` (each rank's node id) and each node's buddy; the holders of ``standby`` nodes are
         started too (not named)."""
-        self._confirm()
         nodes = list(nodes)
         self._holders.for_nodes(standby)
         sink = self._store.sink(self._holders.for_nodes(nodes), buddies(nodes))
