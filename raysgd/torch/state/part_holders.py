@@ -106,9 +106,10 @@ def by_value(obj):
         (True, True)
     """
     if isinstance(obj, types.FunctionType):  # a copy: the module's own function would go by reference
+        named = _names(obj.__code__)
         ours = {name: by_value(value) for name, value in obj.__globals__.items()
-                if name in _names(obj.__code__) and isinstance(value, types.FunctionType) and value is not obj
-                and (value.__module__ or "").startswith("raysgd.")}
+                if name in named and isinstance(value, types.FunctionType) and value is not obj
+                and (value.__module__ or "").startswith("raysgd.")}  # (none of them calls back: no cycle to guard)
         scope = {**obj.__globals__, **ours} if ours else obj.__globals__
         copy = types.FunctionType(obj.__code__, scope, obj.__name__, obj.__defaults__, obj.__closure__)
         copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = obj.__kwdefaults__, obj.__qualname__, obj.__doc__
