@@ -94,16 +94,23 @@ def store_processes():
             if actor["ActorClassName"] == "_StoreActor" and actor["State"] == "ALIVE"]
 
 
+def wait_for_stores(condition, what, timeout_s=30):
+    """The live store pids once ``condition(pids)`` holds; ``TimeoutError`` naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition(pids := store_processes()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s} s (live store pids: {pids})")
+        time.sleep(0.05)
+    return pids
+
+
 def test_a_lost_commit_store_is_replaced_and_the_call_restarts_from_its_start(trainers, tmp_path):
     """The store's process is killed as the OOM killer would (SIGKILL), then a worker: the call recovers from its
     start (a missing store means no commit to resume from), exactly once, and the new store takes commits."""
     log, marker = str(tmp_path / "log"), str(tmp_path / "fault")
     trainer = trainers(config={"n": N, "batch_size": BATCH, "log": log,
                                "fault": {"step": 8, "rank": 1, "marker": marker}})
-    deadline = time.monotonic() + 30
-    while not store_processes() and time.monotonic() < deadline:  # the store's process starts with the trainer
-        time.sleep(0.05)
-    (store_pid,) = store_processes()
+    (store_pid,) = wait_for_stores(bool, "the store's process starts with the trainer")
     killed = []
 
     def kill_store_then_worker():
@@ -114,8 +121,7 @@ def test_a_lost_commit_store_is_replaced_and_the_call_restarts_from_its_start(tr
                 break
             time.sleep(0.02)
         os.kill(store_pid, signal.SIGKILL)
-        while store_pid in store_processes() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_stores(lambda pids: store_pid not in pids, "Ray knows the killed store is dead")
         os.kill(int(open(marker).read()), signal.SIGKILL)
         killed.append(True)
 
@@ -138,17 +144,13 @@ def test_a_commit_store_lost_between_calls_is_replaced_during_the_next_call(trai
     trainer.train()
     (store_pid,) = store_processes()
     os.kill(store_pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while store_pid in store_processes() and time.monotonic() < deadline:  # Ray knows the store is dead
-        time.sleep(0.05)
+    wait_for_stores(lambda pids: store_pid not in pids, "Ray knows the killed store is dead")
     with caplog.at_level(logging.WARNING, logger="raysgd.torch.state.commit_policy"):
         assert trainer.train()["num_samples"] == N
     assert "The commit store was lost" in caplog.text
     assert trainer.num_failures == 0 and torch.equal(counts(trainer), 2 * torch.ones(N))
-    deadline = time.monotonic() + 30
-    while not store_processes() and time.monotonic() < deadline:  # the new store's process starts in the background
-        time.sleep(0.05)
-    assert store_processes() and store_pid not in store_processes()
+    # the new store's process starts in the background
+    assert store_pid not in wait_for_stores(bool, "a new store's process starts")
     trainer.train()
     assert stored_commit(trainer, 12)["cursor"]["steps"] == 12  # the new store holds the third call's commits
 

@@ -45,15 +45,17 @@ def _reported(run_folder):
 
 
 def _check_lightning_guide(result, tmp_path):
-    """Both ranks trained (DDP of 2: Lightning's sampler gave each rank 2 of the 4 batches of 16 per epoch), every
+    """Both ranks trained (DDP of 2: Lightning's sampler gave each rank 8 of the 16 batches of 16 per epoch), every
     epoch reported a checkpoint, the loss fell, and the last checkpoint loads as the guide loads it and has learned
-    the synthetic classes."""
+    the synthetic classes (in eval mode, through the batch norms' running statistics: with 6 steps instead of 24
+    they had not settled, and CI once saw 0.25; a one-process simulation of the 24 steps gave 1.00 for 20 seeds of
+    the model's initialisation, 0.80-1.00 for 12 steps, 0.48-1.00 for 6)."""
     markers = _reported(tmp_path / "storage" / RAY_TRAIN_RUN)
     assert [(m["world_size"], m["metrics"]["epoch"], m["metrics"]["step"]) for m in markers] == \
-        [(2, 0, 2), (2, 1, 4), (2, 2, 6)], markers
+        [(2, 0, 8), (2, 1, 16), (2, 2, 24)], markers
     assert markers[-1]["metrics"]["loss"] < markers[0]["metrics"]["loss"], markers
     accuracy = float(result.stdout.split("loaded model: accuracy ")[1].split()[0])
-    assert accuracy > 0.3, result.stdout[-2000:]  # 10 classes: chance is 0.1 (0.64-0.95 seen, BN in eval mode)
+    assert accuracy > 0.5, result.stdout[-2000:]  # 10 classes: chance is 0.1
 
 
 def _check_intro(result, tmp_path):

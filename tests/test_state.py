@@ -252,11 +252,8 @@ def test_a_buffer_sent_out_of_band_survives_a_reference_cycle_and_every_buffer_g
              "wrapped = {wrap}(view)\n"
              "cycle = [view, wrapped]; cycle.append(cycle); del view, wrapped, cycle\n"
              "gc.collect(); print('collected')\n")
-    raw = subprocess.run([sys.executable, "-c", cycle.format(wrap="pickle.PickleBuffer")], capture_output=True,
-                         text=True, timeout=120)
     helper = subprocess.run([sys.executable, "-c", cycle.format(wrap="out_of_band")], capture_output=True, text=True,
                             timeout=120)
-    assert raw.returncode != 0 and "collected" not in raw.stdout  # the hazard is real on this interpreter
     assert helper.returncode == 0 and "collected" in helper.stdout, helper.stderr
 
     package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "raysgd")
@@ -267,3 +264,10 @@ def test_a_buffer_sent_out_of_band_survives_a_reference_cycle_and_every_buffer_g
                 with open(os.path.join(folder, name), encoding="utf-8") as handle:
                     makers += [f"{name}:{number}" for number, line in enumerate(handle, 1) if "PickleBuffer(" in line]
     assert makers and {maker.split(":")[0] for maker in makers} == {"part_holders.py"}, makers  # out_of_band
+
+    raw = subprocess.run([sys.executable, "-c", cycle.format(wrap="pickle.PickleBuffer")], capture_output=True,
+                         text=True, timeout=120)
+    if raw.returncode == 0:  # checked last, so that what the test asserts above is asserted on every interpreter
+        pytest.skip(f"the raw pattern no longer crashes Python {sys.version.split()[0]}: this interpreter cannot "
+                    "show that the helper is needed (its checks above passed)")
+    assert "collected" not in raw.stdout  # the hazard is real on this interpreter, and the helper avoids it
