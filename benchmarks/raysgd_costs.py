@@ -29,7 +29,7 @@ class BenchOperator(TrainingOperator):
 
     config: ``model``, ``batch_size``, ``num_samples`` (the global data set); optional ``momentum``,
     ``width`` (of the ``wide`` model), ``signal_batch`` and ``signal_path`` (rank 1 writes its pid there
-    when it reaches that batch, once, for the driver to kill it).
+    when it reaches that batch, once, then waits for the driver to kill it).
     """
 
     def setup(self, config):
@@ -51,6 +51,7 @@ class BenchOperator(TrainingOperator):
             with open(path + ".tmp", "w", encoding="utf-8") as handle:
                 handle.write(str(os.getpid()))
             os.replace(path + ".tmp", path)
+            time.sleep(60)  # until the driver's kill lands (milliseconds): the epoch cannot end before it
         return metrics
 
 

@@ -27,11 +27,15 @@ from tabulate import tabulate
 from raysgd.torch.state.committer import serialise
 
 
-def _loop(stop, out):
+def _loop(stop, out, running=None):
+    """Counts iterations until ``stop``; sets ``running`` (if given) once the loop runs, so that the work it is
+    measured beside starts only then (a small serialisation could otherwise end before the loop's first step)."""
     count, worst, last = 0, 0.0, time.perf_counter()
     while not stop.is_set():
         now = time.perf_counter()
         worst, last, count = max(worst, now - last), now, count + 1
+        if count == 1 and running is not None:
+            running.set()
     out.update(count=count, worst=worst)
 
 
@@ -56,9 +60,12 @@ def measure(size_mb, how, repeats):
     alone = _alone_rate()
     walls, stalls, shares = [], [], []
     for _ in range(repeats):
-        stop, out, done = threading.Event(), {}, {}
+        stop, running, out, done = threading.Event(), threading.Event(), {}, {}
 
-        def work(done=done, stop=stop):
+        def work(done=done, stop=stop, running=running):
+            if not running.wait(timeout=60):
+                stop.set()
+                return  # the main thread raises: no wall time recorded
             started = time.perf_counter()
             done["view"] = write(state)
             done["wall"] = time.perf_counter() - started
@@ -66,8 +73,10 @@ def measure(size_mb, how, repeats):
 
         worker = threading.Thread(target=work)
         worker.start()
-        _loop(stop, out)
+        _loop(stop, out, running)
         worker.join()
+        if "wall" not in done:
+            raise TimeoutError("the measured loop did not start within 60 s")
         assert torch.equal(torch.load(io.BytesIO(done.pop("view")))["weight"], state["weight"])
         walls.append(done["wall"])
         stalls.append(out["worst"])

@@ -46,7 +46,7 @@ def trainers(trainer_factory):
 
 
 @pytest.mark.parametrize("how", ["os_exit", "ray_kill", "sigkill"])
-def test_worker_killed_mid_epoch_recovers_the_full_epoch(trainers, tmp_path, how):
+def test_worker_killed_mid_epoch_recovers_the_full_epoch(trainers, tmp_path, caplog, how):
     """Rank 1 dies at step 5 of 20 (no commit yet): the retry trains the epoch from its start, and every sample is
     trained exactly once in the epoch (the CountingModel's ``p[i]`` counts sample ``i`` in the trained state)."""
     n = 400
@@ -58,13 +58,15 @@ def test_worker_killed_mid_epoch_recovers_the_full_epoch(trainers, tmp_path, how
         when_marker(tmp_path / "fault", lambda pid: ray.kill(actor))
     elif how == "sigkill":
         when_marker(tmp_path / "fault", lambda pid: os.kill(pid, signal.SIGKILL))
-    start = time.monotonic()
+    caplog.set_level(logging.WARNING, logger="raysgd")
     stats = trainer.train()
-    elapsed = time.monotonic() - start
     assert (tmp_path / "fault").exists()  # the fault really happened
     assert stats["num_samples"] == n and stats["epoch"] == 1
     assert trainer.num_failures == 1 and trainer.worker_group.num_workers == 2
-    assert elapsed < 30, elapsed
+    # seen as the death it is, not waited out as a rank that stopped answering (timeout_s)
+    retries = [record.getMessage() for record in caplog.records if "restarting workers" in record.getMessage()]
+    assert len(retries) == 1 and "rank 1: worker process died" in retries[0], retries
+    assert "did not answer" not in retries[0], retries
     assert torch.equal(counts(trainer), torch.ones(n))  # every sample index trained exactly once
     assert trainer.train()["num_samples"] == n and torch.equal(counts(trainer), torch.full((n,), 2.0))
 

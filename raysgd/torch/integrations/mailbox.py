@@ -9,6 +9,8 @@ Example:
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raysgd.torch.state.part_holders import by_value
+
 
 class _MailboxActor:
     def __init__(self):
@@ -33,7 +35,9 @@ class Mailbox:
 
     def __init__(self):
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        self._actor = ray.remote(num_cpus=0)(_MailboxActor).options(scheduling_strategy=here).remote()
+        # by value: its process imports neither raysgd nor torch, so it serves within a second, not after the
+        # seconds of torch's import (rank 0's posts and the driver's reads of the first call would wait for it)
+        self._actor = ray.remote(num_cpus=0)(by_value(_MailboxActor)).options(scheduling_strategy=here).remote()
 
     def post(self, value, tag):
         return self._actor.post.remote(value, tag)
