@@ -16,7 +16,10 @@ gives the spare's refill time (from the refill's start to its spare ready) and t
 resident memory, and its CPU use while the group trains, beside a rank's). The case "node-spare" removes rank 1's
 node as "node" does, with ``num_spares=1``: a third node holds the spare (which takes rank 1, so the group keeps
 its size) and a fourth is free, so that Ray places the lost rank's bundle there again and the spare is refilled
-(its refill time as in "spare"; the nodes added are removed after the case). The table gives the seconds from the
+(its refill time as in "spare"; the nodes added are removed after the case). "node-killed-spare" is "node-spare"
+with rank 1's process SIGKILLed as its node is removed: ``remove_node`` ends the node's Ray processes, but a
+worker process on it goes on training until it notices its raylet is gone (~1.5 s), where a lost machine's
+processes end with it (a preempted VM's shutdown ends them; the peers' connections are closed at once). The table gives the seconds from the
 event to training resumed (the end of the longest pause in the batch log after it; median of ``--repeats``), the
 batches computed twice, and the workers and failures after recovery.
 
@@ -55,15 +58,18 @@ DEADLINE_S = 300
 EVENTS = {"process": "rank 1's process killed", "node": "rank 1's node lost",
           "drain": "rank 1's node drained (notice)", "spare": "rank 1's process killed, with a spare",
           "drain-spare": "rank 1's node drained (notice), with a spare", "grow": "a node added: grow 2 -> 3",
-          "node-spare": "rank 1's node lost, with a spare"}
+          "node-spare": "rank 1's node lost, with a spare",
+          "node-killed-spare": "rank 1's node lost with its processes, with a spare"}
 SURVIVORS = {"drain": "all moved at a commit", "drain-spare": "rank 0 kept, the spare took rank 1",
              "grow": "both kept, rank 2 new", "spare": "rank 0 kept, the spare took rank 1",
-             "node-spare": "rank 0 kept, the spare took rank 1"}
-CASES = (("process", True), ("process", False), ("spare", True), ("node", True), ("node-spare", True), ("node", False),
-         ("drain", True), ("drain-spare", True), ("grow", True))
-CASE_NAMES = ("process", "process-restart", "spare", "node", "node-spare", "node-restart", "drain", "drain-spare",
-              "grow")
-SPARE_CASES = ("spare", "node-spare", "drain-spare")
+             "node-spare": "rank 0 kept, the spare took rank 1",
+             "node-killed-spare": "rank 0 kept, the spare took rank 1"}
+CASES = (("process", True), ("process", False), ("spare", True), ("node", True), ("node-spare", True),
+         ("node-killed-spare", True), ("node", False), ("drain", True), ("drain-spare", True), ("grow", True))
+CASE_NAMES = ("process", "process-restart", "spare", "node", "node-spare", "node-killed-spare", "node-restart",
+              "drain", "drain-spare", "grow")
+SPARE_CASES = ("spare", "node-spare", "node-killed-spare", "drain-spare")
+REFILLED_ELSEWHERE = ("drain-spare", "node-spare", "node-killed-spare")  # a fourth node for the spare's refill
 
 
 def _live_worker_nodes():
@@ -167,7 +173,7 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
     # somewhere to move to (the drained node ends once the workers left it), or the spare's node
     added = _add_node(cluster) if fault in ("drain", *SPARE_CASES) else None
     hog = None
-    if fault in ("drain-spare", "node-spare"):
+    if fault in REFILLED_ELSEWHERE:
         _add_node(cluster)  # the spare's refill goes somewhere (Ray places the lost or drained rank's bundle there)
     elif fault == "grow":  # a third node, held by a placement group of its own until the event removes it
         os.environ["SGD_RESIZE_COOLDOWN_S"] = "0"
@@ -207,6 +213,8 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
             ray.util.remove_placement_group(hog)  # the third node's CPU is free: the grow check sees it
             hog = None
         else:
+            if fault == "node-killed-spare":  # the node's processes end with it, as a machine's shutdown ends them
+                os.kill(pids[1], signal.SIGKILL)
             cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node_of_rank1),
                                 allow_graceful=False)
             logging.getLogger("raysgd.benchmark").info("rank 1's node removed (remove_node returned %.2f s after "
@@ -251,7 +259,7 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
             _add_node(cluster)  # back to two worker nodes for the next run
         elif fault == "spare":
             _remove_free_node(cluster, added)  # back to two worker nodes for the next case
-        elif fault in ("drain-spare", "grow", "node-spare"):
+        elif fault in ("grow", *REFILLED_ELSEWHERE):
             _back_to_two(cluster)
 
 
@@ -286,7 +294,7 @@ def main():
                              "repeats": repeats, "all_s": times})
                 if "kept_pids" in runs[-1]:
                     rows[-1]["kept_pids"] = all(r["kept_pids"] for r in runs)
-                if fault in ("drain-spare", "node-spare"):
+                if fault in REFILLED_ELSEWHERE:
                     refills = sorted(r["refill_s"] for r in runs if r["refill_s"] is not None)
                     rows[-1].update(refill_s=refills[len(refills) // 2] if refills else None,
                                     refilled=f"{len(refills)}/{len(runs)}",
