@@ -19,8 +19,8 @@ its size) and a fourth is free, so that Ray places the lost rank's bundle there 
 (its refill time as in "spare"; the nodes added are removed after the case). "node-killed-spare" is "node-spare"
 with rank 1's process SIGKILLed as its node is removed: ``remove_node`` ends the node's Ray processes, but a
 worker process on it goes on training until it notices its raylet is gone (~1.5 s), where a lost machine's
-processes end with it (a preempted VM's shutdown ends them; the peers' connections are closed at once). The table gives the seconds from the
-event to training resumed (the end of the longest pause in the batch log after it; median of ``--repeats``), the
+processes end with it (a preempted VM's shutdown ends them; the peers' connections are closed at once). The table
+gives the seconds from the event to training resumed (the end of the longest pause in the batch log after it; median of ``--repeats``), the
 batches computed twice, and the workers and failures after recovery.
 
 Two cases keep the healthy ranks in their processes at a planned resize (README "Partial moves and grows"):

@@ -89,7 +89,8 @@ def by_value(obj):
     Ray sends a class or function of an importable module by reference: the process that runs it imports that module
     and, with it, its package (``raysgd`` imports torch: about 1.2 CPU seconds, several under load, and a 1-CPU node
     starts one worker process at a time). The 0-CPU helpers that need no torch (the commit store, the part holders,
-    the restart point's copy task) are made from such a copy, so their processes import only what their code uses.
+    the restart point's copy task, the progress bar's mailbox) are made from such a copy, so their processes import
+    only what their code uses.
     cloudpickle sends each function with the module globals it names: builtins, constants, loggers and modules such as
     ``ray``, ``pickle`` or ``numpy`` go as they are; a function of a ``raysgd`` module it names (:func:`out_of_band`)
     is copied by value too (by reference it would bring the import back); a class of a ``raysgd`` module must not be
