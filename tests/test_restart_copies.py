@@ -12,10 +12,13 @@ import time
 import pytest
 import ray
 import torch
+from ray.experimental import get_object_locations
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from conftest import local_cluster
 from helpers import CountingOperator, FaultyOperator, holders_started, remove_node_after_commit
 from raysgd import TorchTrainer
+from raysgd.torch.state import part_holders, restart_point
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +67,48 @@ def weights(trainer):
 
 def node_ids(trainer):
     return trainer.apply_all_workers(lambda: ray.get_runtime_context().get_node_id())
+
+
+def locations(ref):
+    return sorted(get_object_locations([ref], timeout_ms=10_000)[ref]["node_ids"])
+
+
+def test_every_kept_copy_is_stored_on_its_own_node_only(three_nodes):
+    """A pull leaves a secondary copy of the pulled object on the puller's node, which Ray lists as a location of it
+    until it declares that node dead; a restart right after the node's loss could have its load sent there and wait
+    Ray's pull timeout (10 s). So a commit's part copies (the holders') and a restart point's copy are each made from
+    a temporary, and every kept object has one location: its own node. The control, a direct pull, shows the
+    location that would otherwise be left (and that Ray reports it before the kept objects are checked)."""
+    back_to_three_worker_nodes(three_nodes)
+    node_a, node_b = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)[:2]
+    on_a, on_b = (NodeAffinitySchedulingStrategy(node, soft=False) for node in (node_a, node_b))
+    size = 2_000_000  # in the nodes' object stores (Ray keeps objects under 100 KB in the owner's memory)
+    holders = part_holders.Holders()
+    try:
+        handles, buddy_of = holders.for_nodes([node_a, node_b]), part_holders.buddies([node_a, node_b])
+        commit = ray.remote(num_cpus=0)(lambda: part_holders.keep_part(handles, buddy_of, bytes(size), 60))
+        part = ray.get(commit.options(scheduling_strategy=on_a).remote(), timeout=60)
+        copies = {node: refs[0] for node, refs in part["copies"]}
+        assert sorted(copies) == sorted([node_a, node_b]) and part["size"] == size
+
+        state = ray.remote(num_cpus=0)(lambda: b"s" * size)
+        primary = state.options(scheduling_strategy=on_a).remote()  # as rank 0's snapshot: returned on its node
+        point = restart_point.RestartPoint([primary], nbytes=size, nodes=[node_a])
+        assert restart_point.copy_to(point, node_b, timeout_s=60) and point.nodes == [node_a, node_b]
+
+        control = state.options(scheduling_strategy=on_a).remote()
+        pulled = ray.remote(num_cpus=0)(lambda value: len(value)).options(scheduling_strategy=on_b).remote(control)
+        assert ray.get(pulled, timeout=60) == size
+        deadline = time.monotonic() + 30
+        while locations(control) != sorted([node_a, node_b]):
+            assert time.monotonic() < deadline, f"the direct pull's location on node b never showed: {locations(control)}"
+            time.sleep(0.05)
+
+        assert locations(copies[node_a]) == [node_a] and locations(copies[node_b]) == [node_b]
+        assert locations(point.refs[0]) == [node_a] and locations(point.refs[1]) == [node_b]
+        assert bytes(restart_point.first_available(point.refs[1:], timeout_s=60)) == b"s" * size
+    finally:
+        holders.close()
 
 
 def test_losing_the_node_of_the_restart_point_restarts_from_its_copy(three_nodes, expected, tmp_path):

@@ -90,7 +90,7 @@ class RestartPoints:
         if begun is None:
             return self.take(group)
         info, data, node = begun
-        copies = [(target, *start_copy(data, target)) for target in self._copy_targets(group, [node]) if target]
+        copies = [(target, *start_copy(data, target, node)) for target in self._copy_targets(group, [node]) if target]
         return PendingPoint(token, info, data, node, copies)
 
     def settle_if_stored(self, state):

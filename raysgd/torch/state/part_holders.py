@@ -5,11 +5,18 @@ leaves every part of a commit available and nothing the size of the model passes
 Layer 2 (ray; beside :mod:`~raysgd.torch.state.commit_store`, one of the modules that call actors). A rank that
 commits a part (rank 0's state under DDP; every rank's shard under a sharded strategy) hands its serialised
 buffer to the holder on its own node (:meth:`CommitSink.put` of the commit store, in the rank's background send
-thread): the buffer reaches the holder through its node's object store (no network), the holder puts a copy of its
-own there (the holder *owns* it, so it outlives the sending rank's process) and asks the holder of the buddy node
-to make its own copy (pulled across the network; owned by that holder). The holder answers with the copies'
-``(node, [ref])``, which the rank sends with its small record to the commit store; the store, and after a failure
-the driver, only *borrow* those refs: the bytes go from the holders' nodes to the restarted workers directly.
+thread): the rank puts the buffer into its node's object store once (a temporary it owns), the holder puts a copy of
+its own there (the holder *owns* it, so it outlives the sending rank's process) and asks the holder of the buddy
+node to make its own copy from the rank's temporary (pulled across the network; owned by that holder), after which
+the temporary is released. The holder answers with the copies' ``(node, [ref])``, which the rank sends with its small
+record to the commit store; the store, and after a failure the driver, only *borrow* those refs: the bytes go from
+the holders' nodes to the restarted workers directly.
+
+No node pulls a kept copy to make another: a pull leaves a secondary copy of the object it pulled in the puller's
+object store, which Ray's directory lists as a location of that object until it declares the puller's node dead. A
+worker that loads the kept copy after the puller's node was lost, but before Ray's verdict (a restart that does not
+wait for it), could have its pull sent there and wait Ray's ``object_manager_pull_timeout_ms`` (10 s by default)
+before another location is tried. So each kept copy is only ever stored on its own node when it is made.
 
 Holders hold no state of their own: a copy lives as long as someone (the store's latest commit, a restart point)
 holds its ref, and is freed when the last one lets go. A holder is lost only with its node (or an OOM kill of its
@@ -124,22 +131,26 @@ def by_value(obj):
 class _HolderActor:
     """One node's holder (see the module docstring); a threaded actor serving its ranks and its buddies."""
 
-    def keep(self, part, buddy):
-        """Keep ``part`` (a buffer, this node's rank's serialised part) in this node's object store and, with a
-        ``buddy`` holder, a copy on its node; returns ``[(node, [ref]), ...]`` of the copies made."""
+    def keep(self, temporary, buddy):
+        """Keep the part of ``temporary`` (``[ref]``: a buffer, this node's rank's serialised part, put by the rank
+        into this node's object store) in this node's object store and, with a ``buddy`` holder, a copy on its node
+        made from the temporary (never from this holder's copy: see the module docstring); returns
+        ``[(node, [ref]), ...]`` of the copies made."""
+        part = ray.get(temporary[0], timeout=COPY_TIMEOUT_S)  # on this node: no transfer
         own = ray.put(out_of_band(part))  # owned by this holder, in this node's store
         del part
         copies = [(ray.get_runtime_context().get_node_id(), [own])]
         if buddy is not None:
             try:
-                copies.append(tuple(ray.get(buddy.copy.remote([own]), timeout=COPY_TIMEOUT_S)))
+                copies.append(tuple(ray.get(buddy.copy.remote(temporary), timeout=COPY_TIMEOUT_S)))
             except ray_errors.RayError as err:  # the part still has its first copy
                 logger.warning("The buddy copy of a committed part failed (%s: %s); it has one copy",
                                type(err).__name__, str(err).splitlines()[0] if str(err) else "")
         return copies
 
     def copy(self, refs):
-        """Pull ``refs[0]`` from the holder that made it and keep a copy of this holder's own; ``(node, [ref])``."""
+        """Pull ``refs[0]`` (a rank's temporary, on another node) and keep a copy of this holder's own;
+        ``(node, [ref])``."""
         value = ray.get(refs[0], timeout=COPY_TIMEOUT_S)
         mine = ray.put(out_of_band(value))
         del value
@@ -194,5 +205,7 @@ def keep_part(holders, buddy_of, part, timeout_s):
     if holder is None:
         raise RuntimeError(f"no part holder for node {node[:12]}: the commit plan names {len(holders)} other node(s)")
     buddy = holders.get(buddy_of.get(node))
-    copies = ray.get(holder.keep.remote(out_of_band(part), buddy), timeout=timeout_s)
+    temporary = ray.put(out_of_band(part))  # released on return: the holders' copies are the kept ones
+    copies = ray.get(holder.keep.remote([temporary], buddy), timeout=timeout_s)
+    del temporary
     return {"size": memoryview(part).nbytes, "copies": [(where, list(refs)) for where, refs in copies]}

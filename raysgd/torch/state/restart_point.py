@@ -10,7 +10,11 @@ Layer 2 (ray, torch). A :class:`RestartPoint` is a list of ObjectRefs to the sam
 - a *copy* on one other node (:func:`copy_to`: a 0-CPU task there fetches the primary and returns it, so the copy is
   owned by the driver and stored on that node), made before the call trains (a node lost meanwhile leaves the
   state unchanged on the others): the loss of any one node leaves one of them. The controller spreads the copies
-  over the workers' nodes, call after call.
+  over the workers' nodes, call after call. The copy is pulled from a temporary that a task on the primary's node
+  makes (and that is released once the copy is stored), never from the primary itself: a pull leaves a secondary
+  copy of what it pulled on the puller's node, which Ray lists as a location of the primary until it declares that
+  node dead, and a restart after that node's loss could then wait Ray's pull timeout (10 s by default) on it (see
+  :mod:`raysgd.torch.state.part_holders`).
 
 A restart sends the refs (inside a list, so Ray does not resolve them) to every new worker, which loads the first
 one still available (:func:`first_available`): the bytes move from the holder's node to each worker's node, never
@@ -208,15 +212,27 @@ def _copy(value):
             out_of_band(value))
 
 
-_copy_task = None
+def _again(value):
+    """Return ``value`` (state bytes, on this node) again: a temporary for another node to pull."""
+    return out_of_band(value)
 
 
-def start_copy(ref, node):
+_copy_task = _again_task = None
+
+
+def start_copy(ref, node, source=None):
     """Start copying the state bytes of ``ref`` (stored already, or still to come: the task waits for them) into
-    ``node``'s object store; returns ``(info ref, data ref)`` of the copy, unwaited (see :func:`copy_to`)."""
-    global _copy_task
-    if _copy_task is None:
-        _copy_task = ray.remote(num_cpus=0, max_retries=0, num_returns=2)(by_value(_copy))  # its process: no torch
+    ``node``'s object store; returns ``(info ref, data ref)`` of the copy, unwaited (see :func:`copy_to`).
+
+    ``source``: the node storing ``ref``; the copy is then pulled from a temporary made there (see the module
+    docstring), so ``ref`` never gets a location on ``node``. None (unknown): pulled from ``ref`` itself."""
+    global _copy_task, _again_task
+    if _copy_task is None:  # their processes import no torch
+        _copy_task = ray.remote(num_cpus=0, max_retries=0, num_returns=2)(by_value(_copy))
+        _again_task = ray.remote(num_cpus=0, max_retries=0)(by_value(_again))
+    if source is not None and source != node:
+        # released once the copy task is done with it (Ray holds a pending task's arguments)
+        ref = _again_task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(source, soft=False)).remote(ref)
     strategy = NodeAffinitySchedulingStrategy(node, soft=False)
     return tuple(_copy_task.options(scheduling_strategy=strategy).remote(ref))
 
@@ -232,7 +248,7 @@ def copy_to(point, node, timeout_s=600):
 def copy_all(targets, timeout_s=600):
     """:func:`copy_to` for each ``(point, node)`` of ``targets`` at once (the parts of a sharded state, each to its
     own node); waits for all. Returns whether each copy was made."""
-    started = [(point, node, *start_copy(point.refs[0], node)) for point, node in targets]
+    started = [(point, node, *start_copy(point.refs[0], node, point.nodes[0])) for point, node in targets]
     deadline = time.monotonic() + timeout_s
     made = []
     for point, node, info_ref, data_ref in started:
