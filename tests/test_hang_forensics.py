@@ -1,5 +1,8 @@
 """Where is each rank? Stacks of stuck ranks in the WorkerFailure and the log; trainer.stack_traces() by hand."""
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -67,3 +70,23 @@ def test_a_rank_that_cannot_answer_is_dumped_with_py_spy(trainer_factory):
     if "Permission denied" in text or "Operation not permitted" in text:
         pytest.skip(f"ptrace is not permitted here: {text}")
     assert text.startswith("py-spy dump:") and "main_loop" in text, text
+
+
+def test_a_process_that_ended_is_told_from_one_that_did_not_answer():
+    """A rank that does not answer the stack request in time and whose process on this machine has ended (killed,
+    not yet reaped, or reaped) is reported dead, as Ray reports a dead actor (a process lost with its node is reported
+    by Ray only at its verdict on the node); a live one is not."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not diagnostics.process_ended(child.pid)
+        child.kill()
+        deadline = time.monotonic() + 30
+        while not diagnostics.process_ended(child.pid):  # a zombie until waited for
+            assert time.monotonic() < deadline, "the killed child never showed as ended"
+            time.sleep(0.01)
+        assert child.poll() is not None  # reaped now: gone from /proc
+        assert diagnostics.process_ended(child.pid)
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert not diagnostics.process_ended(os.getpid())

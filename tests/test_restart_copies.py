@@ -6,6 +6,7 @@ is killed: the primary copy is gone with it, the group restarts at 2 workers (th
 the result is bit-exact with a run that lost nothing (dropout draws from each rank's own stream).
 """
 import os
+import signal
 import threading
 import time
 
@@ -229,9 +230,11 @@ def test_a_sharded_run_loses_a_node_at_3_workers_then_grows_back_at_a_commit_poi
 
 
 def test_a_lost_nodes_rank_is_taken_by_a_warm_spare_on_another_node(three_nodes, expected, tmp_path):
-    """Two workers and one warm spare, one per node: rank 0's node is killed after the commit at step 2. The spare
-    (on the third node) takes rank 0 and resumes from the commit's buddy copy; rank 1 keeps its process; the group
-    keeps its size; every sample once, bit-exact with a run that lost nothing."""
+    """Two workers and one warm spare, one per node: rank 0's node is lost with its processes after the commit at
+    step 2 (rank 0's process SIGKILLed as the node is removed, as a machine's shutdown ends them: rank 1's collective
+    sees the connection close at once, and Ray reports rank 0 dead only at its verdict on the node, which the recovery
+    does not wait for). The spare (on the third node) takes rank 0 and resumes from the commit's buddy copy; rank 1
+    keeps its process; the group keeps its size; every sample once, bit-exact with a run that lost nothing."""
     cluster = back_to_three_worker_nodes(three_nodes)
     marker, fault = rank0_sleeps_at_batch_3(tmp_path)
     trainer = TorchTrainer(training_operator_cls=FaultyOperator, num_workers=2, config={**CONFIG, "fault": fault},
@@ -246,7 +249,8 @@ def test_a_lost_nodes_rank_is_taken_by_a_warm_spare_on_another_node(three_nodes,
         assert len(set(trainer.worker_group.spare_nodes()) | set(placed)) == 3
         seen = {}
         killer = remove_node_after_commit(trainer, cluster, doomed, marker, min_steps=2,
-                                          before=lambda: seen.update(holders=holders_started()))
+                                          before=lambda: (seen.update(holders=holders_started()),
+                                                          os.kill(pids[0], signal.SIGKILL)))
         stats = trainer.train()
         killer.join(timeout=30)
         assert seen["holders"] == 3  # the spare's node's commit holder started before the spare took a rank

@@ -93,6 +93,22 @@ def is_collective_failure(err):
         or ("nccl" in lower and any(marker in lower for marker in _NCCL_FAILURE_MARKERS)))
 
 
+_PEER_GONE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def is_peer_gone(err):
+    """True if ``err`` is a :class:`CollectiveError` saying a peer's connection closed (its process ended, or its
+    machine closed the socket), as opposed to a timeout (a peer that may be stuck but alive).
+
+    Example:
+        >>> is_peer_gone(CollectiveError(0, "[pair.cc:553] Connection closed by peer [10.0.0.2]:4321"))
+        True
+        >>> is_peer_gone(CollectiveError(0, "Timed out waiting 30000ms for recv operation to complete"))
+        False
+    """
+    return isinstance(err, CollectiveError) and any(marker in err.message for marker in _PEER_GONE_MARKERS)
+
+
 class PlacementUnavailable(RuntimeError):
     """The workers' bundles of the enclosing (Tune trial's) placement group cannot be placed: a node is gone.
 

@@ -29,7 +29,7 @@ import time
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from raysgd.torch.errors import CollectiveError
+from raysgd.torch.errors import CollectiveError, is_peer_gone
 from raysgd.torch.execution.local_runner import AbandonedCall, LocalCall
 from raysgd.torch.fault_tolerance import reform
 
@@ -38,6 +38,11 @@ logger = logging.getLogger(__name__)
 _TICK_S = 0.5
 _USER_ERROR_GRACE_S = 2.0
 _CAUSE_GRACE_S = 1.0
+# The same when every failure says a peer's connection closed: a killed process is reported dead within ~0.1 s, and
+# a process lost with its node only after Ray's health check, which a recovery must not wait for. A death reported
+# after this grace is still named: the unanswered ranks' stacks are taken next, and a rank found dead then is named
+# as such (``WorkerGroup._fail``).
+_PEER_GONE_GRACE_S = 0.25
 _LOCAL_TICK_S = 0.05  # how often a local rank 0's thread is checked while remote ranks are watched
 DONE, USER_ERROR, FAILED = "done", "user error", "failed"
 
@@ -181,7 +186,8 @@ def collect(calls, *, timeout_s, deadline_s=None, on_tick=None, lockstep=False, 
         # A survivor's collective often fails just before the dead peer is reported: wait a moment
         # for the real cause, so that the error names the rank that died rather than its victim.
         # A user error found meanwhile is kept: it is the cause (see below).
-        round_.wait_rest(_CAUSE_GRACE_S)
+        peer_gone = all(is_peer_gone(c) for c in failures.values())
+        round_.wait_rest(_PEER_GONE_GRACE_S if peer_gone else _CAUSE_GRACE_S)
     deaths = [c for c in failures.values() if not isinstance(c, CollectiveError)]
     if deaths and survivor_grace_s is not None:  # a survivor's call ends once its collective meets the dead peer
         round_.wait_rest(survivor_grace_s)

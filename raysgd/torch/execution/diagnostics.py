@@ -5,7 +5,8 @@ group, ``"control"``, whose one thread answers while the default group is busy t
 the group sends :func:`format_stacks` there. A rank living in the driver (``use_local``) is read
 in-process from its runner thread. When a worker does not answer within the deadline (its process
 holds the interpreter lock, or is gone), ``py-spy dump`` is tried on its process if it runs on this
-machine; otherwise the text says why no stack could be taken.
+machine (a process that has ended there is reported dead, as Ray reports a dead actor: :data:`DEAD`); otherwise the
+text says why no stack could be taken.
 
 Example:
     >>> import threading
@@ -37,6 +38,13 @@ SNAPSHOT_GROUP = "snapshot"
 CONCURRENCY_GROUPS = {CONTROL_GROUP: 1, SNAPSHOT_GROUP: 1}
 #: Seconds to wait for one rank's stack before giving up on it.
 STACK_TIMEOUT_S = 5.0
+#: The same when the ranks that did answer saw a peer's connection close: the silent rank's process is most likely
+#: gone, and Ray says so only once it sees the death (at once for a process; for a lost node, after its health
+#: check, which the recovery must not wait for). A live rank answers from its control group in milliseconds.
+PEER_GONE_STACK_TIMEOUT_S = 0.3
+#: A rank's "stack" when its process was found dead while the stacks were taken (Ray reported it, or it ended on this
+#: machine).
+DEAD = "no stack: the worker's process is dead"
 
 
 def format_stacks(only=None, skip_current=True):
@@ -95,13 +103,37 @@ def _actor_process(actor_id):
     return entry.get("Pid"), (entry.get("Address") or {}).get("IPAddress")
 
 
+def process_ended(pid):
+    """Whether process ``pid`` of this machine has ended (gone, or a zombie not yet reaped by its parent).
+
+    Example:
+        >>> process_ended(os.getpid())
+        False
+    """
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")  # the state, after "(command name)"
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc here: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+
 def _without_answer(actor_id, timeout_s):
     pid, ip = _actor_process(actor_id)
     if pid is None:
         return "no stack: the worker's process is unknown to Ray"
     if ip != ray.util.get_node_ip_address():
-        return (f"no stack: the worker (pid {pid} on {ip}) did not answer within {timeout_s:.0f} s and runs on "
+        return (f"no stack: the worker (pid {pid} on {ip}) did not answer within {timeout_s:.1f} s and runs on "
                 f"another machine (run py-spy dump --pid {pid} there)")
+    if process_ended(pid):  # killed, and Ray has not said so yet (a process lost with its node: at Ray's verdict)
+        return DEAD
     return py_spy_dump(pid)
 
 
@@ -121,7 +153,7 @@ def gather_stacks(requests, timeout_s=STACK_TIMEOUT_S):
         try:
             stacks[rank] = ray.get(ref)
         except RayActorError:
-            stacks[rank] = "no stack: the worker's process is dead"
+            stacks[rank] = DEAD
         except RayError as err:
             stacks[rank] = f"no stack: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
     return dict(sorted(stacks.items()))

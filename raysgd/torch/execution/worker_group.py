@@ -17,7 +17,7 @@ import logging
 import ray
 
 from raysgd.torch import constants
-from raysgd.torch.errors import WorkerFailure
+from raysgd.torch.errors import WorkerFailure, is_peer_gone
 from raysgd.torch.execution import calls as _calls
 from raysgd.torch.execution import cluster_state, diagnostics, placement
 from raysgd.torch.execution.local_runner import LocalRunner
@@ -491,13 +491,18 @@ class WorkerGroup:
     def _fail(self, failures, unresponsive, cause, message, keep=()):
         stacks = {}
         if unresponsive:  # where is everyone? taken before the kill, while they are stuck
+            peer_gone = failures and all(is_peer_gone(err) for err in failures.values())
             try:
-                stacks = self.stack_traces()
+                stacks = self.stack_traces(diagnostics.PEER_GONE_STACK_TIMEOUT_S if peer_gone else
+                                           diagnostics.STACK_TIMEOUT_S)
             except Exception as err:  # noqa: BLE001 (the failure matters more than its forensics)
                 stacks = {rank: f"no stack: {type(err).__name__}: {err}" for rank in unresponsive}
+        dead = [rank for rank in unresponsive if stacks.get(rank) == diagnostics.DEAD]  # reported meanwhile
+        unresponsive = [rank for rank in unresponsive if rank not in dead]
         self._let_snapshot_finish()
         self._kill_all(keep, spares_stay=self._can_keep() and self._spares.available() > 0)
         descriptions = {rank: _calls.describe(err) for rank, err in failures.items()}
+        descriptions.update({rank: "worker process died (found while the stacks were taken)" for rank in dead})
         failure = WorkerFailure(message, descriptions, unresponsive, stacks)
         logger.warning("Ending the attempt: %s", failure)
         raise failure from (cause if isinstance(cause, BaseException) else None)  # a timeout's cause is text
