@@ -88,7 +88,8 @@ DOCTESTED = ["raysgd.utils", "raysgd.optional", "raysgd.meters", "raysgd.timers"
              "raysgd.torch.execution.shipping", "raysgd.torch.execution.spares", "raysgd.torch.integrations", "raysgd.torch.integrations.progress",
              "raysgd.torch.integrations.results", "raysgd.torch.integrations.ray_data",
              "raysgd.torch.integrations.tune", "raysgd.data.dataset", "raysgd.data.examples.mlp_identity",
-             "raysgd.train", "raysgd.train.config", "raysgd.train.checkpoint", "raysgd.train.run_storage",
+             "raysgd.train", "raysgd.train.config", "raysgd.train.checkpoint", "raysgd.train.reporting",
+             "raysgd.train.commits", "raysgd.torch.storage.rank_files", "raysgd.torch.fault_tolerance.failure_policy",
              "raysgd.train.session", "raysgd.train.prepare", "raysgd.train.function_worker", "raysgd.train.trainer",
              "raysgd.train.torch", "raysgd.train.lightning", "raysgd.train.utils"]
 

@@ -36,7 +36,8 @@ def cluster():
 
 def counting_loop(config):
     """``counts[i]``: how often sample ``i`` was trained (summed over the ranks, as DDP replicas agree); a
-    checkpoint every 2 steps and at each epoch's end; rank 1 SIGKILLs itself once, mid-epoch 0, at step 3."""
+    checkpoint every 2 steps and at each epoch's end (``report`` is a collective: every rank reports); rank 1
+    SIGKILLs itself once, mid-epoch 0, right after the report of step 1 (half the epoch)."""
     counts, start_epoch, resumed_from = torch.zeros(N), 0, None
     checkpoint = raysgd.train.get_checkpoint()
     if checkpoint:
@@ -62,16 +63,12 @@ def counting_loop(config):
             dist.all_reduce(seen)
             counts += seen
             model(ids.float().unsqueeze(1)).sum().backward()
+            if step % 2 == 1:
+                save(epoch, {"epoch": epoch, "step": step})  # a collective: durable on return, on every rank
             if config.get("kill_marker") and rank == 1 and epoch == 0 and step == 1 and \
                     not os.path.exists(config["kill_marker"]):
                 open(config["kill_marker"], "w").close()
-                reported_step_1 = os.path.join(config["storage"], "counting", "checkpoint_000001", ".raysgd_report.json")
-                deadline = time.monotonic() + 30
-                while not os.path.exists(reported_step_1) and time.monotonic() < deadline:
-                    time.sleep(0.05)  # rank 0 reports step 1 (half the epoch) meanwhile
-                os.kill(os.getpid(), signal.SIGKILL)
-            if step % 2 == 1:
-                save(epoch, {"epoch": epoch, "step": step})
+                os.kill(os.getpid(), signal.SIGKILL)  # half the epoch trained and committed
         save(epoch + 1, {"epoch": epoch, "done": True, "resumed_from": resumed_from})
 
 
@@ -223,30 +220,47 @@ def test_lightning_on_two_workers_reports_each_epoch_and_a_killed_rank_resumes_f
     assert [(m["world_size"], m["metrics"]["epoch"], m["metrics"]["step"]) for m in markers] == \
         [(2, 0, 2), (2, 1, 4), (2, 2, 6)], markers
     assert result.metrics["epoch"] == 2 and result.metrics["step"] == 6
-    assert sorted(os.listdir(result.checkpoint.path)) == [".raysgd_report.json", "checkpoint.ckpt"]
+    assert sorted(os.listdir(result.checkpoint.path)) == [".raysgd_report.json", "checkpoint.ckpt"]  # the marker
     assert_released()
 
 
 def test_reported_checkpoints_go_to_an_s3_uri_marker_last_and_read_back(tmp_path):
-    """The run folder on a real S3-compatible server (moto): a reported directory is copied, its marker written
-    last, a directory without a marker is skipped, and ``Checkpoint.as_directory`` downloads it."""
+    """The run folder on a real S3-compatible server (moto): two ranks' files go into one directory, its marker
+    written last listing both; a directory without a marker is skipped; a file shorter than its marker says is found
+    before any function reads it (the one before is resumed from); ``Checkpoint.as_directory`` downloads one."""
     from s3_server import moto_s3
 
-    from raysgd.train.run_storage import MARKER, RunFolder
+    from raysgd.torch.storage import filesystem, rank_files
+    from raysgd.train.commits import ReportCommits
 
-    source = tmp_path / "reported"
-    source.mkdir()
-    (source / "model.pt").write_bytes(b"weights")
+    ranks = [tmp_path / "rank0", tmp_path / "rank1"]
+    for rank, source in enumerate(ranks):
+        source.mkdir()
+        (source / f"shard_{rank}.pt").write_bytes(b"weights" * (rank + 1))
     with moto_s3() as (prefix, query):
-        folder = RunFolder(f"{prefix}/runs{query}", "exp")
-        folder.check_writable()
-        uri = folder.write(str(source), {"metrics": {"loss": 0.5}, "cursors": [None]})
-        folder.filesystem.create_dir(folder.fs_path + "/checkpoint_000002")  # a copy that never finished
-        latest_uri, marker = folder.latest()
-        assert latest_uri == uri and uri.startswith(f"{prefix}/runs/exp/checkpoint_000001") and marker["metrics"] == {"loss": 0.5}
-        with Checkpoint(uri).as_directory() as local:
-            assert sorted(os.listdir(local)) == [MARKER, "model.pt"]
-            assert open(os.path.join(local, "model.pt"), "rb").read() == b"weights"
+        storage = filesystem.CheckpointStorage(filesystem.child_uri(f"{prefix}/runs{query}", "exp"), None,
+                                               marker=filesystem.REPORT_MARKER)
+        storage.check_writable()
+        for index in (1, 2):
+            directory = f"{storage.path}/{filesystem.numbered(index)}"
+            files = {}
+            for source in ranks:
+                files.update(rank_files.write_files(storage.root, directory, str(source), rank_files.local_files(str(source)),
+                                                    home=None))
+            rank_files.write_marker(storage.root, directory, files, {"kind": "report", "index": index,
+                                                                     "metrics": {"loss": 1.0 / index}},
+                                    filesystem.REPORT_MARKER, home=None)
+        storage.filesystem.create_dir(storage.path + "/checkpoint_000003")  # a copy that never finished
+        commits = ReportCommits(storage, home=None)
+        uri, directory, marker = commits.newest_good()
+        assert uri.startswith(f"{prefix}/runs/exp/checkpoint_000002") and marker["metrics"] == {"loss": 0.5}
+        assert sorted(marker["files"]) == ["shard_0.pt", "shard_1.pt"]
+        with storage.filesystem.open_output_stream(directory + "/shard_1.pt") as handle:
+            handle.write(b"trunc")  # the newest is damaged: the one before it is the start
+        assert commits.newest_good()[0].startswith(f"{prefix}/runs/exp/checkpoint_000001")
+        with Checkpoint(commits.newest_good()[0]).as_directory() as local:
+            assert sorted(os.listdir(local)) == [filesystem.REPORT_MARKER, "shard_0.pt", "shard_1.pt"]
+            assert open(os.path.join(local, "shard_1.pt"), "rb").read() == b"weightsweights"
 
 
 def test_a_restored_cursor_resumes_its_epoch_exactly_once_on_another_world_size():

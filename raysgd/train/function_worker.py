@@ -1,11 +1,18 @@
 """The function worker: a :class:`~raysgd.torch.execution.worker.TorchWorker` that runs a Ray Train training function.
 
 Part of :mod:`raysgd.train`. The worker group starts it as it starts a ``TorchWorker`` (the same placement,
-rendezvous and gloo/NCCL process group, the same failure detection): only the work differs. Instead of an
-operator, :meth:`FunctionWorker.setup_operator` picks the device, and :meth:`FunctionWorker.run_loop` runs
-``train_loop_per_worker(config)`` inside a :class:`~raysgd.train.session.Session`. A torch.distributed timeout or
-lost peer becomes :class:`~raysgd.torch.errors.CollectiveError` (a worker failure, retried); any other exception
-is the user's (re-raised by ``fit``).
+rendezvous and gloo/NCCL process group, the same failure detection, warm spares and survivors kept in their
+processes): only the work differs. Instead of an operator, :meth:`FunctionWorker.setup_operator` picks the device,
+and :meth:`FunctionWorker.run_loop` runs ``train_loop_per_worker(config)`` inside a
+:class:`~raysgd.train.session.Session` whose ``report()`` is the run's commit point (:mod:`raysgd.train.reporting`).
+While it runs, a SIGTERM waits for the next ``report()`` (:mod:`raysgd.torch.fault_tolerance.preemption`), and the
+driver reads rank 0's reports from the actor's ``"control"`` concurrency group (:meth:`FunctionWorker.take_reports`).
+A torch.distributed timeout or lost peer becomes :class:`~raysgd.torch.errors.CollectiveError` (a worker failure);
+any other exception is the user's (retried under ``FailureConfig(max_failures)`` as in Ray Train).
+
+As in Ray Train, ``MASTER_ADDR``/``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``
+and ``NODE_RANK`` are set, and with GPUs every worker of a node sees the GPUs of all the node's workers
+(``CUDA_VISIBLE_DEVICES``), its own at index ``local_rank``, so ``cuda:{local_rank}`` works.
 
 Example:
     >>> import torch
@@ -19,10 +26,12 @@ Example:
 import inspect
 import logging
 import os
+import threading
 
 import torch
 
 from raysgd.torch.execution.worker import TorchWorker, guard_collectives
+from raysgd.torch.fault_tolerance import preemption
 from raysgd.train import session as _session
 
 logger = logging.getLogger(__name__)
@@ -31,44 +40,91 @@ logger = logging.getLogger(__name__)
 class FunctionWorker(TorchWorker):
     """One rank running a training function (see the module docstring); ``operator_cls`` is the function."""
 
+    #: No operator state to snapshot beside a call: the function keeps its own state in its checkpoints.
+    overlaps_snapshots = False
+
     def __init__(self, train_fn, config, **options):
         super().__init__(train_fn, config, **options)
         self.train_fn = train_fn
         self.device, self.local_rank = torch.device("cpu"), 0
+        self._session = None  # the running session (take_reports reads its reporter from the control thread)
+        self._lock = threading.Lock()
+
+    def setup_process_group(self, url, world_rank, world_size, timeout_s):
+        """Join the process group (see :meth:`TorchWorker.setup_process_group`) and name its rendezvous as
+        ``MASTER_ADDR``/``MASTER_PORT``, as Ray Train does."""
+        address, _, port = url[len("tcp://"):].rpartition(":")
+        os.environ.update({"MASTER_ADDR": address, "MASTER_PORT": port})
+        super().setup_process_group(url, world_rank, world_size, timeout_s)
+
+    def gpu_ids(self):
+        """``(node id, [GPU ids Ray assigned this worker])``: the driver gives each worker the GPUs of its node's
+        workers (:meth:`_pick_device`)."""
+        import ray  # noqa: PLC0415 (only for the ids; the worker itself needs no Ray)
+
+        return ray.get_runtime_context().get_node_id(), [str(gpu) for gpu in ray.get_gpu_ids()]
 
     def setup_operator(self, local_rank=0):
-        """No operator: remember the local rank and pick the device."""
+        """No operator: remember the local rank and pick the device (``cuda:{local_rank}`` with GPUs)."""
         self.local_rank = local_rank
+        self._pick_device()
+
+    def _pick_device(self, node_gpus=None):
+        """The device: the CPU, or with GPUs this worker's. ``node_gpus`` (the GPU ids of this node's workers in
+        local-rank order) are all made visible while CUDA has not started in this process, so this worker's own is
+        ``cuda:{local_rank}`` as in Ray Train; a process whose CUDA already started keeps its device."""
         self.device = torch.device("cpu")
-        if self.use_gpu and torch.cuda.is_available():
-            index = 0 if not self._is_local else torch.cuda.current_device()
+        if not self.use_gpu:
+            return
+        if node_gpus and not torch.cuda.is_initialized():
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus)
+        if torch.cuda.is_available():
+            if torch.cuda.is_initialized():
+                index = torch.cuda.current_device()
+            else:
+                index = self.local_rank if self.local_rank < torch.cuda.device_count() else 0
             torch.cuda.set_device(index)
             self.device = torch.device("cuda", index)
 
-    def run_loop(self, run_info, resume=None, local_world_size=1, node_rank=0, dataset_shards=None):
-        """Run the training function once; returns ``{"metrics", "checkpoint", "reports"}`` of this rank.
+    def run_loop(self, run_info, plan=None, local_world_size=1, node_rank=0, dataset_shards=None, node_gpus=None):
+        """Run the training function once (one attempt); returns ``{"reports", "return_value"}`` of this rank:
+        rank 0's reports the driver has not taken yet, and the function's return value.
 
-        ``run_info``: ``{"storage_path", "name", "num_to_keep"}``; ``resume``: ``(uri, marker)`` of the
-        checkpoint to start from, or None."""
-        folder = _session.open_run_folder(run_info["storage_path"], run_info["name"])
+        ``run_info``: ``{"name", "storage_path"}`` (its context); ``plan``: the attempt's
+        :class:`~raysgd.train.reporting.ReportPlan`; ``node_gpus``: see :meth:`_pick_device`."""
+        if node_gpus:
+            self._pick_device(node_gpus)
         context = _session.TrainContext(self.world_size, self.world_rank, self.local_rank, local_world_size,
                                         node_rank, run_info["name"], run_info["storage_path"])
-        session = _session.Session(context, self.device, folder, resume=resume, dataset_shards=dataset_shards,
-                                   num_to_keep=run_info.get("num_to_keep"))
+        session = _session.Session(context, self.device, plan, dataset_shards=dataset_shards, backend=self.backend)
         os.environ.update({"RANK": str(self.world_rank), "WORLD_SIZE": str(self.world_size),
                            "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(local_world_size),
                            "NODE_RANK": str(node_rank)})
-        with _session.running(session):
-            self._call_train_fn()
-        return {"metrics": session.last_metrics, "checkpoint": session.last_checkpoint, "reports": session.reports}
+        with self._lock:
+            self._session = session
+        preemption.set_active(True)  # a SIGTERM now waits for the next report (the commit point)
+        try:
+            with _session.running(session):
+                value = self._call_train_fn()
+        finally:
+            preemption.set_active(False)
+            preemption.drop_pending()
+        return {"reports": self.take_reports(), "return_value": value if self.world_rank == 0 else None}
+
+    def take_reports(self):
+        """Rank 0's reports since the last take (the driver polls them from the ``"control"`` group while the
+        function runs); empty on other ranks or before the function started."""
+        with self._lock:
+            session = self._session
+        reporter = session.reporter if session is not None else None
+        return reporter.take() if reporter is not None else []
 
     @guard_collectives
     def _call_train_fn(self):
         """The user's function, with or without its config; a collective's failure is a :class:`CollectiveError`."""
         if _takes_config(self.train_fn):
-            self.train_fn(self.config)
-        else:
-            self.train_fn()
+            return self.train_fn(self.config)
+        return self.train_fn()
 
 
 def _takes_config(fn):

@@ -2,10 +2,10 @@
 
 Part of :mod:`raysgd.train`. The function worker (:mod:`raysgd.train.function_worker`) opens one
 :class:`Session` per run of the training function (:func:`running`); the module functions read it, so they work
-only inside ``train_loop_per_worker``. ``report(metrics, checkpoint=...)`` on rank 0 copies the checkpoint's
-directory to ``storage_path/name/checkpoint_NNNNNN`` (marker last, see :mod:`raysgd.train.run_storage`), with the
-metrics and the data cursors of the loaders made by ``prepare_data_loader`` (their ``exactly_once`` flag); the
-other ranks' checkpoints are not copied (DDP replicas hold the same state).
+only inside ``train_loop_per_worker``. ``report(metrics, checkpoint=...)`` is a collective of every rank and the
+run's commit point (:mod:`raysgd.train.reporting`): every rank's checkpoint files go into one directory
+``storage_path/name/checkpoint_NNNNNN``, written from the ranks' own nodes, its marker last, with the metrics and
+the data cursors of the loaders made by ``prepare_data_loader`` (their ``exactly_once`` flag).
 
 Example:
     >>> get_context()
@@ -15,10 +15,12 @@ Example:
 """
 import contextlib
 import logging
-import numbers
+import os
 
+from raysgd.torch.state import restart_point
+from raysgd.torch.storage import rank_files
 from raysgd.train.checkpoint import Checkpoint
-from raysgd.train.run_storage import RunFolder
+from raysgd.train.reporting import Reporter
 
 logger = logging.getLogger(__name__)
 
@@ -72,20 +74,27 @@ class TrainContext:
 
 
 class Session:
-    """One run of the training function on one worker: its context, device, the checkpoint it started from, the
-    loaders it prepared and what it reported."""
+    """One run of the training function on one worker: its context, device, the attempt's report plan (where the
+    checkpoints go and which one it starts from), the loaders it prepared and its :class:`Reporter`."""
 
-    def __init__(self, context, device, run_folder, resume=None, dataset_shards=None, num_to_keep=None):
-        self.context, self.device, self.run_folder = context, device, run_folder
-        self.resume = resume  # (uri, marker) of the checkpoint this run starts from, or None
+    def __init__(self, context, device, plan=None, dataset_shards=None, backend="gloo"):
+        self.context, self.device, self.plan = context, device, plan
         self.dataset_shards = dataset_shards or {}
-        self.num_to_keep = num_to_keep
         self.loaders = []  # the PreparedLoaders, in the order they were made
-        self.last_metrics, self.last_checkpoint, self.reports = None, None, 0
+        self.reporter = Reporter(plan, context.get_world_rank(), context.get_world_size(), backend,
+                                 cursors=lambda: [loader.cursor_state() for loader in self.loaders]) \
+            if plan is not None else None
+        self._fetched = None  # a local copy of the starting checkpoint read onto this node from the driver's
+
+    @property
+    def resume(self):
+        """``(uri, directory, marker)`` of the checkpoint this attempt starts from, or None."""
+        return self.plan.resume if self.plan is not None else None
 
     def restored_cursor(self, index):
         """The data cursor the ``index``-th prepared loader had when the starting checkpoint was reported."""
-        cursors = (self.resume[1].get("cursors") or []) if self.resume else []
+        marker = self.resume[2] if self.resume else None
+        cursors = ((marker or {}).get("cursors") or [])
         return cursors[index] if index < len(cursors) else None
 
     def add_loader(self, loader):
@@ -93,35 +102,44 @@ class Session:
         self.loaders.append(loader)
         return len(self.loaders) - 1
 
-    def report(self, metrics, checkpoint=None):
+    def checkpoint(self):
+        """The starting :class:`Checkpoint`: where it is, or a local copy on this node when it is a folder on the
+        driver's disk and this rank runs on another node."""
+        if not self.resume:
+            return None
+        uri, directory, marker = self.resume
+        plan = self.plan
+        if marker is None or plan.home is None or "://" in plan.storage_root or \
+                plan.home == restart_point.this_node():
+            return Checkpoint(uri)
+        if self._fetched is None:
+            self._fetched = rank_files.fetch(plan.storage_root, directory, sorted(marker.get("files") or {}),
+                                             rank_files.scratch_folder(), home=plan.home)
+            logger.info("Rank %d read the checkpoint %s from the driver's node into %s",
+                        self.context.get_world_rank(), uri, self._fetched)
+        return Checkpoint(self._fetched)
+
+    def report(self, metrics, checkpoint=None, checkpoint_dir_name=None):
         if not isinstance(metrics, dict) or not all(isinstance(key, str) for key in metrics):
             raise TypeError(f"raysgd.train.report(metrics=...) expects a dict with str keys; got "
                             f"{type(metrics).__name__} {metrics!r}")
         if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
             raise TypeError(f"raysgd.train.report(checkpoint=...) expects a raysgd.train.Checkpoint "
                             f"(Checkpoint.from_directory(path)); got {type(checkpoint).__name__} {checkpoint!r}")
-        self.reports += 1
-        metrics = {key: (value.item() if hasattr(value, "item") and getattr(value, "ndim", 1) == 0 else value)
-                   for key, value in metrics.items()}
-        if self.context.get_world_rank() != 0:
-            return
+        if checkpoint_dir_name is not None and (not isinstance(checkpoint_dir_name, str) or not checkpoint_dir_name
+                                                or "/" in checkpoint_dir_name or checkpoint_dir_name.startswith(".")):
+            raise ValueError(f"raysgd.train.report(checkpoint_dir_name=...) expects a folder name (no '/', not "
+                             f"starting with '.'); got {checkpoint_dir_name!r}")
+        source = None
         if checkpoint is not None:
-            if not checkpoint.is_local:
-                raise ValueError(f"raysgd.train.report: the checkpoint must be a local directory of this worker; "
-                                 f"got {checkpoint.path!r}")
-            cursors = [loader.cursor_state() for loader in self.loaders]
-            uri = self.run_folder.write(checkpoint.path, {"metrics": _plain(metrics), "cursors": cursors,
-                                                          "world_size": self.context.get_world_size(),
-                                                          "report": self.reports}, self.num_to_keep)
-            self.last_checkpoint = uri
-            metrics = {**metrics, "checkpoint_dir_name": uri.rstrip("/").split("?")[0].rsplit("/", 1)[-1]}
-        self.last_metrics = metrics
-
-
-def _plain(metrics):
-    """The JSON-friendly part of ``metrics`` (numbers, strings, bools; others as their repr)."""
-    return {key: value if isinstance(value, (numbers.Number, str, bool, type(None))) else repr(value)
-            for key, value in metrics.items()}
+            if not checkpoint.is_local or not os.path.isdir(checkpoint.path):
+                raise ValueError(f"raysgd.train.report(checkpoint=...) expects a checkpoint of a local directory of "
+                                 f"this worker (Checkpoint.from_directory(folder)); got {checkpoint.path!r}, which "
+                                 f"is {'remote' if not checkpoint.is_local else 'not a directory (any more)'}")
+            source = checkpoint.path
+        if self.reporter is None:  # a session without a plan (tests of the loaders): nothing to write
+            return None
+        return self.reporter.report(metrics, source, checkpoint_dir_name)
 
 
 @contextlib.contextmanager
@@ -152,9 +170,12 @@ def current(what="this function"):
     return _current[-1]
 
 
-def report(metrics, checkpoint=None):
-    """Report ``metrics`` (a dict) and optionally a :class:`Checkpoint`: rank 0's directory is copied to
-    ``storage_path/name/checkpoint_NNNNNN`` (marker last) with the metrics and the prepared loaders' data cursors.
+def report(metrics, checkpoint=None, checkpoint_dir_name=None):
+    """Report ``metrics`` (a dict) and optionally a :class:`Checkpoint` of a local directory. A collective: every rank
+    calls it the same number of times, and it returns once the checkpoint is durable. Every rank's directory is merged
+    into ``storage_path/name/<checkpoint_dir_name or checkpoint_NNNNNN>`` (a file several ranks report is written
+    once), its marker last, with the metrics and the prepared loaders' data cursors (see
+    :mod:`raysgd.train.reporting`). The metrics reach ``Result`` and the callbacks as reported.
 
     Example:
         >>> def train_func(config):  # inside TorchTrainer(train_func, ...)  # doctest: +SKIP
@@ -162,7 +183,7 @@ def report(metrics, checkpoint=None):
         ...         torch.save(model.state_dict(), os.path.join(folder, "model.pt"))
         ...         raysgd.train.report({"loss": 0.1}, checkpoint=Checkpoint.from_directory(folder))
     """
-    current("report()").report(metrics, checkpoint)
+    current("report()").report(metrics, checkpoint, checkpoint_dir_name)
 
 
 def get_checkpoint():
@@ -176,8 +197,19 @@ def get_checkpoint():
         ...         with checkpoint.as_directory() as folder:
         ...             model.load_state_dict(torch.load(os.path.join(folder, "model.pt")))
     """
-    session = current("get_checkpoint()")
-    return Checkpoint(session.resume[0]) if session.resume else None
+    return current("get_checkpoint()").checkpoint()
+
+
+def get_all_reported_checkpoints():
+    """``[(Checkpoint, metrics)]`` of every complete checkpoint of the run so far, oldest first (those of earlier
+    attempts and driver runs too, minus the ones ``CheckpointConfig(num_to_keep=...)`` pruned before this attempt).
+
+    Example:
+        >>> def train_func(config):  # doctest: +SKIP
+        ...     for checkpoint, metrics in raysgd.train.get_all_reported_checkpoints(): ...
+    """
+    reporter = current("get_all_reported_checkpoints()").reporter
+    return [(Checkpoint(uri), metrics) for uri, metrics in (reporter.reported if reporter is not None else [])]
 
 
 def get_context():
@@ -203,8 +235,3 @@ def get_dataset_shard(name="train"):
         raise KeyError(f"raysgd.train.get_dataset_shard({name!r}): no dataset of that name was passed to "
                        f"TorchTrainer(datasets=...); it has {sorted(shards)}")
     return shards[name]
-
-
-def open_run_folder(storage_path, name):
-    """The :class:`~raysgd.train.run_storage.RunFolder` of a run (on a worker)."""
-    return RunFolder(storage_path, name)

@@ -1,12 +1,18 @@
-"""Ray Train's ``TorchTrainer``: runs a training function on a raysgd worker group, with recovery and resume.
+"""Ray Train's ``TorchTrainer``: a facade that checks its configs and runs the training function on raysgd's runtime.
 
-Part of :mod:`raysgd.train` (layer 6: over :mod:`raysgd.torch.execution`). ``fit()`` starts the workers with
-raysgd's :class:`~raysgd.torch.execution.worker_group.WorkerGroup` (placement group, gloo or NCCL process group,
-failure detection under deadlines) whose workers are :class:`~raysgd.train.function_worker.FunctionWorker`, and runs
-``train_loop_per_worker`` on every rank. A worker failure (a dead actor, a lost peer) tears the group down and,
-while ``FailureConfig(max_failures)`` allows, starts it again (as many as fit for a ``(min, max)`` range) and runs
-the function again: ``get_checkpoint()`` then returns the latest reported checkpoint. A new ``fit()`` (or the
-script run again) with the same ``RunConfig(name, storage_path)`` starts from that checkpoint too.
+Part of :mod:`raysgd.train` (layer 6, beside :mod:`raysgd.torch.torch_trainer`). ``fit()`` hands the run to the
+same :class:`~raysgd.torch.execution.controller.RunController` and worker group as the operator API, with
+:class:`~raysgd.train.function_worker.FunctionWorker` workers: one call, ``run_loop``, runs
+``train_loop_per_worker`` on every rank. What the operator API gets, the function gets: its ``report()`` is the
+run's commit point (every rank's checkpoint files, written from their nodes: :mod:`raysgd.train.reporting`);
+after a failure the controller re-forms the group from the survivors (warm spares take vacant ranks, as many as
+fit for a ``(min, max)`` range), and the function runs again from the newest good checkpoint
+(:mod:`raysgd.train.commits`), its prepared loaders resuming their epoch at the data cursor; a SIGTERM, a draining
+node or room to grow stops the ranks at the next report; the failure policy
+(:mod:`raysgd.torch.fault_tolerance.failure_policy`) decides with ``FailureConfig`` (an error of the function is
+retried too, as in Ray Train); callbacks, loggers and Ray metrics hear every report, checkpoint, failure and resize.
+A new ``fit()`` (or the script run again) with the same ``RunConfig(name, storage_path)`` resumes from the newest
+checkpoint.
 
 Example:
     >>> TorchTrainer(lambda: None, scaling_config={"num_workers": 2})
@@ -19,20 +25,25 @@ import time
 
 import ray
 
-from raysgd.torch import constants
+from raysgd.callbacks import CallbackList
 from raysgd.torch.errors import WorkerFailure
-from raysgd.torch.execution import restarts
+from raysgd.torch.execution import cluster_state, shipping
+from raysgd.torch.execution.controller import RunController
 from raysgd.torch.execution.worker_group import WorkerGroup
+from raysgd.torch.fault_tolerance import failure_policy, recovery
+from raysgd.torch.integrations.ray_metrics import RayMetrics
+from raysgd.torch.state.restart_point import this_node
+from raysgd.torch.storage import durable, filesystem
 from raysgd.train.checkpoint import Checkpoint, Result
+from raysgd.train.commits import ReportCommits
 from raysgd.train.config import RunConfig, ScalingConfig, TorchConfig
 from raysgd.train.function_worker import FunctionWorker
-from raysgd.train.run_storage import RunFolder
 
 logger = logging.getLogger(__name__)
 
 
 class TrainingFailedError(RuntimeError):
-    """``fit()`` failed: the training function raised, or the workers failed more than ``max_failures`` times.
+    """``fit()`` failed: the training function raised, or the workers failed, more than ``FailureConfig`` allows.
 
     ``result`` is the :class:`~raysgd.train.checkpoint.Result` so far (its ``error`` is the cause).
 
@@ -48,6 +59,11 @@ class TrainingFailedError(RuntimeError):
         self.result = result
 
 
+class ResourcesError(ValueError):
+    """The cluster can never hold the workers ``ScalingConfig`` asks for (raised by ``fit()`` before any actor
+    starts; a cluster that can grow, with Ray's autoscaler, is waited for instead)."""
+
+
 def _check(ok, name, expected, value):
     if not ok:
         raise TypeError(f"TorchTrainer({name}=...) expects {expected}; got {type(value).__name__} {value!r}")
@@ -60,7 +76,8 @@ class TorchTrainer:
         train_loop_per_worker: ``fn(config)`` or ``fn()``, run on every worker.
         train_loop_config: the dict passed to it.
         scaling_config: :class:`~raysgd.train.config.ScalingConfig`.
-        run_config: :class:`~raysgd.train.config.RunConfig` (``name``, ``storage_path``, ``failure_config``).
+        run_config: :class:`~raysgd.train.config.RunConfig` (``name``, ``storage_path``, ``failure_config``,
+            ``checkpoint_config``, ``callbacks``).
         datasets: ``{name: ray.data.Dataset}``, split among the workers (``get_dataset_shard(name)``).
         torch_config: :class:`~raysgd.train.config.TorchConfig` (backend, process-group timeout).
         resume_from_checkpoint: a :class:`Checkpoint` to start from when the run folder has none yet.
@@ -99,6 +116,56 @@ class TorchTrainer:
         self.datasets = dict(datasets or {})
         self.resume_from_checkpoint = resume_from_checkpoint
         self.metadata = metadata
+        self._controller = None
+        self._last_report_at = None
+        self.last_call_s = None  # seconds between the last two reports (what Ray metrics' rates read)
+        self.last_commit_latency_s = None  # the last checkpointed report's seconds, as rank 0 measured them
+        self.last_checkpoint_s = None
+
+    # ----------------------------------------------------------------- what callbacks read
+    @property
+    def config(self):
+        """The training function's config (``train_loop_config``), as loggers log it."""
+        return self.train_loop_config
+
+    @property
+    def worker_group(self):
+        """The running :class:`~raysgd.torch.execution.worker_group.WorkerGroup` (None outside ``fit()``)."""
+        return self._controller.group if self._controller is not None else None
+
+    # ----------------------------------------------------------------- fit
+    def _storage(self):
+        """The run folder's checkpoint storage, checked writable (a clear error naming ``storage_path``)."""
+        run = self.run_config
+        root = filesystem.child_uri(run.storage_path, run.name)
+        storage = filesystem.CheckpointStorage(root, num_to_keep=run.checkpoint_config.num_to_keep,
+                                               marker=filesystem.REPORT_MARKER)
+        try:
+            storage.check_writable()
+        except ValueError as err:
+            raise ValueError(f"RunConfig(storage_path=...) expects a folder or URI this process can write; got "
+                             f"{run.storage_path!r}: {err}") from err
+        return storage
+
+    def _check_resources(self):
+        """Fail at once, naming what is missing, when the cluster can never hold the minimum number of workers (a
+        fixed cluster: no autoscaler); an autoscaling cluster may still grow, so the placement waits."""
+        scaling = self.scaling_config
+        low = scaling.worker_range[0]
+        nodes = cluster_state.fixed_nodes()
+        if nodes is None:
+            return
+        per_node = 1 if scaling.placement_strategy == "STRICT_SPREAD" else None
+        cpus, gpus = scaling.num_cpus_per_worker, scaling.num_gpus_per_worker
+        fit = recovery.workers_that_fit(nodes, cpus, gpus, low, per_node=per_node)
+        if scaling.placement_strategy == "STRICT_PACK":
+            fit = max((recovery.workers_that_fit([node], cpus, gpus, low) for node in nodes), default=0)
+        if fit < low:
+            raise ResourcesError(
+                f"ScalingConfig(num_workers={scaling.num_workers!r}) needs {low} worker(s) of {cpus} CPU(s)"
+                f"{f' and {gpus} GPU(s)' if gpus else ''} each ({scaling.placement_strategy}), but this Ray cluster "
+                f"can hold {fit}: its nodes have {nodes} and it cannot grow (no autoscaler). Ask for fewer workers "
+                f"or resources, or give num_workers a range (min, max)")
 
     def _group(self):
         scaling, torch_config = self.scaling_config, self.torch_config
@@ -106,97 +173,114 @@ class TorchTrainer:
         return WorkerGroup({"use_gpu": scaling.use_gpu, "backend": backend},
                            num_cpus_per_worker=scaling.num_cpus_per_worker, num_gpus=scaling.num_gpus_per_worker,
                            timeout_s=torch_config.timeout_s, placement_strategy=scaling.placement_strategy,
-                           worker_cls=FunctionWorker)
+                           worker_cls=FunctionWorker, num_spares=getattr(scaling, "num_spares", 0))
 
-    def _start(self, group):
-        low, high = self.scaling_config.worker_range
-        return restarts.start_first_group(
-            lambda n: group.start(n, self.train_loop_per_worker, self.train_loop_config), group.how_many_fit, low,
-            high, self.scaling_config.is_range, constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
+    def _limits(self):
+        failure = self.run_config.failure_config
+        return failure_policy.FailureLimits(
+            max_failures=failure.max_failures, retry_user_errors=True,
+            max_preemptions=getattr(failure, "max_preemption_failures", None))
 
-    def _resume_point(self, folder):
-        latest = folder.latest()
-        if latest is None and self.resume_from_checkpoint is not None:
-            return self.resume_from_checkpoint.path, {}
-        return latest
-
-    def _reform(self, group):
-        """After a failure: re-form the group from its survivors (they keep their processes, only the lost ranks
-        start anew: :meth:`WorkerGroup.reform`); returns the size, or None after tearing it down (start again)."""
-        try:
-            size = group.reform(self.train_loop_per_worker, lambda n: self.train_loop_config,
-                                self.scaling_config.worker_range[0])
-        except Exception as err:  # noqa: BLE001 (starting every worker again is the tried path)
-            logger.warning("Re-forming the group from its survivors failed (%s: %s); restarting every worker",
-                           type(err).__name__, err)
-            size = None
-        if size is None:
-            group.shutdown(force=True)
-        return size
-
-    def _attempt(self, group, folder, size):
-        """Run the function on every rank of the started group; returns rank 0's answer."""
-        ips = group.run("node_ip", deadline_s=self.torch_config.timeout_s + 60)
-        nodes = list(dict.fromkeys(ips))
-        if self.datasets and ray.cluster_resources().get("CPU", 0) <= size * self.scaling_config.num_cpus_per_worker:
-            logger.warning("TorchTrainer(datasets=...): the workers hold every CPU of the cluster, and Ray Data's "
-                           "read tasks need CPUs of their own: reading will wait until some are free")
-        shards = {name: dataset.streaming_split(size, equal=True) for name, dataset in self.datasets.items()}
-        run_info = {"storage_path": self.run_config.storage_path, "name": self.run_config.name,
-                    "num_to_keep": self.run_config.checkpoint_config.num_to_keep}
-        resume = self._resume_point(folder)
-        if resume is not None:
-            logger.info("Starting the training function from %s", resume[0])
-
+    def _per_rank(self, group):
+        """Each rank's keyword arguments of ``run_loop`` for the group as it is now (a retry gets fresh ones): its
+        node's worker count and rank, its Ray Data shards, and with GPUs the node's GPUs."""
         def per_rank(n):
-            return [{"local_world_size": ips.count(ips[rank]), "node_rank": nodes.index(ips[rank]),
-                     "dataset_shards": {name: split[rank] for name, split in shards.items()}} for rank in range(n)]
+            nodes = group.rank_nodes() or [None] * n
+            order = list(dict.fromkeys(nodes))
+            shards = {name: dataset.streaming_split(n, equal=True) for name, dataset in self.datasets.items()}
+            gpus = dict(enumerate(group.run("gpu_ids", deadline_s=60))) if self.scaling_config.use_gpu else {}
+            node_gpus = {}
+            for rank in range(n):
+                if rank in gpus:
+                    node_gpus.setdefault(gpus[rank][0], []).extend(gpus[rank][1])
+            return [{"local_world_size": nodes.count(nodes[rank]), "node_rank": order.index(nodes[rank]),
+                     "dataset_shards": {name: split[rank] for name, split in shards.items()},
+                     **({"node_gpus": node_gpus.get(gpus[rank][0])} if rank in gpus else {})} for rank in range(n)]
 
-        return group.run("run_loop", run_info, resume, rank_kwargs=per_rank)[0]
+        return per_rank
 
     def fit(self):
         """Run the training function on the workers until it returns; returns a
         :class:`~raysgd.train.checkpoint.Result`. Raises :class:`TrainingFailedError` (its ``result`` attached) when
-        the function raised or the workers failed more than ``max_failures`` times."""
-        folder = RunFolder(self.run_config.storage_path, self.run_config.name)
-        folder.check_writable()
+        the function raised or the workers failed more often than ``FailureConfig`` allows."""
+        storage = self._storage()
         if not ray.is_initialized():
             ray.init()  # as Ray Train does: a local cluster, or RAY_ADDRESS's
-        max_failures = self.run_config.failure_config.max_failures
-        group, failures, answer, error, size = self._group(), 0, None, None, None
+        self._check_resources()
+        shipping.install()  # the training function and its config may go by value
+        callbacks = CallbackList(list(self.run_config.callbacks or []) + [RayMetrics(run=self.run_config.name)])
+        self._callbacks = callbacks
+        initial = (self.resume_from_checkpoint.path, None) if self.resume_from_checkpoint is not None else None
+        reports = ReportCommits(storage, home=this_node() if storage.local else None, initial=initial,
+                                on_report=self._on_report)
+        if self.datasets and ray.cluster_resources().get("CPU", 0) <= \
+                self.scaling_config.worker_range[1] * self.scaling_config.num_cpus_per_worker:
+            logger.warning("TorchTrainer(datasets=...): the workers hold every CPU of the cluster, and Ray Data's "
+                           "read tasks need CPUs of their own: reading will wait until some are free")
+        low, high = self.scaling_config.worker_range
+        group = self._group()
+        self._controller = controller = RunController(
+            group, operator_cls=self.train_loop_per_worker, initialization_hook=None,
+            config=self.train_loop_config, split=lambda config, n, warn: (config, None), worker_range=(low, high),
+            is_range=self.scaling_config.is_range, timeout_s=self.torch_config.timeout_s, commits=reports,
+            durable=durable.NoStorage(), on_event=self._on_event, stateless=True)
+        results, error = None, None
+        started = time.monotonic()
         try:
-            while True:
-                try:
-                    size = size or self._start(group)
-                    answer = self._attempt(group, folder, size)
-                    break
-                except WorkerFailure as failure:
-                    failures += 1
-                    if max_failures != -1 and failures > max_failures:
-                        error = failure
-                        break
-                    logger.warning("Worker failure %d (of at most %s): restarting the workers from the latest "
-                                   "reported checkpoint (%s)", failures, "any" if max_failures == -1 else max_failures,
-                                   failure)
-                    time.sleep(min(constants.SGD_BACKOFF_CAP_S, 0.2 * failures))
-                    size = self._reform(group)
-                except Exception as err:  # noqa: BLE001 (the training function's own error: not retried)
-                    error = err
-                    break
+            controller.start()
+            run_info = {"name": self.run_config.name, "storage_path": self.run_config.storage_path}
+            results = controller.run_call("run_loop", None, {"run_info": run_info, "rank_kwargs": self._per_rank(group)},
+                                          on_tick=lambda: reports.poll(controller.group), limits=self._limits())
+        except Exception as err:  # noqa: BLE001 (a failed run ends with its Result and the cause)
+            error = err
         finally:
-            group.shutdown(force=error is not None)
-        result = self._result(folder, answer, error, failures)
+            try:
+                controller.shutdown(force=error is not None)
+                controller.close()
+            finally:
+                callbacks.call("on_shutdown", self)
+                self._controller = None
+        logger.info("fit() %s after %.1f s: %d report(s), %d worker failure(s)",
+                    "failed" if error is not None else "finished", time.monotonic() - started, reports.reports,
+                    controller.num_failures)
+        result = self._result(reports, results, error, controller.num_failures)
         if error is not None:
-            kind = "the workers failed" if isinstance(error, WorkerFailure) else "the training function raised"
-            raise TrainingFailedError(f"Training failed: {kind} ({type(error).__name__}: {error}); the latest "
-                                      f"checkpoint is in {folder.path}", result) from error
+            raise TrainingFailedError(self._failure_message(error, reports), result) from error
         return result
 
-    def _result(self, folder, answer, error, failures):
-        kept = [(Checkpoint(uri), marker.get("metrics", {})) for uri, marker in folder.complete()]
-        metrics = (answer or {}).get("metrics")
-        if metrics is None and kept:
-            metrics = kept[-1][1]
-        checkpoint = kept[-1][0] if kept else None
-        return Result(metrics=metrics or {}, checkpoint=checkpoint, path=folder.path, error=error,
-                      best_checkpoints=kept, num_failures=failures)
+    @staticmethod
+    def _failure_message(error, reports):
+        cause = error.__cause__ if isinstance(error, RuntimeError) and isinstance(error.__cause__, WorkerFailure) \
+            else error
+        kind = "the workers failed" if isinstance(cause, WorkerFailure) else "the training function raised"
+        where = f"the latest checkpoint is {reports.latest[0]}" if reports.latest else "no checkpoint was reported"
+        return f"Training failed: {kind} ({type(cause).__name__}: {cause}); {where}"
+
+    # ----------------------------------------------------------------- events
+    def _on_report(self, record):
+        """A report rank 0 made (polled while the function runs): callbacks hear its metrics as reported."""
+        now = time.monotonic()
+        if self._last_report_at is not None:
+            self.last_call_s = now - self._last_report_at
+        self._last_report_at = now
+        metrics = record["metrics"][0]
+        self._callbacks.call("on_train_result", self, metrics)
+        if record.get("checkpoint"):
+            self.last_commit_latency_s = self.last_checkpoint_s = record.get("seconds")
+            logger.info("Checkpoint %s reported", record["checkpoint"])
+            self._callbacks.call("on_checkpoint", self, record["checkpoint"])
+
+    def _on_event(self, kind, *args):
+        """The controller's events, as callback hooks: ``failure`` -> ``on_failure``, ``resize`` -> ``on_resize``."""
+        self._callbacks.call({"failure": "on_failure", "resize": "on_resize"}[kind], self, *args)
+
+    # ----------------------------------------------------------------- the result
+    def _result(self, reports, results, error, failures):
+        kept = [(Checkpoint(uri), marker.get("metrics", {})) for uri, marker in reports.complete()]
+        metrics = reports.last_report["metrics"][0] if reports.last_report is not None else \
+            (kept[-1][1] if kept else {})
+        checkpoint = Checkpoint(reports.latest[0]) if reports.latest else None
+        root = reports.storage.root
+        path = root.split("?")[0] if "://" in root else root
+        return Result(metrics=metrics or {}, checkpoint=checkpoint, path=path, error=error, best_checkpoints=kept,
+                      num_failures=failures)

@@ -36,8 +36,8 @@ from raysgd.callbacks import Failure
 from raysgd.torch import constants
 from raysgd.torch.errors import CheckpointError, WorkerFailure
 from raysgd.torch.execution import restarts
-from raysgd.torch.execution.restart_points import RestartPoints
-from raysgd.torch.fault_tolerance import preemption, recovery
+from raysgd.torch.execution.restart_points import NoRestartPoints, RestartPoints
+from raysgd.torch.fault_tolerance import failure_policy, preemption, recovery
 from raysgd.torch.fault_tolerance.watches import DrainWatch, GrowWatch
 from raysgd.torch.state import checkpoint, training_state
 from raysgd.torch.state.call_start import PendingPoint
@@ -69,13 +69,16 @@ class RunController:
         on_event: ``on_event(kind, *args)`` hears the run's events: ``("failure", Failure)`` for every worker failure
             met (a :class:`~raysgd.callbacks.Failure`, recovered from or not) and ``("resize", old, new)`` whenever
             the group's size changes. Its errors are logged, never raised.
+        stateless: the workers' code keeps its state itself, so the run takes no restart points and a restart loads
+            nothing (a training function: it reads its latest checkpoint, which ``commits`` hands it on each
+            attempt); else the workers' state is snapshotted, committed and loaded (an operator).
 
     ``last_commit_latency_s``: the latest commit's latency (seconds from its start until the store held every
     rank's record, the slowest rank's) stored during the last ``train()`` call that stored one; None before.
     """
 
     def __init__(self, group, *, operator_cls, initialization_hook, config, split, worker_range, is_range, timeout_s,
-                 commits, durable, resize_cooldown_s=None, on_event=None):
+                 commits, durable, resize_cooldown_s=None, on_event=None, stateless=False):
         self.group, self.commits, self.durable = group, commits, durable
         self._operator_cls, self.initialization_hook = operator_cls, initialization_hook  # settable: later starts
         self._requested_config, self._config, self._split = dict(config or {}), dict(config or {}), split
@@ -85,7 +88,8 @@ class RunController:
         self._num_failures = 0
         self._on_event, self._size = on_event, 0  # the size the events last reported
         self._last_resize = float("-inf")
-        self.points = RestartPoints(self._first, timeout_s)  # the restart point and whether the state moved on
+        self.stateless = stateless  # the workers' code keeps its state itself (a training function's checkpoints)
+        self.points = NoRestartPoints() if stateless else RestartPoints(self._first, timeout_s)  # and whether stale
         self.last_commit_latency_s = None  # the slowest rank's latest stored commit of the last train() call
         self._resize_cooldown_s = constants.env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S) \
             if resize_cooldown_s is None else resize_cooldown_s
@@ -128,9 +132,10 @@ class RunController:
                                 initialization_hook=self.initialization_hook)
 
     def _restart(self, state, max_retries=None, target=None):
-        """Restart the group loading ``state`` (a :class:`RestartPoint`, a state dict or its bytes), which becomes the
-        snapshot; returns the size (see :func:`raysgd.torch.execution.restarts.restart_group`)."""
-        state = self.as_point(state)
+        """Restart the group loading ``state`` (a :class:`RestartPoint`, a state dict or its bytes; None for a
+        stateless run), which becomes the snapshot; returns the size (see
+        :func:`raysgd.torch.execution.restarts.restart_group`)."""
+        state = self.as_point(state) if state is not None else None
         started = restarts.restart_group(
             self.group, state, start=lambda n, timeout_s: self._start_workers(n, pg_timeout_s=timeout_s),
             config_for=self.worker_config, operator_cls=self._operator_cls, initialization_hook=self.initialization_hook,
@@ -160,7 +165,7 @@ class RunController:
         """Restart a group torn down by a failure (from the last snapshot) before using it."""
         group = self.group  # raises after shutdown()
         if group.broken or group.num_workers == 0:
-            if self.points.current is None:
+            if self.points.current is None and not self.stateless:
                 raise RuntimeError("The workers were lost and no state snapshot exists to restart them from.")
             self._restart(self.points.current)
 
@@ -243,12 +248,18 @@ class RunController:
         if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
             raise ValueError(f"max_retries expects an int >= 0; got {max_retries!r}")
 
-    def run_call(self, method, max_retries, kwargs, replay=False, on_tick=None):
+    def run_call(self, method, max_retries, kwargs, replay=False, on_tick=None, limits=None):
         """Run ``method`` on every worker through its attempts (see the module docstring); returns per-worker stats.
 
         ``kwargs`` go to the group's ``run`` (and the workers' method); ``replay``: the call's input has no data
-        cursor (it takes no commits); ``on_tick()`` runs while the group waits for the workers."""
-        self.check_max_retries(max_retries)
+        cursor (it takes no commits); ``on_tick()`` runs while the group waits for the workers. After a failed
+        attempt the :mod:`~raysgd.torch.fault_tolerance.failure_policy` decides: ``max_retries`` failures (or
+        preemptions) of this call are recovered from and a user error is raised, or ``limits`` (a
+        :class:`~raysgd.torch.fault_tolerance.failure_policy.FailureLimits`) says otherwise (a training function's
+        ``FailureConfig``)."""
+        if limits is None:
+            self.check_max_retries(max_retries)
+            limits = failure_policy.FailureLimits(max_failures=max_retries, cap_s=constants.SGD_BACKOFF_CAP_S)
         self.ensure_workers()
         self.commits.begin_call(method == "train_epoch", replay=replay)  # its store answers during the call (check_store)
         if not self._move_off_draining():
@@ -257,7 +268,7 @@ class RunController:
                 self._restart(self.take_snapshot(), target=target)
         state = self.points.begin(self.group)  # the restart point, even with max_retries=0 (for the next call)
         first = dict(kwargs, snapshot=state.plan(self._timeout_s)) if isinstance(state, PendingPoint) else kwargs
-        retries = 0
+        counts = failure_policy.Counts()
         while True:
             watches, requests = self._watches(), []
             try:
@@ -275,20 +286,37 @@ class RunController:
                     logger.info("Restarting at %d workers from the commit point (%s)", stop.size, stop.reason)
                     self._restart_in_call(state, kwargs, failure, stop.size)
                     continue
-                self._failed(failure, method, retries + 1 if retries < max_retries else 0, max_retries,
-                             gave_up=retries == max_retries)
-                if retries == max_retries:
-                    raise RuntimeError(f"Training run failed: {method} did not succeed after {max_retries} "
+                kind = failure_policy.PREEMPTION if preemption.was_preempted(failure) else failure_policy.FAILURE
+                decision = self._decide(kind, counts, limits, failure, method)
+                if decision.gave_up:
+                    raise RuntimeError(f"Training run failed: {method} did not succeed after {decision.limit} "
                                        f"retries; the last failure is the cause.") from failure
-                retries += 1
-                logger.warning("%s failed (%s); restarting workers, retry %d of %d", method, failure, retries,
-                               max_retries)
-                self._restart_in_call(state, kwargs, failure, None)
-            except Exception:
-                state = self._settle(state, fallback=False)  # a call that failed before its capture changed nothing
-                if method == "train_epoch" and state is not None:
-                    self._undo_partial_call(state)
-                raise
+                counts = decision.counts
+                logger.warning("%s failed (%s); restarting workers, retry %d of %s", method, failure, decision.retry,
+                               "any" if decision.limit == failure_policy.UNLIMITED else decision.limit)
+                self._restart_in_call(state, kwargs, failure, None, decision.delay_s)
+            except Exception as error:
+                if not limits.retry_user_errors:
+                    state = self._settle(state, fallback=False)  # a call that failed before its capture changed nothing
+                    if method == "train_epoch" and state is not None:
+                        self._undo_partial_call(state)
+                    raise
+                decision = self._decide(failure_policy.USER_ERROR, counts, limits, error, method)
+                if decision.gave_up:
+                    raise
+                counts, first = decision.counts, kwargs
+                logger.warning("%s raised (%s: %s); restarting it from the latest commit, retry %d of %s", method,
+                               type(error).__name__, error, decision.retry,
+                               "any" if decision.limit == failure_policy.UNLIMITED else decision.limit)
+                self._restart_in_call(state, kwargs, error, self.group.num_workers or None, decision.delay_s)
+
+    def _decide(self, kind, counts, limits, error, method):
+        """The failure policy's decision after ``error`` of ``kind`` (counted and told to ``on_event``)."""
+        progressed = self.commits.committed_this_attempt() is not None if self.commits.active else False
+        decision = failure_policy.decide(kind, counts, limits, progressed=progressed)
+        self._failed(error, method, decision.retry, decision.limit, gave_up=decision.gave_up)
+        logger.debug("failure policy: %s -> %s", kind, decision)
+        return decision
 
     def _take_commit_latency(self, results):
         """Take the workers' commit latencies out of their results (``COMMIT_LATENCY``): a commit is complete once
@@ -330,9 +358,13 @@ class RunController:
 
         return tick
 
-    def _restart_in_call(self, state, kwargs, failure, size):
+    def _restart_in_call(self, state, kwargs, failure, size, delay_s=0.0):
         """Restart for the rest of the call: from its latest commit (or its start, ``state``), at ``size`` (a resize)
-        or as many as fit (a failure: a preemption commit goes to ``storage_path`` too)."""
+        or as many as fit (a failure: a preemption commit goes to ``storage_path`` too), after ``delay_s`` (the
+        failure policy's backoff)."""
+        if delay_s:
+            logger.warning("Waiting %.0f s before restarting (failures in a row without progress)", delay_s)
+            time.sleep(delay_s)
         try:
             resumed = self.commits.restart_state(kwargs)  # the latest commit (a RestartPoint), or None
             if size is None and resumed is not None:

@@ -130,3 +130,30 @@ class RestartPoints:
             logger.warning("The call falls back to the previous restart point: what was trained since it was taken "
                            "is lost")
         return self.current if fallback else None
+
+
+class NoRestartPoints:
+    """The restart points of a stateless run, whose workers' code keeps its own state (a training function reads the
+    latest checkpoint it reported): there are none, and nothing is snapshotted. Same methods as
+    :class:`RestartPoints`.
+
+    Example:
+        >>> points = NoRestartPoints()
+        >>> points.take(group=None), points.begin(group=None), points.current
+        (None, None, None)
+    """
+
+    current = None
+    stale = False
+
+    def take(self, group):
+        return None
+
+    def begin(self, group):
+        return None
+
+    def settle_if_stored(self, state):
+        """Nothing to settle."""
+
+    def settle(self, group, state, fallback=True):
+        return None

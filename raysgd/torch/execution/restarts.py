@@ -57,10 +57,11 @@ def start_first_group(start, how_many_fit, low, high, is_range, timeout_s):
 def _keep_ranks(group, state, form, what, timeout_s):
     """``form()`` (a re-form keeping ranks in their processes; the size, or a falsy value when it cannot) and load
     ``state`` (a :class:`~raysgd.torch.state.restart_point.RestartPoint`) on every rank (a kept rank rebuilt its
-    operator); the size, or None (restart all). ``what`` names the attempt in the log."""
+    operator; None: nothing to load, the workers' code reads its own checkpoint); the size, or None (restart all).
+    ``what`` names the attempt in the log."""
     try:
         started = form()
-        if started:
+        if started and state is not None:
             group.run("load_restart_point", *state.load_args(), deadline_s=timeout_s)
         return started
     except Exception as err:  # noqa: BLE001 (restarting every worker is the tried path)
@@ -70,7 +71,8 @@ def _keep_ranks(group, state, form, what, timeout_s):
 
 def restart_group(group, state, *, start, config_for, operator_cls, initialization_hook, low, high, timeout_s,
                   target=None, max_retries=None):
-    """Restart ``group`` loading ``state`` (a :class:`~raysgd.torch.state.restart_point.RestartPoint`): after a failure (no ``target``) re-formed from its survivors
+    """Restart ``group`` loading ``state`` (a :class:`~raysgd.torch.state.restart_point.RestartPoint`, or None: nothing
+    to load): after a failure (no ``target``) re-formed from its survivors
     when it can be, else torn down and started with ``start(n, pg_timeout_s)`` as many workers as fit (up to
     ``target``, by default ``high``; never below ``low``; capped exponential backoff while none fit, at most
     ``max_retries`` tries). ``config_for(n)`` is the worker config at ``n``. Returns the number of workers started;
@@ -93,7 +95,8 @@ def restart_group(group, state, *, start, config_for, operator_cls, initializati
         try:  # the resource view can lag a lost node: a size that is not placed soon is not waited for
             size = recovery.place_largest(start, group.how_many_fit, n, low, recovery.placement_try_s(),
                                           min(constants.SGD_PLACEMENT_GROUP_TIMEOUT_S, 10))
-            group.run("load_restart_point", *state.load_args(), deadline_s=timeout_s)
+            if state is not None:  # None: a stateless run (a training function reads its own checkpoint)
+                group.run("load_restart_point", *state.load_args(), deadline_s=timeout_s)
         except BaseException:
             group.shutdown(force=True)
             raise

@@ -19,7 +19,7 @@ import ray
 from raysgd.torch import constants
 from raysgd.torch.errors import WorkerFailure, is_peer_gone
 from raysgd.torch.execution import calls as _calls
-from raysgd.torch.execution import cluster_state, diagnostics, placement
+from raysgd.torch.execution import cluster_state, diagnostics, placement, worker_handle
 from raysgd.torch.execution.local_runner import LocalRunner
 from raysgd.torch.execution.placement import Placement
 from raysgd.torch.execution.spares import SparePool
@@ -511,6 +511,22 @@ class WorkerGroup:
         """Ask every rank (or ``ranks``) to end the call at its next agreed commit point; ``{rank: call}``, unread."""
         return {h.rank: h.control("request_resize", call_id, attempt) for h in list(self._handles)
                 if ranks is None or h.rank in ranks}
+
+    def poll_first(self, method, pending=None):
+        """Ask rank 0 ``method`` beside its running call (its ``"control"`` concurrency group), never waiting:
+        ``(value, pending)`` where ``value`` is the answer to ``pending`` (the previous ask) once it arrived, else
+        None, and ``pending`` the ask now outstanding (a new one once the previous was answered or lost); ``(None,
+        None)`` while the group is broken or empty. A training function's reports reach the driver this way."""
+        if self.broken or not self._handles:
+            return None, None
+        if pending is not None:
+            state = worker_handle.answered(pending)
+            if state is None:
+                return None, pending
+            value = (pending.value if isinstance(pending, _calls.Done) else ray.get(pending, timeout=0)) \
+                if state else None
+            return value, self._handles[0].control(method)
+        return None, self._handles[0].control(method)
 
     def stack_traces(self, timeout_s=diagnostics.STACK_TIMEOUT_S):
         """``{rank: text}``: every rank's Python stacks now (callable from another thread while a call runs);

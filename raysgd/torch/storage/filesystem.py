@@ -49,6 +49,9 @@ pafs = optional.lazy("pyarrow.fs", FEATURE)
 
 STATE_FILE = "trainer.checkpoint"
 MARKER_FILE = "checkpoint.json"
+#: The marker of a checkpoint a training function reported (``raysgd.train``): its directory also holds the user's
+#: files, so raysgd's own name is a hidden one.
+REPORT_MARKER = ".raysgd_report.json"
 PREFIX = "checkpoint_"
 FORMAT = 1
 
@@ -136,36 +139,56 @@ def write_checkpoint_dir(filesystem, directory, stream, meta=None):
     never reaches the disk before the state it describes.
     """
     filesystem.create_dir(directory, recursive=True)
-    local = _is_local(filesystem)
-    marker_path = _join(directory, MARKER_FILE)
     extra = {}
     if hasattr(stream, "write_to"):  # a part written elsewhere (on the node holding the state)
         size, crc32, *more = stream.write_to(directory, STATE_FILE)
         extra = more[0] if more else {}  # a sharded state's other files: {"parts": {name: [size, crc32]}}
     else:
         size, crc32 = write_state_file(filesystem, _join(directory, STATE_FILE), stream)
-    marker = {"format": FORMAT, **(meta or {}), **extra, "file": STATE_FILE, "size": size, "crc32": crc32,
+    files = {STATE_FILE: [size, crc32], **(extra.get("parts") or {})}
+    return write_marker(filesystem, directory, files, {**(meta or {}), **extra, "file": STATE_FILE, "size": size,
+                                                       "crc32": crc32})
+
+
+def write_marker(filesystem, directory, files, meta=None, name=MARKER_FILE):
+    """Write the completion marker ``name`` of ``directory`` (whose ``files``, ``{relative name: [size, crc32]}``,
+    are already written): the format, ``meta`` and the files, so a reader checks each file against it. On a local
+    disk the marker, the directory and its parent are ``fsync``ed. Returns the marker dict.
+
+    Example:
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> sorted(write_marker(resolve(folder)[0], folder, {"a.pt": [3, 7]}, {"index": 1}))
+        ['files', 'format', 'index', 'time']
+    """
+    marker = {"format": FORMAT, **(meta or {}), "files": {key: list(value) for key, value in files.items()},
               "time": time.time()}
-    with filesystem.open_output_stream(marker_path) as handle:
-        handle.write(json.dumps(marker, sort_keys=True).encode())
-    if local:
-        fsync_file(marker_path)
+    path = _join(directory, name)
+    with filesystem.open_output_stream(path) as handle:
+        handle.write(marker_text(marker).encode())
+    if _is_local(filesystem):
+        fsync_file(path)
         checkpoint.fsync_directory(directory)
         checkpoint.fsync_directory(os.path.dirname(directory))
     return marker
 
 
-def read_marker(filesystem, directory):
-    """The marker of ``directory``; :class:`DamagedCheckpoint` when it is missing or unreadable."""
+def marker_text(marker):
+    """A marker as the JSON text it is stored as (values JSON cannot hold are stored as their repr)."""
+    return json.dumps(marker, sort_keys=True, default=repr)
+
+
+def read_marker(filesystem, directory, name=MARKER_FILE):
+    """The marker ``name`` of ``directory``; :class:`DamagedCheckpoint` when it is missing or unreadable."""
     try:
-        with filesystem.open_input_file(_join(directory, MARKER_FILE)) as handle:
+        with filesystem.open_input_file(_join(directory, name)) as handle:
             marker = json.loads(handle.read().decode())
     except FileNotFoundError as err:
-        raise DamagedCheckpoint(f"checkpoint {directory!r} is incomplete (no {MARKER_FILE})") from err
+        raise DamagedCheckpoint(f"checkpoint {directory!r} is incomplete (no {name})") from err
     except (ValueError, UnicodeDecodeError) as err:
-        raise DamagedCheckpoint(f"checkpoint {directory!r} has a damaged {MARKER_FILE}: {err}") from err
+        raise DamagedCheckpoint(f"checkpoint {directory!r} has a damaged {name}: {err}") from err
     if not isinstance(marker, dict) or marker.get("format") != FORMAT:
-        raise DamagedCheckpoint(f"checkpoint {directory!r}: {MARKER_FILE} is not a format-{FORMAT} marker")
+        raise DamagedCheckpoint(f"checkpoint {directory!r}: {name} is not a format-{FORMAT} marker")
     return marker
 
 
@@ -260,15 +283,59 @@ class Restored:
         return f"Restored({self.path!r}, epoch={self.marker.get('epoch')})"
 
 
+def child_uri(storage_path, name):
+    """``storage_path/name`` for a folder path or a URI, a URI's query options kept at its end.
+
+    Example:
+        >>> child_uri("s3://bucket/runs?endpoint_override=127.0.0.1:9000", "exp")
+        's3://bucket/runs/exp?endpoint_override=127.0.0.1:9000'
+        >>> child_uri("/tmp/runs/", "exp")
+        '/tmp/runs/exp'
+    """
+    text = os.fspath(storage_path)
+    if "://" in text and "?" in text:
+        base, query = text.split("?", 1)
+        return f"{_join(base, name)}?{query}"
+    return _join(text, name)
+
+
+def numbered(index):
+    """The directory name of checkpoint ``index`` (``checkpoint_000007``)."""
+    return f"{PREFIX}{index:06d}"
+
+
+def keep_newest(num_to_keep):
+    """The default retention: ``keep(complete)`` -> the indices of the newest ``num_to_keep`` of ``complete`` (``[(index,
+    marker)]``, oldest first); all of them when ``num_to_keep`` is None.
+
+    Example:
+        >>> sorted(keep_newest(2)([(1, {}), (2, {}), (5, {})]))
+        [2, 5]
+    """
+    def keep(complete):
+        chosen = complete if num_to_keep is None else complete[-num_to_keep:]
+        return {index for index, _ in chosen}
+
+    return keep
+
+
 class CheckpointStorage:
-    """Numbered checkpoint directories under ``storage_path``, keeping the newest ``num_to_keep`` complete ones.
+    """Checkpoint directories under ``storage_path``, each complete once its marker is written, keeping the newest
+    ``num_to_keep`` complete ones (None: all) or those a ``keep`` policy picks.
+
+    The trainer's own checkpoints (the operator API's durable runs) are numbered ``checkpoint_NNNNNN`` and hold the
+    state file; a training function's reported checkpoints (``raysgd.train``) hold the files every rank reported,
+    their marker named ``marker`` (:data:`REPORT_MARKER`), and may carry a name of the user's choosing (the marker's
+    ``index`` then orders them). One marker format (:func:`write_marker`: the files with their sizes and CRC-32),
+    one listing, one pruning and one writable check serve both.
 
     Not safe for two runs writing to the same ``storage_path`` at once. See the module docstring for the
     layout and an example.
     """
 
-    def __init__(self, storage_path, num_to_keep=2):
-        if not isinstance(num_to_keep, int) or isinstance(num_to_keep, bool) or num_to_keep < 1:
+    def __init__(self, storage_path, num_to_keep=2, marker=MARKER_FILE, keep=None):
+        if num_to_keep is not None and (not isinstance(num_to_keep, int) or isinstance(num_to_keep, bool)
+                                        or num_to_keep < 1):
             raise ValueError(f"TorchTrainer: num_to_keep expects an int >= 1 (checkpoints kept in storage_path); "
                              f"got {num_to_keep!r}")
         self.filesystem, self.path = resolve(storage_path)
@@ -277,9 +344,19 @@ class CheckpointStorage:
         self.root = text if "://" in text else os.path.abspath(os.path.expanduser(text))
         self.local = _is_local(self.filesystem)
         self.num_to_keep = num_to_keep
+        self.marker = marker
+        self._keep = keep or keep_newest(num_to_keep)
 
     def __repr__(self):
         return f"CheckpointStorage({self.storage_path!r}, num_to_keep={self.num_to_keep})"
+
+    def uri(self, directory):
+        """The path or URI of ``directory`` (a path inside the filesystem, as :meth:`list` gives) as a user names it:
+        a URI keeps its scheme and query options."""
+        if "://" not in self.storage_path:
+            return directory
+        relative = directory[len(self.path):].lstrip("/")
+        return child_uri(self.storage_path, relative)
 
     def check_writable(self):
         """Create the folder, write a small file into it and delete it: a ``storage_path`` this process cannot
@@ -297,7 +374,8 @@ class CheckpointStorage:
                              f"{probe!r} failed: {type(err).__name__}: {err}") from err
 
     def list(self):
-        """``[(index, directory)]`` of every checkpoint directory, complete or not, oldest first."""
+        """``[(index, directory)]`` of every checkpoint directory, complete or not, oldest first: the numbered ones
+        by their name, one of another name by its marker's ``index`` (without a readable marker it is left out)."""
         try:
             infos = self.filesystem.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
         except OSError as err:
@@ -305,9 +383,23 @@ class CheckpointStorage:
         found = []
         for info in infos:
             name = info.base_name
-            if info.type == pafs.FileType.Directory and name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
+            if info.type != pafs.FileType.Directory or name.startswith("."):
+                continue
+            if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
                 found.append((int(name[len(PREFIX):]), _join(self.path, name)))
+            elif self.marker != MARKER_FILE:  # a reported checkpoint's own name: its marker numbers it
+                try:
+                    index = read_marker(self.filesystem, _join(self.path, name), self.marker).get("index")
+                except DamagedCheckpoint:
+                    continue
+                if isinstance(index, int):
+                    found.append((index, _join(self.path, name)))
         return sorted(found)
+
+    def next_index(self):
+        """The index a new checkpoint takes: one past every directory's (complete or not)."""
+        existing = self.list()
+        return existing[-1][0] + 1 if existing else 1
 
     def write(self, stream, meta=None):
         """Write a new checkpoint (numbered after every existing one), then prune; returns its directory.
@@ -315,7 +407,7 @@ class CheckpointStorage:
         Older checkpoints are pruned only after the new one is durable (see :func:`write_checkpoint_dir`)."""
         existing = self.list()
         index = existing[-1][0] + 1 if existing else 1
-        directory = _join(self.path, f"{PREFIX}{index:06d}")
+        directory = _join(self.path, numbered(index))
         started = time.monotonic()
         marker = write_checkpoint_dir(self.filesystem, directory, stream, {**(meta or {}), "index": index})
         logger.info("Checkpoint %s written (%.1f MB in %.2f s)", directory, marker["size"] / 1e6,
@@ -323,22 +415,26 @@ class CheckpointStorage:
         self.prune(existing + [(index, directory)])
         return directory
 
-    def _is_complete(self, directory):
-        info = self.filesystem.get_file_info(_join(directory, MARKER_FILE))
-        return info.type == pafs.FileType.File
+    def _marker_of(self, directory):
+        try:
+            return read_marker(self.filesystem, directory, self.marker)
+        except DamagedCheckpoint:
+            return None
 
     def prune(self, entries=None):
-        """Delete complete checkpoints beyond the newest ``num_to_keep``, and incomplete ones older than the newest."""
+        """Delete the complete checkpoints the retention policy does not keep (never the newest), and incomplete ones
+        older than the newest complete one."""
         entries = self.list() if entries is None else entries
-        complete = [entry for entry in entries if self._is_complete(entry[1])]
+        markers = {index: self._marker_of(directory) for index, directory in entries}
+        complete = [(index, markers[index]) for index, _ in entries if markers[index] is not None]
         if not complete:
             return
-        keep = {index for index, _ in complete[-self.num_to_keep:]}
+        keep = set(self._keep(complete)) | {complete[-1][0]}  # the newest is what a restart resumes from
         for index, directory in entries:
             if index in keep or index > complete[-1][0]:
                 continue
             try:  # the marker first: a directory half deleted must never look complete
-                self.filesystem.delete_file(_join(directory, MARKER_FILE))
+                self.filesystem.delete_file(_join(directory, self.marker))
             except FileNotFoundError:
                 pass
             try:
@@ -346,14 +442,20 @@ class CheckpointStorage:
             except (FileNotFoundError, OSError) as err:
                 logger.warning("Could not delete old checkpoint %s: %s", directory, err)
 
-    def candidates(self):
+    def candidates(self, check=None):
         """``[(directory, marker)]`` of the complete checkpoints, newest first, reading only their markers (a missing
-        or unreadable marker, or one naming another file, is skipped with a warning): what a resume tries in turn,
-        reading each state file where it is loaded (see :func:`read_state_file`)."""
+        or unreadable marker, or one ``check(filesystem, directory, marker)`` refuses with
+        :class:`DamagedCheckpoint`, is skipped with a warning): what a resume tries in turn, reading each state file
+        where it is loaded (see :func:`read_state_file`). The default check: the marker names the state file."""
         found = []
         for _, directory in reversed(self.list()):
             try:
-                found.append((directory, checked_marker(self.filesystem, directory)))
+                marker = read_marker(self.filesystem, directory, self.marker)
+                if check is not None:
+                    check(self.filesystem, directory, marker)
+                elif marker.get("file", STATE_FILE) != STATE_FILE:
+                    checked_marker(self.filesystem, directory)  # raises, naming the file
+                found.append((directory, marker))
             except DamagedCheckpoint as err:  # newer than any complete one: the one a resume would have used
                 (logger.debug if found else logger.warning)(
                     "Skipping checkpoint %s (%s); falling back to the previous one", directory, err)
