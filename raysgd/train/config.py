@@ -38,6 +38,8 @@ class ScalingConfig:
         use_gpu: one GPU per worker (NCCL); CPU workers use gloo.
         resources_per_worker: ``{"CPU": n, "GPU": g}`` (other keys are refused).
         trainer_resources, placement_strategy: as in Ray Train (the trainer itself runs in the driver here).
+        num_spares: raysgd's warm spares: idle worker processes beside the workers, ready to take a lost rank's
+            place in a fraction of a second (see the operator API's ``TorchTrainer(num_spares=...)``); default 0.
 
     Example:
         >>> ScalingConfig(num_workers=2, use_gpu=False).num_cpus_per_worker
@@ -49,6 +51,7 @@ class ScalingConfig:
     resources_per_worker: dict = None
     trainer_resources: dict = None
     placement_strategy: str = "PACK"
+    num_spares: int = 0
 
     def __post_init__(self):
         n = self.num_workers
@@ -60,6 +63,8 @@ class ScalingConfig:
         _expect(resources is None or (isinstance(resources, dict) and set(resources) <= {"CPU", "GPU", "cpu", "gpu"}
                                       and all(isinstance(v, (int, float)) and v >= 0 for v in resources.values())),
                 "ScalingConfig", "resources_per_worker", "None or a dict of 'CPU'/'GPU' amounts >= 0", resources)
+        _expect(_int(self.num_spares) and self.num_spares >= 0, "ScalingConfig", "num_spares", "an int >= 0",
+                self.num_spares)
         _expect(self.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), "ScalingConfig",
                 "placement_strategy", "'PACK', 'SPREAD', 'STRICT_PACK' or 'STRICT_SPREAD'", self.placement_strategy,
                 ValueError)

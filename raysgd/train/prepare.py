@@ -7,8 +7,10 @@ Part of :mod:`raysgd.train` (the functions of ``raysgd.train.torch``). ``prepare
 checkpoint reported mid-epoch carries the loader's data cursor (the positions every rank consumed), and after a
 restart the loader's pass of that epoch starts at the cursor, re-sharded over the current world size: every sample
 of the epoch is trained once. Which epoch a pass is: the one given to ``loader.sampler.set_epoch(epoch)`` (or
-``loader.set_epoch``) before it, else the previous pass's plus one; a loader restored from a cursor starts at the
-cursor's epoch. The restored cursor applies to the first pass only, and only when that pass is its epoch.
+``loader.set_epoch``) before it (the same epoch again counts too), else the previous pass's plus one; a loader
+restored from a cursor starts at the cursor's epoch (the next one when that epoch was complete). The restored cursor
+applies to the first pass only, and only when that pass is its epoch: a pass of an epoch the cursor says was trained
+whole yields nothing.
 
 Example:
     >>> import torch
@@ -107,7 +109,7 @@ class PreparedLoader:
         if exactly_once and self._sampler is None and world_rank == 0:
             logger.warning("prepare_data_loader: this DataLoader has no data cursor (%s); a restart re-reads its "
                            "epoch from the start", "not sharded" if not shard else "not shardable by raysgd")
-        self._left_at = self._sampler.epoch if self._sampler is not None else 0
+        self._calls_seen = getattr(self._sampler, "set_epoch_calls", 0)  # set_epoch calls before the next pass
         self._passes, self._pass_epoch, self._taken, self._in_pass = 0, None, 0, False
         self._restored = None
         self.restore(restored)
@@ -127,7 +129,7 @@ class PreparedLoader:
         sampler, restored, self._restored = self._sampler, self._restored, None
         if sampler is None:
             return
-        explicit = sampler.epoch != self._left_at
+        explicit = sampler.set_epoch_calls != self._calls_seen  # the caller named this pass's epoch
         if explicit:
             epoch = sampler.epoch
         elif self._passes == 0:
@@ -135,12 +137,13 @@ class PreparedLoader:
         else:
             epoch = self._pass_epoch + 1
         sampler.set_epoch(epoch)
-        self._left_at, self._pass_epoch = epoch, epoch
-        if restored is not None and not restored["complete"]:
-            if restored["epoch"] == epoch:
+        self._calls_seen, self._pass_epoch = sampler.set_epoch_calls, epoch
+        if restored is not None:
+            if restored["epoch"] == epoch:  # a complete one leaves nothing of the epoch to read: an empty pass
                 _loaders.set_sampler_start(self.loader, int(restored["consumed"]))
-                logger.info("Epoch %d resumes at the data cursor %d", epoch, restored["consumed"])
-            else:
+                logger.info("Epoch %d resumes at the data cursor %d%s", epoch, restored["consumed"],
+                            " (the whole epoch was trained)" if restored["complete"] else "")
+            elif not restored["complete"]:
                 logger.info("The restored data cursor (epoch %d) does not apply: this pass is epoch %d",
                             restored["epoch"], epoch)
 

@@ -173,7 +173,7 @@ class TorchTrainer:
         return WorkerGroup({"use_gpu": scaling.use_gpu, "backend": backend},
                            num_cpus_per_worker=scaling.num_cpus_per_worker, num_gpus=scaling.num_gpus_per_worker,
                            timeout_s=torch_config.timeout_s, placement_strategy=scaling.placement_strategy,
-                           worker_cls=FunctionWorker, num_spares=getattr(scaling, "num_spares", 0))
+                           worker_cls=FunctionWorker, num_spares=scaling.num_spares)
 
     def _limits(self):
         failure = self.run_config.failure_config

@@ -139,6 +139,7 @@ class ShardSampler(Sampler):
         self.drop_last = bool(drop_last)
         self.lockstep = bool(lockstep)
         self.epoch = 0
+        self.set_epoch_calls = 0  # how often set_epoch was called (a caller that sets the same epoch again is seen)
         self.start = 0
         self._pinned = False  # set_start was called for the next pass
         self._stream = None  # (epoch, list) of the latest draw
@@ -148,6 +149,7 @@ class ShardSampler(Sampler):
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ValueError(f"ShardSampler.set_epoch expects an int >= 0; got {epoch!r}")
         self.epoch = epoch
+        self.set_epoch_calls += 1
         if not self._pinned:
             self.start = 0
 
@@ -226,12 +228,14 @@ class StreamShardSampler(Sampler):
         self.base, self.rank, self.world_size, self.seed = base, rank, world_size, int(seed)
         self.batch_size, self.drop_last, self.lockstep = batch_size, bool(drop_last), bool(lockstep)
         self.epoch = 0
+        self.set_epoch_calls = 0  # see ShardSampler
 
     def set_epoch(self, epoch):
         """Seed the next pass from ``epoch``."""
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise ValueError(f"StreamShardSampler.set_epoch expects an int >= 0; got {epoch!r}")
         self.epoch = epoch
+        self.set_epoch_calls += 1
 
     def _plan(self):
         total = stream_length(self.base)

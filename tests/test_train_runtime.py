@@ -1,0 +1,218 @@
+"""raysgd.train on the operator API's runtime: retries, SIGTERM, warm spares, elastic growth and bad input, for real.
+
+One shared 3-CPU local cluster; real actors, real gloo groups, real SIGKILLs and SIGTERMs. The training function
+(``train_functions.counting``) counts how often each sample was trained and logs every batch, so "every sample once"
+and "nothing trained twice" are checked sample by sample.
+"""
+import logging
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+
+from conftest import assert_released, start_ray
+from helpers import signal_at_marker
+from train_functions import counting, read_counts, trained_batches
+import raysgd.train
+from raysgd.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
+from raysgd.train.torch import TorchConfig, TorchTrainer
+from raysgd.train.trainer import ResourcesError, TrainingFailedError
+
+FAST = TorchConfig(timeout_s=30)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray_module = start_ray(3)
+    yield ray_module
+    ray_module.shutdown()
+
+
+def run(tmp_path, name, config, workers=2, max_failures=0, **scaling):
+    trainer = TorchTrainer(counting, train_loop_config=config, torch_config=FAST,
+                           scaling_config=ScalingConfig(num_workers=workers, **scaling),
+                           run_config=RunConfig(name=name, storage_path=str(tmp_path),
+                                                failure_config=FailureConfig(max_failures=max_failures)))
+    return trainer.fit()
+
+
+def each_trained_once(log, n, epochs):
+    """Every (epoch, sample) in the log exactly once: nothing lost, nothing trained twice."""
+    seen = {}
+    for _, _, epoch, ids in trained_batches(log):
+        for sample in ids:
+            seen[(epoch, sample)] = seen.get((epoch, sample), 0) + 1
+    twice = sorted(key for key, count in seen.items() if count > 1)
+    missing = [(epoch, sample) for epoch in range(epochs) for sample in range(n) if (epoch, sample) not in seen]
+    assert not twice and not missing, f"trained twice: {twice[:10]}; never: {missing[:10]}"
+
+
+# ----------------------------------------------------------------- the function's own errors
+def test_a_function_error_is_retried_under_max_failures_and_is_the_results_error_once_they_run_out(cluster, tmp_path):
+    marker = str(tmp_path / "raised")
+    config = {"n": 32, "epochs": 2, "fault": {"kind": "raise", "rank": 1, "epoch": 0, "step": 2, "marker": marker}}
+    result = run(tmp_path, "retried", config, max_failures=1)
+    assert os.path.exists(marker) and result.num_failures == 1 and result.error is None
+    assert read_counts(result.checkpoint).tolist() == [2.0] * 32  # resumed from step 1's checkpoint: exact
+    assert result.metrics == {"epoch": 1, "done": True, "world_size": 2}  # as reported: no key of raysgd's added
+
+    os.remove(marker)
+    with pytest.raises(TrainingFailedError) as failed:
+        run(tmp_path, "out-of-retries", config, max_failures=0)
+    assert "the training function raised (ValueError: the training function failed once)" in str(failed.value)
+    assert "the latest checkpoint is" in str(failed.value) and "checkpoint_000001" in str(failed.value)
+    result = failed.value.result
+    assert isinstance(result.error, ValueError) and result.checkpoint is not None
+    assert_released()
+
+
+def raises_at_once(config):
+    raise KeyError("no such column")
+
+
+def test_a_run_that_reported_nothing_says_so_when_it_fails(cluster, tmp_path):
+    with pytest.raises(TrainingFailedError, match=r"KeyError: 'no such column'\); no checkpoint was reported"):
+        TorchTrainer(raises_at_once, scaling_config=ScalingConfig(num_workers=1),
+                     run_config=RunConfig(name="nothing", storage_path=str(tmp_path))).fit()
+    assert_released()
+
+
+# ----------------------------------------------------------------- SIGTERM
+def test_sigterm_to_one_rank_commits_at_the_next_report_and_nothing_is_trained_twice(cluster, tmp_path):
+    """Rank 1 is signalled during step 2 of epoch 0; the ranks commit at the report after step 3, the signalled
+    process exits, and the run resumes there: every sample of both epochs trained exactly once."""
+    marker, log = str(tmp_path / "pid"), str(tmp_path / "batches.log")
+    config = {"n": 64, "epochs": 2, "log": log,
+              "fault": {"kind": "wait", "rank": 1, "epoch": 0, "step": 2, "marker": marker}}
+    watcher = signal_at_marker(marker, signal.SIGTERM)
+    result = run(tmp_path, "sigterm", config, max_failures=1)
+    watcher.join(5)
+    signalled = int(open(marker).read())
+    deadline = time.monotonic() + 30
+    while _alive(signalled) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(signalled)  # it exited after the commit
+    assert result.num_failures == 1
+    each_trained_once(log, 64, 2)
+    assert read_counts(result.checkpoint).tolist() == [2.0] * 64
+    assert_released()
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------- warm spares
+def release_when(condition, release, timeout_s=120):
+    """A daemon thread: create the file ``release`` once ``condition()`` holds (the rank at its fault waits for it)."""
+    def watch():
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if condition():
+                    break
+            except Exception:  # noqa: BLE001 (the group is being formed: ask again)
+                pass
+            time.sleep(0.05)
+        open(release, "w").close()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+
+def test_a_warm_spare_takes_a_killed_ranks_place_and_the_survivor_keeps_its_process(cluster, tmp_path, caplog):
+    marker, release, log = str(tmp_path / "killed"), str(tmp_path / "warm"), str(tmp_path / "batches.log")
+    config = {"n": 64, "epochs": 2, "log": log, "step_s": 0.05,
+              "fault": {"kind": "kill", "rank": 1, "epoch": 0, "step": 3, "marker": marker, "release": release}}
+    trainer = TorchTrainer(counting, train_loop_config=config, torch_config=FAST,
+                           scaling_config=ScalingConfig(num_workers=2, num_spares=1),
+                           run_config=RunConfig(name="spare", storage_path=str(tmp_path),
+                                                failure_config=FailureConfig(max_failures=1)))
+    release_when(lambda: trainer.worker_group is not None and trainer.worker_group.spares.available() == 1, release)
+    with caplog.at_level(logging.INFO, logger="raysgd"):
+        result = trainer.fit()
+    assert result.num_failures == 1
+    assert "1 kept, 1 warm spare(s), 0 new" in caplog.text  # rank 0 stayed in its process; the spare took rank 1
+    killed = int(open(marker).read())
+    before = {pid for pid, _, epoch, _ in trained_batches(log)[:8]}
+    after = {pid for pid, _, _, _ in trained_batches(log)[8:]}
+    assert killed in before and killed not in after and len(before & after) == 1  # the survivor, same pid
+    each_trained_once(log, 64, 2)
+    assert read_counts(result.checkpoint).tolist() == [2.0] * 64
+    assert_released()
+
+
+# ----------------------------------------------------------------- elastic growth
+@ray.remote(num_cpus=2)
+class Holder:
+    """Holds 2 of the 3 CPUs until killed: only one worker fits at first."""
+
+    def ready(self):
+        return True
+
+
+def test_a_range_grows_at_a_report_when_workers_fit_again(cluster, tmp_path, monkeypatch):
+    monkeypatch.setenv("SGD_RESIZE_COOLDOWN_S", "0.5")
+    monkeypatch.setenv("SGD_GROW_CHECK_S", "0.3")
+    holder = Holder.remote()
+    ray.get(holder.ready.remote())
+    marker, release, log = str(tmp_path / "held"), str(tmp_path / "release"), str(tmp_path / "batches.log")
+    config = {"n": 48, "epochs": 2, "log": log, "every": 2, "step_s": 0.1,
+              "fault": {"kind": "hold", "epoch": 0, "step": 4, "marker": marker, "release": release}}
+
+    def free_cpus_then_release():
+        deadline = time.monotonic() + 120
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ray.kill(holder)  # two more CPUs: the watch sees room and asks the ranks to stop at their next commit
+        time.sleep(1.5)
+        open(release, "w").close()
+
+    thread = threading.Thread(target=free_cpus_then_release, daemon=True)
+    thread.start()
+    result = run(tmp_path, "grow", config, workers=(1, 2))
+    thread.join(5)
+    sizes = [size for _, size, _, _ in trained_batches(log)]
+    assert sizes[0] == 1 and sizes[-1] == 2 and result.metrics["world_size"] == 2
+    assert result.num_failures == 0  # a resize is no failure
+    each_trained_once(log, 48, 2)
+    assert read_counts(result.checkpoint).tolist() == [2.0] * 48
+    assert_released()
+
+
+# ----------------------------------------------------------------- bad input and damaged checkpoints
+def test_a_cluster_that_can_never_hold_the_workers_fails_at_once_naming_the_resources(cluster, tmp_path):
+    started = time.monotonic()
+    with pytest.raises(ResourcesError, match=r"num_workers=5\) needs 5 worker\(s\) of 1 CPU\(s\).*can hold 3"):
+        run(tmp_path, "too-big", {}, workers=5)
+    assert time.monotonic() - started < 10  # not the 100 s placement timeout
+    with pytest.raises(TrainingFailedError, match="expects a checkpoint of a local directory.*not a directory"):
+        TorchTrainer(reports_a_missing_folder, scaling_config=ScalingConfig(num_workers=1),
+                     run_config=RunConfig(name="missing", storage_path=str(tmp_path))).fit()
+    assert_released()
+
+
+def reports_a_missing_folder():
+    raysgd.train.report({"loss": 1.0}, checkpoint=Checkpoint(os.path.join(os.getcwd(), "no-such-folder")))
+
+
+def test_a_truncated_newest_checkpoint_is_skipped_and_the_one_before_it_resumed(cluster, tmp_path, caplog):
+    first = run(tmp_path, "damaged", {"n": 16, "epochs": 1}, workers=1)
+    folder = first.checkpoint.path
+    state = os.path.join(folder, "state.pt")
+    with open(state, "r+b") as handle:
+        handle.truncate(os.path.getsize(state) // 2)
+    with caplog.at_level(logging.WARNING, logger="raysgd"):
+        again = run(tmp_path, "damaged", {"n": 16, "epochs": 2}, workers=1)
+    assert "Skipping checkpoint" in caplog.text and "state.pt has" in caplog.text
+    assert read_counts(again.checkpoint).tolist() == [2.0] * 16  # epoch 0 from the older checkpoint, then epoch 1
+    assert_released()
