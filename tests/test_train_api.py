@@ -245,8 +245,8 @@ def test_reported_checkpoints_go_to_an_s3_uri_marker_last_and_read_back(tmp_path
             directory = f"{storage.path}/{filesystem.numbered(index)}"
             files = {}
             for source in ranks:
-                files.update(rank_files.write_files(storage.root, directory, str(source), rank_files.local_files(str(source)),
-                                                    home=None))
+                files.update(rank_files.write_files(storage.root, directory, str(source),
+                                                    rank_files.local_files(str(source)), home=None)[0])
             rank_files.write_marker(storage.root, directory, files, {"kind": "report", "index": index,
                                                                      "metrics": {"loss": 1.0 / index}},
                                     filesystem.REPORT_MARKER, home=None)

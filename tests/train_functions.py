@@ -4,7 +4,7 @@
 data cursor), reports a checkpoint every ``every`` steps and at each epoch's end, and keeps ``counts[i]``: how often
 sample ``i`` was trained, summed over the ranks (an ``all_reduce``: DDP replicas agree), in every checkpoint. Every
 batch a rank trains is appended to ``config["log"]`` (``pid epoch ids...``), so a test can tell what was trained
-twice. ``config["fault"]`` makes one rank fail once, at a step of an epoch (``marker`` records that it happened, and
+twice; ``config["resumed_log"]`` gets ``rank path`` of the checkpoint each rank resumed from. ``config["fault"]`` makes one rank fail once, at a step of an epoch (``marker`` records that it happened, and
 holds the rank's pid):
 
 - ``"kill"``: SIGKILL itself right after that step's report (a lost process), once ``release`` exists if given;
@@ -43,6 +43,9 @@ def counting(config):
         with checkpoint.as_directory() as folder:
             state = torch.load(os.path.join(folder, "state.pt"))
         counts, start_epoch = state["counts"], state["epoch"]
+        if config.get("resumed_log"):
+            with open(config["resumed_log"], "a") as log:
+                log.write(f"{raysgd.train.get_context().get_world_rank()} {checkpoint.path}\n")
     model = prepare_model(torch.nn.Linear(1, 1))
     loader = prepare_data_loader(DataLoader(TensorDataset(torch.arange(n)), batch_size=batch, shuffle=True))
     context = raysgd.train.get_context()

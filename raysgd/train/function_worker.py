@@ -109,6 +109,7 @@ class FunctionWorker(TorchWorker):
         finally:
             preemption.set_active(False)
             preemption.drop_pending()
+            session.close()
         return {"reports": self.take_reports(), "return_value": value if self.world_rank == 0 else None}
 
     def take_reports(self):

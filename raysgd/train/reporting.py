@@ -183,7 +183,7 @@ class Reporter:
         mine = [file for file in files or () if claimed[file] == self.rank]
         try:
             answer = rank_files.write_files(self.plan.storage_root, directory, source, mine, home=self.plan.home) \
-                if mine else {}
+                if mine else ({}, None)
         except Exception as err:  # noqa: BLE001 (exchanged: every rank raises it)
             answer = f"rank {self.rank}: {type(err).__name__}: {err}"
         written = self.exchange(answer)
@@ -191,8 +191,9 @@ class Reporter:
         marker = None
         if not failed and self.rank == 0:
             try:
-                merged = {file: size_crc for part in written for file, size_crc in part.items()}
+                merged = {file: size_crc for part, _ in written for file, size_crc in part.items()}
                 meta = {"kind": "report", "index": self.plan.first_index + self.checkpoints, "name": name,
+                        "written_on": {rank: node for rank, (part, node) in enumerate(written) if part},
                         "metrics": plain(infos[0]["metrics"]), "rank_metrics": [plain(info["metrics"]) for info in infos],
                         "cursors": self._cursors(), "world_size": self.world_size, "attempt": self.plan.attempt,
                         "report": self.count}

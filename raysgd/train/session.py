@@ -16,6 +16,7 @@ Example:
 import contextlib
 import logging
 import os
+import shutil
 
 from raysgd.torch.state import restart_point
 from raysgd.torch.storage import rank_files
@@ -118,6 +119,12 @@ class Session:
             logger.info("Rank %d read the checkpoint %s from the driver's node into %s",
                         self.context.get_world_rank(), uri, self._fetched)
         return Checkpoint(self._fetched)
+
+    def close(self):
+        """Remove the local copy of the starting checkpoint, if one was made (the attempt is over)."""
+        fetched, self._fetched = self._fetched, None
+        if fetched is not None:
+            shutil.rmtree(fetched, ignore_errors=True)
 
     def report(self, metrics, checkpoint=None, checkpoint_dir_name=None):
         if not isinstance(metrics, dict) or not all(isinstance(key, str) for key in metrics):

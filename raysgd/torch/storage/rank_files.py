@@ -23,7 +23,7 @@ Example:
     >>> _ = open(os.path.join(source, "model.pt"), "wb").write(b"weights")
     >>> local_files(source)
     ['model.pt']
-    >>> write_files(run, os.path.join(run, "checkpoint_000001"), source, ["model.pt"], home=None)
+    >>> write_files(run, os.path.join(run, "checkpoint_000001"), source, ["model.pt"], home=None)[0]
     {'model.pt': [7, 449999704]}
 """
 import logging
@@ -163,13 +163,15 @@ def _on_home(function, home, *args, timeout_s):
 
 def write_files(storage_root, directory, source, names, *, home, timeout_s=600):
     """Write the files ``names`` of the local folder ``source`` to the checkpoint ``directory`` (a path inside the
-    filesystem of ``storage_root``, a folder or URI); returns ``{name: [size, crc32]}`` of what was written.
+    filesystem of ``storage_root``, a folder or URI); returns ``({name: [size, crc32]}, node)``: what was written, and
+    the id of the node that wrote it.
 
     A URI, or a local folder on ``home`` (the node whose disk the folder is on: the driver's; None: this one) seen
     from that node, is written from this process; a local folder seen from another node goes through a task on
     ``home``, the files through this node's object store (see the module docstring)."""
     started = time.monotonic()
     fs, _ = filesystem.resolve(storage_root)
+    node = restart_point.this_node()
     if not isinstance(fs, filesystem.pafs.LocalFileSystem):
         fs.create_dir(directory, recursive=True)
         written = {name: list(_copy_to(fs, os.path.join(source, name), f"{directory}/{name}")) for name in names}
@@ -177,13 +179,14 @@ def write_files(storage_root, directory, source, names, *, home, timeout_s=600):
         written = {name: list(_copy_local(os.path.join(source, name), os.path.join(directory, *name.split("/"))))
                    for name in names}
     else:
+        node = home
         blobs = {}
         for name in names:
             with open(os.path.join(source, name), "rb") as reader:
                 blobs[name] = out_of_band(reader.read())
         written = _on_home(_write_blobs, home, directory, blobs, timeout_s=timeout_s)
     logger.debug("%d file(s) written to %s in %.2f s", len(written), directory, time.monotonic() - started)
-    return written
+    return written, node
 
 
 def prepare_directory(storage_root, directory, marker_name, *, home, timeout_s=60):
