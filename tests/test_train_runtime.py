@@ -12,10 +12,11 @@ import time
 
 import pytest
 import ray
+import torch
 
 from conftest import assert_released, start_ray
 from helpers import signal_at_marker
-from train_functions import counting, read_counts, trained_batches
+from train_functions import counting, read_counts, sharded, trained_batches
 import raysgd.train
 from raysgd.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
 from raysgd.train.torch import TorchConfig, TorchTrainer
@@ -215,4 +216,23 @@ def test_a_truncated_newest_checkpoint_is_skipped_and_the_one_before_it_resumed(
         again = run(tmp_path, "damaged", {"n": 16, "epochs": 2}, workers=1)
     assert "Skipping checkpoint" in caplog.text and "state.pt has" in caplog.text
     assert read_counts(again.checkpoint).tolist() == [2.0] * 16  # epoch 0 from the older checkpoint, then epoch 1
+    assert_released()
+
+
+# ----------------------------------------------------------------- sharded (DCP) checkpoints
+def test_every_rank_reports_its_dcp_shard_and_the_merged_checkpoint_loads_at_another_size(cluster, tmp_path):
+    """Each rank saves its own FSDP2 shard with DCP into its own folder and reports it: the checkpoint holds every
+    rank's shard and DCP's metadata; a run at 3 workers loads it (resharded by DCP) to the same whole weights."""
+    def trainer(workers):
+        return TorchTrainer(sharded, torch_config=FAST, scaling_config=ScalingConfig(num_workers=workers),
+                            run_config=RunConfig(name="dcp", storage_path=str(tmp_path)))
+
+    saved = trainer(2).fit()
+    assert sorted(os.listdir(saved.checkpoint.path)) == [".metadata", ".raysgd_report.json", "__0_0.distcp",
+                                                         "__1_0.distcp"]
+    assert saved.metrics["files"] == [".metadata", "__0_0.distcp"]  # rank 0's own folder: its shard alone
+    loaded = trainer(3).fit()
+    whole_saved, whole_loaded = saved.return_value, loaded.return_value
+    assert sorted(whole_saved) == sorted(whole_loaded)
+    assert all(torch.equal(whole_saved[key], whole_loaded[key]) for key in whole_saved)
     assert_released()

@@ -107,3 +107,40 @@ def trained_batches(log):
         pid, size, epoch, *ids = line.split()
         rows.append((int(pid), int(size), int(epoch), [int(i) for i in ids]))
     return rows
+
+
+def sharded(config):
+    """An FSDP2 model (``fully_shard`` on a CPU mesh) trained a few steps, then saved with DCP: every rank writes its
+    own shard (``__<rank>_0.distcp``; rank 0 also ``.metadata``) into its own local folder and reports it, so the
+    run's checkpoint holds every rank's files merged. Started from a checkpoint, it loads the shards with DCP at
+    whatever world size it runs at now and only checks that. Returns the whole model's weights (rank 0)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    size = raysgd.train.get_context().get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    mesh = init_device_mesh("cpu", (size,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    checkpoint = raysgd.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as folder:
+            state = {"model": get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=folder)
+            set_model_state_dict(model, state["model"])
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(3):
+            torch.manual_seed(step)
+            model(torch.randn(4, 9)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with tempfile.TemporaryDirectory() as folder:
+            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=folder)
+            raysgd.train.report({"files": sorted(os.listdir(folder))}, checkpoint=Checkpoint.from_directory(folder))
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return whole if raysgd.train.get_context().get_world_rank() == 0 else None

@@ -108,6 +108,7 @@ class Result:
         error: the exception that ended the run, or None.
         best_checkpoints: ``[(Checkpoint, metrics)]`` of the checkpoints kept, oldest first.
         num_failures: worker failures recovered from (raysgd's addition).
+        return_value: what the training function returned on rank 0 (None when it failed).
 
     Example:
         >>> Result(metrics={"loss": 0.1}, checkpoint=None, path="/tmp/r/exp").metrics["loss"]
@@ -120,6 +121,7 @@ class Result:
     error: BaseException = None
     best_checkpoints: list = dataclasses.field(default_factory=list)
     num_failures: int = 0
+    return_value: object = None
 
     @property
     def filesystem(self):

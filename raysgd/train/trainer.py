@@ -282,5 +282,6 @@ class TorchTrainer:
         checkpoint = Checkpoint(reports.latest[0]) if reports.latest else None
         root = reports.storage.root
         path = root.split("?")[0] if "://" in root else root
+        value = (results[0] or {}).get("return_value") if results else None
         return Result(metrics=metrics or {}, checkpoint=checkpoint, path=path, error=error, best_checkpoints=kept,
-                      num_failures=failures)
+                      num_failures=failures, return_value=value)
