@@ -23,29 +23,14 @@ from raysgd.torch import constants
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.execution import restarts
 from raysgd.torch.execution.worker_group import WorkerGroup
-from raysgd.train.checkpoint import Checkpoint, Result
+from raysgd.train.checkpoint import Checkpoint
+from raysgd.train.result import Result
 from raysgd.train.config import RunConfig, ScalingConfig, TorchConfig
+from raysgd.train.errors import TrainingFailedError
 from raysgd.train.function_worker import FunctionWorker
 from raysgd.train.run_storage import RunFolder
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingFailedError(RuntimeError):
-    """``fit()`` failed: the training function raised, or the workers failed more than ``max_failures`` times.
-
-    ``result`` is the :class:`~raysgd.train.checkpoint.Result` so far (its ``error`` is the cause).
-
-    Example:
-        >>> try:  # doctest: +SKIP
-        ...     result = trainer.fit()
-        ... except TrainingFailedError as failed:
-        ...     result = failed.result  # result.checkpoint: the latest reported one, result.error: the cause
-    """
-
-    def __init__(self, message, result=None):
-        super().__init__(message)
-        self.result = result
 
 
 def _check(ok, name, expected, value):
@@ -117,7 +102,7 @@ class TorchTrainer:
     def _resume_point(self, folder):
         latest = folder.latest()
         if latest is None and self.resume_from_checkpoint is not None:
-            return self.resume_from_checkpoint.path, {}
+            return self.resume_from_checkpoint.uri, {}
         return latest
 
     def _reform(self, group):
