@@ -401,3 +401,132 @@ def test_the_coming_from_ray_train_table_lists_every_public_ray_train_name_truly
         else:
             assert raysgd_name is not None, f"{name}: a row that works names its raysgd counterpart"
             resolve(raysgd_name)
+
+
+# ------------------------------------------------------------------------ in training functions, on a real cluster
+@pytest.fixture(scope="module")
+def cluster():
+    from conftest import start_ray
+
+    ray = start_ray(2)
+    yield ray
+    ray.shutdown()
+
+
+def collective_loop(config):
+    """Every rank: broadcasts (rank 0's data wins), a barrier, two refused broadcasts (too big, unpicklable) and
+    one after them, two reports and ``get_all_reported_checkpoints``; what it saw goes to ``out/rank<r>.json``."""
+    import threading  # noqa: PLC0415
+
+    from raysgd.train.collective import barrier, broadcast_from_rank_zero  # noqa: PLC0415
+
+    rank = raysgd.train.get_context().get_world_rank()
+    seen = {"config": broadcast_from_rank_zero({"seed": 7, "from": rank} if rank == 0 else {"from": rank}),
+            "none": broadcast_from_rank_zero(None)}
+    barrier()
+    for name, data in (("too_big", "x" * 2000), ("unpicklable", threading.Lock())):
+        try:
+            broadcast_from_rank_zero(data if rank == 0 else None)
+        except Exception as err:  # noqa: BLE001 (what each rank raised is what the test checks)
+            seen[name] = f"{type(err).__name__}: {err}"
+    seen["after"] = broadcast_from_rank_zero(10 + rank)  # the group still works after the refused ones
+    for step in range(2):
+        with tempfile.TemporaryDirectory() as folder:
+            with open(os.path.join(folder, "state"), "w") as handle:
+                handle.write(str(step))
+            raysgd.train.report({"step": step, "loss": 1.0 / (step + 1)}, checkpoint=Checkpoint.from_directory(folder))
+    seen["reported"] = [(os.path.basename(r.checkpoint.path), r.metrics, isinstance(r, ReportedCheckpoint))
+                        for r in raysgd.train.get_all_reported_checkpoints()]
+    with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as handle:
+        json.dump(seen, handle)
+
+
+@pytest.mark.parametrize("workers", [2, 1])
+def test_collectives_and_reported_checkpoints_inside_a_training_function(cluster, tmp_path, workers):
+    from raysgd.train.torch import TorchConfig, TorchTrainer
+
+    TorchTrainer(collective_loop, train_loop_config={"out": str(tmp_path)}, torch_config=TorchConfig(timeout_s=30),
+                 scaling_config=ScalingConfig(num_workers=workers),
+                 run_config=RunConfig(name="collective", storage_path=str(tmp_path / "runs"))).fit()
+    for rank in range(workers):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["config"] == {"seed": 7, "from": 0} and seen["none"] is None and seen["after"] == 10
+        assert seen["too_big"].startswith("ValueError: raysgd.train.collective.broadcast_from_rank_zero: rank 0's "
+                                          "data is ") and "the limit is 1000 bytes" in seen["too_big"]
+        assert seen["unpicklable"].startswith("TypeError: "), seen["unpicklable"]
+        assert seen["reported"] == [["checkpoint_000001", {"step": 0, "loss": 1.0}, True],
+                                    ["checkpoint_000002", {"step": 1, "loss": 0.5}, True]], seen["reported"]
+    from raysgd.train.collective import barrier, broadcast_from_rank_zero
+
+    for outside in (barrier, lambda: broadcast_from_rank_zero(1), raysgd.train.get_all_reported_checkpoints):
+        with pytest.raises(RuntimeError, match="works only inside the training function"):
+            outside()
+
+
+def lightning_fsdp_loop(config):
+    """A Lightning Trainer with RayFSDPStrategy on every rank: what the strategy sees, then its fit (one epoch)."""
+    import lightning.pytorch as pl  # noqa: PLC0415
+    from torch.utils.data import DataLoader, TensorDataset  # noqa: PLC0415
+
+    from raysgd.train.lightning import (RayFSDPStrategy, RayLightningEnvironment,  # noqa: PLC0415
+                                        RayTrainReportCallback, prepare_trainer)
+    from raysgd.train.torch import get_device  # noqa: PLC0415
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, index):
+            loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    strategy = RayFSDPStrategy()
+    trainer = prepare_trainer(pl.Trainer(
+        max_epochs=1, devices="auto", accelerator="auto", strategy=strategy, plugins=[RayLightningEnvironment()],
+        callbacks=[RayTrainReportCallback()], enable_checkpointing=False, logger=False, enable_progress_bar=False,
+        enable_model_summary=False))
+    rank = raysgd.train.get_context().get_world_rank()
+    seen = {"root_device": str(strategy.root_device), "device": str(get_device()),
+            "sampler": strategy.distributed_sampler_kwargs, "fsdp": isinstance(strategy, pl.strategies.FSDPStrategy)}
+    try:
+        trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=4))
+        seen["fit"] = "trained"
+    except RuntimeError as err:
+        seen["fit"] = str(err)
+    with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as handle:
+        json.dump(seen, handle)
+
+
+def run_lightning_fsdp(tmp_path, workers, use_gpu):
+    from raysgd.train.torch import TorchConfig, TorchTrainer
+
+    return TorchTrainer(lightning_fsdp_loop, train_loop_config={"out": str(tmp_path)},
+                        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu),
+                        torch_config=TorchConfig(timeout_s=60),
+                        run_config=RunConfig(name="fsdp", storage_path=str(tmp_path / "runs"))).fit()
+
+
+def test_ray_fsdp_strategy_is_lightnings_fsdp_on_the_worker_groups_ranks_and_device(cluster, tmp_path):
+    """2 CPU workers: prepare_trainer accepts RayFSDPStrategy, which takes each worker's device and rank; the fit
+    itself stops where torch's FSDP refuses a CPU (as it does under Ray Train), on every rank alike."""
+    pytest.importorskip("lightning.pytorch", reason="needs Lightning (the test extra)")
+    run_lightning_fsdp(tmp_path, 2, use_gpu=False)
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["fsdp"] and seen["root_device"] == seen["device"] == "cpu"
+        assert seen["sampler"] == {"num_replicas": 2, "rank": rank}
+        assert "FSDP needs a non-CPU accelerator device" in seen["fit"], seen["fit"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's FSDP needs an accelerator: this runs on CUDA only")
+def test_ray_fsdp_strategy_trains_on_a_cuda_worker_and_reports_lightnings_checkpoint(cluster, tmp_path):
+    pytest.importorskip("lightning.pytorch", reason="needs Lightning (the test extra)")
+    result = run_lightning_fsdp(tmp_path, 1, use_gpu=True)
+    seen = json.loads((tmp_path / "rank0.json").read_text())
+    assert seen["fit"] == "trained" and seen["root_device"] == seen["device"] == "cuda:0"
+    assert result.checkpoint is not None and "checkpoint.ckpt" in os.listdir(result.checkpoint.path)
