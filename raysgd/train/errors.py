@@ -61,4 +61,30 @@ class WorkerGroupError(TrainingFailedError):
         return type(self), (self.error_message, self.worker_failures, self.result)
 
 
-__all__ = ["TrainingFailedError", "WorkerGroupError"]
+#: ``TrainContext`` methods Ray Train 2.x deprecated (they raise :func:`context_deprecation`'s warning there).
+DEPRECATED_CONTEXT_METHODS = ("get_metadata", "get_trial_name", "get_trial_id", "get_trial_resources", "get_trial_dir")
+
+
+def context_deprecation(method):
+    """The ``DeprecationWarning`` (to raise) of a ``TrainContext`` method that Ray Train 2.x deprecated: the Ray Tune
+    trial's methods and ``get_metadata`` (``TorchTrainer(metadata=...)``'s).
+
+    Example:
+        >>> raise context_deprecation("get_trial_name")
+        Traceback (most recent call last):
+        ...
+        DeprecationWarning: `get_trial_name` is deprecated because the concept of a `Trial` is gone from Ray Train 2.x (raysgd.train follows it): use get_experiment_name() for the run's name. See https://github.com/ray-project/ray/issues/49454
+    """
+    if method not in DEPRECATED_CONTEXT_METHODS:
+        raise ValueError(f"context_deprecation(method=...) expects one of {DEPRECATED_CONTEXT_METHODS}; got {method!r}")
+    if method == "get_metadata":
+        text = ("`get_metadata` was an experimental API that accessed the metadata passed to "
+                "`TorchTrainer(metadata=...)`, deprecated in Ray Train 2.x: pass the metadata to the training function "
+                "(train_loop_config) instead.")
+    else:
+        text = (f"`{method}` is deprecated because the concept of a `Trial` is gone from Ray Train 2.x (raysgd.train "
+                f"follows it): use get_experiment_name() for the run's name.")
+    return DeprecationWarning(f"{text} See https://github.com/ray-project/ray/issues/49454")
+
+
+__all__ = ["DEPRECATED_CONTEXT_METHODS", "TrainingFailedError", "WorkerGroupError", "context_deprecation"]
