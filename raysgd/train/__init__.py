@@ -7,6 +7,13 @@ worker failure restarts the group from the latest reported checkpoint (:mod:`~ra
 ``raysgd.train.torch.prepare_data_loader`` carry raysgd's data cursor (:mod:`~raysgd.train.prepare`): a restart
 inside an epoch trains each sample of it once. Lightning: :mod:`raysgd.train.lightning`.
 
+Ray Train 2.x's other names: the configs (:mod:`~raysgd.train.config`), which checkpoints stay
+(:mod:`~raysgd.train.retention`), :class:`Checkpoint` (:mod:`~raysgd.train.checkpoint`), what ``fit()`` returns
+(:mod:`~raysgd.train.result`) or raises (:mod:`~raysgd.train.errors`), :class:`UserCallback`
+(:mod:`~raysgd.train.callback`), :mod:`raysgd.train.collective` and :func:`get_all_reported_checkpoints`
+(:mod:`~raysgd.train.reported`). ``docs/coming-from-ray-train.md`` lists every public name of Ray Train's and what
+raysgd does with it.
+
 ``python -m raysgd.legacy --train script.py`` runs a Ray Train script unchanged (``ray.train`` -> ``raysgd.train``).
 
 Example:
