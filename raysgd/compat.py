@@ -207,7 +207,8 @@ def install_if_requested():
 #: Ray Train's public modules and their raysgd.train counterparts (``install_train``).
 #: ``ray.train.utils`` is there for Ray Data (``iter_torch_batches`` imports it inside a training function).
 TRAIN_MODULES = {"ray.train": "raysgd.train", "ray.train.torch": "raysgd.train.torch",
-                 "ray.train.lightning": "raysgd.train.lightning", "ray.train.utils": "raysgd.train.utils"}
+                 "ray.train.lightning": "raysgd.train.lightning", "ray.train.utils": "raysgd.train.utils",
+                 "ray.train.collective": "raysgd.train.collective"}
 
 
 class TrainFinder(importlib.abc.MetaPathFinder):

@@ -1,26 +1,37 @@
-"""A reported checkpoint (a directory on a local disk or a pyarrow.fs URI) and the Result of ``TorchTrainer.fit``.
+"""A reported checkpoint: a directory on a local disk or in a ``pyarrow.fs`` filesystem, with its metadata.
 
-Part of :mod:`raysgd.train`. :class:`Checkpoint` names a directory; :meth:`Checkpoint.as_directory` gives a local
-path to read it (the directory itself when it is local, a temporary download otherwise) and
-:meth:`Checkpoint.to_directory` copies it. Remote paths go through :func:`raysgd.torch.storage.filesystem.resolve`
-(s3://, gs://, hdfs://, file://).
+Part of :mod:`raysgd.train`. :class:`Checkpoint` names a directory as Ray Train's does: ``path`` is the path inside
+``filesystem`` (a ``pyarrow.fs`` filesystem: ``Checkpoint("s3://bucket/run/checkpoint_000002")`` has the path
+``bucket/run/checkpoint_000002`` in an S3 filesystem, URI query options such as ``endpoint_override`` kept in the
+filesystem). :meth:`Checkpoint.as_directory` gives a local path to read it (the directory itself when it is local,
+a temporary download otherwise), :meth:`Checkpoint.to_directory` copies it, and ``set_metadata``,
+``update_metadata`` and ``get_metadata`` keep a JSON dict in its ``.metadata.json`` (which travels with the
+directory when it is reported). :class:`ReportedCheckpoint` pairs a checkpoint with the metrics reported with it.
 
 Example:
     >>> import os, tempfile
     >>> folder = tempfile.mkdtemp()
     >>> _ = open(os.path.join(folder, "model.pt"), "w").write("weights")
     >>> checkpoint = Checkpoint.from_directory(folder)
+    >>> checkpoint.set_metadata({"epoch": 3})
     >>> with checkpoint.as_directory() as local:
     ...     sorted(os.listdir(local))
-    ['model.pt']
+    ['.metadata.json', 'model.pt']
+    >>> checkpoint.get_metadata()
+    {'epoch': 3}
 """
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import tempfile
 
+from raysgd import optional
 from raysgd.torch.storage import filesystem as _fs
+
+#: The file in a checkpoint's directory that holds its metadata (Ray Train's name).
+METADATA_FILE = ".metadata.json"
 
 
 def _local_path(path):
@@ -45,84 +56,205 @@ def copy_tree(source, destination):
 
 
 class Checkpoint:
-    """A directory of checkpoint files, local or at a pyarrow.fs URI (``s3://bucket/run/checkpoint_000002``).
+    """A directory of checkpoint files, local or in a ``pyarrow.fs`` filesystem.
+
+    Args:
+        path: a local directory, or a URI (``s3://bucket/run/checkpoint_000002?endpoint_override=...``,
+            ``gs://``, ``hdfs://``, ``file://``); with ``filesystem``, the path inside it (no scheme).
+        filesystem: a ``pyarrow.fs.FileSystem`` (default: the one the URI names, or the local one).
+
+    Attributes:
+        path: the path inside :attr:`filesystem` (Ray Train's meaning: ``bucket/run/checkpoint_000002`` for S3).
+        filesystem: the ``pyarrow.fs`` filesystem holding it.
 
     Example:
-        >>> Checkpoint.from_directory("/tmp/ckpt").path
-        '/tmp/ckpt'
+        >>> Checkpoint("/tmp/ckpt")
+        Checkpoint(filesystem=local, path=/tmp/ckpt)
+        >>> Checkpoint("s3://bucket/run/checkpoint_000001?region=us-east-1").path
+        'bucket/run/checkpoint_000001'
     """
 
-    def __init__(self, path):
-        if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+    def __init__(self, path, filesystem=None):
+        if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes) or not os.fspath(path):
             raise TypeError(f"Checkpoint(path=...) expects a directory path or URI (str); got "
                             f"{type(path).__name__} {path!r}")
-        local = _local_path(path)
-        self.path = local if local is not None else os.fspath(path)
+        text = os.fspath(path)
+        self._filesystem, self._uri = None, None
+        if filesystem is not None:
+            optional.require("pyarrow.fs", _fs.FEATURE)
+            if not isinstance(filesystem, _fs.pafs.FileSystem):
+                raise TypeError(f"Checkpoint(filesystem=...) expects a pyarrow.fs.FileSystem; got "
+                                f"{type(filesystem).__name__} {filesystem!r}")
+            if "://" in text:
+                raise ValueError(f"Checkpoint(path=..., filesystem=...): with a filesystem the path is a path inside "
+                                 f"it, without a scheme; got {text!r} (pass the URI alone instead)")
+            self._filesystem, self.path = filesystem, text.rstrip("/") or "/"
+            self._local = isinstance(filesystem, _fs.pafs.LocalFileSystem)
+            self._uri = self.path if self._local else None
+            return
+        local = _local_path(text)
+        if local is not None:  # the local filesystem is made on first use: no pyarrow needed before
+            self.path = self._uri = local
+            self._local = True
+            return
+        try:
+            self._filesystem, self.path = _fs.resolve(text)
+        except ValueError as err:
+            raise ValueError(f"Checkpoint(path=...) expects a local directory or a URI that pyarrow.fs understands "
+                             f"(s3://, gs://, hdfs://, file://); got {text!r}: {err}") from err
+        self._uri, self._local = text, isinstance(self._filesystem, _fs.pafs.LocalFileSystem)
 
     @classmethod
     def from_directory(cls, path):
-        """A checkpoint of the directory ``path`` (its files are copied when it is reported)."""
-        return cls(path)
+        """A checkpoint of the existing local directory ``path`` (its files are copied when it is reported).
+
+        Example:
+            >>> Checkpoint.from_directory("/no/such/folder")
+            Traceback (most recent call last):
+            ...
+            FileNotFoundError: Checkpoint.from_directory(path=...) expects an existing local directory; '/no/such/folder' does not exist
+        """
+        if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes) or not os.fspath(path):
+            raise TypeError(f"Checkpoint.from_directory(path=...) expects a local directory (str); got "
+                            f"{type(path).__name__} {path!r}")
+        text = os.fspath(path)
+        if "://" in text and not text.startswith("file://"):
+            raise ValueError(f"Checkpoint.from_directory(path=...) expects a local directory; got the URI {text!r}: "
+                             f"use Checkpoint({text!r}) for a directory in remote storage")
+        local = _local_path(text)
+        if not os.path.exists(local):
+            raise FileNotFoundError(f"Checkpoint.from_directory(path=...) expects an existing local directory; "
+                                    f"{local!r} does not exist")
+        if not os.path.isdir(local):
+            raise NotADirectoryError(f"Checkpoint.from_directory(path=...) expects a directory; {local!r} is a file")
+        return cls(local)
+
+    @property
+    def filesystem(self):
+        """The ``pyarrow.fs`` filesystem holding the directory."""
+        if self._filesystem is None:
+            self._filesystem = _fs.resolve(self.path)[0]
+        return self._filesystem
 
     @property
     def is_local(self):
-        return "://" not in self.path
+        """Whether the directory is on this machine's filesystem (raysgd's addition)."""
+        return self._local
+
+    @property
+    def uri(self):
+        """What ``Checkpoint(uri)`` resolves back to this directory: the local path, or the URI it was made from
+        (query options kept); None when it was made from a path inside a remote ``filesystem`` (raysgd's addition).
+
+        Example:
+            >>> Checkpoint("s3://b/run/checkpoint_000001?region=us-east-1").uri
+            's3://b/run/checkpoint_000001?region=us-east-1'
+        """
+        return self._uri
+
+    def _file(self, name):
+        return f"{self.path.rstrip('/')}/{name}"
+
+    def _download(self, destination):
+        os.makedirs(destination, exist_ok=True)
+        _fs.pafs.copy_files(self.path, destination, source_filesystem=self.filesystem,
+                            destination_filesystem=_fs.pafs.LocalFileSystem())
 
     @contextlib.contextmanager
     def as_directory(self):
-        """A local directory holding the checkpoint's files: itself when local, else a temporary download."""
+        """A local directory holding the checkpoint's files: itself when local, else a temporary download (removed
+        when the block ends); treat it as read-only."""
         if self.is_local:
             yield self.path
             return
         with tempfile.TemporaryDirectory(prefix="raysgd-checkpoint-") as folder:
-            copy_tree(self.path, folder)
+            self._download(folder)
             yield folder
 
     def to_directory(self, path=None):
-        """Copy the checkpoint's files to ``path`` (default: a new temporary directory); returns the path."""
-        path = path or tempfile.mkdtemp(prefix="raysgd-checkpoint-")
-        copy_tree(self.path, path)
-        return os.fspath(path)
+        """Copy the checkpoint's files to the local directory ``path`` (default: a new temporary one); returns it."""
+        path = os.path.abspath(os.path.expanduser(os.fspath(path))) if path is not None else \
+            tempfile.mkdtemp(prefix="raysgd-checkpoint-")
+        if self.is_local:
+            shutil.copytree(self.path, path, dirs_exist_ok=True)
+        else:
+            self._download(path)
+        return path
 
     def get_metadata(self):
-        return {}
+        """The metadata dict kept with the checkpoint (``.metadata.json``), or ``{}`` when none was set."""
+        if self.is_local:
+            try:
+                with open(self._file(METADATA_FILE), "rb") as handle:
+                    return json.loads(handle.read().decode())
+            except FileNotFoundError:
+                return {}
+        if self.filesystem.get_file_info(self._file(METADATA_FILE)).type == _fs.pafs.FileType.NotFound:
+            return {}
+        with self.filesystem.open_input_stream(self._file(METADATA_FILE)) as handle:
+            return json.loads(handle.readall().decode())
+
+    def set_metadata(self, metadata):
+        """Keep ``metadata`` (a dict JSON can write) with the checkpoint, replacing what was there.
+
+        Example:
+            >>> Checkpoint.from_directory(tempfile.mkdtemp()).set_metadata({"model": object()})
+            Traceback (most recent call last):
+            ...
+            TypeError: Checkpoint.set_metadata(metadata=...) expects a dict that JSON can write (str keys; numbers, strings, bools, None, lists and dicts as values): Object of type object is not JSON serializable
+        """
+        if not isinstance(metadata, dict):
+            raise TypeError(f"Checkpoint.set_metadata(metadata=...) expects a dict; got {type(metadata).__name__} "
+                            f"{metadata!r}")
+        try:
+            data = json.dumps(metadata).encode()
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"Checkpoint.set_metadata(metadata=...) expects a dict that JSON can write (str keys; "
+                            f"numbers, strings, bools, None, lists and dicts as values): {err}") from err
+        if self.is_local:
+            if not os.path.isdir(self.path):
+                raise FileNotFoundError(f"Checkpoint.set_metadata: the checkpoint's directory {self.path!r} does not "
+                                        f"exist")
+            temporary = self._file(f"{METADATA_FILE}.{os.getpid()}.tmp")
+            with open(temporary, "wb") as handle:
+                handle.write(data)
+            os.replace(temporary, self._file(METADATA_FILE))  # readers see the old or the new, never half
+            return
+        with self.filesystem.open_output_stream(self._file(METADATA_FILE)) as handle:
+            handle.write(data)
+
+    def update_metadata(self, metadata):
+        """Add ``metadata``'s keys to the checkpoint's metadata (replacing those it had)."""
+        if not isinstance(metadata, dict):
+            raise TypeError(f"Checkpoint.update_metadata(metadata=...) expects a dict; got "
+                            f"{type(metadata).__name__} {metadata!r}")
+        self.set_metadata({**self.get_metadata(), **metadata})
+
+    def _identity(self):
+        return ("local" if self.is_local else self.filesystem.type_name), self.path
 
     def __eq__(self, other):
-        return isinstance(other, Checkpoint) and other.path == self.path
+        return isinstance(other, Checkpoint) and other._identity() == self._identity()
 
     def __hash__(self):
-        return hash(self.path)
+        return hash(self._identity())
+
+    def __fspath__(self):
+        raise TypeError("A Checkpoint is not a path: use checkpoint.as_directory() or checkpoint.to_directory() "
+                        "(or checkpoint.path, the path inside checkpoint.filesystem)")
 
     def __repr__(self):
-        return f"Checkpoint(path={self.path!r})"
+        return f"Checkpoint(filesystem={self._identity()[0]}, path={self.path})"
 
 
 @dataclasses.dataclass
-class Result:
-    """What ``TorchTrainer.fit()`` returns.
-
-    Attributes:
-        metrics: the last metrics rank 0 reported (plus ``"checkpoint_dir_name"`` when it came with a checkpoint).
-        checkpoint: the latest reported :class:`Checkpoint` (None if none was reported).
-        path: ``storage_path/name``, where the checkpoints are.
-        error: the exception that ended the run, or None.
-        best_checkpoints: ``[(Checkpoint, metrics)]`` of the checkpoints kept, oldest first.
-        num_failures: worker failures recovered from (raysgd's addition).
-        return_value: what the training function returned on rank 0 (None when it failed).
+class ReportedCheckpoint:
+    """A reported checkpoint and the metrics reported with it (``get_all_reported_checkpoints()``'s items).
 
     Example:
-        >>> Result(metrics={"loss": 0.1}, checkpoint=None, path="/tmp/r/exp").metrics["loss"]
-        0.1
+        >>> ReportedCheckpoint(Checkpoint("/tmp/run/checkpoint_000001"), {"loss": 0.5}).metrics
+        {'loss': 0.5}
     """
 
-    metrics: dict
     checkpoint: Checkpoint
-    path: str
-    error: BaseException = None
-    best_checkpoints: list = dataclasses.field(default_factory=list)
-    num_failures: int = 0
-    return_value: object = None
-
-    @property
-    def filesystem(self):
-        return _fs.resolve(self.path)[0]
+    metrics: dict

@@ -2,21 +2,29 @@
 
 Part of :mod:`raysgd.train` (layer 6, over :mod:`raysgd.torch.execution`). Every field is checked when the object
 is made and again by ``TorchTrainer`` (which argument, what was expected, what was given), so bad input fails
-before any actor starts.
+before any actor starts. The fields Ray Train 2.58 deprecated raise its ``DeprecationWarning`` (as an exception,
+as Ray Train does), and the fields it has that raysgd does not support raise ``NotImplementedError`` saying so.
 
 Example:
     >>> ScalingConfig(num_workers=2).worker_range
     (2, 2)
-    >>> ScalingConfig(num_workers=(1, 4)).worker_range
-    (1, 4)
+    >>> ScalingConfig(num_workers=(1, 4)).total_resources
+    {'CPU': 4}
     >>> ScalingConfig(num_workers="2")
     Traceback (most recent call last):
     ...
     TypeError: ScalingConfig(num_workers=...) expects an int >= 1 or a range (min, max) of ints; got str '2'
 """
 import dataclasses
+import logging
 import os
 import time
+
+from raysgd.train.callback import check_callbacks
+
+#: The default of a deprecated field: any other value, None included, is refused (as in Ray Train 2.58).
+DEPRECATED = "DEPRECATED"
+_MIGRATION = "See https://github.com/ray-project/ray/issues/49454 for the context (Ray Train 2.x's migration)."
 
 
 def _int(value):
@@ -28,29 +36,51 @@ def _expect(ok, owner, name, expected, value, error=TypeError):
         raise error(f"{owner}({name}=...) expects {expected}; got {type(value).__name__} {value!r}")
 
 
+def _unsupported(owner, name, value, default, why):
+    if value != default:
+        raise NotImplementedError(f"{owner}({name}={value!r}) is not supported by raysgd.train: {why}")
+
+
 @dataclasses.dataclass
 class ScalingConfig:
     """How many workers and what each holds.
 
     Args:
-        num_workers: an int, or raysgd's elastic range ``(min, max)``: start as many as fit (at least ``min``) and
-            restart after a failure on as many as fit again.
+        num_workers: an int >= 1, or an elastic range ``(min, max)``: start as many as fit (at least ``min``), grow
+            towards ``max`` when resources come back, restart after a failure on as many as fit again.
         use_gpu: one GPU per worker (NCCL); CPU workers use gloo.
-        resources_per_worker: ``{"CPU": n, "GPU": g}`` (other keys are refused).
-        trainer_resources, placement_strategy: as in Ray Train (the trainer itself runs in the driver here).
+        resources_per_worker: ``{"CPU": n, "GPU": g}``; the keys are case-sensitive, as in Ray Train. raysgd
+            reserves CPUs and GPUs only: ``"memory"`` and custom resources are refused. ``"GPU"`` above 0 needs
+            ``use_gpu=True`` (and ``use_gpu=True`` a ``"GPU"`` above 0), as Ray Train requires.
+        placement_strategy: the placement group's strategy (``"PACK"``, ``"SPREAD"``, ...).
+        elastic_resize_monitor_interval_s: with a range, how often (seconds) a healthy run considers growing.
+        trainer_resources: deprecated in Ray Train 2.x (raises its ``DeprecationWarning``).
+        label_selector, accelerator_type, use_tpu, topology: Ray Train's; refused (not supported here).
         num_spares: raysgd's warm spares: idle worker processes beside the workers, ready to take a lost rank's
             place in a fraction of a second (see the operator API's ``TorchTrainer(num_spares=...)``); default 0.
+
+    Without ``resources_per_worker`` a worker reserves 1 CPU (and 1 GPU with ``use_gpu``; Ray Train reserves no
+    CPU for a GPU worker).
 
     Example:
         >>> ScalingConfig(num_workers=2, use_gpu=False).num_cpus_per_worker
         1
+        >>> ScalingConfig(resources_per_worker={"GPU": 1})
+        Traceback (most recent call last):
+        ...
+        ValueError: ScalingConfig: `use_gpu` is False but `GPU` was found in `resources_per_worker`. Either set `use_gpu` to True or remove `GPU` from `resources_per_worker`.
     """
 
     num_workers: object = 1
     use_gpu: bool = False
     resources_per_worker: dict = None
-    trainer_resources: dict = None
     placement_strategy: str = "PACK"
+    elastic_resize_monitor_interval_s: float = 60.0
+    trainer_resources: dict = None
+    label_selector: object = None
+    accelerator_type: str = None
+    use_tpu: bool = False
+    topology: str = None
     num_spares: int = 0
 
     def __post_init__(self):
@@ -59,44 +89,107 @@ class ScalingConfig:
         _expect((_int(n) and n >= 1) or is_range, "ScalingConfig", "num_workers",
                 "an int >= 1 or a range (min, max) of ints", n)
         _expect(isinstance(self.use_gpu, bool), "ScalingConfig", "use_gpu", "a bool", self.use_gpu)
-        resources = self.resources_per_worker
-        _expect(resources is None or (isinstance(resources, dict) and set(resources) <= {"CPU", "GPU", "cpu", "gpu"}
-                                      and all(isinstance(v, (int, float)) and v >= 0 for v in resources.values())),
-                "ScalingConfig", "resources_per_worker", "None or a dict of 'CPU'/'GPU' amounts >= 0", resources)
+        if self.trainer_resources is not None:
+            raise DeprecationWarning("`ScalingConfig(trainer_resources)` is deprecated (as in Ray Train 2.x): the "
+                                     "trainer runs in the driver process and reserves nothing; set the workers' "
+                                     f"resources with `resources_per_worker`. {_MIGRATION}")
+        self._check_resources(self.resources_per_worker)
         _expect(_int(self.num_spares) and self.num_spares >= 0, "ScalingConfig", "num_spares", "an int >= 0",
                 self.num_spares)
         _expect(self.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), "ScalingConfig",
                 "placement_strategy", "'PACK', 'SPREAD', 'STRICT_PACK' or 'STRICT_SPREAD'", self.placement_strategy,
                 ValueError)
+        interval = self.elastic_resize_monitor_interval_s
+        _expect(isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval >= 0,
+                "ScalingConfig", "elastic_resize_monitor_interval_s", "a number of seconds >= 0", interval,
+                ValueError)
+        why = "raysgd places workers by CPU and GPU count only"
+        _unsupported("ScalingConfig", "label_selector", self.label_selector, None, why)
+        _unsupported("ScalingConfig", "accelerator_type", self.accelerator_type, None, why)
+        _unsupported("ScalingConfig", "use_tpu", self.use_tpu, False, "raysgd trains on CPUs and CUDA GPUs")
+        _unsupported("ScalingConfig", "topology", self.topology, None, "raysgd trains on CPUs and CUDA GPUs")
+        gpus = self.num_gpus_per_worker
+        if self.resources_per_worker and not self.use_gpu and gpus > 0:
+            raise ValueError("ScalingConfig: `use_gpu` is False but `GPU` was found in `resources_per_worker`. "
+                             "Either set `use_gpu` to True or remove `GPU` from `resources_per_worker`.")
+        if self.resources_per_worker and self.use_gpu and gpus == 0:
+            raise ValueError("ScalingConfig: `use_gpu` is True but `GPU` is set to 0 in `resources_per_worker`. "
+                             "Either set `use_gpu` to False or request a positive number of `GPU` in "
+                             "`resources_per_worker`.")
+
+    @staticmethod
+    def _check_resources(resources):
+        expected = "None or a dict {'CPU': n, 'GPU': g} of amounts >= 0"
+        _expect(resources is None or isinstance(resources, dict), "ScalingConfig", "resources_per_worker", expected,
+                resources)
+        for key, value in (resources or {}).items():
+            if isinstance(key, str) and key.upper() in ("CPU", "GPU") and key != key.upper():
+                raise ValueError(f"ScalingConfig(resources_per_worker=...): the keys are case-sensitive (as in Ray "
+                                 f"Train): use {key.upper()!r}, not {key!r}; got {resources!r}")
+            if key not in ("CPU", "GPU"):
+                raise ValueError(f"ScalingConfig(resources_per_worker=...): raysgd reserves 'CPU' and 'GPU' per "
+                                 f"worker only ({key!r}: memory and custom resources are not supported); got "
+                                 f"{resources!r}")
+            _expect(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, "ScalingConfig",
+                    "resources_per_worker", expected, resources)
 
     @property
     def worker_range(self):
         """``(min, max)`` workers."""
-        n = self.num_workers
-        return (n, n) if _int(n) else (int(n[0]), int(n[1]))
+        return self.min_workers, self.max_workers
+
+    @property
+    def min_workers(self):
+        return self.num_workers if _int(self.num_workers) else int(self.num_workers[0])
+
+    @property
+    def max_workers(self):
+        return self.num_workers if _int(self.num_workers) else int(self.num_workers[1])
 
     @property
     def is_range(self):
         return not _int(self.num_workers)
 
-    def _resource(self, key):
-        resources = {k.upper(): v for k, v in (self.resources_per_worker or {}).items()}
-        return resources.get(key)
+    @property
+    def elasticity_enabled(self):
+        """Whether ``num_workers`` is a range (Ray Train's name)."""
+        return self.is_range
 
     @property
     def num_cpus_per_worker(self):
-        cpus = self._resource("CPU")
+        cpus = (self.resources_per_worker or {}).get("CPU")
         return 1 if cpus is None else cpus
 
     @property
     def num_gpus_per_worker(self):
-        gpus = self._resource("GPU")
+        gpus = (self.resources_per_worker or {}).get("GPU")
         return (1 if self.use_gpu else 0) if gpus is None else gpus
+
+    @property
+    def total_resources(self):
+        """What the workers reserve in all, ``{"CPU": n, "GPU": g}`` (zeros left out); for a range, the upper bound
+        (``max`` workers), as in Ray Train 2.58.
+
+        Example:
+            >>> ScalingConfig(num_workers=2, use_gpu=True, resources_per_worker={"CPU": 2, "GPU": 0.5}).total_resources
+            {'CPU': 4, 'GPU': 1.0}
+        """
+        per_worker = {"CPU": self.num_cpus_per_worker, "GPU": self.num_gpus_per_worker}
+        return {key: value * self.max_workers for key, value in per_worker.items() if value}
 
 
 @dataclasses.dataclass
 class FailureConfig:
-    """How many worker failures a run recovers from: ``max_failures`` (0: none, -1: no limit).
+    """How many failures a run recovers from, each restarting from the latest reported checkpoint.
+
+    Args:
+        max_failures: failures of the workers or of the training function recovered from (0: none, -1: no limit).
+        max_preemption_failures: preemptions (a node drained or SIGTERMed) recovered from, counted apart from
+            ``max_failures`` (-1, the default: no limit).
+        controller_failure_limit: Ray Train's limit on failures of its controller actor; raysgd's controller runs
+            in the driver process, so a crash of it ends the script (run it again with the same ``RunConfig(name,
+            storage_path)`` to resume). Checked, otherwise without effect.
+        fail_fast: deprecated in Ray Train 2.x (raises its ``DeprecationWarning``).
 
     Example:
         >>> FailureConfig(max_failures=-1).max_failures
@@ -104,32 +197,78 @@ class FailureConfig:
     """
 
     max_failures: int = 0
-    fail_fast: bool = False
+    fail_fast: object = DEPRECATED
+    controller_failure_limit: int = -1
+    max_preemption_failures: int = -1
 
     def __post_init__(self):
-        _expect(_int(self.max_failures) and self.max_failures >= -1, "FailureConfig", "max_failures",
-                "an int >= -1 (-1: no limit)", self.max_failures)
+        if self.fail_fast != DEPRECATED:
+            raise DeprecationWarning("`FailureConfig(fail_fast)` is deprecated (as in Ray Train 2.x): it concerned "
+                                     f"several trials under Ray Tune; set `max_failures=0` to fail at once. {_MIGRATION}")
+        for name in ("max_failures", "controller_failure_limit", "max_preemption_failures"):
+            value = getattr(self, name)
+            _expect(_int(value) and value >= -1, "FailureConfig", name, "an int >= -1 (-1: no limit)", value)
 
 
 @dataclasses.dataclass
 class CheckpointConfig:
-    """Which reported checkpoints stay in storage: the newest ``num_to_keep`` (None: all).
+    """Which reported checkpoints stay in storage (see :mod:`raysgd.train.retention` for the rules).
+
+    Args:
+        num_to_keep: how many to keep (None: all); the oldest go, or the lowest-scoring with a score attribute.
+            The latest is never deleted (a restart resumes from it), so one more may stay.
+        checkpoint_score_attribute: a key of the metrics reported with each checkpoint (``"a/b"`` for a nested
+            one) whose number ranks them; None ranks by age.
+        checkpoint_score_order: ``"max"`` (the highest is best) or ``"min"``.
+        checkpoint_frequency, checkpoint_at_end: deprecated in Ray Train 2.x (raise its ``DeprecationWarning``).
 
     Example:
-        >>> CheckpointConfig(num_to_keep=2).num_to_keep
+        >>> CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="val_loss", checkpoint_score_order="min").num_to_keep
         2
     """
 
     num_to_keep: int = None
     checkpoint_score_attribute: str = None
     checkpoint_score_order: str = "max"
+    checkpoint_frequency: object = DEPRECATED
+    checkpoint_at_end: object = DEPRECATED
 
     def __post_init__(self):
-        _expect(self.num_to_keep is None or (_int(self.num_to_keep) and self.num_to_keep >= 1), "CheckpointConfig",
-                "num_to_keep", "None or an int >= 1", self.num_to_keep)
-        if self.checkpoint_score_attribute is not None:
-            raise NotImplementedError("CheckpointConfig(checkpoint_score_attribute=...) is not supported by raysgd.train: "
-                                      "the newest num_to_keep checkpoints are kept")
+        for name in ("checkpoint_frequency", "checkpoint_at_end"):
+            if getattr(self, name) != DEPRECATED:
+                raise DeprecationWarning(f"`{name}` is deprecated since it does not apply to user-defined training "
+                                         f"functions (as in Ray Train 2.x). Please remove this argument from your "
+                                         f"CheckpointConfig.")
+        _expect(self.num_to_keep is None or _int(self.num_to_keep), "CheckpointConfig", "num_to_keep",
+                "None or an int >= 1", self.num_to_keep)
+        _expect(self.num_to_keep is None or self.num_to_keep >= 1, "CheckpointConfig", "num_to_keep",
+                "None or an int >= 1", self.num_to_keep, ValueError)
+        _expect(self.checkpoint_score_attribute is None or (isinstance(self.checkpoint_score_attribute, str)
+                                                            and self.checkpoint_score_attribute), "CheckpointConfig",
+                "checkpoint_score_attribute", "None or a metric's name (str)", self.checkpoint_score_attribute)
+        _expect(self.checkpoint_score_order in ("max", "min"), "CheckpointConfig", "checkpoint_score_order",
+                "'max' or 'min'", self.checkpoint_score_order, ValueError)
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    """The level of raysgd's own log lines (``"DEBUG"``, ``"INFO"``, ...) during a run.
+
+    Example:
+        >>> LoggingConfig("debug").log_level
+        'DEBUG'
+    """
+
+    log_level: str = "INFO"
+
+    def __post_init__(self):
+        levels = sorted(name for name in logging.getLevelNamesMapping())
+        _expect(isinstance(self.log_level, str) and self.log_level.upper() in levels, "LoggingConfig", "log_level",
+                f"one of {levels}", self.log_level, ValueError)
+        self.log_level = self.log_level.upper()
+
+
+_RUN_CONFIG_DEPRECATED = ("sync_config", "verbose", "stop", "progress_reporter", "log_to_file")
 
 
 @dataclasses.dataclass
@@ -140,6 +279,15 @@ class RunConfig:
     ``name`` defaults to ``TorchTrainer_<date>_<time>`` (a fresh run each time, as in Ray Train: pass a name to
     resume) and ``storage_path`` to ``~/ray_results``.
 
+    Args:
+        callbacks: :class:`~raysgd.train.UserCallback` instances and raysgd's callbacks and loggers
+            (:class:`raysgd.Callback`, ``raysgd.loggers.MLflowLogger``, ``WandbLogger``), called on the driver.
+        logging_config: :class:`LoggingConfig`.
+        storage_filesystem, worker_runtime_env: Ray Train's; refused (pass a URI as ``storage_path``; install what
+            the workers need on the cluster's nodes).
+        sync_config, verbose, stop, progress_reporter, log_to_file: deprecated in Ray Train 2.x (raise its
+            ``DeprecationWarning``).
+
     Example:
         >>> RunConfig(name="exp", storage_path="/tmp/results").name
         'exp'
@@ -147,26 +295,43 @@ class RunConfig:
 
     name: str = None
     storage_path: str = None
+    storage_filesystem: object = None
     failure_config: FailureConfig = None
     checkpoint_config: CheckpointConfig = None
-    verbose: int = None
     callbacks: list = None
+    worker_runtime_env: dict = None
+    logging_config: LoggingConfig = None
+    sync_config: object = DEPRECATED
+    verbose: object = DEPRECATED
+    stop: object = DEPRECATED
+    progress_reporter: object = DEPRECATED
+    log_to_file: object = DEPRECATED
 
     def __post_init__(self):
+        for name in _RUN_CONFIG_DEPRECATED:
+            if getattr(self, name) != DEPRECATED:
+                raise DeprecationWarning(f"`RunConfig({name})` is deprecated. This configuration was a Ray Tune API "
+                                         f"that did not support Ray Train usage well, so Ray Train 2.x (and "
+                                         f"raysgd.train) dropped it. {_MIGRATION}")
         _expect(self.name is None or (isinstance(self.name, str) and self.name and "/" not in self.name), "RunConfig",
                 "name", "None or a non-empty str without '/'", self.name)
         _expect(self.storage_path is None or isinstance(self.storage_path, (str, os.PathLike)), "RunConfig",
                 "storage_path", "None, a folder path or a URI (str)", self.storage_path)
+        _unsupported("RunConfig", "storage_filesystem", self.storage_filesystem, None,
+                     "pass the location as a URI in storage_path (s3://bucket/path?endpoint_override=...)")
+        _unsupported("RunConfig", "worker_runtime_env", self.worker_runtime_env or None, None,
+                     "the workers run in the cluster's environment: install what they need on its nodes")
         _expect(self.failure_config is None or isinstance(self.failure_config, FailureConfig), "RunConfig",
                 "failure_config", "a raysgd.train.FailureConfig", self.failure_config)
         _expect(self.checkpoint_config is None or isinstance(self.checkpoint_config, CheckpointConfig), "RunConfig",
                 "checkpoint_config", "a raysgd.train.CheckpointConfig", self.checkpoint_config)
-        if self.callbacks:
-            raise NotImplementedError("RunConfig(callbacks=...) (Ray Tune callbacks) is not supported by "
-                                      "raysgd.train: log from the training function, or use raysgd.TorchTrainer's "
-                                      "callbacks")
+        _expect(self.logging_config is None or isinstance(self.logging_config, LoggingConfig), "RunConfig",
+                "logging_config", "a raysgd.train.LoggingConfig", self.logging_config)
+        self.callbacks = check_callbacks(self.callbacks)
         self.failure_config = self.failure_config or FailureConfig()
         self.checkpoint_config = self.checkpoint_config or CheckpointConfig()
+        self.logging_config = self.logging_config or LoggingConfig()
+        self.worker_runtime_env = {}
         self.name = self.name or time.strftime("TorchTrainer_%Y-%m-%d_%H-%M-%S")
         self.storage_path = os.fspath(self.storage_path) if self.storage_path is not None else \
             os.path.expanduser(os.path.join("~", "ray_results"))

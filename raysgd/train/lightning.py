@@ -2,13 +2,14 @@
 
 Part of :mod:`raysgd.train`. The process group is the worker group's (formed before the function runs), so
 :class:`RayDDPStrategy` is Lightning's DDP strategy on this worker's device, :class:`RayLightningEnvironment`
-reads the ranks from :func:`raysgd.train.get_context`, and :class:`RayTrainReportCallback` saves Lightning's
+reads the ranks from :func:`raysgd.train.get_context`, :class:`RayFSDPStrategy` is Lightning's FSDP strategy on the
+same process group and device (torch's FSDP needs an accelerator: CUDA workers, ``ScalingConfig(use_gpu=True)``), and :class:`RayTrainReportCallback` saves Lightning's
 checkpoint at every training epoch's end and reports it with ``trainer.callback_metrics``. Lightning shards its
 own loaders (``DistributedSampler``): they have no raysgd data cursor, so a restart replays the epoch from its
 start (resume with ``trainer.fit(model, ckpt_path=...)`` from ``get_checkpoint()``).
 
 Example:
-    >>> from raysgd.train.lightning import RayDDPStrategy, RayLightningEnvironment, RayTrainReportCallback
+    >>> from raysgd.train.lightning import RayDDPStrategy, RayFSDPStrategy, RayLightningEnvironment, RayTrainReportCallback
     >>> RayTrainReportCallback.CHECKPOINT_NAME
     'checkpoint.ckpt'
 """
@@ -27,7 +28,9 @@ logger = logging.getLogger(__name__)
 #: Lightning's two import names, the newer first.
 LIGHTNING_NAMES = ("lightning.pytorch", "pytorch_lightning")
 FEATURE = "raysgd.train.lightning (Ray Train's Lightning names)"
-_CLASSES = ("RayDDPStrategy", "RayLightningEnvironment", "RayTrainReportCallback")
+_CLASSES = ("RayDDPStrategy", "RayFSDPStrategy", "RayLightningEnvironment", "RayTrainReportCallback")
+#: The strategies that run a Trainer on the worker group's process group (``prepare_trainer`` accepts these).
+_STRATEGIES = ("RayDDPStrategy", "RayFSDPStrategy")
 _defined = {}
 
 
@@ -73,6 +76,24 @@ def _define(pl, LightningEnvironment):  # noqa: N803 (a class)
         def distributed_sampler_kwargs(self):
             return {"num_replicas": self.world_size, "rank": self.global_rank}
 
+    class RayFSDPStrategy(pl.strategies.FSDPStrategy):
+        """Lightning's FSDP (fully sharded data parallel) on the worker group's process group and this worker's
+        device; takes Lightning's ``FSDPStrategy`` arguments (``sharding_strategy``, ``auto_wrap_policy``,
+        ``state_dict_type``, ...). torch's FSDP needs an accelerator: use it on CUDA workers.
+
+        Example:
+            >>> def train_func():  # doctest: +SKIP
+            ...     trainer = pl.Trainer(strategy=RayFSDPStrategy(), plugins=[RayLightningEnvironment()],
+            ...                          callbacks=[RayTrainReportCallback()], devices="auto", accelerator="auto")
+        """
+
+        @property
+        def root_device(self):
+            return _session.current("lightning.RayFSDPStrategy").device
+
+        @property
+        def distributed_sampler_kwargs(self):
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     class RayLightningEnvironment(LightningEnvironment):
         """The ranks of :func:`raysgd.train.get_context` (Lightning starts no process of its own).
@@ -132,30 +153,31 @@ def _define(pl, LightningEnvironment):  # noqa: N803 (a class)
                 trainer.strategy.barrier()
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
-    classes = {"RayDDPStrategy": RayDDPStrategy, "RayLightningEnvironment": RayLightningEnvironment,
-               "RayTrainReportCallback": RayTrainReportCallback}
+    classes = {"RayDDPStrategy": RayDDPStrategy, "RayFSDPStrategy": RayFSDPStrategy,
+               "RayLightningEnvironment": RayLightningEnvironment, "RayTrainReportCallback": RayTrainReportCallback}
     for name, cls in classes.items():  # pickled by reference, as a module-level class is
         cls.__qualname__ = name
     return classes
 
 
 def prepare_trainer(trainer):
-    """Check that a Lightning ``Trainer`` runs on raysgd.train (``RayDDPStrategy`` or a single worker, and
-    ``RayLightningEnvironment``); returns it.
+    """Check that a Lightning ``Trainer`` runs on raysgd.train (``RayDDPStrategy`` or ``RayFSDPStrategy``, or a
+    single worker, and ``RayLightningEnvironment``); returns it.
 
     Example:
         >>> def train_func():  # doctest: +SKIP
         ...     trainer = prepare_trainer(pl.Trainer(strategy=RayDDPStrategy(), plugins=[RayLightningEnvironment()]))
     """
     pl, _ = _lightning()
-    strategy_cls, environment_cls = __getattr__("RayDDPStrategy"), __getattr__("RayLightningEnvironment")
+    strategies = tuple(__getattr__(name) for name in _STRATEGIES)
+    environment_cls = __getattr__("RayLightningEnvironment")
     if not isinstance(trainer, pl.Trainer):
         raise TypeError(f"prepare_trainer(trainer=...) expects a Lightning Trainer; got {type(trainer).__name__}")
     context = _session.current("lightning.prepare_trainer()").context
     strategy = trainer.strategy
-    if context.get_world_size() > 1 and not isinstance(strategy, strategy_cls):
+    if context.get_world_size() > 1 and not isinstance(strategy, strategies):
         raise ValueError(f"prepare_trainer: with {context.get_world_size()} workers the Trainer needs "
-                         f"strategy=RayDDPStrategy(); got {type(strategy).__name__}")
+                         f"strategy=RayDDPStrategy() or RayFSDPStrategy(); got {type(strategy).__name__}")
     environment = getattr(strategy, "cluster_environment", None)
     if environment is not None and not isinstance(environment, environment_cls):
         raise ValueError(f"prepare_trainer: the Trainer needs plugins=[RayLightningEnvironment()]; got "
@@ -163,4 +185,4 @@ def prepare_trainer(trainer):
     return trainer
 
 
-__all__ = ["RayDDPStrategy", "RayLightningEnvironment", "RayTrainReportCallback", "prepare_trainer"]
+__all__ = ["RayDDPStrategy", "RayFSDPStrategy", "RayLightningEnvironment", "RayTrainReportCallback", "prepare_trainer"]

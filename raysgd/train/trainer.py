@@ -34,34 +34,16 @@ from raysgd.torch.fault_tolerance import failure_policy, recovery
 from raysgd.torch.integrations.ray_metrics import RayMetrics
 from raysgd.torch.state.restart_point import this_node
 from raysgd.torch.storage import durable, filesystem
-from raysgd.train.checkpoint import Checkpoint, Result
-from raysgd.train.commits import ReportCommits
+from raysgd.train import retention
+from raysgd.train.callback import TrainRunContext, UserCallbacks, split_callbacks
+from raysgd.train.checkpoint import Checkpoint
+from raysgd.train.commits import ReportCommits, complete_checkpoints
 from raysgd.train.config import RunConfig, ScalingConfig, TorchConfig
+from raysgd.train.errors import ResourcesError, WorkerGroupError, rank_of
 from raysgd.train.function_worker import FunctionWorker
+from raysgd.train.result import Result
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingFailedError(RuntimeError):
-    """``fit()`` failed: the training function raised, or the workers failed, more than ``FailureConfig`` allows.
-
-    ``result`` is the :class:`~raysgd.train.checkpoint.Result` so far (its ``error`` is the cause).
-
-    Example:
-        >>> try:  # doctest: +SKIP
-        ...     result = trainer.fit()
-        ... except TrainingFailedError as failed:
-        ...     result = failed.result  # result.checkpoint: the latest reported one, result.error: the cause
-    """
-
-    def __init__(self, message, result=None):
-        super().__init__(message)
-        self.result = result
-
-
-class ResourcesError(ValueError):
-    """The cluster can never hold the workers ``ScalingConfig`` asks for (raised by ``fit()`` before any actor
-    starts; a cluster that can grow, with Ray's autoscaler, is waited for instead)."""
 
 
 def _check(ok, name, expected, value):

@@ -1,0 +1,49 @@
+"""``get_all_reported_checkpoints()``: inside a training function, every checkpoint the run keeps, with its metrics.
+
+Part of :mod:`raysgd.train` (Ray Train's ``ray.train.get_all_reported_checkpoints``). Every rank calls it (it waits
+for the others, as a :func:`~raysgd.train.collective.barrier`: each earlier ``report()`` is then complete on every
+rank), then reads the run folder's complete checkpoints, oldest first, with the metrics reported with each. Every
+reported checkpoint is committed when ``report()`` returns (raysgd has no asynchronous validation), so both of Ray
+Train's consistency modes mean the same here. A rank that cannot see the run folder (a local ``storage_path`` on
+another node) sees the checkpoints its own node holds.
+
+Example:
+    >>> def train_func():  # doctest: +SKIP
+    ...     ...  # train, raysgd.train.report(metrics, checkpoint=...) each epoch
+    ...     for reported in raysgd.train.get_all_reported_checkpoints():
+    ...         print(reported.checkpoint.path, reported.metrics["loss"])
+    >>> get_all_reported_checkpoints()
+    Traceback (most recent call last):
+    ...
+    RuntimeError: raysgd.train.get_all_reported_checkpoints() works only inside the training function that TorchTrainer runs on its workers
+"""
+from raysgd.train import collective
+from raysgd.train import session as _session
+from raysgd.train.checkpoint import Checkpoint, ReportedCheckpoint
+
+#: Ray Train's consistency modes (``ray.train.CheckpointConsistencyMode``), by name.
+CONSISTENCY_MODES = ("COMMITTED", "VALIDATED")
+
+
+def get_all_reported_checkpoints(consistency_mode="VALIDATED", timeout_s=None):
+    """``[ReportedCheckpoint(checkpoint, metrics)]`` of the checkpoints the run keeps, oldest first.
+
+    Args:
+        consistency_mode: ``"COMMITTED"`` or ``"VALIDATED"`` (or Ray's enum of them): the same here.
+        timeout_s: None or seconds > 0, checked for Ray Train's signature; the wait (for the other ranks) is
+            bounded by the process group's timeout, ``TorchConfig(timeout_s)``.
+    """
+    mode = getattr(consistency_mode, "value", consistency_mode)
+    if mode not in CONSISTENCY_MODES:
+        raise ValueError(f"get_all_reported_checkpoints(consistency_mode=...) expects 'COMMITTED' or 'VALIDATED'; "
+                         f"got {consistency_mode!r}")
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or timeout_s <= 0):
+        raise ValueError(f"get_all_reported_checkpoints(timeout_s=...) expects None or seconds > 0; got {timeout_s!r}")
+    session = _session.current("get_all_reported_checkpoints()")
+    collective.barrier()
+    return [ReportedCheckpoint(Checkpoint(uri), marker.get("metrics", {}))
+            for uri, marker in session.run_folder.complete()]
+
+
+__all__ = ["get_all_reported_checkpoints"]
