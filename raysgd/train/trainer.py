@@ -45,6 +45,9 @@ from raysgd.train.result import Result
 
 logger = logging.getLogger(__name__)
 
+#: The hidden file of the run folder keeping the driver's callbacks' state (handed back when the run resumes).
+CALLBACKS_NOTE = ".raysgd_callbacks.json"
+
 
 def _check(ok, name, expected, value):
     if not ok:
@@ -191,7 +194,8 @@ class TorchTrainer:
         self._check_resources()
         shipping.install()  # the training function and its config may go by value
         callbacks = CallbackList(list(self.run_config.callbacks or []) + [RayMetrics(run=self.run_config.name)])
-        self._callbacks = callbacks
+        self._callbacks, self._storage_folder = callbacks, storage
+        callbacks.load_state_dict((storage.read_note(CALLBACKS_NOTE) or {}).get("state"))  # a resumed run's
         initial = (self.resume_from_checkpoint.path, None) if self.resume_from_checkpoint is not None else None
         reports = ReportCommits(storage, home=this_node() if storage.local else None, initial=initial,
                                 on_report=self._on_report)
@@ -251,6 +255,13 @@ class TorchTrainer:
             self.last_commit_latency_s = self.last_checkpoint_s = record.get("seconds")
             logger.info("Checkpoint %s reported", record["checkpoint"])
             self._callbacks.call("on_checkpoint", self, record["checkpoint"])
+        state = self._callbacks.state_dict()
+        if state is not None:  # a driver run again with the same name hands it back (an MLflow run goes on)
+            try:
+                self._storage_folder.write_note(CALLBACKS_NOTE, {"state": state, "report": record.get("report")})
+            except Exception as err:  # noqa: BLE001 (the callbacks' state is a help; training goes on)
+                logger.warning("Could not keep the callbacks' state in %s: %s", self._storage_folder.storage_path,
+                               err)
 
     def _on_event(self, kind, *args):
         """The controller's events, as callback hooks: ``failure`` -> ``on_failure``, ``resize`` -> ``on_resize``."""

@@ -396,6 +396,31 @@ class CheckpointStorage:
                     found.append((index, _join(self.path, name)))
         return sorted(found)
 
+    def write_note(self, name, note):
+        """Keep the small JSON-able ``note`` as the hidden file ``name`` of the folder (a driver's state beside the
+        checkpoints, such as its callbacks'): replaced atomically (a rename on a local disk, one PUT elsewhere)."""
+        path = _join(self.path, name)
+        text = marker_text(note).encode()
+        if self.local:
+            temporary = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+            with open(temporary, "wb") as handle:
+                handle.write(text)
+            os.replace(temporary, path)
+        else:
+            with self.filesystem.open_output_stream(path) as handle:
+                handle.write(text)
+
+    def read_note(self, name):
+        """The note :meth:`write_note` kept as ``name``, or None (none, or unreadable: logged)."""
+        try:
+            with self.filesystem.open_input_file(_join(self.path, name)) as handle:
+                return json.loads(handle.read().decode())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as err:
+            logger.warning("Could not read %s of %s: %s", name, self.storage_path, err)
+            return None
+
     def next_index(self):
         """The index a new checkpoint takes: one past every directory's (complete or not)."""
         existing = self.list()
