@@ -20,7 +20,7 @@ from train_functions import counting, read_counts, sharded, trained_batches
 import raysgd.train
 from raysgd.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
 from raysgd.train.torch import TorchConfig, TorchTrainer
-from raysgd.train.trainer import ResourcesError, TrainingFailedError
+from raysgd.train.errors import ResourcesError, TrainingFailedError, WorkerGroupError
 
 FAST = TorchConfig(timeout_s=30)
 
@@ -66,7 +66,8 @@ def test_a_function_error_is_retried_under_max_failures_and_is_the_results_error
     assert "the training function raised (ValueError: the training function failed once)" in str(failed.value)
     assert "the latest checkpoint is" in str(failed.value) and "checkpoint_000001" in str(failed.value)
     result = failed.value.result
-    assert isinstance(result.error, ValueError) and result.checkpoint is not None
+    assert isinstance(failed.value, WorkerGroupError) and result.error is failed.value and result.checkpoint
+    assert list(failed.value.worker_failures) == [1] and isinstance(failed.value.worker_failures[1], ValueError)
     assert_released()
 
 

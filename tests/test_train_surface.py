@@ -25,7 +25,7 @@ from raysgd.train import (Checkpoint, CheckpointConfig, FailureConfig, LoggingCo
                           RunConfig, ScalingConfig, TrainingFailedError, UserCallback, WorkerGroupError)
 from raysgd.train.callback import TrainRunContext, UserCallbacks, split_callbacks
 from raysgd.train.retention import best, check_score, checkpoints_to_delete
-from raysgd.train.run_storage import RunFolder
+from train_functions import RunFolder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TABLE = os.path.join(REPO, "docs", "coming-from-ray-train.md")

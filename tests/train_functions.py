@@ -144,3 +144,31 @@ def sharded(config):
             raysgd.train.report({"files": sorted(os.listdir(folder))}, checkpoint=Checkpoint.from_directory(folder))
     whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return whole if raysgd.train.get_context().get_world_rank() == 0 else None
+
+
+class RunFolder:
+    """A run folder written as a training function's reports write it (every file, then the marker), for tests that
+    need one without running a trainer: ``write(source, meta)`` adds the next ``checkpoint_NNNNNN`` and returns its
+    URI; ``path`` is the folder's path inside its filesystem."""
+
+    def __init__(self, storage_path, name):
+        from raysgd.torch.storage import filesystem
+
+        self.storage = filesystem.CheckpointStorage(filesystem.child_uri(storage_path, name), None,
+                                                    marker=filesystem.REPORT_MARKER)
+        self.path = self.storage.path
+
+    def check_writable(self):
+        self.storage.check_writable()
+
+    def write(self, source, meta):
+        from raysgd.torch.storage import filesystem, rank_files
+
+        index = self.storage.next_index()
+        name = filesystem.numbered(index)
+        directory = f"{self.storage.path}/{name}"
+        files, _ = rank_files.write_files(self.storage.root, directory, source, rank_files.local_files(source),
+                                          home=None)
+        rank_files.write_marker(self.storage.root, directory, files, {"kind": "report", "index": index, **meta},
+                                filesystem.REPORT_MARKER, home=None)
+        return self.storage.uri(directory)

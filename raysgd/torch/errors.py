@@ -109,6 +109,26 @@ def is_peer_gone(err):
     return isinstance(err, CollectiveError) and any(marker in err.message for marker in _PEER_GONE_MARKERS)
 
 
+def mark_rank(error, rank):
+    """Note on a user error which rank raised it (:func:`rank_of` reads it): the driver re-raises the error itself,
+    with its own type, and a caller may still want the rank (Ray Train's ``WorkerGroupError.worker_failures``)."""
+    try:
+        error.raysgd_rank = rank
+    except (AttributeError, TypeError):  # an exception type without a __dict__
+        pass
+    return error
+
+
+def rank_of(error):
+    """The world rank whose code raised ``error`` (see :func:`mark_rank`), or None.
+
+    Example:
+        >>> rank_of(mark_rank(ValueError("bad batch"), 3)), rank_of(ValueError())
+        (3, None)
+    """
+    return getattr(error, "raysgd_rank", None)
+
+
 class PlacementUnavailable(RuntimeError):
     """The workers' bundles of the enclosing (Tune trial's) placement group cannot be placed: a node is gone.
 

@@ -38,10 +38,13 @@ class ReportCommits:
         home: the driver's node id when the folder is local (ranks on other nodes write through it), else None.
         initial: ``(uri, None)`` of ``resume_from_checkpoint`` when given: the start while the folder has none.
         on_report: ``on_report(record)`` for every report rank 0 made (its ``metrics`` per rank, ``checkpoint``).
+        score_attribute: ``CheckpointConfig(checkpoint_score_attribute)``: the ranks refuse a checkpoint whose score
+            is not a number before writing it.
     """
 
-    def __init__(self, storage, home, initial=None, on_report=None):
+    def __init__(self, storage, home, initial=None, on_report=None, score_attribute=None):
         self.storage, self.home, self.initial = storage, home, initial
+        self.score_attribute = score_attribute
         self._on_report = on_report
         self.active = False
         self.resumed_preemption = False  # a function's preemption commit is durable already: nothing to write
@@ -143,12 +146,7 @@ class ReportCommits:
             ((self.initial[0], None, None) if self.initial is not None else None)
         return ReportPlan(storage_root=self.storage.root, fs_path=self.storage.path, home=self.home,
                           call_id=self._call, attempt=self._attempt, first_index=self.storage.next_index(),
-                          resume=resume, reported=list(self.reported))
-
-    def complete(self):
-        """``[(uri, marker)]`` of the folder's complete checkpoints, oldest first (markers only, unchecked files)."""
-        return [(self.storage.uri(directory), marker) for directory, marker in
-                reversed(self.storage.candidates(check=_is_report))]
+                          resume=resume, reported=list(self.reported), score_attribute=self.score_attribute)
 
     def newest_good(self):
         """``(uri, directory, marker)`` of the newest complete checkpoint whose files match its marker, or None; a
@@ -166,6 +164,19 @@ class ReportCommits:
             self.latest = (uri, marker.get("metrics", {}))
             return uri, directory, marker
         return None
+
+
+def complete_checkpoints(storage):
+    """``[(uri, marker)]`` of the complete reported checkpoints of a run folder's ``storage``, oldest first (their
+    markers only; the files are checked where a run starts from one).
+
+    Example:
+        >>> import tempfile
+        >>> from raysgd.torch.storage.filesystem import CheckpointStorage, REPORT_MARKER
+        >>> complete_checkpoints(CheckpointStorage(tempfile.mkdtemp(), None, marker=REPORT_MARKER))
+        []
+    """
+    return [(storage.uri(directory), marker) for directory, marker in reversed(storage.candidates(check=_is_report))]
 
 
 def _is_report(fs, directory, marker):

@@ -71,11 +71,6 @@ class ResourcesError(ValueError):
     """
 
 
-def rank_of(error):
-    """The world rank whose training function raised ``error`` (the worker group marks it), or None."""
-    return getattr(error, "raysgd_rank", None)
-
-
 #: ``TrainContext`` methods Ray Train 2.x deprecated (they raise :func:`context_deprecation`'s warning there).
 DEPRECATED_CONTEXT_METHODS = ("get_metadata", "get_trial_name", "get_trial_id", "get_trial_resources", "get_trial_dir")
 

@@ -2,10 +2,10 @@
 
 Part of :mod:`raysgd.train` (Ray Train's ``ray.train.get_all_reported_checkpoints``). Every rank calls it (it waits
 for the others, as a :func:`~raysgd.train.collective.barrier`: each earlier ``report()`` is then complete on every
-rank), then reads the run folder's complete checkpoints, oldest first, with the metrics reported with each. Every
-reported checkpoint is committed when ``report()`` returns (raysgd has no asynchronous validation), so both of Ray
-Train's consistency modes mean the same here. A rank that cannot see the run folder (a local ``storage_path`` on
-another node) sees the checkpoints its own node holds.
+rank), then lists the run's complete checkpoints, oldest first, with the metrics reported with each: those the
+attempt started with (read by the driver from the run folder, as it was when the attempt began) and those reported
+since. Every reported checkpoint is committed when ``report()`` returns (raysgd has no asynchronous validation), so
+both of Ray Train's consistency modes mean the same here.
 
 Example:
     >>> def train_func():  # doctest: +SKIP
@@ -42,8 +42,8 @@ def get_all_reported_checkpoints(consistency_mode="VALIDATED", timeout_s=None):
         raise ValueError(f"get_all_reported_checkpoints(timeout_s=...) expects None or seconds > 0; got {timeout_s!r}")
     session = _session.current("get_all_reported_checkpoints()")
     collective.barrier()
-    return [ReportedCheckpoint(Checkpoint(uri), marker.get("metrics", {}))
-            for uri, marker in session.run_folder.complete()]
+    reported = session.reporter.reported if session.reporter is not None else []
+    return [ReportedCheckpoint(Checkpoint(uri), metrics) for uri, metrics in reported]
 
 
 __all__ = ["get_all_reported_checkpoints"]

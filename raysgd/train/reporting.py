@@ -38,6 +38,7 @@ import torch.distributed as dist
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.storage import filesystem, rank_files
+from raysgd.train import retention
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class ReportPlan:
         first_index: the index of the attempt's first checkpoint (one past every directory in the folder).
         resume: ``(uri, directory, marker)`` of the checkpoint the attempt starts from, or None.
         reported: ``[(uri, metrics)]`` of the complete checkpoints before this attempt, oldest first.
+        score_attribute: ``CheckpointConfig(checkpoint_score_attribute)``, checked before a checkpoint is written.
     """
 
     storage_root: str
@@ -64,6 +66,7 @@ class ReportPlan:
     first_index: int
     resume: tuple = None
     reported: list = dataclasses.field(default_factory=list)
+    score_attribute: str = None
 
     def directory_name(self, name, reported):
         """The directory of the attempt's checkpoint after ``reported`` earlier ones: ``name`` when given, else
@@ -163,6 +166,8 @@ class Reporter:
 
     def _commit(self, infos, source, files):
         """Write this report's checkpoint (every rank takes part); returns its uri."""
+        if self.plan.score_attribute:  # every rank checks rank 0's metrics: all refuse it alike, nothing written
+            retention.check_score(infos[0]["metrics"], self.plan.score_attribute)
         name = next((info["name"] for info in infos if info["files"] is not None and info["name"]), None)
         name = self.plan.directory_name(name, self.checkpoints)
         directory = self.plan.directory(name)

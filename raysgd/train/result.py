@@ -29,7 +29,7 @@ from raysgd import optional
 from raysgd.torch.storage import filesystem as _fs
 from raysgd.train import retention
 from raysgd.train.checkpoint import Checkpoint
-from raysgd.train.run_storage import RunFolder
+from raysgd.train.commits import complete_checkpoints
 
 #: Metric keys Ray Train's ``repr(Result)`` leaves out (Ray Tune's automatic keys); ``Result.metrics`` keeps them.
 REPR_HIDDEN_KEYS = frozenset({
@@ -159,11 +159,11 @@ class Result:
         text = os.fspath(path)
         base, query = (text.split("?", 1) + [""])[:2] if "://" in text else (os.path.abspath(text), "")
         base = base.rstrip("/")
-        storage_path, name = base.rsplit("/", 1)
         filesystem, fs_path = _fs.resolve(base + ("?" + query if query else ""))
         if filesystem.get_file_info(fs_path).type != _fs.pafs.FileType.Directory:
             raise RuntimeError(f"Result.from_path: the run folder {base} does not exist")
-        complete = RunFolder((storage_path or "/") + ("?" + query if query else ""), name).complete()
+        storage = _fs.CheckpointStorage(base + ("?" + query if query else ""), None, marker=_fs.REPORT_MARKER)
+        complete = complete_checkpoints(storage)
         if not complete:
             raise RuntimeError(f"Result.from_path: {base} holds no complete checkpoint (checkpoint_NNNNNN/ with its "
                                f"marker): the run reported none, or the folder is not a raysgd.train run folder")

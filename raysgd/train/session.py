@@ -21,6 +21,7 @@ import shutil
 from raysgd.torch.state import restart_point
 from raysgd.torch.storage import rank_files
 from raysgd.train.checkpoint import Checkpoint
+from raysgd.train.errors import context_deprecation
 from raysgd.train.reporting import Reporter
 
 logger = logging.getLogger(__name__)
@@ -61,14 +62,28 @@ class TrainContext:
     def get_experiment_name(self):
         return self._values["experiment_name"]
 
-    def get_trial_name(self):
-        return self._values["experiment_name"]
-
     def get_storage_path(self):
         return self._values["storage_path"]
 
+    def get_trial_name(self):
+        """Deprecated in Ray Train 2.x (a Ray Tune trial's): raises its ``DeprecationWarning``."""
+        raise context_deprecation("get_trial_name")
+
+    def get_trial_id(self):
+        """Deprecated in Ray Train 2.x: raises its ``DeprecationWarning``."""
+        raise context_deprecation("get_trial_id")
+
+    def get_trial_resources(self):
+        """Deprecated in Ray Train 2.x: raises its ``DeprecationWarning``."""
+        raise context_deprecation("get_trial_resources")
+
+    def get_trial_dir(self):
+        """Deprecated in Ray Train 2.x: raises its ``DeprecationWarning``."""
+        raise context_deprecation("get_trial_dir")
+
     def get_metadata(self):
-        return {}
+        """Deprecated in Ray Train 2.x (``TorchTrainer(metadata=...)``'s): raises its ``DeprecationWarning``."""
+        raise context_deprecation("get_metadata")
 
     def __repr__(self):
         return f"TrainContext({self._values})"
@@ -205,18 +220,6 @@ def get_checkpoint():
         ...             model.load_state_dict(torch.load(os.path.join(folder, "model.pt")))
     """
     return current("get_checkpoint()").checkpoint()
-
-
-def get_all_reported_checkpoints():
-    """``[(Checkpoint, metrics)]`` of every complete checkpoint of the run so far, oldest first (those of earlier
-    attempts and driver runs too, minus the ones ``CheckpointConfig(num_to_keep=...)`` pruned before this attempt).
-
-    Example:
-        >>> def train_func(config):  # doctest: +SKIP
-        ...     for checkpoint, metrics in raysgd.train.get_all_reported_checkpoints(): ...
-    """
-    reporter = current("get_all_reported_checkpoints()").reporter
-    return [(Checkpoint(uri), metrics) for uri, metrics in (reporter.reported if reporter is not None else [])]
 
 
 def get_context():

@@ -26,7 +26,7 @@ import time
 import ray
 
 from raysgd.callbacks import CallbackList
-from raysgd.torch.errors import WorkerFailure
+from raysgd.torch.errors import WorkerFailure, rank_of
 from raysgd.torch.execution import cluster_state, shipping
 from raysgd.torch.execution.controller import RunController
 from raysgd.torch.execution.worker_group import WorkerGroup
@@ -39,7 +39,7 @@ from raysgd.train.callback import TrainRunContext, UserCallbacks, split_callback
 from raysgd.train.checkpoint import Checkpoint
 from raysgd.train.commits import ReportCommits, complete_checkpoints
 from raysgd.train.config import RunConfig, ScalingConfig, TorchConfig
-from raysgd.train.errors import ResourcesError, WorkerGroupError, rank_of
+from raysgd.train.errors import ResourcesError, WorkerGroupError
 from raysgd.train.function_worker import FunctionWorker
 from raysgd.train.result import Result
 
@@ -120,11 +120,19 @@ class TorchTrainer:
 
     # ----------------------------------------------------------------- fit
     def _storage(self):
-        """The run folder's checkpoint storage, checked writable (a clear error naming ``storage_path``)."""
+        """The run folder's checkpoint storage, checked writable (a clear error naming ``storage_path``), pruned as
+        ``CheckpointConfig`` says (:mod:`raysgd.train.retention`: the best by score, or the newest; never the
+        latest)."""
         run = self.run_config
+        config = run.checkpoint_config
+
+        def keep(complete):
+            entries = [(index, marker.get("metrics", {})) for index, marker in complete]
+            return {index for index, _ in complete} - set(retention.checkpoints_to_delete(entries, config))
+
         root = filesystem.child_uri(run.storage_path, run.name)
-        storage = filesystem.CheckpointStorage(root, num_to_keep=run.checkpoint_config.num_to_keep,
-                                               marker=filesystem.REPORT_MARKER)
+        storage = filesystem.CheckpointStorage(root, num_to_keep=config.num_to_keep, marker=filesystem.REPORT_MARKER,
+                                               keep=keep)
         try:
             storage.check_writable()
         except ValueError as err:
@@ -185,20 +193,24 @@ class TorchTrainer:
         return per_rank
 
     def fit(self):
-        """Run the training function on the workers until it returns; returns a
-        :class:`~raysgd.train.checkpoint.Result`. Raises :class:`TrainingFailedError` (its ``result`` attached) when
-        the function raised or the workers failed more often than ``FailureConfig`` allows."""
+        """Run the training function on the workers until it returns; returns a :class:`~raysgd.train.result.Result`.
+        Raises :class:`~raysgd.train.errors.WorkerGroupError` (a ``TrainingFailedError``, its ``result`` attached)
+        when the function raised or the workers failed more often than ``FailureConfig`` allows."""
         storage = self._storage()
         if not ray.is_initialized():
             ray.init()  # as Ray Train does: a local cluster, or RAY_ADDRESS's
         self._check_resources()
         shipping.install()  # the training function and its config may go by value
-        callbacks = CallbackList(list(self.run_config.callbacks or []) + [RayMetrics(run=self.run_config.name)])
-        self._callbacks, self._storage_folder = callbacks, storage
+        user, ours = split_callbacks(self.run_config.callbacks)
+        callbacks = CallbackList(ours + [RayMetrics(run=self.run_config.name)])
+        self._callbacks, self._user_callbacks, self._storage_folder = callbacks, UserCallbacks(user), storage
+        self._run_context = TrainRunContext(run_config=self.run_config, train_loop_config=self.train_loop_config,
+                                            scaling_config=self.scaling_config, torch_config=self.torch_config)
         callbacks.load_state_dict((storage.read_note(CALLBACKS_NOTE) or {}).get("state"))  # a resumed run's
-        initial = (self.resume_from_checkpoint.path, None) if self.resume_from_checkpoint is not None else None
+        initial = (self.resume_from_checkpoint.uri, None) if self.resume_from_checkpoint is not None else None
         reports = ReportCommits(storage, home=this_node() if storage.local else None, initial=initial,
-                                on_report=self._on_report)
+                                on_report=self._on_report,
+                                score_attribute=self.run_config.checkpoint_config.checkpoint_score_attribute)
         if self.datasets and ray.cluster_resources().get("CPU", 0) <= \
                 self.scaling_config.worker_range[1] * self.scaling_config.num_cpus_per_worker:
             logger.warning("TorchTrainer(datasets=...): the workers hold every CPU of the cluster, and Ray Data's "
@@ -229,18 +241,18 @@ class TorchTrainer:
         logger.info("fit() %s after %.1f s: %d report(s), %d worker failure(s)",
                     "failed" if error is not None else "finished", time.monotonic() - started, reports.reports,
                     controller.num_failures)
-        result = self._result(reports, results, error, controller.num_failures)
-        if error is not None:
-            raise TrainingFailedError(self._failure_message(error, reports), result) from error
-        return result
+        if error is None:
+            return self._result(reports, results, None, controller.num_failures)
+        failed = WorkerGroupError(self._failure_message(error, reports), worker_failures(error))
+        failed.result = self._result(reports, results, failed, controller.num_failures)
+        raise failed from error
 
     @staticmethod
     def _failure_message(error, reports):
-        cause = error.__cause__ if isinstance(error, RuntimeError) and isinstance(error.__cause__, WorkerFailure) \
-            else error
+        cause = _cause(error)
         kind = "the workers failed" if isinstance(cause, WorkerFailure) else "the training function raised"
         where = f"the latest checkpoint is {reports.latest[0]}" if reports.latest else "no checkpoint was reported"
-        return f"Training failed: {kind} ({type(cause).__name__}: {cause}); {where}"
+        return f"{kind} ({type(cause).__name__}: {cause}); {where}"
 
     # ----------------------------------------------------------------- events
     def _on_report(self, record):
@@ -251,10 +263,12 @@ class TorchTrainer:
         self._last_report_at = now
         metrics = record["metrics"][0]
         self._callbacks.call("on_train_result", self, metrics)
-        if record.get("checkpoint"):
+        checkpoint = Checkpoint(record["checkpoint"]) if record.get("checkpoint") else None
+        if checkpoint is not None:
             self.last_commit_latency_s = self.last_checkpoint_s = record.get("seconds")
             logger.info("Checkpoint %s reported", record["checkpoint"])
             self._callbacks.call("on_checkpoint", self, record["checkpoint"])
+        self._user_callbacks.after_report(self._run_context, record["metrics"], checkpoint)
         state = self._callbacks.state_dict()
         if state is not None:  # a driver run again with the same name hands it back (an MLflow run goes on)
             try:
@@ -264,17 +278,39 @@ class TorchTrainer:
                                err)
 
     def _on_event(self, kind, *args):
-        """The controller's events, as callback hooks: ``failure`` -> ``on_failure``, ``resize`` -> ``on_resize``."""
+        """The controller's events, as callback hooks: ``failure`` -> ``on_failure`` (and the user callbacks'
+        ``after_exception``), ``resize`` -> ``on_resize``."""
         self._callbacks.call({"failure": "on_failure", "resize": "on_resize"}[kind], self, *args)
+        if kind == "failure":
+            self._user_callbacks.after_exception(self._run_context, worker_failures(args[0].error))
 
     # ----------------------------------------------------------------- the result
     def _result(self, reports, results, error, failures):
-        kept = [(Checkpoint(uri), marker.get("metrics", {})) for uri, marker in reports.complete()]
-        metrics = reports.last_report["metrics"][0] if reports.last_report is not None else \
-            (kept[-1][1] if kept else {})
-        checkpoint = Checkpoint(reports.latest[0]) if reports.latest else None
-        root = reports.storage.root
-        path = root.split("?")[0] if "://" in root else root
+        kept = [(Checkpoint(uri), marker.get("metrics", {})) for uri, marker in complete_checkpoints(reports.storage)]
+        metrics = reports.last_report["metrics"][0] if reports.last_report is not None else None
         value = (results[0] or {}).get("return_value") if results else None
-        return Result(metrics=metrics or {}, checkpoint=checkpoint, path=path, error=error, best_checkpoints=kept,
-                      num_failures=failures, return_value=value)
+        return Result.from_checkpoints(kept, path=reports.storage.path, checkpoint_config=self.run_config.checkpoint_config,
+                                       metrics=metrics, error=error, return_value=value, num_failures=failures,
+                                       storage_filesystem=reports.storage.filesystem)
+
+
+def _cause(error):
+    """The failure behind the controller's "gave up" error (its cause), else ``error`` itself."""
+    return error.__cause__ if isinstance(error, RuntimeError) and isinstance(error.__cause__, WorkerFailure) else error
+
+
+def worker_failures(error):
+    """``{world rank: exception}`` of a failure (Ray Train's ``WorkerGroupError.worker_failures``): a worker failure's
+    ranks, each with what happened to it, or the rank whose training function raised ``error``.
+
+    Example:
+        >>> worker_failures(WorkerFailure("ended", {1: "worker process died"}))
+        {1: RuntimeError('worker process died')}
+        >>> worker_failures(ValueError("bad"))
+        {0: ValueError('bad')}
+    """
+    cause = _cause(error)
+    if isinstance(cause, WorkerFailure):
+        return {int(rank): RuntimeError(str(text)) for rank, text in (cause.causes or {}).items()}
+    rank = rank_of(cause)
+    return {rank if rank is not None else 0: cause}

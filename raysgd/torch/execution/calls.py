@@ -29,7 +29,7 @@ import time
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from raysgd.torch.errors import CollectiveError, is_peer_gone
+from raysgd.torch.errors import CollectiveError, is_peer_gone, mark_rank
 from raysgd.torch.execution.local_runner import AbandonedCall, LocalCall
 from raysgd.torch.fault_tolerance import reform
 
@@ -122,7 +122,7 @@ class _Round:
         elif found[0] == "failure":
             self.failures[rank] = found[1]
         else:  # the latest user error is the one raised
-            self.user_error = (found[1], time.monotonic(), rank)
+            self.user_error = (mark_rank(found[1], rank), time.monotonic(), rank)
 
     def file_ready(self, refs):
         for ref in refs:
