@@ -316,3 +316,40 @@ def test_a_logger_is_picklable_for_tune_trials(tmp_path):
     logger = MLflowLogger(tracking_uri=str(tmp_path / "runs"), experiment_name="pickled", tags={"a": "b"})
     copy = pickle.loads(pickle.dumps(logger))
     assert copy.tags == {"a": "b"} and copy.client.tracking_uri == logger.tracking_uri
+
+
+def reports_three_epochs(config):
+    """A training function reporting a checkpoint and its loss each epoch (every rank: a collective)."""
+    import tempfile
+
+    import torch
+
+    import raysgd.train
+
+    for epoch in range(3):
+        with tempfile.TemporaryDirectory() as folder:
+            torch.save({"epoch": epoch}, os.path.join(folder, "state.pt"))
+            raysgd.train.report({"epoch": epoch + 1, "loss": 1.0 / (epoch + 1)},
+                                checkpoint=raysgd.train.Checkpoint.from_directory(folder))
+
+
+@pytest.mark.usefixtures("ray_2cpus")
+def test_a_training_function_logs_every_report_and_checkpoint_to_the_server(mlflow_server, tmp_path):
+    """raysgd.train's RunConfig(callbacks=[MLflowLogger(...)]): the same logger as the operator API's, fed by every
+    report (its metrics at the reported epoch), each checkpoint an artifact, the run finished at the end."""
+    from raysgd.train import RunConfig, ScalingConfig
+    from raysgd.train.torch import TorchTrainer
+
+    logger = MLflowLogger(tracking_uri=mlflow_server, experiment_name="function", run_name="fn",
+                          log_checkpoints=True)
+    result = TorchTrainer(reports_three_epochs, train_loop_config={"lr": 0.5},
+                          scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(name="fn", storage_path=str(tmp_path), callbacks=[logger])).fit()
+    client = mlflow.MlflowClient(tracking_uri=mlflow_server)
+    run = client.get_run(logger.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "fn" and run.data.params["lr"] == "0.5"
+    assert history(client, run.info.run_id, "train/loss") == [(1, 1.0), (2, 0.5), (3, 1.0 / 3)]
+    logged = {os.path.basename(a.path) for a in client.list_artifacts(run.info.run_id, "checkpoints")}
+    assert logged == {"checkpoint_000001", "checkpoint_000002", "checkpoint_000003"}
+    files = {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(run.info.run_id, "checkpoints/checkpoint_000003")}
+    assert "state.pt" in files and os.path.basename(result.checkpoint.path) == "checkpoint_000003"

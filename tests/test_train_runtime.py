@@ -7,6 +7,7 @@ and "nothing trained twice" are checked sample by sample.
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 
@@ -236,4 +237,68 @@ def test_every_rank_reports_its_dcp_shard_and_the_merged_checkpoint_loads_at_ano
     whole_saved, whole_loaded = saved.return_value, loaded.return_value
     assert sorted(whole_saved) == sorted(whole_loaded)
     assert all(torch.equal(whole_saved[key], whole_loaded[key]) for key in whole_saved)
+    assert_released()
+
+
+# ----------------------------------------------------------------- callbacks, retention, restore
+class Seen(raysgd.train.UserCallback):
+    """Records what a user callback is told (on the driver)."""
+
+    def __init__(self):
+        self.reports, self.exceptions = [], []
+
+    def after_report(self, run_context, metrics, checkpoint):
+        self.reports.append((metrics, checkpoint.path if checkpoint else None))
+
+    def after_exception(self, run_context, worker_exceptions):
+        self.exceptions.append({rank: type(error).__name__ for rank, error in worker_exceptions.items()})
+
+
+def scored(config):
+    """Four reports with checkpoints, scored by ``acc`` (0.5, 0.9, 0.7, 0.1), each rank its own metrics; rank 1 raises
+    once after the second (a retried error)."""
+    rank = raysgd.train.get_context().get_world_rank()
+    start = 0
+    checkpoint = raysgd.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as folder:
+            start = int(open(os.path.join(folder, "step")).read()) + 1
+    done = None
+    for step, acc in list(enumerate([0.5, 0.9, 0.7, 0.1]))[start:]:
+        if step == 2 and rank == 1 and not os.path.exists(config["raised"]):
+            open(config["raised"], "w").close()
+            raise ValueError("once")
+        with tempfile.TemporaryDirectory() as folder:
+            open(os.path.join(folder, "step"), "w").write(str(step))
+            raysgd.train.report({"acc": acc, "rank": rank}, checkpoint=Checkpoint.from_directory(folder))
+        done = step
+    return done
+
+
+def test_user_callbacks_hear_every_ranks_reports_and_the_scored_best_are_kept(cluster, tmp_path):
+    """Every report reaches after_report with each rank's metrics; the raised error reaches after_exception with its
+    rank; num_to_keep=2 by "acc" keeps the two best and the latest (never pruned); restore() goes on from the run."""
+    seen = Seen()
+    config = raysgd.train.CheckpointConfig(num_to_keep=2, checkpoint_score_attribute="acc")
+    trainer = TorchTrainer(scored, train_loop_config={"raised": str(tmp_path / "raised")}, torch_config=FAST,
+                           scaling_config=ScalingConfig(num_workers=2),
+                           run_config=RunConfig(name="scored", storage_path=str(tmp_path), callbacks=[seen],
+                                                checkpoint_config=config,
+                                                failure_config=FailureConfig(max_failures=1)))
+    result = trainer.fit()
+    assert [[m["acc"] for m in metrics] for metrics, _ in seen.reports] == [[0.5, 0.5], [0.9, 0.9], [0.7, 0.7],
+                                                                            [0.1, 0.1]]
+    assert [[m["rank"] for m in metrics] for metrics, _ in seen.reports][0] == [0, 1]  # each rank's own
+    assert seen.exceptions == [{1: "ValueError"}] and result.num_failures == 1
+    kept = sorted(os.listdir(tmp_path / "scored"))
+    assert [name for name in kept if name.startswith("checkpoint_")] == ["checkpoint_000002", "checkpoint_000003",
+                                                                         "checkpoint_000004"]  # the best 2 + latest
+    assert [m["acc"] for _, m in result.best_checkpoints] == [0.7, 0.9]  # worst first, best last
+    assert result.metrics == {"acc": 0.1, "rank": 0} and result.return_value == 3
+    assert TorchTrainer.can_restore(str(tmp_path / "scored")) and not TorchTrainer.can_restore(str(tmp_path))
+    again = TorchTrainer.restore(str(tmp_path / "scored"), scored, train_loop_config={"raised": "-"},
+                                 torch_config=FAST, scaling_config=ScalingConfig(num_workers=1)).fit()
+    assert again.return_value is None and again.metrics == {"acc": 0.1, "rank": 0}  # nothing left to train
+    with pytest.raises(ValueError, match=r"restore\(path=...\) expects the folder of a raysgd.train run"):
+        TorchTrainer.restore(str(tmp_path), scored)
     assert_released()

@@ -20,7 +20,9 @@ Example:
     ...
     TypeError: TorchTrainer(scaling_config=...) expects a raysgd.train.ScalingConfig (ScalingConfig(num_workers=2)); got dict {'num_workers': 2}
 """
+import dataclasses
 import logging
+import os
 import time
 
 import ray
@@ -106,6 +108,46 @@ class TorchTrainer:
         self.last_call_s = None  # seconds between the last two reports (what Ray metrics' rates read)
         self.last_commit_latency_s = None  # the last checkpointed report's seconds, as rank 0 measured them
         self.last_checkpoint_s = None
+
+    # ----------------------------------------------------------------- restoring a run
+    @classmethod
+    def can_restore(cls, path):
+        """Whether the run folder ``path`` (``storage_path/name``, a folder or URI) holds a complete checkpoint a
+        training function reported, so :meth:`restore` would resume from it.
+
+        Ray Train 2.58 deprecates ``restore`` and ``can_restore`` (a run with the same ``RunConfig(name,
+        storage_path)`` resumes by itself there, as here); raysgd keeps both working.
+
+        Example:
+            >>> TorchTrainer.can_restore("/no/such/run")
+            False
+        """
+        storage = filesystem.CheckpointStorage(os.fspath(path), None, marker=filesystem.REPORT_MARKER)
+        return bool(complete_checkpoints(storage))
+
+    @classmethod
+    def restore(cls, path, train_loop_per_worker, **kwargs):
+        """A trainer resuming the run folder ``path`` (``storage_path/name``): ``fit()`` starts from its newest good
+        checkpoint. ``train_loop_per_worker`` and the other arguments are as for :class:`TorchTrainer` (raysgd keeps
+        no pickled trainer in the folder); a ``run_config`` given keeps its other fields, its name and storage path
+        become the folder's. A folder that holds no reported checkpoint (another tool's, or none yet) is refused
+        with a ``ValueError`` before any actor starts.
+
+        Example:
+            >>> trainer = TorchTrainer.restore("/data/runs/exp", train_func)  # doctest: +SKIP
+            >>> result = trainer.fit()  # doctest: +SKIP
+        """
+        text = os.fspath(path)
+        if not cls.can_restore(text):
+            raise ValueError(f"TorchTrainer.restore(path=...) expects the folder of a raysgd.train run holding a "
+                             f"complete reported checkpoint (checkpoint_NNNNNN/ with its "
+                             f"{filesystem.REPORT_MARKER}); got {text!r}, which holds none")
+        base, query = text.split("?", 1) if "://" in text and "?" in text else (text, None)
+        storage_path, name = base.rstrip("/").rsplit("/", 1)
+        storage_path = f"{storage_path}?{query}" if query else storage_path
+        run_config = kwargs.pop("run_config", None) or RunConfig()
+        run_config = dataclasses.replace(run_config, name=name, storage_path=storage_path)
+        return cls(train_loop_per_worker, run_config=run_config, **kwargs)
 
     # ----------------------------------------------------------------- what callbacks read
     @property
