@@ -101,13 +101,13 @@ def test_docstring_examples_run(name):
     assert result.attempted > 0, f"{name} has no docstring example"
 
 
-def test_readmes_torchtrainer_table_is_the_options_table():
-    """The README's TorchTrainer table comes from the one options dataclass (every option, its default, its doc)."""
+def test_docs_torchtrainer_table_is_the_options_table():
+    """The docs' TorchTrainer table comes from the one options dataclass (every option, its default, its doc)."""
     import dataclasses
 
     from raysgd.torch.options import TrainerOptions
     table = TrainerOptions.readme_table()
-    assert table.rstrip("\n") in (REPO / "README.md").read_text(), \
-        "README's TorchTrainer table differs from TrainerOptions.readme_table(): paste the generated one"
+    assert table.rstrip("\n") in (REPO / "docs" / "trainer.md").read_text(), \
+        "docs/trainer.md's TorchTrainer table differs from TrainerOptions.readme_table(): paste the generated one"
     shown = {line.split("`")[1] for line in table.splitlines()[2:]}
     assert {field.name for field in dataclasses.fields(TrainerOptions)} <= shown
