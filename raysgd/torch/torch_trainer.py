@@ -43,7 +43,7 @@ class TorchTrainer:
     """Trains a :class:`~raysgd.TrainingOperator` on ``num_workers`` data-parallel Ray actors.
 
     Every argument is keyword-only and checked before any actor starts (:class:`~raysgd.torch.options.TrainerOptions`
-    holds each one's default, check and doc line; the README's table is made from it); the defaults follow RaySGD
+    holds each one's default, check and doc line; the docs' options table is made from it); the defaults follow RaySGD
     1.12. ``use_tqdm=True`` shows one progress bar on the driver's stderr, fed by rank 0; ``logdir`` (a path or a
     :class:`~raysgd.torch.integrations.results.ResultLogger`) appends every ``train()``/``validate()`` result to CSV
     files and TensorBoard there. ``storage_path``: see Durable runs. ``controller`` is the run's

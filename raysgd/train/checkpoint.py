@@ -66,6 +66,7 @@ class Checkpoint:
 
     @property
     def is_local(self):
+        """True when the checkpoint is a local directory (not a URI such as ``s3://...``)."""
         return "://" not in self.path
 
     @contextlib.contextmanager
@@ -85,6 +86,7 @@ class Checkpoint:
         return os.fspath(path)
 
     def get_metadata(self):
+        """Ray Train's checkpoint metadata: always ``{}`` here."""
         return {}
 
     def __eq__(self, other):
@@ -123,4 +125,5 @@ class Result:
 
     @property
     def filesystem(self):
+        """The ``pyarrow.fs`` filesystem holding ``path``."""
         return _fs.resolve(self.path)[0]

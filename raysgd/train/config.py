@@ -72,6 +72,7 @@ class ScalingConfig:
 
     @property
     def is_range(self):
+        """True when ``num_workers`` is an elastic range ``(min, max)``."""
         return not _int(self.num_workers)
 
     def _resource(self, key):
@@ -80,11 +81,13 @@ class ScalingConfig:
 
     @property
     def num_cpus_per_worker(self):
+        """CPUs per worker: ``resources_per_worker["CPU"]``, default 1."""
         cpus = self._resource("CPU")
         return 1 if cpus is None else cpus
 
     @property
     def num_gpus_per_worker(self):
+        """GPUs per worker: ``resources_per_worker["GPU"]``, default 1 with ``use_gpu``, else 0."""
         gpus = self._resource("GPU")
         return (1 if self.use_gpu else 0) if gpus is None else gpus
 

@@ -41,30 +41,39 @@ class TrainContext:
                             storage_path=storage_path)
 
     def get_world_size(self):
+        """How many workers run the training function."""
         return self._values["world_size"]
 
     def get_world_rank(self):
+        """This worker's rank among all workers."""
         return self._values["world_rank"]
 
     def get_local_rank(self):
+        """This worker's rank among the workers of its node."""
         return self._values["local_rank"]
 
     def get_local_world_size(self):
+        """How many workers run on this worker's node."""
         return self._values["local_world_size"]
 
     def get_node_rank(self):
+        """The index of this worker's node among the run's nodes."""
         return self._values["node_rank"]
 
     def get_experiment_name(self):
+        """The run's ``RunConfig(name=...)``."""
         return self._values["experiment_name"]
 
     def get_trial_name(self):
+        """The run's name (there are no Tune trials here)."""
         return self._values["experiment_name"]
 
     def get_storage_path(self):
+        """The run's ``RunConfig(storage_path=...)``."""
         return self._values["storage_path"]
 
     def get_metadata(self):
+        """Ray Train's run metadata: always ``{}`` here."""
         return {}
 
     def __repr__(self):
