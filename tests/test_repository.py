@@ -4,6 +4,7 @@ import doctest
 import importlib
 import pathlib
 import re
+import runpy
 import subprocess
 import sys
 
@@ -34,16 +35,65 @@ def test_readme_gives_two_setup_commands_and_ci_runs_the_test_one():
 def test_ci_runs_readmes_first_command_as_written_in_a_fresh_copy():
     example = next(c for c in readme_commands() if c.startswith("python3 -m venv"))
     assert example.endswith("python examples/train_linear.py --num-workers 2"), example
-    assert "-e . &&" in example, f"README's first command must be the plain install (no extra): {example!r}"
+    assert " pip install -c constraints.txt . && " in example, \
+        f"README's first command must be the plain install of the checkout (no extra, not editable): {example!r}"
     done = subprocess.run([sys.executable, str(REPO / ".ci" / "readme_command.py"), "example"], capture_output=True,
                           text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout == example + "\n", done.stdout + done.stderr  # what .ci/run runs
+    assert done.returncode == 0 and done.stdout == example + "\n", done.stdout + done.stderr
+    wheel = "/tmp/dist/raysgd-1.0-py3-none-any.whl"
+    done = subprocess.run([sys.executable, str(REPO / ".ci" / "readme_command.py"), "example", "--wheel", wheel],
+                          capture_output=True, text=True, timeout=60)  # what .ci/run runs: the built wheel installed
+    assert done.returncode == 0 and done.stdout == example.replace(" . && ", f" {wheel} && ") + "\n", done.stdout
     lines = (REPO / ".ci" / "run").read_text().splitlines()
-    extract = next(i for i, line in enumerate(lines) if "python3 .ci/readme_command.py example" in line)
-    run = next(i for i, line in enumerate(lines) if 'bash -c "$first_command"' in line)
-    tests = next(i for i, line in enumerate(lines) if "python -m pytest" in line)
-    assert extract < run < tests, "the first command runs before the test suite (it fails fast and is short)"
+
+    def line_of(text):
+        return next(i for i, line in enumerate(lines) if text in line and not line.lstrip().startswith("#"))
+
+    build, check = line_of("-m build --outdir"), line_of("twine check --strict")
+    extract = line_of('python3 .ci/readme_command.py example --wheel "$wheel"')
+    run, tests, docs = line_of('bash -c "$first_command"'), line_of("python -m pytest"), line_of("mkdocs build --strict")
+    assert build < check < extract < run < tests < docs, \
+        "CI builds and checks the package, runs README's first command with its wheel, the tests, then the docs"
     assert ".venv/" in (REPO / ".gitignore").read_text().split(), ".venv is ignored: no copy or clone carries it"
+
+
+def test_readme_is_a_front_page_whose_links_work_here_and_on_pypi():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) < 300, "README is the front page: the reference belongs in docs/"
+    for target in re.findall(r"\]\(([^)\s]+)\)", readme):  # every relative link and image names a file here
+        if not re.match(r"^([a-z][a-z0-9+.-]*:|#)", target):
+            assert (REPO / target.split("#")[0]).exists(), f"README links to {target}, which does not exist"
+    setup_py = runpy.run_path(str(REPO / "setup.py"), run_name="setup_py")  # setup() runs only as __main__
+    description = setup_py["absolute_links"]((REPO / "README.md").read_text())
+    links = re.findall(r"\]\(([^)\s]+)\)", description)
+    assert links and all(re.match(r"^(https://|#)", link) for link in links), \
+        [link for link in links if not link.startswith(("https://", "#"))]
+    assert "https://raw.githubusercontent.com/" in description, "images point at the raw files"
+
+
+def test_the_version_has_one_home_and_the_changelog_agrees():
+    import raysgd
+    setup_py = runpy.run_path(str(REPO / "setup.py"), run_name="setup_py")
+    assert setup_py["version"]() == raysgd.__version__
+    assert "version=version()" in (REPO / "setup.py").read_text()
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - (\d{4}-\d\d-\d\d)$", (REPO / "CHANGELOG.md").read_text(),
+                          flags=re.M)
+    assert releases, "CHANGELOG has no '## [x.y.z] - YYYY-MM-DD' release"
+    versions = [tuple(int(n) for n in v.split(".")) for v, _ in releases]
+    assert versions == sorted(versions, reverse=True), "releases newest first"
+    assert [d for _, d in releases] == sorted((d for _, d in releases), reverse=True), "dates newest first"
+    released = re.match(r"^(\d+)\.(\d+)\.(\d+)(.*)$", raysgd.__version__)
+    current, suffix = tuple(int(n) for n in released.groups()[:3]), released.group(4)
+    if suffix:  # a development or pre-release: past the newest release
+        assert current > versions[0], f"{raysgd.__version__} should come after {releases[0][0]}"
+    else:
+        assert current == versions[0], f"{raysgd.__version__} is released: CHANGELOG's newest release should be it"
+
+
+def test_getting_started_gives_readmes_commands():
+    page = (REPO / "docs" / "getting-started.md").read_text()
+    setup = [c for c in re.findall(r"```bash\n(.+?)\n```", page, flags=re.S) if c.startswith("python3 -m venv")]
+    assert setup == [c for c in readme_commands() if c.startswith("python3 -m venv")]
 
 
 def setup_extras():
@@ -68,6 +118,9 @@ def test_every_extra_named_anywhere_exists_and_brings_its_package():
 def test_changelog_keeps_a_changelog_form():
     text = (REPO / "CHANGELOG.md").read_text()
     assert text.startswith("# Changelog") and "## [Unreleased]" in text and "### Added" in text
+    sections = set(re.findall(r"^### (.+)$", text, flags=re.M))
+    assert sections <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}, sections
+    assert text.index("## [Unreleased]") < text.index("\n## [0."), "Unreleased comes first"
 
 
 DOCTESTED = ["raysgd.utils", "raysgd.optional", "raysgd.meters", "raysgd.timers", "raysgd.torch.constants",
