@@ -327,8 +327,8 @@ class TorchTrainer:
         return self._controller.save(checkpoint_path, consolidated=consolidated)
 
     def load(self, checkpoint_path, weights_only=True, blocking=False):
-        """Load a file written by :meth:`save` (``weights_only=False`` only for trusted files; see README), or a
-        checkpoint directory of ``storage_path`` or Tune (a local path or a URI such as ``s3://bucket/run/...``).
+        """Load a file written by :meth:`save` (``weights_only=False`` only for trusted files; see
+        docs/trainer.md), or a checkpoint directory of ``storage_path`` or Tune (a local path or a URI such as ``s3://bucket/run/...``).
         Anything else (a text file, another pickle, a model's weights) raises
         :class:`~raysgd.torch.errors.CheckpointError` naming it, before anything is sent to the workers."""
         self._controller.load_path(checkpoint_path, weights_only=weights_only, blocking=blocking)
