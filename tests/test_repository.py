@@ -2,11 +2,13 @@
 import ast
 import doctest
 import importlib
+import os
 import pathlib
 import re
 import runpy
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -164,3 +166,95 @@ def test_docs_torchtrainer_table_is_the_options_table():
         "docs/trainer.md's TorchTrainer table differs from TrainerOptions.readme_table(): paste the generated one"
     shown = {line.split("`")[1] for line in table.splitlines()[2:]}
     assert {field.name for field in dataclasses.fields(TrainerOptions)} <= shown
+
+
+def documented_commands():
+    """``(page, command)`` for every ``python ...`` command in README and the docs: their ```bash blocks, and inline
+    code in their text and tables (the examples table)."""
+    found = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        text = page.read_text()
+        lines = [line for block in re.findall(r"```bash\n(.+?)\n```", text, flags=re.S) for line in block.splitlines()]
+        lines += re.findall(r"`(python (?:-m )?[^`]+)`", text)
+        for line in lines:
+            for part in line.split("#")[0].split(" && "):
+                if re.match(r"^(PYTHONPATH=\S+ )?python3? ", part.strip()):
+                    found.append((page.relative_to(REPO), part.strip()))
+    return found
+
+
+def test_documented_commands_name_real_scripts_and_options():
+    """Every ``python script.py --option`` and ``python -m module --option`` of README and the docs names a script or
+    module that exists and options it defines (the examples' --smoke-test forms run in tests/test_examples.py)."""
+    import importlib.util
+    commands = documented_commands()
+    assert len(commands) > 20, commands
+    placeholders = {"my_raysgd1_script.py", "my_ray_train_script.py", "my_1x_script.py", "script.py",
+                    *(name for _, name, _ in docs_scripts())}  # the docs' own scripts: test_docs_scripts_run
+    for page, command in commands:
+        words = command.split()
+        words = words[1:] if words[0].startswith("PYTHONPATH=") else words
+        args = words[1:]
+        if args[:2] == ["-m", "raysgd.legacy"]:  # the legacy runner: its own options, then the script's
+            args = args[2:]
+            args = args[1:] if args[:1] == ["--train"] else args
+        if args[:1] == ["-m"]:
+            if len(args) < 2 or args[1] in ("pytest", "venv", "pip"):  # "python -m" alone: prose about the flag
+                continue
+            from raysgd.compat import translate  # the legacy runner runs 1.x module names as raysgd's
+            spec = importlib.util.find_spec(translate(args[1]) or args[1])
+            assert spec is not None, f"{page}: {command!r} runs a module that does not exist"
+            source, options = pathlib.Path(spec.origin).read_text(), args[2:]
+        else:
+            if not args or not args[0].endswith(".py") or args[0].split("/")[-1] in placeholders:
+                continue
+            assert (REPO / args[0]).is_file(), f"{page}: {command!r} runs {args[0]}, which does not exist"
+            source, options = (REPO / args[0]).read_text(), args[1:]
+        # a script may define its options in the raysgd module it runs (examples/dcgan.py), or in a module beside it
+        # (benchmarks/commits.py's bench_args)
+        imported = re.findall(r"^from (raysgd[\w.]*) import", source, flags=re.M)
+        specs = [importlib.util.find_spec(name) for name in imported]
+        source += "".join(pathlib.Path(spec.origin).read_text() for spec in specs if spec and spec.origin)
+        if "benchmarks/" in command:
+            source += "".join(path.read_text() for path in (REPO / "benchmarks").glob("*.py"))
+        for option in (o.split("=")[0] for o in options if o.startswith("--")):
+            assert f'"{option}"' in source, f"{page}: {command!r} passes {option}, which the script lacks"
+
+
+def test_readmes_api_example_runs(tmp_path):
+    """README's Python example trains as shown (a local Ray cluster of its own, in a fresh process)."""
+    (block,) = re.findall(r"```python\n(.+?)\n```", (REPO / "README.md").read_text(), flags=re.S)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=400, cwd=tmp_path,
+                          env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("'train_loss'") == 5 and done.stdout.count("'val_loss'") == 5, done.stdout[-2000:]
+
+
+def docs_scripts():
+    """``(page, name, code)`` of every complete script in the docs: a ```python block whose first line is
+    ``# <name>.py``, in page order (a page's later script may read what an earlier one wrote)."""
+    found = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        for block in re.findall(r"```python\n(.+?)\n\s*```", page.read_text(), flags=re.S):
+            block = textwrap.dedent(block)
+            first = block.splitlines()[0].strip()
+            if re.match(r"^# \w+\.py\b", first):
+                found.append((page.relative_to(REPO), first.split()[1], block))
+    return found
+
+
+@pytest.mark.slow
+def test_docs_scripts_run(tmp_path):
+    """Each script the docs give whole runs as the page says (from the repository's root, in a fresh process)."""
+    scripts = docs_scripts()
+    assert {"progress_and_logs.py", "plot_logs.py", "ray_data_input.py", "mlflow_example.py",
+            "wandb_example.py"} <= {name for _, name, _ in scripts}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), WANDB_MODE="offline")
+    for page, name, code in scripts:
+        (tmp_path / name).write_text(code)
+        done = subprocess.run([sys.executable, name], capture_output=True, text=True, timeout=400, cwd=tmp_path,
+                              env=env)
+        assert done.returncode == 0, f"{page}: {name}\n" + done.stdout[-3000:] + done.stderr[-3000:]
