@@ -4,6 +4,7 @@ Each benchmark draws its own with ``--plot PATH``; this module also redraws one 
 (``--json``/``--out``), without measuring again::
 
     python benchmarks/plots.py throughput benchmarks/results/latest.json docs/images/throughput.png
+    python benchmarks/plots.py throughput benchmarks/README.md docs/images/throughput.png   # its tables, as markdown
     python benchmarks/plots.py recovery recovery.json docs/images/recovery_timeline.png
     python benchmarks/plots.py fsdp fsdp.json docs/images/fsdp_memory.png
 
@@ -41,38 +42,54 @@ def _save(fig, path, caption):
 
 
 def throughput(result, path):
-    """Bars of samples/s per side for each model and worker count of a ``benchmark.py`` result; returns ``path``."""
+    """Bars of samples/s per side for each model and worker count of a ``benchmark.py`` result, and of the 3-epoch
+    job's seconds end to end when the result has them; returns ``path``."""
     plt = _pyplot()
     runs = result["runs"]
     models = sorted({r["model"] for r in runs}, key=lambda m: ("mlp", "resnet").index(m) if m in ("mlp", "resnet")
                     else 9)
-    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 3.8), squeeze=False)
+    titles = {"mlp": "MLP 784-1024-1024-10", "resnet": "CIFAR ResNet-8"}
+    jobs = all("e2e_s" in r for r in runs)
+    fig, axes = plt.subplots(1, len(models) + jobs, figsize=(4.6 * (len(models) + jobs), 4.0), squeeze=False)
+    width = 0.8 / len(SIDES)
+
+    def find(model, side, n):
+        return next((r for r in runs if (r["model"], r["side"], r["workers"]) == (model, side, n)), None)
+
     for ax, model in zip(axes[0], models):
         counts = sorted({r["workers"] for r in runs if r["model"] == model})
-        width = 0.8 / len(SIDES)
         for i, (side, label) in enumerate(SIDES):
-            xs, ys = [], []
-            for j, n in enumerate(counts):
-                found = [r for r in runs if (r["model"], r["side"], r["workers"]) == (model, side, n)]
-                if found:
-                    xs.append(j + (i - (len(SIDES) - 1) / 2) * width)
-                    ys.append(found[0]["samples_per_s"])
-            ax.bar(xs, ys, width, label=label, color=COLORS[side])
+            bars = [(j + (i - (len(SIDES) - 1) / 2) * width, find(model, side, n)) for j, n in enumerate(counts)]
+            ax.bar([x for x, r in bars if r], [r["samples_per_s"] for _, r in bars if r], width, label=label,
+                   color=COLORS[side])
         for j, n in enumerate(counts):
-            mine = [r for r in runs if (r["model"], r["side"], r["workers"]) == (model, "raysgd", n)]
-            other = [r for r in runs if (r["model"], r["side"], r["workers"]) == (model, "torchrun", n)]
+            mine, other = find(model, "raysgd", n), find(model, "torchrun", n)
             if mine and other:
-                ratio = mine[0]["samples_per_s"] / other[0]["samples_per_s"]
                 top = max(r["samples_per_s"] for r in runs if (r["model"], r["workers"]) == (model, n))
-                ax.text(j, top * 1.03, f"raysgd / torchrun {ratio:.2f}x", ha="center", fontsize=8)
+                ax.text(j, top * 1.03, f"raysgd / torchrun {mine['samples_per_s'] / other['samples_per_s']:.2f}x",
+                        ha="center", fontsize=8)
         ax.set_xticks(range(len(counts)), [f"{n} worker{'s' if n > 1 else ''}" for n in counts])
-        ax.set_ylabel("samples/s (steady state)")
-        ax.set_title({"mlp": "MLP 784-1024-1024-10", "resnet": "CIFAR ResNet-8"}.get(model, model), fontsize=10)
+        ax.set_ylabel("samples/s, steady state")
+        ax.set_title(titles.get(model, model), fontsize=10)
         ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
         ax.grid(axis="y", alpha=0.3)
-    axes[0][0].legend(fontsize=8, loc="lower left")
-    fig.suptitle("Training throughput: the same model, batch and threads on every side", fontsize=11)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    if jobs:  # the short job: start-up included, where Ray Train's controller and raysgd differ most
+        ax, groups = axes[0][-1], [(m, n) for m in models for n in sorted({r["workers"] for r in runs
+                                                                         if r["model"] == m})]
+        for i, (side, label) in enumerate(SIDES):
+            bars = [(j + (i - (len(SIDES) - 1) / 2) * width, find(m, side, n)) for j, (m, n) in enumerate(groups)]
+            ax.bar([x for x, r in bars if r], [r["e2e_s"] for _, r in bars if r], width, color=COLORS[side])
+        ax.set_xticks(range(len(groups)), [f"{'ResNet-8' if m == 'resnet' else m.upper()}, {n}" for m, n in groups],
+                      fontsize=8)
+        ax.set_ylabel("seconds, lower is better")
+        ax.set_title("a 3-epoch job, end to end (model, workers)", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(SIDES), fontsize=8, bbox_to_anchor=(0.5, 0.93),
+               frameon=False)
+    fig.suptitle("raysgd against a plain loop, torchrun DDP and Ray Train: the same model, batch and threads",
+                 fontsize=11)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.89))
     return _save(fig, path, caption(result.get("meta", {}), "benchmarks/benchmark.py"))
 
 
@@ -121,10 +138,11 @@ def fsdp_memory(result, path):
             for x, v in zip(xs, values):
                 ax.text(x, v, f"{v:.0f}", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(counts)), [f"{n} worker{'s' if n > 1 else ''}" for n in counts])
+        ax.set_ylim(0, max(r[key] for r in rows) * 1.3)  # room for the legend above the bars
         ax.set_ylabel("MB")
         ax.set_title(title, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=8, ncol=2, loc="upper right")
     meta = result.get("meta", {})
     fig.suptitle(f"FSDP against DDP: an MLP of {meta.get('parameters', 0) / 1e6:.1f} M parameters", fontsize=11)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
@@ -154,17 +172,53 @@ def caption(meta, script, extra=None):
     return ", ".join(parts)
 
 
+def result_from_markdown(text):
+    """A ``benchmark.py`` result (``runs`` and ``meta``) read back from the tables it printed as markdown
+    (``--markdown``, as benchmarks/README.md keeps the latest run's): the first table with ``side`` and
+    ``samples/s`` columns, and the run's description line (``<date> on <machine>, load average <x> ...``).
+
+    Example:
+        >>> result = result_from_markdown("2026-11-22T17:45:18+00:00 on vm (x86_64, 2 CPUs), load average 2.0 at "
+        ...     "the start; torch\\n\\n| model | side | N | samples/s |\\n|---|---|---|---|\\n| mlp | raysgd | 2 | 7320 |\\n")
+        >>> result["runs"], result["meta"]["load_average"]
+        ([{'model': 'mlp', 'side': 'raysgd', 'workers': 2, 'samples_per_s': 7320.0}], [2.0])
+    """
+    import re  # noqa: PLC0415
+
+    names = {"plain loop": "plain", "torchrun DDP": "torchrun", "Ray Train": "raytrain", "raysgd": "raysgd"}
+    meta = {}
+    described = re.search(r"^(\S+) on (.+?), load average ([\d.]+) at the start", text, flags=re.M)
+    if described:
+        meta = {"date": described.group(1), "machine": described.group(2),
+                "load_average": [float(described.group(3))]}
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and "side" in cells and "samples/s" in cells:
+            runs = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                values = dict(zip(cells, (c.strip() for c in row.strip().strip("|").split("|"))))
+                runs.append({"model": values["model"], "side": names.get(values["side"], values["side"]),
+                             "workers": int(values["N"]), "samples_per_s": float(values["samples/s"])})
+                if values.get("3-epoch job s"):
+                    runs[-1]["e2e_s"] = float(values["3-epoch job s"])
+            return {"runs": runs, "meta": meta}
+    raise ValueError("no table with 'side' and 'samples/s' columns")
+
+
 DRAW = {"throughput": throughput, "recovery": recovery, "fsdp": fsdp_memory}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kind", choices=sorted(DRAW))
-    parser.add_argument("result", help="the JSON a benchmark wrote")
+    parser.add_argument("result", help="the JSON a benchmark wrote (throughput: or the markdown of its tables)")
     parser.add_argument("out", help="the PNG to write")
     args = parser.parse_args(argv)
-    with open(args.result, encoding="utf-8") as handle:
-        result = json.load(handle)
+    with open(args.result, encoding="utf-8") as handle:  # JSON, or benchmark.py's tables as markdown
+        result = result_from_markdown(handle.read()) if args.result.endswith(".md") else json.load(handle)
     print(DRAW[args.kind](result, args.out))
 
 
