@@ -6,6 +6,7 @@ tables and written to JSON (``benchmarks/results/latest.json`` by default). See 
 
     python benchmarks/benchmark.py                 # full run (about 10 minutes on 2 cores)
     python benchmarks/benchmark.py --smoke-test    # everything at toy size (the test suite runs this)
+    python benchmarks/benchmark.py --plot docs/images/throughput.png   # also draw the throughput (plots.py)
 """
 import argparse
 import datetime
@@ -25,6 +26,7 @@ import ray
 import torch
 from tabulate import tabulate
 
+import plots
 import report
 from workloads import make_model
 
@@ -42,6 +44,8 @@ def parse_args(argv=None):
     parser.add_argument("--smoke-test", action="store_true", help="everything at toy size (under a minute)")
     parser.add_argument("--out", default=os.path.join(BENCH_DIR, "results", "latest.json"), help="JSON file")
     parser.add_argument("--markdown", default=None, help="also write the tables as GitHub markdown to this file")
+    parser.add_argument("--plot", default=None, metavar="PATH",
+                        help="also draw the throughput of every side as a PNG there (benchmarks/plots.py)")
     parser.add_argument("--models", default=None, help="comma-separated: mlp, resnet (default: both; mlp when "
                         "--smoke-test)")
     parser.add_argument("--workers", default="1,2", help="comma-separated worker counts N")
@@ -259,6 +263,8 @@ def main(argv=None):
     if args.markdown:
         with open(args.markdown, "w", encoding="utf-8") as handle:
             handle.write(report.tables(result, fmt="github") + "\n")
+    if args.plot and result["runs"]:
+        print(f"drawn: {plots.throughput(result, args.plot)}")
     print(f"\nwritten: {args.out} ({result['meta']['duration_s']:.0f} s)")
     if errors:
         print(tabulate([[e["section"], e["error"].splitlines()[0]] for e in errors], ["failed", "error"]))

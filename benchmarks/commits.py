@@ -152,15 +152,18 @@ def _commit_stats():
     return dict(committer.STATS)
 
 
-def bench_args(doc, repeats_help, cases=None):
+def bench_args(doc, repeats_help, cases=None, plot=None):
     """``--smoke-test``, ``--json`` and ``--repeats`` (default 3), the options of the benchmarks beside this one;
-    with ``cases`` (their names) also ``--cases`` (comma-separated, default all)."""
+    with ``cases`` (their names) also ``--cases`` (comma-separated, default all); with ``plot`` (what the picture
+    shows) also ``--plot PATH``."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--smoke-test", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--repeats", type=int, default=3, help=repeats_help)
     if cases:
         parser.add_argument("--cases", default=",".join(cases), help=f"which of {', '.join(cases)}")
+    if plot:
+        parser.add_argument("--plot", metavar="PATH", help=f"also draw {plot} as a PNG there (benchmarks/plots.py)")
     return parser.parse_args()
 
 

@@ -23,7 +23,8 @@ every rank, the largest rank reported:
 
 Then the ratios FSDP / DDP at each N. With one worker FSDP does not shard (nothing to shard over): its row is DDP's.
 
-Prints the tables and the JSON (``--json PATH`` also writes it).
+Prints the tables and the JSON (``--json PATH`` also writes it); ``--plot PATH`` draws the memory per rank as a PNG
+(``benchmarks/plots.py``).
 """
 import argparse
 import json
@@ -177,6 +178,7 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10, help="steps per timed call")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls (the best is reported)")
     parser.add_argument("--json", help="also write the results there")
+    parser.add_argument("--plot", metavar="PATH", help="also draw the memory per rank as a PNG there")
     args = parser.parse_args(argv)
     widths = [16, 32, 32, 16] if args.smoke_test else [1024, 2048, 2048, 2048, 1024]
     warmup, steps, repeats = (1, 2, 1) if args.smoke_test else (args.warmup, args.steps, args.repeats)
@@ -208,7 +210,13 @@ def main(argv=None):
             "smoke": args.smoke_test, "date": time.strftime("%Y-%m-%d"), "load_average_start": load_at_start,
             "load_average_end": os.getloadavg()}
     title = f"MLP {'-'.join(map(str, widths))}: {parameters / 1e6:.2f} M parameters, Adam, global batch {GLOBAL_BATCH}"
-    return emit(title, {"meta": meta, "rows": rows, "ratios": ratios}, args.json)
+    result = emit(title, {"meta": meta, "rows": rows, "ratios": ratios}, args.json)
+    if args.plot:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import plots  # noqa: PLC0415 (beside this script)
+
+        sys.stdout.write(f"drawn: {plots.fsdp_memory(result, args.plot)}\n")
+    return result
 
 
 def emit(title, result, json_path=None):

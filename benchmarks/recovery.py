@@ -3,6 +3,7 @@
 Run from the repository root (it starts its own multi-node cluster on this machine)::
 
     PYTHONPATH=$PWD python benchmarks/recovery.py [--smoke-test] [--repeats N] [--json out.json] [--cases ...]
+    PYTHONPATH=$PWD python benchmarks/recovery.py --cases process,spare --plot docs/images/recovery_timeline.png
 
 A ``ray.cluster_utils.Cluster`` with a 0-CPU head and two 1-CPU worker nodes; 2 workers (one per node) train
 the MLP of ``workloads.py`` with commits every 10 steps. Rank 1 stops at step 25 of the epoch; once the commit at
@@ -23,7 +24,7 @@ processes end with it (a preempted VM's shutdown ends them; the peers' connectio
 gives the seconds from the event to training resumed (the end of the longest pause in the batch log after it; median of ``--repeats``), the
 batches computed twice, and the workers and failures after recovery.
 
-Two cases keep the healthy ranks in their processes at a planned resize (README "Partial moves and grows"):
+Two cases keep the healthy ranks in their processes at a planned resize (docs: "Partial moves and grows"):
 "drain-spare" drains rank 1's node with ``num_spares=1`` (a third node holds the spare, a fourth is free for its
 refill): rank 0 stays, the spare takes rank 1; "grow" starts ``num_workers=(2, 3)`` on the two nodes and adds a
 third node's CPU (held by a placement group of the benchmark's until then) once the step-20 commit is stored: both
@@ -32,11 +33,14 @@ the kept ranks kept their process ids; the batches computed twice are counted fr
 
 The log (stderr) gives each run's three longest pauses after the event (their length and start), when
 ``remove_node`` returned, and when the refill's process started (from ``/proc``), so that a pause can be set
-against them.
+against them. Each row of ``--json`` also holds its median run's batches around the event (``timeline``: seconds
+from the event and rank), which ``--plot PATH`` draws as a timeline (``benchmarks/plots.py``).
 """
+import datetime
 import json
 import logging
 import os
+import platform
 import signal
 import sys
 import tempfile
@@ -49,6 +53,7 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
+import plots  # noqa: E402
 from commits import LoggingOperator, bench_args  # noqa: E402
 from raysgd import TorchTrainer  # noqa: E402
 from workloads import workload_spec  # noqa: E402
@@ -69,6 +74,7 @@ CASES = (("process", True), ("process", False), ("spare", True), ("node", True),
 CASE_NAMES = ("process", "process-restart", "spare", "node", "node-spare", "node-killed-spare", "node-restart",
               "drain", "drain-spare", "grow")
 SPARE_CASES = ("spare", "node-spare", "node-killed-spare", "drain-spare")
+TIMELINE_S = (-3.0, 10.0)  # the batches kept for the picture: seconds from the event
 REFILLED_ELSEWHERE = ("drain-spare", "node-spare", "node-killed-spare")  # a fourth node for the spare's refill
 
 
@@ -246,7 +252,10 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
             if fault == "spare":
                 extra.update(_spare_cost(trainer, 3 if smoke else 10))
         ran = [(fields[1], fields[2]) for fields in logged]
-        return {"resumed_s": _resumed_s(stamps, t_kill), "next_batch_s": min(t for t in stamps if t > t_kill) - t_kill,
+        timeline = [[round(float(fields[0]) - t_kill, 4), int(fields[1])] for fields in logged
+                    if TIMELINE_S[0] <= float(fields[0]) - t_kill <= TIMELINE_S[1]]
+        return {"resumed_s": _resumed_s(stamps, t_kill), "timeline": timeline,
+                "next_batch_s": min(t for t in stamps if t > t_kill) - t_kill,
                 "recomputed": len(ran) - len(set(ran)) if planned else len(stamps) - 2 * steps,
                 "workers_after": trainer.worker_group.num_workers, "failures": trainer.num_failures,
                 "num_samples": result["stats"]["num_samples"], **extra}
@@ -266,7 +275,11 @@ def _one(cluster, fault, keep, smoke, work_dir, run):
 def main():
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("raysgd").setLevel(logging.INFO)  # the recovery's steps, timed, on stderr
-    args = bench_args(__doc__, "runs per setting (median)", cases=CASE_NAMES)
+    args = bench_args(__doc__, "runs per setting (median)", cases=CASE_NAMES,
+                      plot="a timeline of each case's batches around the event")
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
+            "load_average": list(os.getloadavg()), "smoke": args.smoke_test}
     chosen = set(args.cases.split(","))
     repeats = 1 if args.smoke_test else args.repeats
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": FAST_HEALTH_CHECK})
@@ -284,14 +297,15 @@ def main():
                 runs = [_one(cluster, fault, keep, args.smoke_test, work_dir, f"{fault}-{keep}-{i}")
                         for i in range(repeats)]
                 times = sorted(r["resumed_s"] for r in runs)
-                rows.append({"event": EVENTS[fault],
+                median_run = sorted(runs, key=lambda r: r["resumed_s"])[len(runs) // 2]
+                rows.append({"case": name, "event": EVENTS[fault],
                              "survivors": SURVIVORS.get(fault) or ("kept" if keep else
                                                                    "restarted (SGD_KEEP_SURVIVORS=0)"),
                              "event_to_resumed_s": times[len(times) // 2],
                              "event_to_next_batch_s": sorted(r["next_batch_s"] for r in runs)[len(runs) // 2],
                              "recomputed_batches": max(r["recomputed"] for r in runs),
                              "workers_after": runs[-1]["workers_after"], "failures": runs[-1]["failures"],
-                             "repeats": repeats, "all_s": times})
+                             "repeats": repeats, "all_s": times, "timeline": median_run["timeline"], "meta": meta})
                 if "kept_pids" in runs[-1]:
                     rows[-1]["kept_pids"] = all(r["kept_pids"] for r in runs)
                 if fault in REFILLED_ELSEWHERE:
@@ -307,7 +321,10 @@ def main():
         os.environ.pop("SGD_KEEP_SURVIVORS", None)
         ray.shutdown()
         cluster.shutdown()
-    print(tabulate(rows, headers="keys", floatfmt=".2f"))
+    print(tabulate([{k: v for k, v in row.items() if k not in ("timeline", "meta")} for row in rows], headers="keys",
+                   floatfmt=".2f"))
+    if args.plot:
+        print("drawn:", plots.recovery(rows, args.plot))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(rows, handle, indent=2)

@@ -11,7 +11,7 @@ from raysgd.callbacks import Callback
 from raysgd.torch import TorchTrainer, TrainingOperator
 from raysgd.torch.constants import LEGACY_IMPORTS_ENV, TRAIN_IMPORTS_ENV
 
-__version__ = "0.1.0"
+__version__ = "0.5.0.dev0"
 __all__ = ["TorchTrainer", "TrainingOperator", "Callback", "PyTorchTrainer", "__version__"]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -30,9 +30,9 @@ def run_smoke(script, out, *options, timeout=300):
 
 @pytest.mark.slow
 def test_smoke_test_runs_every_side_and_section(tmp_path):
-    out, markdown = tmp_path / "smoke.json", tmp_path / "smoke.md"
+    out, markdown, picture = tmp_path / "smoke.json", tmp_path / "smoke.md", tmp_path / "throughput.png"
     command = [sys.executable, os.path.join(BENCH_DIR, "benchmark.py"), "--smoke-test", "--out", str(out),
-               "--markdown", str(markdown)]
+               "--markdown", str(markdown), "--plot", str(picture)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=560, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -59,6 +59,7 @@ def test_smoke_test_runs_every_side_and_section(tmp_path):
     assert {r["side"] for r in result["gpu"]["rows"]} == {"plain", "raysgd", "raysgd-sync"}
     assert {t["target"].split(":")[0] for t in result["targets"]} >= {"mlp", "recovery"}
     assert "Targets" in proc.stdout and "| raysgd" in markdown.read_text()
+    assert picture.read_bytes().startswith(b"\x89PNG")  # --plot: the docs' throughput picture, drawn by the run
 
 
 def test_models_have_the_sizes_the_readme_states():
@@ -119,7 +120,9 @@ def test_state_scaling_smoke_test_measures_every_column(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_benchmark_smoke_test_measures_both_strategies(tmp_path):
-    result, stdout = run_smoke("fsdp.py", tmp_path / "fsdp.json", "--workers", "1,2", timeout=500)
+    result, stdout = run_smoke("fsdp.py", tmp_path / "fsdp.json", "--workers", "1,2", "--plot",
+                               str(tmp_path / "fsdp.png"), timeout=500)
+    assert (tmp_path / "fsdp.png").read_bytes().startswith(b"\x89PNG")  # --plot: the memory per rank, drawn
     assert result["meta"]["smoke"]
     rows = {(r["strategy"], r["workers"]): r for r in result["rows"]}
     assert set(rows) == {("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2)}

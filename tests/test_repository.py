@@ -2,10 +2,13 @@
 import ast
 import doctest
 import importlib
+import os
 import pathlib
 import re
+import runpy
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -34,16 +37,65 @@ def test_readme_gives_two_setup_commands_and_ci_runs_the_test_one():
 def test_ci_runs_readmes_first_command_as_written_in_a_fresh_copy():
     example = next(c for c in readme_commands() if c.startswith("python3 -m venv"))
     assert example.endswith("python examples/train_linear.py --num-workers 2"), example
-    assert "-e . &&" in example, f"README's first command must be the plain install (no extra): {example!r}"
+    assert " pip install -c constraints.txt . && " in example, \
+        f"README's first command must be the plain install of the checkout (no extra, not editable): {example!r}"
     done = subprocess.run([sys.executable, str(REPO / ".ci" / "readme_command.py"), "example"], capture_output=True,
                           text=True, timeout=60)
-    assert done.returncode == 0 and done.stdout == example + "\n", done.stdout + done.stderr  # what .ci/run runs
+    assert done.returncode == 0 and done.stdout == example + "\n", done.stdout + done.stderr
+    wheel = "/tmp/dist/raysgd-1.0-py3-none-any.whl"
+    done = subprocess.run([sys.executable, str(REPO / ".ci" / "readme_command.py"), "example", "--wheel", wheel],
+                          capture_output=True, text=True, timeout=60)  # what .ci/run runs: the built wheel installed
+    assert done.returncode == 0 and done.stdout == example.replace(" . && ", f" {wheel} && ") + "\n", done.stdout
     lines = (REPO / ".ci" / "run").read_text().splitlines()
-    extract = next(i for i, line in enumerate(lines) if "python3 .ci/readme_command.py example" in line)
-    run = next(i for i, line in enumerate(lines) if 'bash -c "$first_command"' in line)
-    tests = next(i for i, line in enumerate(lines) if "python -m pytest" in line)
-    assert extract < run < tests, "the first command runs before the test suite (it fails fast and is short)"
+
+    def line_of(text):
+        return next(i for i, line in enumerate(lines) if text in line and not line.lstrip().startswith("#"))
+
+    build, check = line_of("-m build --outdir"), line_of("twine check --strict")
+    extract = line_of('python3 .ci/readme_command.py example --wheel "$wheel"')
+    run, tests, docs = line_of('bash -c "$first_command"'), line_of("python -m pytest"), line_of("mkdocs build --strict")
+    assert build < check < extract < run < tests < docs, \
+        "CI builds and checks the package, runs README's first command with its wheel, the tests, then the docs"
     assert ".venv/" in (REPO / ".gitignore").read_text().split(), ".venv is ignored: no copy or clone carries it"
+
+
+def test_readme_is_a_front_page_whose_links_work_here_and_on_pypi():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) < 300, "README is the front page: the reference belongs in docs/"
+    for target in re.findall(r"\]\(([^)\s]+)\)", readme):  # every relative link and image names a file here
+        if not re.match(r"^([a-z][a-z0-9+.-]*:|#)", target):
+            assert (REPO / target.split("#")[0]).exists(), f"README links to {target}, which does not exist"
+    setup_py = runpy.run_path(str(REPO / "setup.py"), run_name="setup_py")  # setup() runs only as __main__
+    description = setup_py["absolute_links"]((REPO / "README.md").read_text())
+    links = re.findall(r"\]\(([^)\s]+)\)", description)
+    assert links and all(re.match(r"^(https://|#)", link) for link in links), \
+        [link for link in links if not link.startswith(("https://", "#"))]
+    assert "https://raw.githubusercontent.com/" in description, "images point at the raw files"
+
+
+def test_the_version_has_one_home_and_the_changelog_agrees():
+    import raysgd
+    setup_py = runpy.run_path(str(REPO / "setup.py"), run_name="setup_py")
+    assert setup_py["version"]() == raysgd.__version__
+    assert "version=version()" in (REPO / "setup.py").read_text()
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - (\d{4}-\d\d-\d\d)$", (REPO / "CHANGELOG.md").read_text(),
+                          flags=re.M)
+    assert releases, "CHANGELOG has no '## [x.y.z] - YYYY-MM-DD' release"
+    versions = [tuple(int(n) for n in v.split(".")) for v, _ in releases]
+    assert versions == sorted(versions, reverse=True), "releases newest first"
+    assert [d for _, d in releases] == sorted((d for _, d in releases), reverse=True), "dates newest first"
+    released = re.match(r"^(\d+)\.(\d+)\.(\d+)(.*)$", raysgd.__version__)
+    current, suffix = tuple(int(n) for n in released.groups()[:3]), released.group(4)
+    if suffix:  # a development or pre-release: past the newest release
+        assert current > versions[0], f"{raysgd.__version__} should come after {releases[0][0]}"
+    else:
+        assert current == versions[0], f"{raysgd.__version__} is released: CHANGELOG's newest release should be it"
+
+
+def test_getting_started_gives_readmes_commands():
+    page = (REPO / "docs" / "getting-started.md").read_text()
+    setup = [c for c in re.findall(r"```bash\n(.+?)\n```", page, flags=re.S) if c.startswith("python3 -m venv")]
+    assert setup == [c for c in readme_commands() if c.startswith("python3 -m venv")]
 
 
 def setup_extras():
@@ -68,6 +120,9 @@ def test_every_extra_named_anywhere_exists_and_brings_its_package():
 def test_changelog_keeps_a_changelog_form():
     text = (REPO / "CHANGELOG.md").read_text()
     assert text.startswith("# Changelog") and "## [Unreleased]" in text and "### Added" in text
+    sections = set(re.findall(r"^### (.+)$", text, flags=re.M))
+    assert sections <= {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}, sections
+    assert text.index("## [Unreleased]") < text.index("\n## [0."), "Unreleased comes first"
 
 
 DOCTESTED = ["raysgd.utils", "raysgd.optional", "raysgd.meters", "raysgd.timers", "raysgd.torch.constants",
@@ -102,13 +157,105 @@ def test_docstring_examples_run(name):
     assert result.attempted > 0, f"{name} has no docstring example"
 
 
-def test_readmes_torchtrainer_table_is_the_options_table():
-    """The README's TorchTrainer table comes from the one options dataclass (every option, its default, its doc)."""
+def test_docs_torchtrainer_table_is_the_options_table():
+    """The docs' TorchTrainer table comes from the one options dataclass (every option, its default, its doc)."""
     import dataclasses
 
     from raysgd.torch.options import TrainerOptions
     table = TrainerOptions.readme_table()
-    assert table.rstrip("\n") in (REPO / "README.md").read_text(), \
-        "README's TorchTrainer table differs from TrainerOptions.readme_table(): paste the generated one"
+    assert table.rstrip("\n") in (REPO / "docs" / "trainer.md").read_text(), \
+        "docs/trainer.md's TorchTrainer table differs from TrainerOptions.readme_table(): paste the generated one"
     shown = {line.split("`")[1] for line in table.splitlines()[2:]}
     assert {field.name for field in dataclasses.fields(TrainerOptions)} <= shown
+
+
+def documented_commands():
+    """``(page, command)`` for every ``python ...`` command in README and the docs: their ```bash blocks, and inline
+    code in their text and tables (the examples table)."""
+    found = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        text = page.read_text()
+        lines = [line for block in re.findall(r"```bash\n(.+?)\n```", text, flags=re.S) for line in block.splitlines()]
+        lines += re.findall(r"`(python (?:-m )?[^`]+)`", text)
+        for line in lines:
+            for part in line.split("#")[0].split(" && "):
+                if re.match(r"^(PYTHONPATH=\S+ )?python3? ", part.strip()):
+                    found.append((page.relative_to(REPO), part.strip()))
+    return found
+
+
+def test_documented_commands_name_real_scripts_and_options():
+    """Every ``python script.py --option`` and ``python -m module --option`` of README and the docs names a script or
+    module that exists and options it defines (the examples' --smoke-test forms run in tests/test_examples.py)."""
+    import importlib.util
+    commands = documented_commands()
+    assert len(commands) > 20, commands
+    placeholders = {"my_raysgd1_script.py", "my_ray_train_script.py", "my_1x_script.py", "script.py",
+                    *(name for _, name, _ in docs_scripts())}  # the docs' own scripts: test_docs_scripts_run
+    for page, command in commands:
+        words = command.split()
+        words = words[1:] if words[0].startswith("PYTHONPATH=") else words
+        args = words[1:]
+        if args[:2] == ["-m", "raysgd.legacy"]:  # the legacy runner: its own options, then the script's
+            args = args[2:]
+            args = args[1:] if args[:1] == ["--train"] else args
+        if args[:1] == ["-m"]:
+            if len(args) < 2 or args[1] in ("pytest", "venv", "pip"):  # "python -m" alone: prose about the flag
+                continue
+            from raysgd.compat import translate  # the legacy runner runs 1.x module names as raysgd's
+            spec = importlib.util.find_spec(translate(args[1]) or args[1])
+            assert spec is not None, f"{page}: {command!r} runs a module that does not exist"
+            source, options = pathlib.Path(spec.origin).read_text(), args[2:]
+        else:
+            if not args or not args[0].endswith(".py") or args[0].split("/")[-1] in placeholders:
+                continue
+            assert (REPO / args[0]).is_file(), f"{page}: {command!r} runs {args[0]}, which does not exist"
+            source, options = (REPO / args[0]).read_text(), args[1:]
+        # a script may define its options in the raysgd module it runs (examples/dcgan.py), or in a module beside it
+        # (benchmarks/commits.py's bench_args)
+        imported = re.findall(r"^from (raysgd[\w.]*) import", source, flags=re.M)
+        specs = [importlib.util.find_spec(name) for name in imported]
+        source += "".join(pathlib.Path(spec.origin).read_text() for spec in specs if spec and spec.origin)
+        if "benchmarks/" in command:
+            source += "".join(path.read_text() for path in (REPO / "benchmarks").glob("*.py"))
+        for option in (o.split("=")[0] for o in options if o.startswith("--")):
+            assert f'"{option}"' in source, f"{page}: {command!r} passes {option}, which the script lacks"
+
+
+def test_readmes_api_example_runs(tmp_path):
+    """README's Python example trains as shown (a local Ray cluster of its own, in a fresh process)."""
+    (block,) = re.findall(r"```python\n(.+?)\n```", (REPO / "README.md").read_text(), flags=re.S)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=400, cwd=tmp_path,
+                          env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("'train_loss'") == 5 and done.stdout.count("'val_loss'") == 5, done.stdout[-2000:]
+
+
+def docs_scripts():
+    """``(page, name, code)`` of every complete script in the docs: a ```python block whose first line is
+    ``# <name>.py``, in page order (a page's later script may read what an earlier one wrote)."""
+    found = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        for block in re.findall(r"```python\n(.+?)\n\s*```", page.read_text(), flags=re.S):
+            block = textwrap.dedent(block)
+            first = block.splitlines()[0].strip()
+            if re.match(r"^# \w+\.py\b", first):
+                found.append((page.relative_to(REPO), first.split()[1], block))
+    return found
+
+
+@pytest.mark.slow
+def test_docs_scripts_run(tmp_path):
+    """Each script the docs give whole runs as the page says (from the repository's root, in a fresh process)."""
+    scripts = docs_scripts()
+    assert {"progress_and_logs.py", "plot_logs.py", "ray_data_input.py", "mlflow_example.py",
+            "wandb_example.py"} <= {name for _, name, _ in scripts}
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), WANDB_MODE="offline")
+    for page, name, code in scripts:
+        (tmp_path / name).write_text(code)
+        done = subprocess.run([sys.executable, name], capture_output=True, text=True, timeout=400, cwd=tmp_path,
+                              env=env)
+        assert done.returncode == 0, f"{page}: {name}\n" + done.stdout[-3000:] + done.stderr[-3000:]

@@ -2,7 +2,7 @@
 
 Package glue (1.x's path): :class:`LightningOperator` is defined with the other operators in
 :mod:`raysgd.torch.training_operator` (``TrainingOperator`` with :mod:`raysgd.torch.operator.lightning`'s loops
-mixed in); ``TrainingOperator.from_ptl(module_cls)`` returns a subclass of it. See the README's Lightning section.
+mixed in); ``TrainingOperator.from_ptl(module_cls)`` returns a subclass of it. See docs/lightning.md.
 
 Example:
     >>> from raysgd.torch.training_operator import TrainingOperator

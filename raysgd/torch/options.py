@@ -1,7 +1,7 @@
 """Every ``TorchTrainer`` option in one place: its default, its check and its doc line (:class:`TrainerOptions`).
 
 Layer 4 (a root module: torch, layers 0-3; never the execution layer). ``TorchTrainer``'s constructor signature
-(keyword-only), its checks, the trainer's attributes, the workers' options and the README's TorchTrainer table
+(keyword-only), its checks, the trainer's attributes, the workers' options and the docs' TorchTrainer table
 all come from the dataclass; ``TorchTrainer.as_trainable`` checks its resource arguments through it. Every error
 names the argument, the expected form and the value given, before any actor starts. ``storage_path``,
 ``num_to_keep`` and ``resume`` are checked where the durable run opens (it writes a test file), ``logdir`` where
@@ -283,8 +283,8 @@ def _callbacks(v, caller):
 
 
 def option(default, doc, check=None, *, shown=None, attribute=False, worker=False, opened_by=None):
-    """A field of :class:`TrainerOptions`: ``default``, ``doc`` (README's line), ``check(values, caller)`` returning
-    the value kept; ``shown``: README's default when not the value; ``attribute``: a ``TorchTrainer`` attribute;
+    """A field of :class:`TrainerOptions`: ``default``, ``doc`` (the docs table's line), ``check(values, caller)``
+    returning the value kept; ``shown``: the table's default when not the value; ``attribute``: a ``TorchTrainer`` attribute;
     ``worker``: passed to every worker; ``opened_by``: checked where that part opens (no ``check`` here)."""
     return dataclasses.field(default=default, metadata={"doc": doc, "check": check, "shown": shown,
                                                         "attribute": attribute, "worker": worker,
@@ -442,7 +442,7 @@ class TrainerOptions:
 
     @classmethod
     def readme_table(cls):
-        """README's TorchTrainer table (Markdown): one row per option, its default and its doc line."""
+        """The TorchTrainer table of docs/trainer.md (Markdown): one row per option, its default and its doc line."""
         rows = ["| argument | default | meaning |", "|---|---|---|"]
         for f in dataclasses.fields(cls):
             shown = f.metadata["shown"] or (f'`"{f.default}"`' if isinstance(f.default, str) else str(f.default))

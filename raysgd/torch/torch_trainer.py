@@ -43,7 +43,7 @@ class TorchTrainer:
     """Trains a :class:`~raysgd.TrainingOperator` on ``num_workers`` data-parallel Ray actors.
 
     Every argument is keyword-only and checked before any actor starts (:class:`~raysgd.torch.options.TrainerOptions`
-    holds each one's default, check and doc line; the README's table is made from it); the defaults follow RaySGD
+    holds each one's default, check and doc line; the docs' options table is made from it); the defaults follow RaySGD
     1.12. ``use_tqdm=True`` shows one progress bar on the driver's stderr, fed by rank 0; ``logdir`` (a path or a
     :class:`~raysgd.torch.integrations.results.ResultLogger`) appends every ``train()``/``validate()`` result to CSV
     files and TensorBoard there. ``storage_path``: see Durable runs. ``controller`` is the run's
@@ -327,8 +327,8 @@ class TorchTrainer:
         return self._controller.save(checkpoint_path, consolidated=consolidated)
 
     def load(self, checkpoint_path, weights_only=True, blocking=False):
-        """Load a file written by :meth:`save` (``weights_only=False`` only for trusted files; see README), or a
-        checkpoint directory of ``storage_path`` or Tune (a local path or a URI such as ``s3://bucket/run/...``).
+        """Load a file written by :meth:`save` (``weights_only=False`` only for trusted files; see
+        docs/trainer.md), or a checkpoint directory of ``storage_path`` or Tune (a local path or a URI such as ``s3://bucket/run/...``).
         Anything else (a text file, another pickle, a model's weights) raises
         :class:`~raysgd.torch.errors.CheckpointError` naming it, before anything is sent to the workers."""
         self._controller.load_path(checkpoint_path, weights_only=weights_only, blocking=blocking)

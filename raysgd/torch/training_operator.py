@@ -309,10 +309,12 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
 
     @property
     def world_rank(self):
+        """This worker's rank among all workers (0 .. world size - 1)."""
         return self._world_rank
 
     @property
     def local_rank(self):
+        """This worker's rank among the workers of its node."""
         return self._local_rank
 
     @property
@@ -322,10 +324,12 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
 
     @property
     def device_ids(self):
+        """``[cuda index]`` with ``use_gpu`` (DistributedDataParallel's ``device_ids``), else None."""
         return [self._device.index or 0] if self._use_gpu else None
 
     @property
     def use_gpu(self):
+        """True when this worker trains on a GPU."""
         return self._use_gpu
 
     @property
@@ -335,10 +339,12 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
 
     @property
     def use_fp16_native(self):
+        """True when ``use_fp16`` asks for ``torch.amp`` (``True`` or ``"bf16"``)."""
         return bool(self._precision.requested) and self._precision.requested != "apex"
 
     @property
     def use_fp16_apex(self):
+        """True when ``use_fp16="apex"`` (NVIDIA apex)."""
         return self._precision.requested == "apex"
 
     @property
@@ -356,10 +362,12 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
 
     @property
     def use_tqdm(self):
+        """True when the trainer draws a progress bar (``use_tqdm=True``)."""
         return self._use_tqdm
 
     @property
     def scheduler_step_freq(self):
+        """``"batch"``, ``"epoch"``, ``"manual"`` or None: when the registered schedulers step."""
         return self._scheduler_step_freq
 
     @classmethod

@@ -74,6 +74,7 @@ def _define(pl, LightningEnvironment):  # noqa: N803 (a class)
 
         @property
         def distributed_sampler_kwargs(self):
+            """The ``DistributedSampler`` arguments of this worker: ``num_replicas`` and ``rank``."""
             return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     class RayFSDPStrategy(pl.strategies.FSDPStrategy):
@@ -123,10 +124,10 @@ def _define(pl, LightningEnvironment):  # noqa: N803 (a class)
             return self._context().get_node_rank()
 
         def set_world_size(self, size):
-            pass  # the worker group's
+            """Ignored: the worker group sets the world size."""
 
         def set_global_rank(self, rank):
-            pass
+            """Ignored: the worker group sets the ranks."""
 
         def teardown(self):
             pass

@@ -12,8 +12,8 @@ policy is :class:`raysgd.torch.fault_tolerance.recovery.PlacementWatch`, pure). 
 re-formed group can use come from Ray's view of the placement group (:func:`reform_plan`).
 
 A group of its own may gain a placement group per partial move or grow (:meth:`Placement.reserve_more`: the ranks
-that join while the others keep their processes, README "Partial moves and grows"); :class:`Bundles` numbers the
-bundles of all of them as one list (the first group's first), so a bundle index names one bundle of the run.
+that join while the others keep their processes: docs/fault-tolerance/spares.md, "Partial moves and grows");
+:class:`Bundles` numbers the bundles of all of them as one list (the first group's first), so a bundle index names one bundle of the run.
 
 Example:
     >>> Placement(cpus=2, gpus=1, use_local=False, strategy="PACK").bundle(1)

@@ -30,7 +30,7 @@ ranks whose bundle was lost (nothing else could replace them), then those whose 
 A planned resize (a drain move, or a grow, at a commit point every rank stopped at: :func:`resize_plan`) keeps the
 ranks whose bundle is on a usable node in their processes and fills the rest: a moved rank's place with a warm
 spare, else a free bundle of the group's, else a bundle of a new placement group; an added rank's with a free
-bundle, else a new placement group's (README "Partial moves and grows").
+bundle, else a new placement group's (docs/fault-tolerance/spares.md, "Partial moves and grows").
 
     >>> # rank 1's node drains; a spare is ready: rank 0 stays, the spare takes rank 1 (bundle 1 goes to the pool)
     >>> resize_plan([(0, "r0"), (1, "r1")], usable={0, 2}, target=2, spares=1, free=[])

@@ -94,7 +94,8 @@ class AccumulationHelpers:
 
     def accumulate(self, step_now=True):
         """Context for a micro-batch's forward and backward: every DDP model's ``no_sync()`` unless ``step_now``
-        (see :mod:`raysgd.torch.operator.accumulation` and README "Global batch" for custom ``train_batch`` code).
+        (see :mod:`raysgd.torch.operator.accumulation` and docs/fault-tolerance/commits.md, "The global batch",
+        for custom ``train_batch`` code).
         Example:
             >>> # with self.accumulate(batch_info["step_now"]): loss = ...; self.backward(loss / k, optimizer)
         """
