@@ -140,14 +140,17 @@ class ScalingConfig:
 
     @property
     def min_workers(self):
+        """The fewest workers the run trains with (``num_workers``, or a range's minimum)."""
         return self.num_workers if _int(self.num_workers) else int(self.num_workers[0])
 
     @property
     def max_workers(self):
+        """The most workers the run trains with (``num_workers``, or a range's maximum)."""
         return self.num_workers if _int(self.num_workers) else int(self.num_workers[1])
 
     @property
     def is_range(self):
+        """Whether ``num_workers`` is an elastic range ``(min, max)``."""
         return not _int(self.num_workers)
 
     @property
@@ -157,11 +160,13 @@ class ScalingConfig:
 
     @property
     def num_cpus_per_worker(self):
+        """CPUs each worker reserves (``resources_per_worker["CPU"]``, default 1)."""
         cpus = (self.resources_per_worker or {}).get("CPU")
         return 1 if cpus is None else cpus
 
     @property
     def num_gpus_per_worker(self):
+        """GPUs each worker reserves (``resources_per_worker["GPU"]``, default 1 with ``use_gpu``, else 0)."""
         gpus = (self.resources_per_worker or {}).get("GPU")
         return (1 if self.use_gpu else 0) if gpus is None else gpus
 

@@ -94,6 +94,7 @@ def _define(pl, LightningEnvironment):  # noqa: N803 (a class)
 
         @property
         def distributed_sampler_kwargs(self):
+            """The ``DistributedSampler`` arguments of this worker: ``num_replicas`` and ``rank``."""
             return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     class RayLightningEnvironment(LightningEnvironment):

@@ -45,24 +45,31 @@ class TrainContext:
                             storage_path=storage_path)
 
     def get_world_size(self):
+        """The number of workers (ranks) in the group now."""
         return self._values["world_size"]
 
     def get_world_rank(self):
+        """This worker's rank in the group (0 to world size - 1)."""
         return self._values["world_rank"]
 
     def get_local_rank(self):
+        """This worker's rank among the workers of its node."""
         return self._values["local_rank"]
 
     def get_local_world_size(self):
+        """The number of workers on this worker's node."""
         return self._values["local_world_size"]
 
     def get_node_rank(self):
+        """The rank of this worker's node among the group's nodes."""
         return self._values["node_rank"]
 
     def get_experiment_name(self):
+        """The run's name (``RunConfig(name=...)``)."""
         return self._values["experiment_name"]
 
     def get_storage_path(self):
+        """Where the run's folder is (``RunConfig(storage_path=...)``)."""
         return self._values["storage_path"]
 
     def get_trial_name(self):
