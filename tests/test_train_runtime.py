@@ -168,19 +168,17 @@ def test_a_range_grows_at_a_report_when_workers_fit_again(cluster, tmp_path, mon
     monkeypatch.setenv("SGD_GROW_CHECK_S", "0.3")
     holder = Holder.remote()
     ray.get(holder.ready.remote())
-    marker, release, log = str(tmp_path / "held"), str(tmp_path / "release"), str(tmp_path / "batches.log")
+    marker, log = str(tmp_path / "held"), str(tmp_path / "batches.log")
     config = {"n": 48, "epochs": 2, "log": log, "every": 2, "step_s": 0.1,
-              "fault": {"kind": "hold", "epoch": 0, "step": 4, "marker": marker, "release": release}}
+              "fault": {"kind": "hold", "epoch": 0, "step": 4, "marker": marker, "until": "asked"}}
 
-    def free_cpus_then_release():
+    def free_cpus():
         deadline = time.monotonic() + 120
         while not os.path.exists(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
         ray.kill(holder)  # two more CPUs: the watch sees room and asks the ranks to stop at their next commit
-        time.sleep(1.5)
-        open(release, "w").close()
 
-    thread = threading.Thread(target=free_cpus_then_release, daemon=True)
+    thread = threading.Thread(target=free_cpus, daemon=True)
     thread.start()
     result = run(tmp_path, "grow", config, workers=(1, 2))
     thread.join(5)

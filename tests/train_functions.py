@@ -10,7 +10,8 @@ holds the rank's pid):
 - ``"kill"``: SIGKILL itself right after that step's report (a lost process), once ``release`` exists if given;
 - ``"raise"``: raise ``ValueError`` (the user's code failing: retried under ``max_failures``);
 - ``"wait"``: write its pid and wait until signalled (the test sends SIGTERM; the rank goes on to the next report);
-- ``"hold"``: hold every rank at that step until ``release`` exists (a test grows or drains meanwhile).
+- ``"hold"``: hold every rank at that step until ``release`` exists, or with ``until="asked"`` until the driver
+  asked the rank to stop at its next commit point (a test grows or drains meanwhile).
 """
 import os
 import signal
@@ -70,7 +71,9 @@ def counting(config):
                 if rank == 0:
                     open(fault["marker"], "w").write(str(os.getpid()))
                 deadline = time.monotonic() + 120
-                while not os.path.exists(fault["release"]) and time.monotonic() < deadline:
+                while time.monotonic() < deadline and not (
+                        preemption.resize_requested() if fault.get("until") == "asked" else
+                        os.path.exists(fault["release"])):
                     time.sleep(0.05)
             elif due and rank == fault.get("rank", 1) and fault["kind"] == "raise":
                 open(fault["marker"], "w").write(str(os.getpid()))

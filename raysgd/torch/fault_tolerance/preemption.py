@@ -109,6 +109,16 @@ def request_resize(call_id, attempt):
     logger.info("The driver asks to stop call %s (attempt %s) at the next step boundary to grow", call_id, attempt)
 
 
+def resize_requested():
+    """Whether the driver asked this rank to stop at its next commit point (to grow or move) and it has not yet.
+
+    Example:
+        >>> resize_requested()
+        False
+    """
+    return _STATE["resize"] is not None
+
+
 def resize_wanted(call_id, attempt):
     """Whether :func:`request_resize` asked for this call and attempt."""
     return _STATE["resize"] == (call_id, attempt)
