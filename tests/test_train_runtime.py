@@ -28,7 +28,7 @@ FAST = TorchConfig(timeout_s=30)
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray_module = start_ray(3)
+    ray_module = start_ray(3, num_gpus=2)  # two GPUs Ray hands out (their ids) on a machine without any
     yield ray_module
     ray_module.shutdown()
 
@@ -299,4 +299,37 @@ def test_user_callbacks_hear_every_ranks_reports_and_the_scored_best_are_kept(cl
     assert again.return_value is None and again.metrics == {"acc": 0.1, "rank": 0}  # nothing left to train
     with pytest.raises(ValueError, match=r"restore\(path=...\) expects the folder of a raysgd.train run"):
         TorchTrainer.restore(str(tmp_path), scored)
+    assert_released()
+
+
+# ----------------------------------------------------------------- GPUs: what a worker sees
+def environment(config):
+    """Each rank writes what it sees: its context, the rendezvous and the visible GPUs (the ids Ray assigned)."""
+    import json
+
+    context = raysgd.train.get_context()
+    seen = {"rank": context.get_world_rank(), "local_rank": context.get_local_rank(),
+            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "master": (os.environ.get("MASTER_ADDR"),
+                                                                       os.environ.get("MASTER_PORT")),
+            "ranks": [os.environ.get("RANK"), os.environ.get("LOCAL_RANK"), os.environ.get("WORLD_SIZE")],
+            "own": [str(gpu) for gpu in ray.get_gpu_ids()]}
+    with open(os.path.join(config["out"], f"rank{context.get_world_rank()}.json"), "w") as handle:
+        json.dump(seen, handle)
+
+
+def test_gpu_workers_of_a_node_see_all_its_gpus_with_their_own_at_the_local_rank(cluster, tmp_path):
+    """As in Ray Train: every worker of a node sees the node's workers' GPUs, in local-rank order, so
+    ``cuda:{local_rank}`` is its own; MASTER_ADDR/MASTER_PORT name the process group's rendezvous. (The GPUs are
+    Ray's resource ids on a machine without CUDA: the workers train on the CPU over gloo.)"""
+    import json
+
+    TorchTrainer(environment, train_loop_config={"out": str(tmp_path)}, torch_config=TorchConfig(backend="gloo"),
+                 scaling_config=ScalingConfig(num_workers=2, use_gpu=True),
+                 run_config=RunConfig(name="gpus", storage_path=str(tmp_path))).fit()
+    seen = [json.load(open(tmp_path / f"rank{rank}.json")) for rank in range(2)]
+    assert [s["local_rank"] for s in seen] == [0, 1]
+    assert seen[0]["gpus"] == seen[1]["gpus"] and sorted(seen[0]["gpus"].split(",")) == ["0", "1"]
+    assert seen[0]["master"] == seen[1]["master"] and seen[0]["master"][0] and int(seen[0]["master"][1]) > 0
+    assert all(s["gpus"].split(",")[s["local_rank"]] == s["own"][0] for s in seen)  # cuda:{local_rank} is its own
+    assert [s["ranks"] for s in seen] == [["0", "0", "2"], ["1", "1", "2"]]
     assert_released()
