@@ -333,3 +333,15 @@ def test_gpu_workers_of_a_node_see_all_its_gpus_with_their_own_at_the_local_rank
     assert all(s["gpus"].split(",")[s["local_rank"]] == s["own"][0] for s in seen)  # cuda:{local_rank} is its own
     assert [s["ranks"] for s in seen] == [["0", "0", "2"], ["1", "1", "2"]]
     assert_released()
+
+
+# ----------------------------------------------------------------- the progress view
+def test_a_progress_bar_shows_rank_0s_epoch_and_the_loss_it_reported(cluster, tmp_path, capfd):
+    result = TorchTrainer(counting, train_loop_config={"n": 32, "epochs": 2, "loss": True}, torch_config=FAST,
+                          scaling_config=ScalingConfig(num_workers=2),
+                          run_config=RunConfig(name="bar", storage_path=str(tmp_path), progress_bar=True)).fit()
+    shown = capfd.readouterr().err
+    assert "2e" in shown and "4/4" in shown, shown[-2000:]  # epoch 2's 4 batches of rank 0, each shown
+    assert "loss=" in shown  # the loss of the last report
+    assert result.metrics["done"]
+    assert_released()

@@ -86,7 +86,8 @@ def counting(config):
                     if preemption.requested():
                         break
             if (step + 1) % every == 0:
-                _save(counts, epoch, {"epoch": epoch, "step": step, "world_size": size})
+                extra = {"loss": float(1 + epoch)} if config.get("loss") else {}
+                _save(counts, epoch, {"epoch": epoch, "step": step, "world_size": size, **extra})
             if due and rank == fault.get("rank", 1) and fault["kind"] == "kill":
                 deadline = time.monotonic() + 120
                 while fault.get("release") and not os.path.exists(fault["release"]) and time.monotonic() < deadline:

@@ -288,6 +288,8 @@ class RunConfig:
         callbacks: :class:`~raysgd.train.UserCallback` instances and raysgd's callbacks and loggers
             (:class:`raysgd.Callback`, ``raysgd.loggers.MLflowLogger``, ``WandbLogger``), called on the driver.
         logging_config: :class:`LoggingConfig`.
+        progress_bar: raysgd's: one tqdm bar on the driver's stderr, fed by rank 0's first prepared loader (its
+            batches of the running epoch, and the loss last reported), as the operator API's ``use_tqdm=True``.
         storage_filesystem, worker_runtime_env: Ray Train's; refused (pass a URI as ``storage_path``; install what
             the workers need on the cluster's nodes).
         sync_config, verbose, stop, progress_reporter, log_to_file: deprecated in Ray Train 2.x (raise its
@@ -306,6 +308,7 @@ class RunConfig:
     callbacks: list = None
     worker_runtime_env: dict = None
     logging_config: LoggingConfig = None
+    progress_bar: bool = False
     sync_config: object = DEPRECATED
     verbose: object = DEPRECATED
     stop: object = DEPRECATED
@@ -332,6 +335,7 @@ class RunConfig:
                 "checkpoint_config", "a raysgd.train.CheckpointConfig", self.checkpoint_config)
         _expect(self.logging_config is None or isinstance(self.logging_config, LoggingConfig), "RunConfig",
                 "logging_config", "a raysgd.train.LoggingConfig", self.logging_config)
+        _expect(isinstance(self.progress_bar, bool), "RunConfig", "progress_bar", "a bool", self.progress_bar)
         self.callbacks = check_callbacks(self.callbacks)
         self.failure_config = self.failure_config or FailureConfig()
         self.checkpoint_config = self.checkpoint_config or CheckpointConfig()

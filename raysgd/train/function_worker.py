@@ -86,17 +86,20 @@ class FunctionWorker(TorchWorker):
             torch.cuda.set_device(index)
             self.device = torch.device("cuda", index)
 
-    def run_loop(self, run_info, plan=None, local_world_size=1, node_rank=0, dataset_shards=None, node_gpus=None):
+    def run_loop(self, run_info, plan=None, local_world_size=1, node_rank=0, dataset_shards=None, node_gpus=None,
+                 progress=None):
         """Run the training function once (one attempt); returns ``{"reports", "return_value"}`` of this rank:
         rank 0's reports the driver has not taken yet, and the function's return value.
 
         ``run_info``: ``{"name", "storage_path"}`` (its context); ``plan``: the attempt's
-        :class:`~raysgd.train.reporting.ReportPlan`; ``node_gpus``: see :meth:`_pick_device`."""
+        :class:`~raysgd.train.reporting.ReportPlan`; ``node_gpus``: see :meth:`_pick_device`; ``progress``: rank 0's
+        feed of the driver's progress bar (``RunConfig(progress_bar=True)``)."""
         if node_gpus:
             self._pick_device(node_gpus)
         context = _session.TrainContext(self.world_size, self.world_rank, self.local_rank, local_world_size,
                                         node_rank, run_info["name"], run_info["storage_path"])
-        session = _session.Session(context, self.device, plan, dataset_shards=dataset_shards, backend=self.backend)
+        session = _session.Session(context, self.device, plan, dataset_shards=dataset_shards, backend=self.backend,
+                                   progress=progress)
         os.environ.update({"RANK": str(self.world_rank), "WORLD_SIZE": str(self.world_size),
                            "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(local_world_size),
                            "NODE_RANK": str(node_rank)})

@@ -90,7 +90,8 @@ def prepare_data_loader(data_loader, add_dist_sampler=True, move_to_device=True,
     context = session.context
     prepared = PreparedLoader(data_loader, context.get_world_rank(), context.get_world_size(), session.device,
                               shard=add_dist_sampler, move_to_device=move_to_device,
-                              exactly_once=exactly_once)
+                              exactly_once=exactly_once,
+                              progress=session.progress if not session.loaders else None)  # the first: training's
     index = session.add_loader(prepared)
     if exactly_once:
         prepared.restore(session.restored_cursor(index))
@@ -102,7 +103,7 @@ class PreparedLoader:
     docstring). Other attributes (``sampler``, ``dataset``, ``batch_size``) are the sharded loader's."""
 
     def __init__(self, loader, world_rank, world_size, device, shard=True, move_to_device=True, exactly_once=True,
-                 restored=None):
+                 restored=None, progress=None):
         self.loader = _loaders.shard_loader(loader, world_rank, world_size, training=True) if shard else loader
         self.device, self.move_to_device, self.exactly_once = device, move_to_device, exactly_once
         self._sampler = _loaders.shard_sampler(self.loader)
@@ -112,6 +113,7 @@ class PreparedLoader:
         self._calls_seen = getattr(self._sampler, "set_epoch_calls", 0)  # set_epoch calls before the next pass
         self._passes, self._pass_epoch, self._taken, self._in_pass = 0, None, 0, False
         self._restored = None
+        self._progress = progress  # rank 0's progress bar feed (RunConfig(progress_bar=True)), or None
         self.restore(restored)
 
     def restore(self, cursor):
@@ -151,10 +153,18 @@ class PreparedLoader:
         self._begin_pass()
         self._passes += 1
         self._taken, self._in_pass = 0, True
+        progress = self._progress
+        if progress is not None:
+            progress.begin(total=len(self.loader))
+        info = {"epoch_idx": self._pass_epoch or 0}
         for batch in self.loader:
             self._taken += 1
             yield _loaders.to_device(batch, self.device) if self.move_to_device else batch
+            if progress is not None:
+                progress(self._taken - 1, _session.last_metrics(), info)
         self._in_pass = False
+        if progress is not None:
+            progress.end()
 
     def cursor_state(self):
         """``{"epoch", "consumed", "complete"}`` now (positions all ranks consumed in the current pass), or None."""

@@ -116,6 +116,7 @@ class Reporter:
         self.count = 0  # reports so far in this attempt
         self.checkpoints = 0  # of them with a checkpoint
         self.latest = None  # (uri, metrics) of this attempt's latest checkpoint
+        self.last_metrics = None  # this rank's latest reported metrics (the progress bar shows their losses)
         self.records = []  # rank 0: what the driver has not taken yet (take(), from another thread)
         self._records_lock = threading.Lock()
         self.reported = list(plan.reported)  # (uri, metrics) of every complete checkpoint, oldest first
@@ -148,6 +149,7 @@ class Reporter:
             preemption.RESIZE if preemption.resize_wanted(self.plan.call_id, self.plan.attempt) else preemption.GO_ON
         infos = self.exchange({"metrics": metrics, "files": files, "name": name, "level": level})
         self.count += 1
+        self.last_metrics = metrics
         level = max(info["level"] for info in infos)
         uri = None
         if any(info["files"] is not None for info in infos):

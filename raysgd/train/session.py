@@ -100,8 +100,9 @@ class Session:
     """One run of the training function on one worker: its context, device, the attempt's report plan (where the
     checkpoints go and which one it starts from), the loaders it prepared and its :class:`Reporter`."""
 
-    def __init__(self, context, device, plan=None, dataset_shards=None, backend="gloo"):
+    def __init__(self, context, device, plan=None, dataset_shards=None, backend="gloo", progress=None):
         self.context, self.device, self.plan = context, device, plan
+        self.progress = progress  # rank 0's progress bar feed, or None
         self.dataset_shards = dataset_shards or {}
         self.loaders = []  # the PreparedLoaders, in the order they were made
         self.reporter = Reporter(plan, context.get_world_rank(), context.get_world_size(), backend,
@@ -179,6 +180,13 @@ def running(session):
         yield session
     finally:
         _current.remove(session)
+
+
+def last_metrics():
+    """The metrics this rank reported last in the running attempt (``{}`` before any, or outside a function)."""
+    if not _current or _current[-1].reporter is None:
+        return {}
+    return _current[-1].reporter.last_metrics or {}
 
 
 def is_running():

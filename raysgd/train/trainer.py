@@ -33,6 +33,7 @@ from raysgd.torch.execution import cluster_state, shipping
 from raysgd.torch.execution.controller import RunController
 from raysgd.torch.execution.worker_group import WorkerGroup
 from raysgd.torch.fault_tolerance import failure_policy, recovery
+from raysgd.torch.integrations import progress
 from raysgd.torch.integrations.ray_metrics import RayMetrics
 from raysgd.torch.state.restart_point import this_node
 from raysgd.torch.storage import durable, filesystem
@@ -216,9 +217,10 @@ class TorchTrainer:
             max_failures=failure.max_failures, retry_user_errors=True,
             max_preemptions=getattr(failure, "max_preemption_failures", None))
 
-    def _per_rank(self, group):
+    def _per_rank(self, group, feed=None):
         """Each rank's keyword arguments of ``run_loop`` for the group as it is now (a retry gets fresh ones): its
-        node's worker count and rank, its Ray Data shards, and with GPUs the node's GPUs."""
+        node's worker count and rank, its Ray Data shards, with GPUs the node's GPUs, and rank 0 the progress bar's
+        feed (``feed``)."""
         def per_rank(n):
             nodes = group.rank_nodes() or [None] * n
             order = list(dict.fromkeys(nodes))
@@ -230,7 +232,8 @@ class TorchTrainer:
                     node_gpus.setdefault(gpus[rank][0], []).extend(gpus[rank][1])
             return [{"local_world_size": nodes.count(nodes[rank]), "node_rank": order.index(nodes[rank]),
                      "dataset_shards": {name: split[rank] for name, split in shards.items()},
-                     **({"node_gpus": node_gpus.get(gpus[rank][0])} if rank in gpus else {})} for rank in range(n)]
+                     **({"node_gpus": node_gpus.get(gpus[rank][0])} if rank in gpus else {}),
+                     **({"progress": feed} if rank == 0 and feed is not None else {})} for rank in range(n)]
 
         return per_rank
 
@@ -266,17 +269,29 @@ class TorchTrainer:
             durable=durable.NoStorage(), on_event=self._on_event, stateless=True)
         results, error = None, None
         started = time.monotonic()
+        bar = progress.ProgressBar() if self.run_config.progress_bar else None  # ValueError without tqdm
+        feed = bar.start(local=False) if bar is not None else None
+
+        def tick():
+            reports.poll(controller.group)
+            if bar is not None:
+                bar.tick()
+
         try:
             controller.start()
             run_info = {"name": self.run_config.name, "storage_path": self.run_config.storage_path}
-            results = controller.run_call("run_loop", None, {"run_info": run_info, "rank_kwargs": self._per_rank(group)},
-                                          on_tick=lambda: reports.poll(controller.group), limits=self._limits())
+            results = controller.run_call("run_loop", None, {"run_info": run_info,
+                                                             "rank_kwargs": self._per_rank(group, feed)},
+                                          on_tick=tick, limits=self._limits())
         except Exception as err:  # noqa: BLE001 (a failed run ends with its Result and the cause)
             error = err
         finally:
             try:
                 controller.shutdown(force=error is not None)
                 controller.close()
+                if bar is not None:
+                    bar.finish(error is None)
+                    bar.close()
             finally:
                 callbacks.call("on_shutdown", self)
                 self._controller = None
