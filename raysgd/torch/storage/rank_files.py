@@ -70,35 +70,32 @@ def _here(home):
     return home is None or home == restart_point.this_node()
 
 
+def _pump(reader, writer):
+    """Copy ``reader`` to ``writer`` in chunks (constant memory); returns ``(size, crc32)`` of what went through."""
+    size, crc32 = 0, 0
+    while True:
+        chunk = reader.read(_CHUNK)
+        if not chunk:
+            return size, crc32
+        crc32 = zlib.crc32(chunk, crc32)
+        size += len(chunk)
+        writer.write(chunk)
+
+
 def _copy_local(source, destination):
     """Copy one local file; returns ``(size, crc32)``, the copy ``fsync``ed."""
     os.makedirs(os.path.dirname(destination), exist_ok=True)
-    size, crc32 = 0, 0
     with open(source, "rb") as reader, open(destination, "wb") as writer:
-        while True:
-            chunk = reader.read(_CHUNK)
-            if not chunk:
-                break
-            crc32 = zlib.crc32(chunk, crc32)
-            size += len(chunk)
-            writer.write(chunk)
+        answer = _pump(reader, writer)
         writer.flush()
         os.fsync(writer.fileno())
-    return size, crc32
+    return answer
 
 
 def _copy_to(fs, source, destination):
     """Copy one local file to ``destination`` of the pyarrow filesystem ``fs`` (one PUT on an object store)."""
-    size, crc32 = 0, 0
     with open(source, "rb") as reader, fs.open_output_stream(destination) as writer:
-        while True:
-            chunk = reader.read(_CHUNK)
-            if not chunk:
-                break
-            crc32 = zlib.crc32(chunk, crc32)
-            size += len(chunk)
-            writer.write(chunk)
-    return size, crc32
+        return _pump(reader, writer)
 
 
 def _write_blobs(directory, blobs):
@@ -267,11 +264,7 @@ def fetch(storage_root, directory, names, destination, *, home, timeout_s=600):
             target = os.path.join(destination, *name.split("/"))
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with fs.open_input_stream(f"{directory}/{name}") as reader, open(target, "wb") as writer:
-                while True:
-                    chunk = reader.read(_CHUNK)
-                    if not chunk:
-                        break
-                    writer.write(chunk)
+                _pump(reader, writer)
     elif _here(home):
         for name in names:
             target = os.path.join(destination, *name.split("/"))
