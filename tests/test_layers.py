@@ -18,7 +18,7 @@ GLUE = 7
 LAYERS = {
     # 0: exceptions and failure text, keys and tunables, meters (and their reduction) and timers, optional imports
     "raysgd.torch.errors": 0, "raysgd.torch.constants": 0, "raysgd.meters": 0, "raysgd.timers": 0,
-    "raysgd.optional": 0, "raysgd.callbacks": 0,
+    "raysgd.optional": 0, "raysgd.callbacks": 0, "raysgd.logs": 0,
     # 1: one rank's data order and shards, one rank's training helpers, the pure failure and sizing policies
     "raysgd.torch.sharding": 1, "raysgd.torch.operator": 1, "raysgd.torch.fault_tolerance": 1,
     # 2: the user's operator; the training state, checkpoint files, commits
@@ -45,7 +45,8 @@ THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex"
 # Units that must stay lighter than their layer allows: the pure policies are tested without Ray or torch.
 PURE = {"raysgd.torch.fault_tolerance.recovery": set(), "raysgd.torch.fault_tolerance.watches": set(),
         "raysgd.torch.fault_tolerance.reform": set(), "raysgd.torch.errors": {"torch"}, "raysgd.torch.constants": set(),
-        "raysgd.torch.storage.async_writer": set(), "raysgd.torch.storage.filesystem": {"torch", "pyarrow"}, "raysgd.torch.storage.durable": set()}
+        "raysgd.torch.storage.async_writer": set(), "raysgd.torch.storage.filesystem": {"torch", "pyarrow"}, "raysgd.torch.storage.durable": set(),
+        "raysgd.logs": set()}
 
 
 def module_name(path):

@@ -118,7 +118,7 @@ class RunFolder:
         if self._local:
             _fs.fsync_file(_join(directory, MARKER))
             _state_files.fsync_directory(directory)
-        logger.info("Checkpoint %s written in %.2f s", directory, time.monotonic() - started)
+        logger.debug("Checkpoint %s written in %.2f s", directory, time.monotonic() - started)
         if num_to_keep is not None:
             self.prune(num_to_keep)
         return self.uri(name)

@@ -182,7 +182,7 @@ class RunController:
                 raise
             self._failed(failure, method)
             logger.warning("Every worker was lost between calls (%s); restarting them from the state at the start "
-                           "of the last call: what they trained since is lost", failure)
+                           "of the last call: what they trained since is lost", failure.summary())
             self.ensure_workers()
             return ask()
 
@@ -272,7 +272,7 @@ class RunController:
                 state, first = self._settle(state), kwargs
                 stop = next((w for w in watches if w.requested), None)
                 if stop is not None and preemption.was_resize(failure):
-                    logger.info("Restarting at %d workers from the commit point (%s)", stop.size, stop.reason)
+                    logger.debug("Restarting at %d workers from the commit point (%s)", stop.size, stop.reason)
                     self._restart_in_call(state, kwargs, failure, stop.size)
                     continue
                 self._failed(failure, method, retries + 1 if retries < max_retries else 0, max_retries,
@@ -281,8 +281,8 @@ class RunController:
                     raise RuntimeError(f"Training run failed: {method} did not succeed after {max_retries} "
                                        f"retries; the last failure is the cause.") from failure
                 retries += 1
-                logger.warning("%s failed (%s); restarting workers, retry %d of %d", method, failure, retries,
-                               max_retries)
+                logger.warning("%s failed (%s); restarting workers, retry %d of %d", method, failure.summary(),
+                               retries, max_retries)
                 self._restart_in_call(state, kwargs, failure, None)
             except Exception:
                 state = self._settle(state, fallback=False)  # a call that failed before its capture changed nothing

@@ -318,7 +318,7 @@ class CheckpointStorage:
         directory = _join(self.path, f"{PREFIX}{index:06d}")
         started = time.monotonic()
         marker = write_checkpoint_dir(self.filesystem, directory, stream, {**(meta or {}), "index": index})
-        logger.info("Checkpoint %s written (%.1f MB in %.2f s)", directory, marker["size"] / 1e6,
+        logger.debug("Checkpoint %s written (%.1f MB in %.2f s)", directory, marker["size"] / 1e6,
                     time.monotonic() - started)
         self.prune(existing + [(index, directory)])
         return directory
