@@ -26,13 +26,15 @@ setup(
         "diagnostics": ["py-spy"],  # stacks of a rank that cannot answer (trainer.stack_traces, stuck-rank errors)
         "mlflow": ["mlflow"],  # raysgd.loggers.MLflowLogger
         "wandb": ["wandb"],  # raysgd.loggers.WandbLogger
+        "export": ["safetensors"],  # raysgd export: a checkpoint's weights as a safetensors file
         "metrics": ["ray[default]>=2.9"],  # the node's metrics agent, which exports ray.util.metrics to Prometheus
         # what every script in examples/ needs beyond the plain install (README's examples table names each)
         "examples": ["scikit-learn", "matplotlib", "ray[tune]>=2.9", "pytorch-lightning>=2"],
         "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "tqdm", "ray[tune]>=2.9", "tensorboardX",
                  "matplotlib", "pandas", "pyarrow", "moto[server]", "py-spy",
-                 "pytorch-lightning>=2", "lightning>=2", "mlflow", "wandb",  # both of Lightning's import names are tested
+                 "pytorch-lightning>=2", "lightning>=2", "mlflow", "wandb", "safetensors",  # both of Lightning's import names are tested
                  "ray[default]>=2.9"],  # the metrics agent: tests/test_ray_metrics.py reads its export (CHANGELOG: cost)
     },
+    entry_points={"console_scripts": ["raysgd = raysgd.cli:main"]},  # raysgd run | checkpoints | export
     license="Apache-2.0",
 )

@@ -35,13 +35,16 @@ LAYERS = {
     "raysgd.train": 6,  # the Ray Train function API: a facade of its own over execution/ (a function worker)
     # the packages' public names, RaySGD 1.x's paths and the 1.x import mapping
     "raysgd": GLUE, "raysgd.torch": GLUE, "raysgd.utils": GLUE, "raysgd.compat": GLUE, "raysgd.legacy": GLUE,
+    # the command line: above everything, it imports down and nothing imports it
+    "raysgd.cli": 8, "raysgd.__main__": 8,
     "raysgd.data": GLUE, "raysgd.loggers": GLUE, "raysgd.torch.lightning_operator": GLUE, "raysgd.torch.worker_group": GLUE,
 }
 # What each layer may import from outside the package (beyond the standard library).
 THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex", "filelock"},
                2: {"torch", "numpy", "filelock", "ray"}, 3: {"torch", "numpy", "ray"}, 4: {"ray", "torch", "numpy"},
                5: {"ray", "torch", "numpy", "tqdm", "tensorboardX", "mlflow", "wandb"},  # the last four optional, imported when used
-               6: {"ray", "torch", "numpy", "pytorch_lightning", "lightning"}, GLUE: None}
+               6: {"ray", "torch", "numpy", "pytorch_lightning", "lightning"}, GLUE: None,
+               8: {"torch", "tabulate", "safetensors", "pyarrow"}}
 # Units that must stay lighter than their layer allows: the pure policies are tested without Ray or torch.
 PURE = {"raysgd.torch.fault_tolerance.recovery": set(), "raysgd.torch.fault_tolerance.watches": set(),
         "raysgd.torch.fault_tolerance.reform": set(), "raysgd.torch.errors": {"torch"}, "raysgd.torch.constants": set(),

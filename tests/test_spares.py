@@ -1,4 +1,5 @@
 """Warm spares (``TorchTrainer(num_spares=k)``) with real actors, real SIGKILLs and real gloo groups."""
+import logging
 import os
 import signal
 import time
@@ -81,6 +82,26 @@ def test_an_idle_spare_that_dies_is_refilled_and_is_no_failure(ray_4cpus, traine
     assert (tmp_path / "fault").exists() and trainer.num_failures == 1 and stats["num_samples"] == N
     assert trainer.apply_all_workers(os.getpid) == [second]
     assert torch.equal(counts(trainer), torch.ones(N))
+    trainer.shutdown()
+    assert_released()
+
+
+def test_the_trainer_says_when_its_spares_are_ready_and_how_many_are(ray_4cpus, trainer_factory, caplog):
+    """``num_spares_ready`` counts the warm spares without waiting; one INFO line says when they are ready, once (a
+    later call does not say it again)."""
+    caplog.set_level(logging.INFO, logger="raysgd.torch.execution.spares")
+    trainer = trainer_factory(training_operator_cls=CountingOperator, num_workers=1, num_spares=1, timeout_s=30,
+                              config={"n": 20, "batch_size": 10})
+    assert trainer.num_spares_ready in (0, 1)  # still warming, most likely: never waited for
+    deadline = time.monotonic() + 120
+    while trainer.num_spares_ready < 1:
+        assert time.monotonic() < deadline, "the spare was not ready within 120 s"
+        time.sleep(0.1)
+    for _ in range(2):
+        assert trainer.train()["num_samples"] == 20  # the pool is tended during calls: the line is logged then
+    said = [r for r in caplog.records if "warm spare(s) ready" in r.getMessage()]
+    assert [(r.levelname, r.getMessage()[:23]) for r in said] == [("INFO", "1 warm spare(s) ready, ")], said
+    assert trainer.num_spares_ready == 1
     trainer.shutdown()
     assert_released()
 

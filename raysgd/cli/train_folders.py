@@ -1,0 +1,63 @@
+"""The checkpoints of a ``raysgd.train`` run folder (``storage_path/name``), as ``raysgd checkpoints`` lists them.
+
+Part of :mod:`raysgd.cli`, kept apart: the function API's folders have their own marker
+(:data:`raysgd.train.run_storage.MARKER`: the reported metrics and the world size) and hold the user's own files,
+with no CRC recorded, so a checkpoint here is complete (its marker written last) or incomplete, never checked
+byte by byte.
+
+Example:
+    >>> row({"metrics": {"epoch": 2, "step": 40}, "world_size": 2, "time": 0}, "checkpoint_000003", 2048)["step"]
+    40
+"""
+import json
+
+from raysgd.train.run_storage import MARKER, PREFIX
+
+#: Metric names read as the epoch and the step, in order of preference.
+EPOCH_KEYS = ("epoch", "training_iteration")
+STEP_KEYS = ("step", "global_step", "steps")
+
+
+def _first(metrics, keys):
+    return next((metrics[key] for key in keys if key in metrics), None)
+
+
+def row(marker, name, size):
+    """The listing's row of the checkpoint ``name`` with ``marker`` (its ``.raysgd_report.json``), ``size`` bytes."""
+    metrics = marker.get("metrics") or {}
+    return {"checkpoint": name, "epoch": _first(metrics, EPOCH_KEYS), "step": _first(metrics, STEP_KEYS),
+            "workers": marker.get("world_size"), "strategy": None, "size": size, "written": marker.get("time"),
+            "reason": "report", "status": "complete", "detail": "no CRC recorded: the folder holds your own files"}
+
+
+def rows(fs, run_path, names):
+    """The rows of the checkpoint folders ``names`` under ``run_path`` (oldest first)."""
+    found = []
+    for name in names:
+        directory = f"{run_path}/{name}"
+        files = [info for info in fs.get_file_info(_selector(directory)) if info.is_file]
+        size = sum(info.size or 0 for info in files)
+        try:
+            with fs.open_input_file(f"{directory}/{MARKER}") as handle:
+                marker = json.loads(handle.read().decode())
+        except FileNotFoundError:
+            found.append({"checkpoint": name, "size": size, "status": "incomplete",
+                          "detail": f"no {MARKER}: the copy did not finish (a resume skips it)"})
+            continue
+        except (OSError, ValueError) as err:
+            found.append({"checkpoint": name, "size": size, "status": "damaged",
+                          "detail": f"its {MARKER} cannot be read: {err}"})
+            continue
+        found.append(row(marker, name, size))
+    return found
+
+
+def _selector(directory):
+    from raysgd.torch.storage.filesystem import pafs  # noqa: PLC0415 (pyarrow, imported where used)
+
+    return pafs.FileSelector(directory, recursive=True, allow_not_found=True)
+
+
+def is_checkpoint_name(name):
+    """Whether ``name`` is a checkpoint folder's name of a run folder."""
+    return name.startswith(PREFIX) and name[len(PREFIX):].isdigit()
