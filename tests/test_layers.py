@@ -36,7 +36,7 @@ LAYERS = {
     # the packages' public names, RaySGD 1.x's paths and the 1.x import mapping
     "raysgd": GLUE, "raysgd.torch": GLUE, "raysgd.utils": GLUE, "raysgd.compat": GLUE, "raysgd.legacy": GLUE,
     # the command line: above everything, it imports down and nothing imports it
-    "raysgd.cli": 8, "raysgd.__main__": 8,
+    "raysgd.cli": 8, "raysgd.__main__": GLUE,  # python -m raysgd: the command's other door
     "raysgd.data": GLUE, "raysgd.loggers": GLUE, "raysgd.torch.lightning_operator": GLUE, "raysgd.torch.worker_group": GLUE,
 }
 # What each layer may import from outside the package (beyond the standard library).
