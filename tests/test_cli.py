@@ -159,6 +159,8 @@ def test_a_file_save_wrote_and_a_train_run_folder_are_listed(runs):
     assert [(row["epoch"], row["step"], row["workers"], row["status"]) for row in rows] == [
         (0, 4, 1, "complete"), (1, 8, 1, "complete")]
     assert "no CRC recorded" in rows[0]["detail"]
+    done, rows = listed(runs["train"] / "checkpoint_000002")  # one of its checkpoints
+    assert done.returncode == 0 and [(row["checkpoint"], row["step"]) for row in rows] == [("checkpoint_000002", 8)]
 
 
 @pytest.mark.parametrize("kind", ["ddp", "file", "fsdp"])

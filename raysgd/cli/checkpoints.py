@@ -144,10 +144,10 @@ def rows(found):
         return [inspect_file(found)]
     if found.kind == "checkpoint":
         return [inspect_folder(found.fs, found.fs_path, os.path.basename(found.fs_path))]
-    names = sorted(name for name in paths.children(found.fs, found.fs_path) if paths.is_checkpoint_name(name))
     if found.kind == "train-checkpoint":
         parent, name = found.fs_path.rsplit("/", 1)
         return train_folders.rows(found.fs, parent, [name])
+    names = sorted(name for name in paths.children(found.fs, found.fs_path) if paths.is_checkpoint_name(name))
     if found.kind == "train-run":
         return train_folders.rows(found.fs, found.fs_path, names)
     return [inspect_folder(found.fs, found.join(name), name) for name in names]

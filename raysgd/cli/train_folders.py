@@ -11,7 +11,8 @@ Example:
 """
 import json
 
-from raysgd.train.run_storage import MARKER, PREFIX
+from raysgd.torch.storage import filesystem
+from raysgd.train.run_storage import MARKER
 
 #: Metric names read as the epoch and the step, in order of preference.
 EPOCH_KEYS = ("epoch", "training_iteration")
@@ -35,7 +36,7 @@ def rows(fs, run_path, names):
     found = []
     for name in names:
         directory = f"{run_path}/{name}"
-        files = [info for info in fs.get_file_info(_selector(directory)) if info.is_file]
+        files = [info for info in fs.get_file_info(filesystem.pafs.FileSelector(directory, recursive=True)) if info.is_file]
         size = sum(info.size or 0 for info in files)
         try:
             with fs.open_input_file(f"{directory}/{MARKER}") as handle:
@@ -50,14 +51,3 @@ def rows(fs, run_path, names):
             continue
         found.append(row(marker, name, size))
     return found
-
-
-def _selector(directory):
-    from raysgd.torch.storage.filesystem import pafs  # noqa: PLC0415 (pyarrow, imported where used)
-
-    return pafs.FileSelector(directory, recursive=True, allow_not_found=True)
-
-
-def is_checkpoint_name(name):
-    """Whether ``name`` is a checkpoint folder's name of a run folder."""
-    return name.startswith(PREFIX) and name[len(PREFIX):].isdigit()
