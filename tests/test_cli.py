@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import raysgd.train
+import s3_server
 from conftest import start_ray
 from helpers import LinearOperator
 from raysgd import TorchTrainer
@@ -182,6 +183,27 @@ def test_export_writes_the_models_whole_weights_as_safetensors(runs, tmp_path, k
     model.load_state_dict(written)
     again = raysgd_command("export", runs[kind], out)
     assert again.returncode == 2 and "exists: pass --overwrite" in again.stderr
+
+
+def test_a_run_in_an_object_store_is_listed_and_exported_as_a_local_one(runs, tmp_path):
+    import pyarrow.fs as pafs
+    from safetensors.torch import load_file
+
+    with s3_server.moto_s3() as (prefix, query):
+        fs, bucket = pafs.FileSystem.from_uri(f"{prefix}{query}")
+        for name in ("ddp", "fsdp"):
+            pafs.copy_files(str(runs[name]), f"{bucket}/runs/{name}", source_filesystem=pafs.LocalFileSystem(),
+                            destination_filesystem=fs)
+        local, remote = listed(runs["ddp"])[1], listed(f"{prefix}/runs/ddp{query}")
+        assert remote[0].returncode == 0, remote[0].stderr
+        assert [{k: v for k, v in row.items() if k != "written"} for row in remote[1]] == \
+            [{k: v for k, v in row.items() if k != "written"} for row in local]
+        for name in ("ddp", "fsdp"):
+            out = tmp_path / f"{name}.safetensors"
+            done = raysgd_command("export", f"{prefix}/runs/{name}{query}", out)
+            assert done.returncode == 0, done.stderr
+            expected = runs[f"{name}_model"]
+            assert all(torch.equal(load_file(str(out))[key], value) for key, value in expected.items())
 
 
 def test_paths_that_are_not_raysgd_checkpoints_say_what_was_expected(runs, tmp_path):

@@ -87,7 +87,7 @@ def load_models(path, trust=False):
             raise CheckpointError(f"{path!r} cannot be exported: {row['status']}: {row['detail']}")
     marker = filesystem.checked_marker(found.fs, directory)
     if marker.get("parts"):  # sharded: the parts hold the models, consolidated into whole tensors here
-        uri = path if found.kind == "checkpoint" else f"{path.rstrip('/')}/{row['checkpoint']}"
+        uri = found.path if found.kind == "checkpoint" else found.uri(row["checkpoint"])
         return dcp_files.consolidate(uri, weights_only=not trust)["models"], row
     with found.fs.open_input_file(f"{directory}/{filesystem.STATE_FILE}") as handle:
         state = state_files.state_from_bytes(handle.read(), weights_only=not trust)

@@ -46,6 +46,16 @@ class Found:
         """The path inside the filesystem of ``names`` under this folder."""
         return "/".join([self.fs_path.rstrip("/"), *names])
 
+    def uri(self, *names):
+        """The path as given of ``names`` under this folder (a URI's query options kept at its end).
+
+        Example:
+            >>> Found("run", "s3://bucket/run?scheme=http").uri("checkpoint_000002")
+            's3://bucket/run/checkpoint_000002?scheme=http'
+        """
+        base, mark, query = self.path.partition("?") if "://" in self.path else (self.path, "", "")
+        return "/".join([base.rstrip("/"), *names]) + mark + query
+
 
 def is_checkpoint_name(name):
     """Whether ``name`` is a checkpoint folder's name (``checkpoint_000003``)."""
