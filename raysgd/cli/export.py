@@ -28,7 +28,7 @@ from raysgd import optional
 from raysgd.cli import checkpoints, paths
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.state import checkpoint as state_files
-from raysgd.torch.storage import dcp_files, filesystem
+from raysgd.torch.storage import filesystem
 
 FEATURE = "raysgd export (safetensors files)"
 
@@ -87,6 +87,8 @@ def load_models(path, trust=False):
             raise CheckpointError(f"{path!r} cannot be exported: {row['status']}: {row['detail']}")
     marker = filesystem.checked_marker(found.fs, directory)
     if marker.get("parts"):  # sharded: the parts hold the models, consolidated into whole tensors here
+        from raysgd.torch.storage import dcp_files  # noqa: PLC0415 (DCP's import: 1.2 s, for sharded states only)
+
         uri = found.path if found.kind == "checkpoint" else found.uri(row["checkpoint"])
         return dcp_files.consolidate(uri, weights_only=not trust)["models"], row
     with found.fs.open_input_file(f"{directory}/{filesystem.STATE_FILE}") as handle:
