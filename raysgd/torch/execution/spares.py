@@ -126,8 +126,10 @@ class SparePool:
         """How many spares are ready (warm, and alive as far as the pool knows now), only those in ``usable`` bundles
         when given (not on a draining node, say). A spare still warming is not counted: its actor may wait for a
         bundle Ray cannot place (a lost node's), and a rank must never wait for it."""
-        return sum(1 for bundle, spare in self._spares.items()
-                   if (usable is None or bundle in usable) and spare.state() == "ready")
+        ready = sum(1 for bundle, spare in self._spares.items()
+                    if (usable is None or bundle in usable) and spare.state() == "ready")
+        self._say_ready(self._clock())  # state() noticed who is warm: the log says so as soon as the count does
+        return ready
 
     def take(self, usable=None):
         """A ready spare leaving the pool (one in ``usable`` bundles when given), or None; its bundle leaves the pool
@@ -148,6 +150,7 @@ class SparePool:
         came, and ping the idle ones (at most every ``_PING_S`` unless ``force``)."""
         now = self._clock()
         if not force and now < self._next_ping and not self._refill_at:
+            self._say_ready(now)
             return
         for bundle, spare in list(self._spares.items()):
             was_ready = spare.pid is not None
