@@ -16,6 +16,7 @@ import tempfile
 import pytest
 import torch
 
+import raysgd.torch.errors
 import raysgd.train
 import s3_server
 from conftest import start_ray
@@ -245,3 +246,16 @@ def test_several_models_are_exported_behind_their_index_or_one_alone():
     tied = torch.ones(4)
     ready = export.writable({"a": tied, "b": tied})
     assert ready["a"].untyped_storage().data_ptr() != ready["b"].untyped_storage().data_ptr()
+
+
+class Opaque:
+    """An object a safe load refuses (an operator state holding one needs --trust to be exported)."""
+
+
+def test_a_state_a_safe_load_refuses_is_exported_only_with_trust(tmp_path):
+    path = tmp_path / "state.pt"
+    torch.save({"epoch": 1, "models": [{"w": torch.ones(2)}], "optimizers": [], "operator": Opaque()}, path)
+    with pytest.raises(raysgd.torch.errors.CheckpointError, match=r"safe load .* refuses: if you trust the checkpoint, "
+                                                                   r"pass --trust"):
+        export.models_in(None, str(path), trust=False)
+    assert torch.equal(export.models_in(None, str(path), trust=True)[0]["w"], torch.ones(2))

@@ -78,12 +78,14 @@ def check_files(fs, directory, marker):
     return total, None
 
 
-def load_head(fs, path):
-    """The state in the file ``path`` (safely; memory-mapped when local): the whole state, or a sharded state's head."""
-    if isinstance(fs, filesystem.pafs.LocalFileSystem):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+def load_head(fs, path, weights_only=True):
+    """The state in the file ``path`` (``fs``: its filesystem, None for a local path; safely unless ``weights_only`` is
+    False), memory-mapped when local, so its tensors are read from disk only where used: the whole state, or a sharded
+    state's head."""
+    if fs is None or isinstance(fs, filesystem.pafs.LocalFileSystem):
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
     with fs.open_input_file(path) as handle:
-        return torch.load(io.BytesIO(handle.read()), map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(handle.read()), map_location="cpu", weights_only=weights_only)
 
 
 def describe_state(state, parts=None):

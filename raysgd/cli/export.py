@@ -19,6 +19,7 @@ Example:
     exported checkpoint_000004 (epoch 4, step 80): 1 model, 2 tensors, 8 B -> model.safetensors
 """
 import os
+import pickle
 import sys
 import uuid
 
@@ -72,12 +73,7 @@ def load_models(path, trust=False):
         row = checkpoints.inspect_file(found)
         if row["status"] != "ok":
             raise CheckpointError(f"{path!r} cannot be exported: {row['detail']}")
-        if found.fs is None:
-            state = state_files.load_state(found.path, weights_only=not trust)
-        else:
-            with found.fs.open_input_file(found.fs_path) as handle:
-                state = state_files.state_from_bytes(handle.read(), weights_only=not trust)
-        return state["models"], row
+        return models_in(found.fs, found.fs_path or found.path, trust), row
     if found.kind == "run":
         row, directory = newest_good(found)
     else:
@@ -91,9 +87,17 @@ def load_models(path, trust=False):
 
         uri = found.path if found.kind == "checkpoint" else found.uri(row["checkpoint"])
         return dcp_files.consolidate(uri, weights_only=not trust)["models"], row
-    with found.fs.open_input_file(f"{directory}/{filesystem.STATE_FILE}") as handle:
-        state = state_files.state_from_bytes(handle.read(), weights_only=not trust)
-    return state["models"], row
+    return models_in(found.fs, f"{directory}/{filesystem.STATE_FILE}", trust), row
+
+
+def models_in(fs, path, trust):
+    """The models of the whole state in the file ``path`` (memory-mapped when local); a state a safe load refuses is a
+    :class:`~raysgd.torch.errors.CheckpointError` saying ``--trust`` loads it."""
+    try:
+        return checkpoints.load_head(fs, path, weights_only=not trust)["models"]
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{path!r} holds objects that a safe load (weights_only=True) refuses: if you trust the "
+                              f"checkpoint, pass --trust. Detail: {str(err).splitlines()[0]}") from err
 
 
 def flatten(models, index=None):
