@@ -100,13 +100,15 @@ if __name__ == "__main__":
             "mlflow": ["mlflow"],  # raysgd.loggers.MLflowLogger
             "wandb": ["wandb"],  # raysgd.loggers.WandbLogger
             "metrics": ["ray[default]>=2.9"],  # the node's metrics agent, which exports ray.util.metrics to Prometheus
+            "export": ["safetensors"],  # raysgd export: a checkpoint's weights as a safetensors file
             # what every script in examples/ needs beyond the plain install (README's examples table names each)
             "examples": ["scikit-learn", "matplotlib", "ray[tune]>=2.9", "pytorch-lightning>=2"],
             # the documentation site: mkdocs build --strict (.ci/run), API reference from the docstrings
             "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
             "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "tqdm", "ray[tune]>=2.9", "tensorboardX",
                      "matplotlib", "pandas", "pyarrow", "moto[server]", "py-spy",
-                     "pytorch-lightning>=2", "lightning>=2", "mlflow", "wandb",  # both of Lightning's import names are tested
+                     "pytorch-lightning>=2", "lightning>=2", "mlflow", "wandb", "safetensors",  # both of Lightning's import names are tested
                      "ray[default]>=2.9"],  # the metrics agent: tests/test_ray_metrics.py reads its export (CHANGELOG: cost)
         },
+        entry_points={"console_scripts": ["raysgd = raysgd.cli:main"]},  # raysgd run | checkpoints | export
     )

@@ -13,13 +13,19 @@ from the command line, and ``ray.init`` (``--address``, else a local Ray without
     python -m raysgd.legacy --train examples/ray_train_lightning_guide.py --smoke-test
 
 Without the mapping (``python examples/ray_train_lightning_guide.py``) the imports are Ray Train's own (not tested
-here). Every epoch's checkpoint is reported (``checkpoint.ckpt``, Lightning's own); the script prints the last
+here). Without Lightning it stops at once with an ``ImportError`` saying ``pip install "raysgd[examples]"``.
+Every epoch's checkpoint is reported (``checkpoint.ckpt``, Lightning's own); the script prints the last
 metrics and the loaded model's accuracy on the training data.
 """
 import argparse
 import os
 
-import lightning.pytorch as pl
+try:
+    import lightning.pytorch as pl
+except ImportError:  # the guide's import; without Lightning, say what to install (Lightning's older name
+    from raysgd import optional  # works too, as raysgd.train.lightning takes either)
+
+    pl = optional.require("pytorch_lightning", "examples/ray_train_lightning_guide.py", extra="examples")
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -1,20 +1,25 @@
 """raysgd: the RaySGD 1.x PyTorch API (``ray.util.sgd.torch``) on today's Ray and PyTorch.
 
+Importing it gives the ``raysgd`` logger its console line on stderr (see :mod:`raysgd.logs`): warnings and the few
+INFO lines a user needs are seen without any logging setup; :func:`set_log_level` (or ``RAYSGD_LOG_LEVEL``) quiets or
+raises them.
+
 Example:
     >>> from raysgd import TorchTrainer, TrainingOperator
     >>> from raysgd.utils import BATCH_SIZE
 """
-import logging
 import os
 
+from raysgd import logs
 from raysgd.callbacks import Callback
 from raysgd.torch import TorchTrainer, TrainingOperator
+from raysgd.logs import set_log_level
 from raysgd.torch.constants import LEGACY_IMPORTS_ENV, TRAIN_IMPORTS_ENV
 
 __version__ = "0.5.0.dev0"
-__all__ = ["TorchTrainer", "TrainingOperator", "Callback", "PyTorchTrainer", "__version__"]
+__all__ = ["TorchTrainer", "TrainingOperator", "Callback", "PyTorchTrainer", "set_log_level", "__version__"]
 
-logging.getLogger(__name__).addHandler(logging.NullHandler())
+logs.install()  # raysgd's warnings and event lines on stderr while logging is unconfigured (see raysgd.logs)
 
 if "1" in (os.environ.get(LEGACY_IMPORTS_ENV), os.environ.get(TRAIN_IMPORTS_ENV)):  # set by raysgd.compat's install()
     # or install_train() in the driver: a Ray worker

@@ -12,6 +12,8 @@ Example:
     $ python -m raysgd.legacy my_raysgd1_script.py --num-workers 2
     $ python -m raysgd.legacy -m ray.util.sgd.torch.examples.train_example --num-workers 2
     $ python -m raysgd.legacy --train examples/ray_train_guide.py --smoke-test
+
+The ``raysgd run --legacy`` and ``raysgd run --train`` commands (:mod:`raysgd.cli`) are the same.
 """
 import argparse
 import os
@@ -23,9 +25,11 @@ from raysgd import compat
 _USAGE = "python -m raysgd.legacy [--train] (script.py | -m module) [args ...]"
 
 
-def _parse(argv):
+def parse_program(argv, prog="python -m raysgd.legacy", usage=_USAGE):
+    """``Namespace(module, script, args)`` of ``argv`` (``script.py [args ...]`` or ``-m module [args ...]``): what
+    to run and its arguments. A missing or unreadable script is a usage error (``SystemExit(2)`` naming it)."""
     parser = argparse.ArgumentParser(
-        prog="python -m raysgd.legacy", usage=_USAGE,
+        prog=prog, usage=usage,
         description="Run a RaySGD 1.x program unchanged: imports from ray.util.sgd resolve to raysgd.")
     parser.add_argument("-m", dest="module", metavar="module", help="run a module as __main__ (like python -m)")
     parser.add_argument("script", nargs="?", help="the script to run as __main__")
@@ -34,12 +38,37 @@ def _parse(argv):
         return argparse.Namespace(module=argv[1], script=None, args=list(argv[2:]))
     options = parser.parse_args(argv)
     if options.module is not None:
-        parser.error(f"-m must come first: {_USAGE}")
+        parser.error(f"-m must come first: {usage}")
     if options.script is None:
-        parser.error(f"expected a script path or -m module; got no arguments. Usage: {_USAGE}")
+        parser.error(f"expected a script path or -m module; got no arguments. Usage: {usage}")
     if not os.path.isfile(options.script):
         parser.error(f"expected a path to a Python script; got {options.script!r}, which is not a file")
     return options
+
+
+def run_program(program, legacy=True, train=False):
+    """Run ``program`` (from :func:`parse_program`) as ``__main__``, as ``python script.py [args]`` (or ``python -m``)
+    would, with ``ray.util.sgd`` mapped to raysgd (``legacy``) and, with ``train``, also Ray Train's ``ray.train``
+    names (:func:`raysgd.compat.install_train`). Exceptions from the program propagate, ``SystemExit`` included."""
+    if legacy or train:
+        compat.install()
+    if train:
+        compat.install_train()
+    if program.module is not None:
+        module = (compat.translate(program.module) or program.module) if legacy or train else program.module
+        sys.argv = [program.module, *program.args]
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())  # as python -m does
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
+    script = os.path.abspath(program.script)
+    sys.argv = [program.script, *program.args]
+    script_dir = os.path.dirname(script)
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        sys.path[0] = script_dir  # python -m put the cwd there; python script.py puts the script's directory
+    else:
+        sys.path.insert(0, script_dir)
+    runpy.run_path(script, run_name="__main__")
 
 
 def main(argv=None):
@@ -53,25 +82,7 @@ def main(argv=None):
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     train = bool(argv) and argv[0] == "--train"  # Ray Train's names too (before the script's own arguments)
-    options = _parse(argv[1:] if train else argv)
-    compat.install()
-    if train:
-        compat.install_train()
-    if options.module is not None:
-        module = compat.translate(options.module) or options.module
-        sys.argv = [options.module, *options.args]
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())  # as python -m does
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        return
-    script = os.path.abspath(options.script)
-    sys.argv = [options.script, *options.args]
-    script_dir = os.path.dirname(script)
-    if sys.path and sys.path[0] in ("", os.getcwd()):
-        sys.path[0] = script_dir  # python -m put the cwd there; python script.py puts the script's directory
-    else:
-        sys.path.insert(0, script_dir)
-    runpy.run_path(script, run_name="__main__")
+    run_program(parse_program(argv[1:] if train else argv), legacy=True, train=train)
 
 
 if __name__ == "__main__":

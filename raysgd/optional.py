@@ -32,6 +32,7 @@ EXTRAS = {
     "py-spy": ("diagnostics", "py-spy"),
     "mlflow": ("mlflow", "mlflow"),
     "wandb": ("wandb", "wandb"),
+    "safetensors": ("export", "safetensors"),  # raysgd export
     "prometheus_client": ("metrics", "ray[default]"),  # with it, Ray's node agent exports ray.util.metrics
 }
 

@@ -18,7 +18,7 @@ GLUE = 7
 LAYERS = {
     # 0: exceptions and failure text, keys and tunables, meters (and their reduction) and timers, optional imports
     "raysgd.torch.errors": 0, "raysgd.torch.constants": 0, "raysgd.meters": 0, "raysgd.timers": 0,
-    "raysgd.optional": 0, "raysgd.callbacks": 0,
+    "raysgd.optional": 0, "raysgd.callbacks": 0, "raysgd.logs": 0,
     # 1: one rank's data order and shards, one rank's training helpers, the pure failure and sizing policies
     "raysgd.torch.sharding": 1, "raysgd.torch.operator": 1, "raysgd.torch.fault_tolerance": 1,
     # 2: the user's operator; the training state, checkpoint files, commits
@@ -35,17 +35,21 @@ LAYERS = {
     "raysgd.train": 6,  # the Ray Train function API: a facade of its own over execution/ (a function worker)
     # the packages' public names, RaySGD 1.x's paths and the 1.x import mapping
     "raysgd": GLUE, "raysgd.torch": GLUE, "raysgd.utils": GLUE, "raysgd.compat": GLUE, "raysgd.legacy": GLUE,
+    # the command line: above everything, it imports down and nothing imports it
+    "raysgd.cli": 8, "raysgd.__main__": GLUE,  # python -m raysgd: the command's other door
     "raysgd.data": GLUE, "raysgd.loggers": GLUE, "raysgd.torch.lightning_operator": GLUE, "raysgd.torch.worker_group": GLUE,
 }
 # What each layer may import from outside the package (beyond the standard library).
 THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex", "filelock"},
                2: {"torch", "numpy", "filelock", "ray"}, 3: {"torch", "numpy", "ray"}, 4: {"ray", "torch", "numpy"},
                5: {"ray", "torch", "numpy", "tqdm", "tensorboardX", "mlflow", "wandb"},  # the last four optional, imported when used
-               6: {"ray", "torch", "numpy", "pytorch_lightning", "lightning"}, GLUE: None}
+               6: {"ray", "torch", "numpy", "pytorch_lightning", "lightning"}, GLUE: None,
+               8: {"torch", "tabulate", "safetensors", "pyarrow"}}
 # Units that must stay lighter than their layer allows: the pure policies are tested without Ray or torch.
 PURE = {"raysgd.torch.fault_tolerance.recovery": set(), "raysgd.torch.fault_tolerance.watches": set(),
         "raysgd.torch.fault_tolerance.reform": set(), "raysgd.torch.errors": {"torch"}, "raysgd.torch.constants": set(),
-        "raysgd.torch.storage.async_writer": set(), "raysgd.torch.storage.filesystem": {"torch", "pyarrow"}, "raysgd.torch.storage.durable": set()}
+        "raysgd.torch.storage.async_writer": set(), "raysgd.torch.storage.filesystem": {"torch", "pyarrow"}, "raysgd.torch.storage.durable": set(),
+        "raysgd.logs": set()}
 
 
 def module_name(path):

@@ -169,3 +169,18 @@ def test_the_driver_and_a_ddp_worker_never_import_torchs_distributed_checkpoint(
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_lightning_guide_without_lightning_names_the_extra_to_install(tmp_path):
+    """README promises an ImportError naming the extra for every example that needs one: the Lightning guide's script
+    (Lightning under either import name hidden) stops with it, not with a bare ModuleNotFoundError."""
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env["RAYSGD_TEST_HIDDEN_MODULES"] = "lightning,pytorch_lightning"
+    done = subprocess.run([sys.executable, "-m", "raysgd.legacy", "--train",
+                           str(REPO / "examples" / "ray_train_lightning_guide.py"), "--smoke-test"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert last.startswith("raysgd.optional.MissingExtra: ") and 'pip install "raysgd[examples]"' in last, last

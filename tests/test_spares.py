@@ -1,4 +1,5 @@
 """Warm spares (``TorchTrainer(num_spares=k)``) with real actors, real SIGKILLs and real gloo groups."""
+import logging
 import os
 import signal
 import time
@@ -81,6 +82,29 @@ def test_an_idle_spare_that_dies_is_refilled_and_is_no_failure(ray_4cpus, traine
     assert (tmp_path / "fault").exists() and trainer.num_failures == 1 and stats["num_samples"] == N
     assert trainer.apply_all_workers(os.getpid) == [second]
     assert torch.equal(counts(trainer), torch.ones(N))
+    trainer.shutdown()
+    assert_released()
+
+
+def test_the_trainer_says_when_its_spares_are_ready_and_how_many_are(ray_4cpus, trainer_factory, caplog):
+    """One INFO line says when the spares are ready, logged by the calls that tend the pool (nobody polls here), once:
+    later calls do not say it again; ``num_spares_ready`` counts them without waiting."""
+    caplog.set_level(logging.INFO, logger="raysgd.torch.execution.spares")
+    trainer = trainer_factory(training_operator_cls=CountingOperator, num_workers=1, num_spares=1, timeout_s=30,
+                              config={"n": 20, "batch_size": 10})
+
+    def said():
+        return [(r.levelname, r.getMessage()) for r in caplog.records if "warm spare(s) ready" in r.getMessage()]
+
+    deadline = time.monotonic() + 120
+    while not said():
+        assert time.monotonic() < deadline, "no line said the spare was ready within 120 s"
+        assert trainer.train()["num_samples"] == 20
+    assert trainer.num_spares_ready == 1
+    for _ in range(2):
+        trainer.train()
+    assert len(said()) == 1 and said()[0][0] == "INFO", said()
+    assert said()[0][1].startswith("1 warm spare(s) ready, ") and said()[0][1].endswith("taken over by a warm process")
     trainer.shutdown()
     assert_released()
 

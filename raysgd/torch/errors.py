@@ -58,6 +58,28 @@ class WorkerFailure(RuntimeError):
                 f"--- rank {rank} ---\n{stack.rstrip()}" for rank, stack in sorted(self.stacks.items()))
         return text
 
+    def summary(self, width=160):
+        """One line for the log: the ranks that failed (those whose peer's connection closed last, in a few words: they
+        are the lost rank's victims), each cause's first line cut to ``width`` characters, then the ranks that did not
+        answer. The stacks stay in ``str()``.
+
+        Example:
+            >>> WorkerFailure("worker failure", {0: "RuntimeError: [pair.cc:537] Read error: Connection reset by peer",
+            ...                                  1: "worker process died (The actor died unexpectedly.)"}).summary()
+            "rank 1: worker process died (The actor died unexpectedly.); rank 0: its peer's connection closed"
+        """
+        def cut(text):
+            line = str(text).splitlines()[0] if str(text) else ""
+            return line if len(line) <= width else line[:width - 3] + "..."
+
+        victims = {rank for rank, cause in self.causes.items()
+                   if any(marker in str(cause) for marker in _PEER_GONE_MARKERS)}
+        parts = [f"rank {rank}: {cut(cause)}" for rank, cause in sorted(self.causes.items()) if rank not in victims]
+        parts += [f"rank {rank}: its peer's connection closed" for rank in sorted(victims)]
+        if self.unresponsive:
+            parts.append("did not answer: rank " + ", rank ".join(map(str, self.unresponsive)))
+        return "; ".join(parts) or cut(self.message)
+
 
 _COLLECTIVE_MARKERS = ("Timed out", "Connection closed by peer", "Connection reset by peer", "NCCL", "Broken pipe")
 #: An NCCL error that a lost or stuck peer (or a failing GPU or link) causes, in lower case.

@@ -73,7 +73,7 @@ class TorchTrainer:
         shipping.install()  # before any class is shipped: see raysgd.torch.execution.shipping
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS", "local")
-            logger.info("Ray is not initialized: starting it (address=%r)", address)
+            logger.debug("Ray is not initialized: starting it (address=%r)", address)
             ray.init(address=address)
         if options.ray_metrics:
             self._callbacks.add(RayMetrics())  # after Ray starts: its metrics need a connected driver
@@ -166,6 +166,21 @@ class TorchTrainer:
     def num_failures(self):
         """How many worker failures ``train()`` has recovered from (or met) so far."""
         return self._controller.num_failures
+
+    @property
+    def num_spares_ready(self):
+        """How many warm spares (``num_spares``) are ready now, checked without waiting. A ready spare takes a lost
+        worker's rank in well under a second; until the spares are ready (their first seconds, and again for a
+        moment after one took a rank) a lost rank waits for a new process, which takes seconds. The log says
+        once when they are ready.
+
+        Example:
+            >>> trainer = TorchTrainer(training_operator_cls=MyOperator, num_workers=2, num_spares=1)  # doctest: +SKIP
+            >>> while trainer.num_spares_ready < 1:  # doctest: +SKIP
+            ...     time.sleep(0.1)  # e.g. before a run that must recover fast from its first step
+            >>> stats = trainer.train()  # doctest: +SKIP
+        """
+        return self.worker_group.spares.available()
 
     # ----------------------------------------------------------------- train / validate
     def train(self, num_steps=None, profile=False, reduce_results=True, max_retries=3, info=None, dataset=None):

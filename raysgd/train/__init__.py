@@ -1,9 +1,10 @@
 """raysgd.train: the function API of the Ray Train guides (``ray.train``), run on raysgd's worker group.
 
 Layer 6, beside :mod:`raysgd.torch.torch_trainer`, over :mod:`raysgd.torch.execution`: a training function runs on
-every worker (:mod:`~raysgd.train.function_worker`, a ``TorchWorker`` beside the operator one), reports metrics and
-checkpoints (:mod:`~raysgd.train.session`) to ``storage_path/name`` (:mod:`~raysgd.train.run_storage`), and a
-worker failure restarts the group from the latest reported checkpoint (:mod:`~raysgd.train.trainer`). Loaders made by
+every worker (:mod:`~raysgd.train.function_worker`, a ``TorchWorker`` beside the operator one) on the operator API's
+run controller, reports metrics and checkpoints (:mod:`~raysgd.train.session`; ``report()`` is the run's commit
+point, :mod:`~raysgd.train.reporting`) to ``storage_path/name``, and a failure restarts the group from the newest
+good checkpoint (:mod:`~raysgd.train.commits`, :mod:`~raysgd.train.trainer`). Loaders made by
 ``raysgd.train.torch.prepare_data_loader`` carry raysgd's data cursor (:mod:`~raysgd.train.prepare`): a restart
 inside an epoch trains each sample of it once. Lightning: :mod:`raysgd.train.lightning`.
 

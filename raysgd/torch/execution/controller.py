@@ -187,7 +187,7 @@ class RunController:
                 raise
             self._failed(failure, method)
             logger.warning("Every worker was lost between calls (%s); restarting them from the state at the start "
-                           "of the last call: what they trained since is lost", failure)
+                           "of the last call: what they trained since is lost", failure.summary())
             self.ensure_workers()
             return ask()
 
@@ -283,7 +283,7 @@ class RunController:
                 state, first = self._settle(state), kwargs
                 stop = next((w for w in watches if w.requested), None)
                 if stop is not None and preemption.was_resize(failure):
-                    logger.info("Restarting at %d workers from the commit point (%s)", stop.size, stop.reason)
+                    logger.debug("Restarting at %d workers from the commit point (%s)", stop.size, stop.reason)
                     self._restart_in_call(state, kwargs, failure, stop.size)
                     continue
                 kind = failure_policy.PREEMPTION if preemption.was_preempted(failure) else failure_policy.FAILURE
@@ -292,7 +292,8 @@ class RunController:
                     raise RuntimeError(f"Training run failed: {method} did not succeed after {decision.limit} "
                                        f"retries; the last failure is the cause.") from failure
                 counts = decision.counts
-                logger.warning("%s failed (%s); restarting workers, retry %d of %s", method, failure, decision.retry,
+                logger.warning("%s failed (%s); restarting workers, retry %d of %s", method, failure.summary(),
+                               decision.retry,
                                "any" if decision.limit == failure_policy.UNLIMITED else decision.limit)
                 self._restart_in_call(state, kwargs, failure, None, decision.delay_s)
             except Exception as error:

@@ -94,7 +94,7 @@ class Placement:
         that promise, so the whole group restarts instead). ``timeout_s`` None: returned at once, placed when Ray
         can (for spares' refills, which never hold a rank up)."""
         if self.strategy.startswith("STRICT_"):
-            logger.info("A %s group cannot gain a second placement group and keep its promise", self.strategy)
+            logger.debug("A %s group cannot gain a second placement group and keep its promise", self.strategy)
             return None
         pg = placement_group([self.bundle(1) for _ in range(n)], strategy=self.strategy)
         if timeout_s is None:
@@ -102,7 +102,7 @@ class Placement:
         try:
             ray.get(pg.ready(), timeout=timeout_s)
         except GetTimeoutError:
-            logger.info("%d more bundle(s) of %s were not placed within %.1f s", n, self.bundle(1), timeout_s)
+            logger.debug("%d more bundle(s) of %s were not placed within %.1f s", n, self.bundle(1), timeout_s)
             self.remove(pg)
             return None
         return pg

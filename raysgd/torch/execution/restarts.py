@@ -86,7 +86,7 @@ def restart_group(group, state, *, start, config_for, operator_cls, initializati
                                                                  initialization_hook=initialization_hook),
                               "Resizing the group while keeping its healthy ranks", timeout_s)
     if started:
-        logger.info("Worker group restarted with %d of %d workers (survivors kept their processes)", started, high)
+        logger.debug("Worker group restarted with %d of %d workers (survivors kept their processes)", started, high)
         return started
     target = target or high
     group.shutdown(force=True)
@@ -110,7 +110,7 @@ def restart_group(group, state, *, start, config_for, operator_cls, initializati
     started = recovery.restart_with_backoff(
         try_start, retry_cleanup_fit, tries=max_retries or constants.SGD_MAX_RESTART_TRIES,
         cap_s=constants.SGD_BACKOFF_CAP_S, retryable=(WorkerFailure, TimeoutError))
-    logger.info("Worker group restarted with %d of %d workers", started, high)
+    logger.info("Workers now %d of %d: every worker restarted", started, high)
     return started
 
 
@@ -172,7 +172,7 @@ class StopRequest:
                            given_up, self.stop.reason, self._asking.max_asks)
         if not again:
             return
-        logger.info("Asking rank(s) %s again to stop %s", again, self.stop.reason)
+        logger.debug("Asking rank(s) %s again to stop %s", again, self.stop.reason)
         try:
             self._calls.update(self._group.request_resize(*self.stop.attempt, ranks=again) or {})
         except Exception as err:  # noqa: BLE001 (asked again at the next tick)

@@ -92,6 +92,7 @@ class SparePool:
         self._refill_at = {}  # bundle -> when its refill starts
         self._next_ping, self._broken = 0.0, None
         self.last_refill_s, self.refills = None, 0
+        self._announce = None  # (how many, since when) of the last fill, until the log said they are ready
 
     @property
     def bundles(self):
@@ -104,9 +105,12 @@ class SparePool:
         return [spare.handle.actor for spare in self._spares.values()]
 
     def fill(self, bundles):
-        """Start a spare in each of ``bundles`` (the group's new placement group's spare bundles)."""
+        """Start a spare in each of ``bundles`` (the group's new placement group's spare bundles); once they are all
+        ready, :meth:`tend` says so in the log (once)."""
+        bundles = list(bundles)
         for bundle in bundles:
             self._begin(bundle)
+        self._announce = (len(bundles), self._clock()) if bundles else None
 
     def _begin(self, bundle, refill=False):
         if self._broken is not None:
@@ -122,8 +126,10 @@ class SparePool:
         """How many spares are ready (warm, and alive as far as the pool knows now), only those in ``usable`` bundles
         when given (not on a draining node, say). A spare still warming is not counted: its actor may wait for a
         bundle Ray cannot place (a lost node's), and a rank must never wait for it."""
-        return sum(1 for bundle, spare in self._spares.items()
-                   if (usable is None or bundle in usable) and spare.state() == "ready")
+        ready = sum(1 for bundle, spare in self._spares.items()
+                    if (usable is None or bundle in usable) and spare.state() == "ready")
+        self._say_ready(self._clock())  # state() noticed who is warm: the log says so as soon as the count does
+        return ready
 
     def take(self, usable=None):
         """A ready spare leaving the pool (one in ``usable`` bundles when given), or None; its bundle leaves the pool
@@ -144,6 +150,7 @@ class SparePool:
         came, and ping the idle ones (at most every ``_PING_S`` unless ``force``)."""
         now = self._clock()
         if not force and now < self._next_ping and not self._refill_at:
+            self._say_ready(now)
             return
         for bundle, spare in list(self._spares.items()):
             was_ready = spare.pid is not None
@@ -160,7 +167,7 @@ class SparePool:
                 self._restart_stuck(bundle, spare)
             elif state == "ready" and not was_ready and spare.refill:
                 self.last_refill_s = now - spare.started
-                logger.info("Spare refilled in bundle %d in %.2f s", bundle, self.last_refill_s)
+                logger.debug("Spare refilled in bundle %d in %.2f s", bundle, self.last_refill_s)
             elif state == "ready" and spare.ping is None and now >= self._next_ping:
                 spare.ping = spare.handle.call("apply", int)  # any answer: it lives
         for bundle, when in list(self._refill_at.items()):
@@ -170,6 +177,19 @@ class SparePool:
                 self._begin(bundle, refill=True)
         if now >= self._next_ping:
             self._next_ping = now + _PING_S
+        self._say_ready(now)
+
+    def _say_ready(self, now):
+        """Log once when every spare of the last :meth:`fill` is ready: until then a lost rank waits for a new process
+        (seconds), from then on a spare takes it (well under a second)."""
+        if self._announce is None or self._broken is not None:
+            return
+        count, since = self._announce
+        ready = sum(1 for spare in self._spares.values() if spare.pid is not None)
+        if ready >= count:
+            self._announce = None
+            logger.info("%d warm spare(s) ready, %.1f s after they started: a lost worker's rank is now taken over "
+                        "by a warm process", ready, now - since)
 
     def _restart_stuck(self, bundle, spare):
         """A spare still warming after ``SGD_SPARE_WARM_S``: log where it is, kill it, start another in its bundle."""
@@ -214,7 +234,7 @@ class SparePool:
 
     def clear(self):
         """Kill every spare (the group's placement group is going, or the pool gave up); the pool is empty."""
-        spares, self._spares, self._refill_at = self._spares, {}, {}
+        spares, self._spares, self._refill_at, self._announce = self._spares, {}, {}, None
         for spare in spares.values():
             try:
                 spare.handle.kill()

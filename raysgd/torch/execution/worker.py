@@ -31,6 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from raysgd import logs
 from raysgd.torch.state import call_start, checkpoint, part_holders, restart_point
 from raysgd.torch.sharding import loaders as _data
 from raysgd.torch.operator import evaluation
@@ -72,7 +73,7 @@ class TorchWorker:
 
     def __init__(self, operator_cls, config, *, use_gpu=False, use_fp16=False, use_tqdm=False, wrap_ddp=True,
                  add_dist_sampler=True, scheduler_step_freq=None, backend="gloo", num_cpus=1, world_size=1,
-                 is_local=False, strategy="ddp", fsdp_args=None):
+                 is_local=False, strategy="ddp", fsdp_args=None, log_levels=None):
         self.operator_cls = operator_cls
         self.config = config
         self.use_gpu = use_gpu
@@ -92,6 +93,7 @@ class TorchWorker:
         if not is_local and num_cpus:
             torch.set_num_threads(max(1, int(num_cpus)))
         if not is_local:
+            logs.as_worker(log_levels)  # WARNING and up by default: Ray forwards them to the driver's stderr
             preemption.install()  # Ray runs __init__ on the main thread: SIGTERM commits first
         if world_size > 1:
             importlib.import_module("torch._dynamo")  # the first DDP wrap imports it: pay at start-up

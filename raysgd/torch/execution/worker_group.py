@@ -157,7 +157,7 @@ class WorkerGroup:
         self._spares = SparePool(lambda bundle: self._start_in(None, bundle, operator_cls, config, options),
                                  initialization_hook)
         self._spares.fill(range(offset + n, offset + n + spares))
-        logger.info("Started %d worker(s)%s%s", n, " (rank 0 local)" if self._use_local else "",
+        logger.debug("Started %d worker(s)%s%s", n, " (rank 0 local)" if self._use_local else "",
                     f" and {spares} warm spare(s) beside them" if spares else "")
         return n
 
@@ -229,7 +229,7 @@ class WorkerGroup:
                 self._extra.append((pg, more))
                 plan = [(next(numbers), None) if entry == (None, None) else entry for entry in plan]
         if why is not None:
-            logger.info("Not keeping the healthy ranks for this resize (%s): every worker restarts", why)
+            logger.debug("Not keeping the healthy ranks for this resize (%s): every worker restarts", why)
             return None
         plan = self._refill_elsewhere(plan)
         taken = {bundle: self._spares.take(usable) for bundle, handle in plan if handle == reform.SPARE}
@@ -237,14 +237,14 @@ class WorkerGroup:
             for spare in taken.values():
                 if spare is not None:
                     spare.handle.kill()
-            logger.info("Not keeping the healthy ranks for this resize (a spare died): every worker restarts")
+            logger.debug("Not keeping the healthy ranks for this resize (a spare died): every worker restarts")
             return None
         self._kept = [h for h in self._kept if h not in leaving]
         for handle in leaving:  # their nodes drain: they go now, the others stay
             handle.kill()
         size = self._form(plan, taken, operator_cls, config_for, initialization_hook)
         self._release_unused()
-        logger.info("Resized to %d worker(s) keeping %d in their processes (%d left draining nodes)", size,
+        logger.debug("Resized to %d worker(s) keeping %d in their processes (%d left draining nodes)", size,
                     len(ranks) - len(leaving), len(leaving))
         return size
 
@@ -319,7 +319,7 @@ class WorkerGroup:
         self._collect({h.rank: calls[h.rank](h) for h in self._ordered()}, deadline_s=self._timeout_s + 60)
         self._connect(n)
         self._rank_bundles = [h.bundle for h in self._handles]
-        logger.info("Re-formed the group: %d worker(s), %d kept, %d warm spare(s), %d new", n, len(kept),
+        logger.info("Workers now %d: %d kept their process, %d warm spare(s) took a rank, %d new", n, len(kept),
                     len(taken), len(fresh))
         return n
 
@@ -504,7 +504,8 @@ class WorkerGroup:
         descriptions = {rank: _calls.describe(err) for rank, err in failures.items()}
         descriptions.update({rank: "worker process died (found while the stacks were taken)" for rank in dead})
         failure = WorkerFailure(message, descriptions, unresponsive, stacks)
-        logger.warning("Ending the attempt: %s", failure)
+        logger.log(logging.WARNING if failure.stacks else logging.DEBUG,  # the controller logs the failure's summary
+                   "Ending the attempt: %s", failure)
         raise failure from (cause if isinstance(cause, BaseException) else None)  # a timeout's cause is text
 
     def request_resize(self, call_id, attempt, ranks=None):

@@ -18,6 +18,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raysgd import logs
 from raysgd.torch import constants
 from raysgd.torch.execution import diagnostics
 from raysgd.torch.execution import shipping
@@ -130,6 +131,7 @@ def start_actor(rank, pg, bundle_index, cpus, gpus, operator_cls, config, option
     """A :class:`Handle` of a new worker actor (a ``worker_cls``, :class:`TorchWorker` or a subclass such as
     raysgd.train's function worker) in bundle ``bundle_index`` of ``pg``."""
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index)
+    options = dict(options, log_levels=logs.forwarded_env())  # the driver's log levels where they are not the defaults
     shipping.install()  # config modules imported since: the operator class may go by value
     actor = _remote_worker_cls(worker_cls).options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy,
                                          **_legacy_runtime_env()).remote(operator_cls, config, **options)

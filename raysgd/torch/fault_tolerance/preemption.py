@@ -106,7 +106,7 @@ def request_resize(call_id, attempt):
     A request for another call or attempt (one that arrived late) is never acted on; see :func:`resize_wanted`.
     """
     _STATE["resize"] = (call_id, attempt)
-    logger.info("The driver asks to stop call %s (attempt %s) at the next step boundary to grow", call_id, attempt)
+    logger.debug("The driver asks to stop call %s (attempt %s) at the next step boundary to grow", call_id, attempt)
 
 
 def resize_requested():

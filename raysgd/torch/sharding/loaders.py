@@ -87,7 +87,7 @@ def shard_loader(loader, rank, world_size, training, seed=None):
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return loader
     if isinstance(loader.sampler, DistributedSampler):
-        logger.info("DataLoader already has a DistributedSampler: it is used as it is, not sharded again.")
+        logger.debug("DataLoader already has a DistributedSampler: it is used as it is, not sharded again.")
         return loader
     seed = resolve_seed(loader, seed)
     kwargs = {name: getattr(loader, name) for name in _COPIED if hasattr(loader, name)}

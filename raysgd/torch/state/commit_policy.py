@@ -163,6 +163,7 @@ class CommitPolicy:
         if found is None:
             self._carried[self._attempt] = None
             kwargs["num_steps"] = self._num_steps
+            logger.info("No commit in this call yet: it goes on from its start")
             return None
         key, records, found_parts = found
         if key != self._preemption_seen and self._ask(lambda store: store.reason(key)) == preemption.PREEMPTION:

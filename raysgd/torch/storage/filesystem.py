@@ -435,7 +435,7 @@ class CheckpointStorage:
         directory = _join(self.path, numbered(index))
         started = time.monotonic()
         marker = write_checkpoint_dir(self.filesystem, directory, stream, {**(meta or {}), "index": index})
-        logger.info("Checkpoint %s written (%.1f MB in %.2f s)", directory, marker["size"] / 1e6,
+        logger.debug("Checkpoint %s written (%.1f MB in %.2f s)", directory, marker["size"] / 1e6,
                     time.monotonic() - started)
         self.prune(existing + [(index, directory)])
         return directory

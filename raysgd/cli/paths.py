@@ -1,0 +1,107 @@
+"""What a path given to the ``raysgd`` command is: a run folder, one checkpoint, a file ``save()`` wrote, or none.
+
+Part of :mod:`raysgd.cli`. A local path or a URI (``s3://bucket/run``; through
+:func:`raysgd.torch.storage.filesystem.resolve`, so folders need pyarrow: ``raysgd[storage]``):
+
+- ``run``: ``TorchTrainer(storage_path=...)``'s folder: ``checkpoint_NNNNNN/`` folders, each complete once its
+  ``checkpoint.json`` marker is written (:mod:`raysgd.torch.storage.filesystem`);
+- ``checkpoint``: one such folder (also what ``save()`` writes under ``strategy="fsdp"``);
+- ``file``: a file ``TorchTrainer.save()`` wrote (or a folder holding only its ``trainer.checkpoint``);
+- ``train-run`` / ``train-checkpoint``: a ``raysgd.train`` run folder (``storage_path/name``) or one of its
+  checkpoints (:mod:`raysgd.cli.train_folders`).
+
+Anything else raises :class:`NotACheckpoint` saying what was expected and what was found.
+
+Example:
+    >>> locate("/no/such/run")
+    Traceback (most recent call last):
+    ...
+    raysgd.cli.paths.NotACheckpoint: '/no/such/run' does not exist: expected a run folder ...
+"""
+import dataclasses
+import os
+
+from raysgd.cli import train_folders
+from raysgd.torch.storage import filesystem
+
+EXPECTED = ("expected a run folder (checkpoint_NNNNNN/ folders: TorchTrainer(storage_path=...), or raysgd.train's "
+            "storage_path/name), one checkpoint folder (with checkpoint.json), or a file TorchTrainer.save() wrote")
+
+
+class NotACheckpoint(ValueError):
+    """A path given to the ``raysgd`` command is no raysgd run folder, checkpoint or checkpoint file."""
+
+
+@dataclasses.dataclass
+class Found:
+    """A located path: ``kind`` (see the module docstring), the path as given, and for a folder its filesystem and
+    the path inside it."""
+
+    kind: str
+    path: str
+    fs: object = None
+    fs_path: str = None
+
+    def join(self, *names):
+        """The path inside the filesystem of ``names`` under this folder."""
+        return "/".join([self.fs_path.rstrip("/"), *names])
+
+    def uri(self, *names):
+        """The path as given of ``names`` under this folder (a URI's query options kept at its end).
+
+        Example:
+            >>> Found("run", "s3://bucket/run?scheme=http").uri("checkpoint_000002")
+            's3://bucket/run/checkpoint_000002?scheme=http'
+        """
+        base, mark, query = self.path.partition("?") if "://" in self.path else (self.path, "", "")
+        return "/".join([base.rstrip("/"), *names]) + mark + query
+
+
+def is_checkpoint_name(name):
+    """Whether ``name`` is a checkpoint folder's name (``checkpoint_000003``)."""
+    return name.startswith(filesystem.PREFIX) and name[len(filesystem.PREFIX):].isdigit()
+
+
+def children(fs, path):
+    """``{name: FileInfo}`` of what the folder ``path`` holds (empty when it is no folder)."""
+    try:
+        infos = fs.get_file_info(filesystem.pafs.FileSelector(path, allow_not_found=True))
+    except OSError as err:
+        raise NotACheckpoint(f"cannot list {path!r}: {err}") from err
+    return {info.base_name: info for info in infos}
+
+
+def locate(path):
+    """The :class:`Found` that ``path`` is; :class:`NotACheckpoint` otherwise (see the module docstring)."""
+    text = os.fspath(path)
+    if "://" not in text:
+        if os.path.isfile(text):
+            return Found("file", text)
+        if not os.path.exists(text):
+            raise NotACheckpoint(f"{text!r} does not exist: {EXPECTED}")
+    fs, fs_path = filesystem.resolve(text)
+    info = fs.get_file_info(fs_path)
+    if info.type == filesystem.pafs.FileType.NotFound:
+        raise NotACheckpoint(f"{text!r} does not exist: {EXPECTED}")
+    if info.type == filesystem.pafs.FileType.File:
+        return Found("file", text, fs, fs_path)
+    inside = children(fs, fs_path)
+    if filesystem.MARKER_FILE in inside:
+        return Found("checkpoint", text, fs, fs_path)
+    if train_folders.MARKER in inside:
+        return Found("train-checkpoint", text, fs, fs_path)
+    if filesystem.STATE_FILE in inside:  # a folder holding the file save() wrote
+        return Found("file", text.rstrip("/") + "/" + filesystem.STATE_FILE, fs, fs_path + "/" + filesystem.STATE_FILE)
+    folders = sorted(name for name, entry in inside.items()
+                     if entry.type == filesystem.pafs.FileType.Directory and is_checkpoint_name(name))
+    if folders:
+        train = any(train_folders.MARKER in children(fs, f"{fs_path}/{name}") for name in folders)
+        return Found("train-run" if train else "run", text, fs, fs_path)
+    runs = sorted(name for name, entry in inside.items() if entry.type == filesystem.pafs.FileType.Directory
+                  and any(is_checkpoint_name(child) for child in children(fs, f"{fs_path}/{name}")))
+    if runs:
+        raise NotACheckpoint(f"{text!r} holds run folders ({', '.join(runs[:5])}{', ...' if len(runs) > 5 else ''}): "
+                             f"pass one of them, e.g. {text.rstrip('/')}/{runs[0]}")
+    shown = sorted(inside)[:5]
+    holding = f"a folder holding {', '.join(shown)}{', ...' if len(inside) > 5 else ''}" if inside else "an empty folder"
+    raise NotACheckpoint(f"{text!r} is not a raysgd checkpoint: {EXPECTED}; found {holding}")
