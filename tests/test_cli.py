@@ -160,9 +160,21 @@ def test_a_file_save_wrote_and_a_train_run_folder_are_listed(runs):
     assert done.returncode == 0, done.stderr
     assert [(row["epoch"], row["step"], row["workers"], row["status"]) for row in rows] == [
         (0, 4, 1, "complete"), (1, 8, 1, "complete")]
-    assert "no CRC recorded" in rows[0]["detail"]
+    assert "file(s) checked" in rows[0]["detail"]  # every file against its size and CRC-32 in the marker
     done, rows = listed(runs["train"] / "checkpoint_000002")  # one of its checkpoints
     assert done.returncode == 0 and [(row["checkpoint"], row["step"]) for row in rows] == [("checkpoint_000002", 8)]
+
+
+def test_a_train_checkpoint_with_a_file_changed_is_listed_damaged(runs, tmp_path):
+    folder = tmp_path / "train"
+    shutil.copytree(runs["train"], folder)
+    marker = json.loads((folder / "checkpoint_000002" / ".raysgd_report.json").read_text())
+    name = sorted(marker["files"])[0]
+    path = folder / "checkpoint_000002" / name
+    path.write_bytes(b"x" + path.read_bytes()[1:])  # same size, another byte: only the CRC-32 tells
+    done, rows = listed(folder)
+    assert done.returncode == 1 and [row["status"] for row in rows] == ["complete", "damaged"], rows
+    assert name in rows[1]["detail"] and "CRC-32" in rows[1]["detail"]
 
 
 @pytest.mark.parametrize("kind", ["ddp", "file", "fsdp"])
