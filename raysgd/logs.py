@@ -160,6 +160,20 @@ def set_log_level(level, workers=None):
     _workers["level"] = worker_number
 
 
+def current_levels():
+    """``(level, workers)`` as :func:`set_log_level` takes them: what raysgd logs now in this process and in the
+    workers it starts (to put back after a temporary change).
+
+    Example:
+        >>> set_log_level("ERROR"); current_levels()
+        ('ERROR', None)
+        >>> set_log_level(*("INFO", None))
+    """
+    level = logger.level if logger.level != logging.NOTSET else logging.INFO
+    workers = _workers["level"]
+    return _name(level), (_name(workers) if workers is not None else None)
+
+
 def as_worker(levels=None):
     """Make this process log as a worker: the ``raysgd`` logger at ``RAYSGD_WORKER_LOG_LEVEL`` (default: from
     ``RAYSGD_LOG_LEVEL`` by :func:`worker_level`), each read from ``levels`` (the driver's :func:`forwarded_env`, which

@@ -345,3 +345,29 @@ def test_a_progress_bar_shows_rank_0s_epoch_and_the_loss_it_reported(cluster, tm
     assert "loss=" in shown  # the loss of the last report
     assert result.metrics["done"]
     assert_released()
+
+
+class Levels(raysgd.train.UserCallback):
+    """Records raysgd's log level on the driver at each report."""
+
+    def __init__(self):
+        self.levels = []
+
+    def after_report(self, run_context, metrics, checkpoint):
+        import logging
+
+        self.levels.append(logging.getLogger("raysgd").level)
+
+
+def test_a_logging_config_sets_raysgds_level_for_the_run_and_puts_it_back(cluster, tmp_path):
+    import logging
+
+    before = logging.getLogger("raysgd").level
+    levels = Levels()
+    TorchTrainer(counting, train_loop_config={"n": 8, "epochs": 1}, torch_config=FAST,
+                 scaling_config=ScalingConfig(num_workers=1),
+                 run_config=RunConfig(name="levels", storage_path=str(tmp_path), callbacks=[levels],
+                                      logging_config=raysgd.train.LoggingConfig("ERROR"))).fit()
+    assert levels.levels and set(levels.levels) == {logging.ERROR}
+    assert logging.getLogger("raysgd").level == before
+    assert_released()

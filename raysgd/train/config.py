@@ -257,19 +257,24 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class LoggingConfig:
-    """The level of raysgd's own log lines (``"DEBUG"``, ``"INFO"``, ...) during a run.
+    """The level of raysgd's own log lines (``"DEBUG"``, ``"INFO"``, ...) during a run: ``fit()`` sets it with
+    :func:`raysgd.set_log_level` (the driver and the workers it starts) and puts the previous one back at its end.
+    The default, None, leaves raysgd's level as it is (``RAYSGD_LOG_LEVEL`` or ``raysgd.set_log_level``; INFO
+    without either), where Ray Train's default is ``"INFO"``.
 
     Example:
         >>> LoggingConfig("debug").log_level
         'DEBUG'
     """
 
-    log_level: str = "INFO"
+    log_level: str = None
 
     def __post_init__(self):
+        if self.log_level is None:
+            return
         levels = sorted(name for name in logging.getLevelNamesMapping())
         _expect(isinstance(self.log_level, str) and self.log_level.upper() in levels, "LoggingConfig", "log_level",
-                f"one of {levels}", self.log_level, ValueError)
+                f"one of {levels} or None", self.log_level, ValueError)
         self.log_level = self.log_level.upper()
 
 

@@ -27,6 +27,7 @@ import time
 
 import ray
 
+from raysgd import logs
 from raysgd.callbacks import CallbackList
 from raysgd.torch.errors import WorkerFailure, rank_of
 from raysgd.torch.execution import cluster_state, shipping
@@ -269,6 +270,10 @@ class TorchTrainer:
             durable=durable.NoStorage(), on_event=self._on_event, stateless=True)
         results, error = None, None
         started = time.monotonic()
+        level = self.run_config.logging_config.log_level
+        restore_level = logs.current_levels() if level is not None else None
+        if level is not None:
+            logs.set_log_level(level)
         bar = progress.ProgressBar() if self.run_config.progress_bar else None  # ValueError without tqdm
         feed = bar.start(local=False) if bar is not None else None
 
@@ -295,6 +300,8 @@ class TorchTrainer:
             finally:
                 callbacks.call("on_shutdown", self)
                 self._controller = None
+                if restore_level is not None:
+                    logs.set_log_level(*restore_level)
         logger.info("fit() %s after %.1f s: %d report(s), %d worker failure(s)",
                     "failed" if error is not None else "finished", time.monotonic() - started, reports.reports,
                     controller.num_failures)
