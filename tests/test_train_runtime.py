@@ -144,7 +144,7 @@ def test_a_warm_spare_takes_a_killed_ranks_place_and_the_survivor_keeps_its_proc
     with caplog.at_level(logging.INFO, logger="raysgd"):
         result = trainer.fit()
     assert result.num_failures == 1
-    assert "1 kept, 1 warm spare(s), 0 new" in caplog.text  # rank 0 stayed in its process; the spare took rank 1
+    assert "1 kept their process, 1 warm spare(s) took a rank, 0 new" in caplog.text  # rank 0 stayed; the spare took rank 1
     killed = int(open(marker).read())
     before = {pid for pid, _, epoch, _ in trained_batches(log)[:8]}
     after = {pid for pid, _, _, _ in trained_batches(log)[8:]}

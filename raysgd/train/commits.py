@@ -57,6 +57,8 @@ class ReportCommits:
         self.reported = []  # (uri, metrics) of every complete checkpoint, oldest first
         self.last_report = None  # rank 0's last record (its metrics as reported)
         self.reports = 0
+        self._handled = None  # the index of the newest checkpoint on_report heard of (None: before the first plan)
+        self._resume_directory = None  # the checkpoint the running attempt started from: never pruned under it
 
     # ----------------------------------------------------------------- the controller's protocol
     def prepare(self):
@@ -68,6 +70,8 @@ class ReportCommits:
         self._call += 1
         self._attempt = 0
         self._plan = self._make_plan()
+        if self._plan.resume is not None:
+            logger.info("Resuming the run from %s", self._plan.resume[0])
 
     def check_store(self):
         """Nothing to check: the reports are read by :meth:`poll`."""
@@ -122,6 +126,8 @@ class ReportCommits:
 
     def _handle(self, records):
         for record in records:
+            if record.get("checkpoint") and (record.get("index") or 0) <= (self._handled or 0):
+                continue  # heard already (rebuilt from its marker after a failure, then polled late)
             self.reports += 1
             self.last_report = record
             if record.get("checkpoint"):
@@ -129,29 +135,50 @@ class ReportCommits:
                     self._checkpointed = (self._call, record["attempt"])
                 self.latest = (record["checkpoint"], record["metrics"][0])
                 self.reported.append(self.latest)
+                self._handled = max(self._handled or 0, record.get("index") or 0)
                 self._prune()
             if self._on_report is not None:
                 self._on_report(record)
 
+    def _catch_up(self, candidates):
+        """Hand ``on_report`` the checkpoints a failed attempt completed after the driver's last poll (its rank 0
+        died with their records): rebuilt from their markers, so callbacks hear of every checkpoint once. The
+        reports without a checkpoint of that span are lost (only rank 0 held them)."""
+        missed = sorted((marker["index"], directory, marker) for directory, marker in candidates
+                        if isinstance(marker.get("index"), int) and marker["index"] > (self._handled or 0))
+        for index, directory, marker in missed:
+            logger.debug("checkpoint %s completed after the last poll of the failed attempt", directory)
+            self._handle([{"attempt": marker.get("attempt"), "report": marker.get("report"), "time": marker.get("time"),
+                           "metrics": marker.get("rank_metrics") or [marker.get("metrics", {})],
+                           "checkpoint": self.storage.uri(directory), "index": index, "seconds": None}])
+
     def _prune(self):
         try:
-            self.storage.prune()
+            self.storage.prune(protect={self._resume_directory} - {None})
         except Exception as err:  # noqa: BLE001 (a checkpoint left over is no failure)
             logger.warning("Pruning the checkpoints of %s failed: %s", self.storage.storage_path, err)
 
     # ----------------------------------------------------------------- where an attempt starts
     def _make_plan(self):
-        found = self.newest_good()
+        candidates = self.storage.candidates(check=_is_report)  # newest first
+        if self._handled is None:  # the run's first plan: what the folder holds was reported before this driver
+            self._handled = max((m["index"] for _, m in candidates if isinstance(m.get("index"), int)), default=0)
+        else:
+            self._catch_up(candidates)
+        found = self.newest_good(candidates)
+        self._resume_directory = found[1] if found is not None else None
         resume = found if found is not None else \
             ((self.initial[0], None, None) if self.initial is not None else None)
         return ReportPlan(storage_root=self.storage.root, fs_path=self.storage.path, home=self.home,
                           call_id=self._call, attempt=self._attempt, first_index=self.storage.next_index(),
                           resume=resume, reported=list(self.reported), score_attribute=self.score_attribute)
 
-    def newest_good(self):
+    def newest_good(self, candidates=None):
         """``(uri, directory, marker)`` of the newest complete checkpoint whose files match its marker, or None; a
-        damaged newer one is skipped with a warning naming what is wrong. Also refreshes :attr:`reported`."""
-        candidates = self.storage.candidates(check=_is_report)  # newest first
+        damaged newer one is skipped with a warning naming what is wrong. Also refreshes :attr:`reported`.
+        ``candidates``: the folder's, newest first, when just read."""
+        if candidates is None:
+            candidates = self.storage.candidates(check=_is_report)
         self.reported = [(self.storage.uri(directory), marker.get("metrics", {}))
                          for directory, marker in reversed(candidates)]
         for directory, marker in candidates:

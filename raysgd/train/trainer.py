@@ -302,7 +302,7 @@ class TorchTrainer:
                 self._controller = None
                 if restore_level is not None:
                     logs.set_log_level(*restore_level)
-        logger.info("fit() %s after %.1f s: %d report(s), %d worker failure(s)",
+        logger.debug("fit() %s after %.1f s: %d report(s), %d worker failure(s)",
                     "failed" if error is not None else "finished", time.monotonic() - started, reports.reports,
                     controller.num_failures)
         if error is None:
@@ -330,7 +330,7 @@ class TorchTrainer:
         checkpoint = Checkpoint(record["checkpoint"]) if record.get("checkpoint") else None
         if checkpoint is not None:
             self.last_commit_latency_s = self.last_checkpoint_s = record.get("seconds")
-            logger.info("Checkpoint %s reported", record["checkpoint"])
+            logger.debug("Checkpoint %s reported", record["checkpoint"])
             self._callbacks.call("on_checkpoint", self, record["checkpoint"])
         self._user_callbacks.after_report(self._run_context, record["metrics"], checkpoint)
         state = self._callbacks.state_dict()

@@ -446,17 +446,18 @@ class CheckpointStorage:
         except DamagedCheckpoint:
             return None
 
-    def prune(self, entries=None):
-        """Delete the complete checkpoints the retention policy does not keep (never the newest), and incomplete ones
-        older than the newest complete one."""
+    def prune(self, entries=None, protect=()):
+        """Delete the complete checkpoints the retention policy does not keep (never the newest, nor the directories
+        in ``protect``: one a run is resuming from), and incomplete ones older than the newest complete one."""
         entries = self.list() if entries is None else entries
+        protect = set(protect)
         markers = {index: self._marker_of(directory) for index, directory in entries}
         complete = [(index, markers[index]) for index, _ in entries if markers[index] is not None]
         if not complete:
             return
         keep = set(self._keep(complete)) | {complete[-1][0]}  # the newest is what a restart resumes from
         for index, directory in entries:
-            if index in keep or index > complete[-1][0]:
+            if index in keep or index > complete[-1][0] or directory in protect:
                 continue
             try:  # the marker first: a directory half deleted must never look complete
                 self.filesystem.delete_file(_join(directory, self.marker))
