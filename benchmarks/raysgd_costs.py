@@ -144,7 +144,7 @@ class _LogTimes(logging.Handler):
     """Remembers when the trainer logged the failure and the restart."""
 
     def __init__(self):
-        super().__init__(logging.INFO)
+        super().__init__(logging.DEBUG)
         self.failed, self.restarted = [], []
 
     def emit(self, record):
@@ -185,7 +185,7 @@ def recovery_time(spec, repeats, keep_survivors=True):
     handler = _LogTimes()
     raysgd_logger = logging.getLogger("raysgd")
     previous_level = raysgd_logger.level
-    raysgd_logger.setLevel(logging.INFO)
+    raysgd_logger.setLevel(logging.DEBUG)  # the failure's and the restart's lines are DEBUG (the controller's WARNING sums them up)
     raysgd_logger.addHandler(handler)
     trainer = _trainer(spec, 2, model="mlp", batch_size=sizes["batch_size"],
                        num_samples=2 * sizes["batch_size"] * batches)

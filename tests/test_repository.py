@@ -201,7 +201,7 @@ def test_documented_commands_name_real_scripts_and_options():
             args = args[2:]
             args = args[1:] if args[:1] == ["--train"] else args
         if args[:1] == ["-m"]:
-            if len(args) < 2 or args[1] in ("pytest", "venv", "pip"):  # "python -m" alone: prose about the flag
+            if len(args) < 2 or args[1] in ("pytest", "venv", "pip", "build"):  # tools; "python -m" alone: prose
                 continue
             from raysgd.compat import translate  # the legacy runner runs 1.x module names as raysgd's
             spec = importlib.util.find_spec(translate(args[1]) or args[1])
