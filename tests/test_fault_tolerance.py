@@ -69,6 +69,9 @@ def test_worker_killed_mid_epoch_recovers_the_full_epoch(trainers, tmp_path, cap
     assert "did not answer" not in retries[0], retries
     assert torch.equal(counts(trainer), torch.ones(n))  # every sample index trained exactly once
     assert trainer.train()["num_samples"] == n and torch.equal(counts(trainer), torch.full((n,), 2.0))
+    moves = [state.value for state, _ in trainer.controller.history]  # the run's explicit states, in order
+    assert moves == ["starting", "idle", "running", "restarting", "running", "idle", "running", "idle"], moves
+    assert "failure 1 of 3" in trainer.controller.history[3][1]  # the failure policy's decision, as logged
 
 
 @pytest.mark.parametrize("keep", ["1", "0"])

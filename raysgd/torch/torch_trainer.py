@@ -145,7 +145,9 @@ class TorchTrainer:
 
     def _on_event(self, kind, *args):
         """The controller's events, as callback hooks: ``failure`` -> ``on_failure``, ``resize`` -> ``on_resize``."""
-        self._callbacks.call({"failure": "on_failure", "resize": "on_resize"}[kind], self, *args)
+        hook = {"failure": "on_failure", "resize": "on_resize"}.get(kind)  # "state": the run's moves, logged
+        if hook is not None:
+            self._callbacks.call(hook, self, *args)
 
     def _on_checkpoint(self, path, seconds):
         self._last_checkpoint_s = seconds

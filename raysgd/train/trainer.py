@@ -344,7 +344,9 @@ class TorchTrainer:
     def _on_event(self, kind, *args):
         """The controller's events, as callback hooks: ``failure`` -> ``on_failure`` (and the user callbacks'
         ``after_exception``), ``resize`` -> ``on_resize``."""
-        self._callbacks.call({"failure": "on_failure", "resize": "on_resize"}[kind], self, *args)
+        hook = {"failure": "on_failure", "resize": "on_resize"}.get(kind)  # "state": the run's moves, logged
+        if hook is not None:
+            self._callbacks.call(hook, self, *args)
         if kind == "failure":
             self._user_callbacks.after_exception(self._run_context, worker_failures(args[0].error))
 

@@ -17,7 +17,12 @@ failures counted, the time of the last resize, the commit policy and the durable
 - A user error ends the call; a ``train()`` puts the workers back to the call's starting state.
 
 Starting and restarting the group are :mod:`raysgd.torch.execution.restarts`' functions; the sizes come from the
-pure policies of :mod:`raysgd.torch.fault_tolerance`.
+pure policies of :mod:`raysgd.torch.fault_tolerance`, as decision values (``FailureDecision``, ``ResizeDecision``)
+the controller carries out and logs. The run's state is explicit (``status``, a
+:class:`~raysgd.torch.execution.run_states.RunStatus`: starting, idle, running, restarting, resizing, errored,
+finished, with its size and failures), changed only through the allowed moves and kept in ``history``. What it
+reads and writes of the workers' state (``state_dict``, ``save``, ``load``...) is
+:mod:`~raysgd.torch.execution.state_access`'s.
 
 Example:
     >>> # controller = RunController(group, operator_cls=Op, ...); controller.start()
@@ -27,22 +32,23 @@ Example:
     ...
     ValueError: max_retries expects an int >= 0; got -1
 """
+import dataclasses
 import logging
-import os
 import time
 import types
 
 from raysgd.callbacks import Failure
 from raysgd.torch import constants
-from raysgd.torch.errors import CheckpointError, WorkerFailure
+from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.execution import restarts
 from raysgd.torch.execution.restart_points import NoRestartPoints, RestartPoints
+from raysgd.torch.execution.run_states import RunState, RunStatus, advance
+from raysgd.torch.execution.state_access import StateAccess
 from raysgd.torch.fault_tolerance import failure_policy, preemption, recovery
 from raysgd.torch.fault_tolerance.watches import DrainWatch, GrowWatch
 from raysgd.torch.state import checkpoint, training_state
 from raysgd.torch.state.call_start import PendingPoint
 from raysgd.torch.state.restart_point import RestartPoint, RestartPointLost, ShardedPoint
-from raysgd.torch.storage import filesystem, parts
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +60,7 @@ class ShutDownGroup:
         raise RuntimeError("This TorchTrainer was shut down and its workers are gone: create a new TorchTrainer.")
 
 
-class RunController:
+class RunController(StateAccess):
     """Owns one trainer's run (see the module docstring).
 
     Args:
@@ -67,8 +73,9 @@ class RunController:
         commits: the :class:`~raysgd.torch.state.commit_policy.CommitPolicy`; ``durable``: the durable run
             (:func:`raysgd.torch.storage.durable.open_run`).
         on_event: ``on_event(kind, *args)`` hears the run's events: ``("failure", Failure)`` for every worker failure
-            met (a :class:`~raysgd.callbacks.Failure`, recovered from or not) and ``("resize", old, new)`` whenever
-            the group's size changes. Its errors are logged, never raised.
+            met (a :class:`~raysgd.callbacks.Failure`, recovered from or not), ``("resize", old, new)`` whenever
+            the group's size changes and ``("state", old, new, why)`` at every move of the run
+            (:class:`~raysgd.torch.execution.run_states.RunState`). Its errors are logged, never raised.
         stateless: the workers' code keeps its state itself, so the run takes no restart points and a restart loads
             nothing (a training function: it reads its latest checkpoint, which ``commits`` hands it on each
             attempt); else the workers' state is snapshotted, committed and loaded (an operator).
@@ -85,9 +92,9 @@ class RunController:
         self.min_workers, self.max_workers = worker_range
         self._split_warned = {self.max_workers}  # sizes whose uneven split was reported (the first, when checked)
         self._is_range, self._timeout_s = is_range, timeout_s
-        self._num_failures = 0
-        self._on_event, self._size = on_event, 0  # the size the events last reported
-        self._last_resize = float("-inf")
+        self._on_event = on_event
+        self.status = RunStatus()  # the run's state, size, failures and last resize (raysgd.torch.execution.run_states)
+        self.history = [(self.status.state, self.status.why)]  # every state the run went through, and why
         self.stateless = stateless  # the workers' code keeps its state itself (a training function's checkpoints)
         self.points = NoRestartPoints() if stateless else RestartPoints(self._first, timeout_s)  # and whether stale
         self.last_commit_latency_s = None  # the slowest rank's latest stored commit of the last train() call
@@ -103,7 +110,22 @@ class RunController:
     @property
     def num_failures(self):
         """How many worker failures the calls have recovered from (or met) so far."""
-        return self._num_failures
+        return self.status.failures
+
+    @property
+    def state(self):
+        """The run's :class:`~raysgd.torch.execution.run_states.RunState` now."""
+        return self.status.state
+
+    def _enter(self, state, why, **changes):
+        """Move the run to ``state`` (:func:`~raysgd.torch.execution.run_states.advance`), logged and told to
+        ``on_event`` (``("state", old, new, why)``)."""
+        old = self.status.state
+        self.status = advance(self.status, state, why, **changes)
+        if state is not old:
+            self.history.append((state, why))
+            logger.debug("run: %s -> %s (%s)", old.value, state.value, why)
+            self._emit("state", old, state, why)
 
     def start(self):
         """Start the first group, then load ``storage_path``'s newest checkpoint (if resuming). A worker death while
@@ -111,10 +133,14 @@ class RunController:
         try:
             restarts.start_first_group(self._start_workers, self.group.how_many_fit, self.min_workers,
                                        self.max_workers, self._is_range, constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
-            self._size = self.group.num_workers
             self.durable.resume(self.load_checkpoint, self._timeout_s)  # storage_path's newest (checked, safe)
         except WorkerFailure as err:
+            self._enter(RunState.ERRORED, "a worker died while starting")
             raise RuntimeError("Worker startup failed: a worker died while starting (see the cause).") from err
+        except BaseException:
+            self._enter(RunState.ERRORED, "the start failed")
+            raise
+        self._enter(RunState.IDLE, f"started {self.group.num_workers} worker(s)", size=self.group.num_workers)
 
     def worker_config(self, num_workers):
         """The config each of ``num_workers`` workers gets (the batch size divided among them)."""
@@ -142,10 +168,10 @@ class RunController:
             low=self.min_workers, high=self.max_workers, timeout_s=self._timeout_s, target=target,
             max_retries=max_retries)
         self.points.current = state
-        self._last_resize = time.monotonic()
-        old, self._size = self._size, self.group.num_workers
-        if old != self._size:
-            self._emit("resize", old, self._size)
+        old = self.status.size
+        self.status = dataclasses.replace(self.status, size=self.group.num_workers, last_resize=time.monotonic())
+        if old != self.status.size:
+            self._emit("resize", old, self.status.size)
         return started
 
     def _emit(self, kind, *args):
@@ -158,7 +184,7 @@ class RunController:
             logger.warning("The run's event listener raised on %r", kind, exc_info=True)
 
     def _failed(self, failure, method, retry=0, max_retries=0, gave_up=False):
-        self._num_failures += 1
+        self.status = dataclasses.replace(self.status, failures=self.status.failures + 1)
         self._emit("failure", Failure(failure, method, retry, max_retries, gave_up))
 
     def ensure_workers(self):
@@ -167,7 +193,11 @@ class RunController:
         if group.broken or group.num_workers == 0:
             if self.points.current is None and not self.stateless:
                 raise RuntimeError("The workers were lost and no state snapshot exists to restart them from.")
+            before = self.status.state
+            self._enter(RunState.RESTARTING, "the workers were lost between calls")
             self._restart(self.points.current)
+            self._enter(before if before in (RunState.IDLE, RunState.RUNNING) else RunState.IDLE,
+                        f"restarted with {self.group.num_workers} worker(s)")
 
     @staticmethod
     def as_point(state):
@@ -204,23 +234,32 @@ class RunController:
         return self.points.settle(self.group, state, fallback)
 
     def _scale_up_target(self, quiet=False):
-        """The larger size to restart at now (resources returned, cooldown passed), or None to stay."""
+        """The larger size to restart at now (resources returned, cooldown passed), or None to stay (the resize
+        policy's :class:`~raysgd.torch.fault_tolerance.recovery.ResizeDecision`)."""
         current = self.group.num_workers
         if current >= self.max_workers:
             return None
         extra = self.group.how_many_fit(self.max_workers - current)
         logger.debug("scale-up check: %d of %d workers, %d more fit, %.1f s since the last resize", current,
-                     self.max_workers, extra, time.monotonic() - self._last_resize)
-        if not recovery.should_scale_up(current, self.max_workers, extra, time.monotonic(), self._last_resize,
-                                        self._resize_cooldown_s):
+                     self.max_workers, extra, time.monotonic() - self.status.last_resize)
+        decision = recovery.grow_decision(current, self.max_workers, extra, time.monotonic(),
+                                          self.status.last_resize, self._resize_cooldown_s)
+        if decision is None:
             return None
         if not quiet:
-            logger.info("Scaling up from %d to %d workers", current, current + extra)
-        return current + extra
+            logger.info("Workers: %s", decision.describe())
+        return decision.size
 
     def _move_size(self, ranks):
-        return recovery.move_size(self.group.num_workers, len(ranks), self.group.how_many_can_move,
-                                  self.min_workers, self.max_workers)
+        decision = recovery.move_decision(self.group.num_workers, len(ranks), self.group.how_many_can_move,
+                                          self.min_workers, self.max_workers)
+        return None if decision is None else decision.size
+
+    def _resize_between_calls(self, size, why):
+        """A planned resize before a call (a grow, a move off draining nodes) from a snapshot of the state now."""
+        self._enter(RunState.RESIZING, why)
+        self._restart(self.take_snapshot(), target=size)
+        self._enter(RunState.IDLE, f"resized to {self.group.num_workers} worker(s)")
 
     def _move_off_draining(self):
         """Before a call: restart the group off draining nodes from a snapshot of the call's starting state when a
@@ -238,7 +277,7 @@ class RunController:
             return False
         logger.warning("Draining node(s) %s: restarting the workers elsewhere (%d) before the call",
                        restarts.describe_draining(ranks), size)
-        self._restart(self.take_snapshot(), target=size)
+        self._resize_between_calls(size, "to leave draining nodes")
         return True
 
     # ----------------------------------------------------------------- calls
@@ -265,10 +304,11 @@ class RunController:
         if not self._move_off_draining():
             target = self._scale_up_target()
             if target is not None:
-                self._restart(self.take_snapshot(), target=target)
+                self._resize_between_calls(target, "to grow")
         state = self.points.begin(self.group)  # the restart point, even with max_retries=0 (for the next call)
         first = dict(kwargs, snapshot=state.plan(self._timeout_s)) if isinstance(state, PendingPoint) else kwargs
         counts = failure_policy.Counts()
+        self._enter(RunState.RUNNING, method)
         while True:
             watches, requests = self._watches(), []
             try:
@@ -278,38 +318,48 @@ class RunController:
                 self._settle(state)
                 self.points.stale = True  # train and validate (custom ones too) may change the state
                 self._take_commit_latency(results)
-                return self.commits.finish(results)
+                finished = self.commits.finish(results)
+                self._enter(RunState.IDLE, f"{method} finished")
+                return finished
             except WorkerFailure as failure:
                 state, first = self._settle(state), kwargs
                 stop = next((w for w in watches if w.requested), None)
                 if stop is not None and preemption.was_resize(failure):
+                    self._enter(RunState.RESIZING, f"stopped at a commit point {stop.reason}")
                     logger.debug("Restarting at %d workers from the commit point (%s)", stop.size, stop.reason)
                     self._restart_in_call(state, kwargs, failure, stop.size)
+                    self._enter(RunState.RUNNING, f"{method} goes on at {self.group.num_workers} worker(s)")
                     continue
                 kind = failure_policy.PREEMPTION if preemption.was_preempted(failure) else failure_policy.FAILURE
                 decision = self._decide(kind, counts, limits, failure, method)
                 if decision.gave_up:
+                    self._enter(RunState.ERRORED, f"{method}: {decision.describe()}")
                     raise RuntimeError(f"Training run failed: {method} did not succeed after {decision.limit} "
                                        f"retries; the last failure is the cause.") from failure
                 counts = decision.counts
+                self._enter(RunState.RESTARTING, f"{method}: {decision.describe()}")
                 logger.warning("%s failed (%s); restarting workers, retry %d of %s", method, failure.summary(),
-                               decision.retry,
-                               "any" if decision.limit == failure_policy.UNLIMITED else decision.limit)
+                               decision.retry, "any" if decision.limit == failure_policy.UNLIMITED else decision.limit)
                 self._restart_in_call(state, kwargs, failure, None, decision.delay_s)
+                self._enter(RunState.RUNNING, f"{method} again on {self.group.num_workers} worker(s)")
             except Exception as error:
                 if not limits.retry_user_errors:
+                    self._enter(RunState.ERRORED, f"{method} raised {type(error).__name__}")
                     state = self._settle(state, fallback=False)  # a call that failed before its capture changed nothing
                     if method == "train_epoch" and state is not None:
                         self._undo_partial_call(state)
                     raise
                 decision = self._decide(failure_policy.USER_ERROR, counts, limits, error, method)
                 if decision.gave_up:
+                    self._enter(RunState.ERRORED, f"{method}: {decision.describe()}")
                     raise
                 counts, first = decision.counts, kwargs
+                self._enter(RunState.RESTARTING, f"{method}: {decision.describe()}")
                 logger.warning("%s raised (%s: %s); restarting it from the latest commit, retry %d of %s", method,
                                type(error).__name__, error, decision.retry,
                                "any" if decision.limit == failure_policy.UNLIMITED else decision.limit)
                 self._restart_in_call(state, kwargs, error, self.group.num_workers or None, decision.delay_s)
+                self._enter(RunState.RUNNING, f"{method} again on {self.group.num_workers} worker(s)")
 
     def _decide(self, kind, counts, limits, error, method):
         """The failure policy's decision after ``error`` of ``kind`` (counted and told to ``on_event``)."""
@@ -383,6 +433,7 @@ class RunController:
                 self._restart(state, target=size)
             self.points.current = state  # a commit is a restart point inside this call only
         except recovery.RestartGaveUp as err:
+            self._enter(RunState.ERRORED, f"the workers could not be restarted ({err})")
             raise RuntimeError(f"Training run failed: the workers could not be restarted ({err}).") from failure
 
     def _undo_partial_call(self, state):
@@ -412,131 +463,15 @@ class RunController:
         answers = self.group.answers("take_trace", deadline_s=self._timeout_s)
         return {rank: trace for rank, trace in answers.items() if trace is not None}
 
-    # ----------------------------------------------------------------- state
-    def on_result(self, phase, reduced):
-        """A call's reduced result: checkpoint to ``storage_path`` when the durable run asks for it."""
-        self.durable.on_result(phase, reduced, self._checkpoint_part)
-
-    def _checkpoint_part(self):
-        """The state file of a durable checkpoint of the current state (see :meth:`_part_of`)."""
-        return self._part_of(self.take_snapshot())
-
-    def _part_of(self, point):
-        """The state file of a durable checkpoint of ``point``: written by a task on the node holding it
-        (:class:`~raysgd.torch.storage.parts.RemotePart`), never through the driver."""
-        storage = self.durable.storage
-        if isinstance(point, ShardedPoint):  # a part per rank, each written on its node
-            return parts.ShardedRemoteParts(point, storage.root, storage.local, timeout_s=self._timeout_s)
-        return parts.RemotePart(point.refs, point.nodes[0], storage.root, storage.local, timeout_s=self._timeout_s,
-                                overlay=point.overlay)
-
-    def state_dict(self):
-        """Rank 0's current state as a dict on CPU (always fresh: a custom validate or ``get_local_operator`` may
-        have changed it)."""
-        return checkpoint.state_from_bytes(self._fresh_stream())
-
-    def _fresh_stream(self):
-        """Rank 0's current state bytes, pulled into the driver (only where the user asks for the state); a sharded
-        state is consolidated here into one state of whole tensors."""
-        self.ensure_workers()
-        self.points.stale = True
-        return self._stream_of(self.take_snapshot())
-
-    def _stream_of(self, point):
-        """The state bytes of ``point``, pulled into the driver (a sharded one consolidated into whole tensors)."""
-        if isinstance(point, ShardedPoint):
-            return checkpoint.state_to_bytes(point.whole_state(self._timeout_s))
-        return point.fetch(self._timeout_s)
-
-    def models(self, to_cpu=False):
-        """Rank 0's unwrapped models (CPU copies with ``to_cpu``)."""
-        self.ensure_workers()
-        return self.first_answer("get_models", to_cpu)
-
-    def full_models(self):
-        """Rank 0's whole models on CPU, gathered by every rank (sharded models: a collective all ranks take part in)."""
-        self.ensure_workers()
-        return self.group.run("full_models", deadline_s=self._timeout_s)[0]
-
-    def local_operator(self):
-        """The rank-0 operator living in this process, or None without ``use_local``."""
-        self.ensure_workers()
-        local = self.group.local_worker
-        return local.operator if local is not None else None
-
-    def load_stream(self, stream, weights_only=True, blocking=False):
-        """Send checked state bytes to every worker (loaded there with ``weights_only``); they are the restart point."""
-        self._load_point(RestartPoint.of_bytes(stream), weights_only, blocking)
-
-    def _load_point(self, point, weights_only, blocking):
-        """Load ``point`` on every worker (safely with ``weights_only``); it becomes the restart point."""
-        self.ensure_workers()
-        if blocking:
-            self.run("load_restart_point", *point.load_args(weights_only))
-        else:
-            self.group.submit("load_restart_point", *point.load_args(weights_only))
-        self.points.current, self.points.stale = point, False
-
-    def load_checkpoint(self, directory, marker):
-        """Load a checkpoint directory of ``storage_path`` on every worker, safely: its state file is read and checked
-        against ``marker`` by a task on rank 0's node (:func:`~raysgd.torch.storage.parts.read_part`), never here;
-        it becomes the restart point. Raises ``DamagedCheckpoint`` when the file does not match its marker."""
-        self.ensure_workers()
-        storage = self.durable.storage
-        point = parts.read_part(storage.root, directory, marker, self.group.placed_on().get(0), storage.local,
-                                timeout_s=self._timeout_s)
-        try:
-            self.run("load_restart_point", *point.load_args(weights_only=True))
-        except CheckpointError as err:  # a safe load refused it (or it is not a trainer state)
-            raise CheckpointError(f"checkpoint {directory!r} cannot be resumed from: {err}. If your operator's "
-                                  f"state_dict() holds other objects than tensors, numbers, strings and "
-                                  f"containers, make it return those, start with resume=False, or, if you trust "
-                                  f"the checkpoint, load it with TorchTrainer.load(path, weights_only=False)") from err
-        self.points.current, self.points.stale = point, False
-
-    def load_path(self, path, weights_only=True, blocking=False):
-        """Load a file written by ``save`` or a checkpoint directory (see ``TorchTrainer.load``)."""
-        found = filesystem.read_parts(path)  # a sharded state's folder: its head and parts, one per saving rank
-        if found is not None:
-            head, files = found
-            filesystem.check_state_bytes(head, name=f"checkpoint {path!r}", weights_only=weights_only)
-            self._load_point(ShardedPoint([RestartPoint.of_bytes(part) for part in files], head=head), weights_only,
-                             blocking)
-            return
-        state = filesystem.read_path(path, weights_only=weights_only)  # checked: a dict or state bytes
-        if isinstance(state, bytes):
-            self.load_stream(state, weights_only, blocking=blocking)
-        else:
-            self.load_stream(checkpoint.state_to_bytes(state), weights_only=False, blocking=blocking)  # made here
-
-    def save(self, path, consolidated=False):
-        """Write the current state to ``path`` atomically (and to ``storage_path``); returns the path. A sharded state
-        is written as a checkpoint directory of its parts (each by a task on the node holding it, then the head and
-        the marker: a DCP folder), or with ``consolidated`` as one file of whole tensors, made here."""
-        self.ensure_workers()
-        self.points.stale = True
-        point = self.take_snapshot()
-        if isinstance(point, ShardedPoint) and not consolidated:
-            epoch = checkpoint.state_from_bytes(point.head)["rest"]["epoch"]
-            self.durable.submit(lambda: self._part_of(point), reason="save", epoch=epoch)  # storage_path too
-            filesystem_, directory = filesystem.resolve(path)
-            part = parts.ShardedRemoteParts(point, os.fspath(path), local="://" not in os.fspath(path),
-                                            timeout_s=self._timeout_s)
-            filesystem.write_checkpoint_dir(filesystem_, directory, part, {"reason": "save", "epoch": epoch})
-            return path
-        stream = self._stream_of(point)
-        return checkpoint.save_state(self.durable.on_save(checkpoint.state_from_bytes(stream), stream), path)
-
-    def latest_commit(self):
-        """The latest complete commit of the running (or last) ``train()`` call as a state dict, or None."""
-        return self.commits.latest_state()
-
     # ----------------------------------------------------------------- the end
     def shutdown(self, force=False):
         """Stop the workers (their resources are free when it returns, bounded); the group is gone afterwards."""
         group, self.group = self.group, ShutDownGroup()
         if not isinstance(group, ShutDownGroup):
-            group.shutdown(force=force)
+            try:
+                group.shutdown(force=force)
+            finally:
+                self._enter(RunState.FINISHED, "shut down")
 
     def close(self):
         """Close the durable run (waiting for its last upload, at most ``SGD_CHECKPOINT_FLUSH_S``) and the commit

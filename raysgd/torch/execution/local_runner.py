@@ -57,6 +57,10 @@ class LocalCall:
         return self._finished.wait(timeout_s)
 
 
+#: How long rank 0's call (in this process) gets to end once its peers were killed.
+STOP_S = 10.0
+
+
 class LocalRunner:
     """A daemon thread running submitted calls in order (see the module docstring)."""
 

@@ -12,6 +12,7 @@ Example:
     >>> workers_that_fit([{"CPU": 3.0}, {"CPU": 1.0}], cpus_per_worker=2, gpus_per_worker=0, limit=8)
     1
 """
+import dataclasses
 import logging
 import math
 import time
@@ -99,6 +100,51 @@ def move_size(num_workers, leaving, fit, low, high):
 def should_scale_up(current, target, extra_fit, now, last_resize, cooldown_s):
     """Grow the pool when it is below ``target``, more workers fit, and ``cooldown_s`` passed since the last resize."""
     return current < target and extra_fit > 0 and (now - last_resize) >= cooldown_s
+
+
+@dataclasses.dataclass(frozen=True)
+class ResizeDecision:
+    """A planned change of the group's size: to ``size`` workers, for ``reason`` (``"to grow"``, ``"to leave
+    draining nodes"``). The controller carries it out (at a commit point, or between calls) and logs it.
+
+    Example:
+        >>> ResizeDecision(4, "to grow", 2).describe()
+        'resize from 2 to 4 workers (to grow)'
+    """
+
+    size: int
+    reason: str
+    current: int = 0
+
+    def describe(self):
+        return f"resize from {self.current} to {self.size} workers ({self.reason})"
+
+
+def grow_decision(current, high, extra_fit, now, last_resize, cooldown_s):
+    """A :class:`ResizeDecision` to grow a group of ``current`` workers by the ``extra_fit`` that fit now (at most to
+    ``high``), once ``cooldown_s`` passed since the last resize; None to stay.
+
+    Example:
+        >>> grow_decision(2, 4, extra_fit=1, now=30.0, last_resize=0.0, cooldown_s=10).size
+        3
+        >>> grow_decision(2, 4, extra_fit=1, now=5.0, last_resize=0.0, cooldown_s=10) is None  # in the cooldown
+        True
+    """
+    if not should_scale_up(current, high, extra_fit, now, last_resize, cooldown_s):
+        return None
+    return ResizeDecision(min(high, current + extra_fit), "to grow", current)
+
+
+def move_decision(num_workers, leaving, fit, low, high):
+    """A :class:`ResizeDecision` to move the ``leaving`` workers (on draining nodes) of a group of ``num_workers``
+    elsewhere (:func:`move_size`); None when the group must stay until the nodes go.
+
+    Example:
+        >>> move_decision(2, leaving=1, fit=lambda limit: min(limit, 1), low=1, high=2).size
+        2
+    """
+    size = move_size(num_workers, leaving, fit, low, high)
+    return None if size is None else ResizeDecision(size, "to leave draining nodes", num_workers)
 
 
 class PlacementWatch:
