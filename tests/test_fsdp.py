@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from conftest import assert_released
+from helpers import BatchNormOperator, buffers_of
 from raysgd import TorchTrainer, TrainingOperator
 from raysgd.torch.execution.worker import TorchWorker
 from raysgd.torch.operator import fsdp
@@ -122,6 +123,26 @@ def test_two_sharded_workers_match_one_process_validate_uneven_shards_and_save_a
         load()
         assert_same_parameters(trainer.get_model(), reference(steps=3))
     assert trainer.controller.commits.enabled  # commits hold every rank's part (tests/test_fsdp_state.py)
+
+
+def test_batch_norm_buffers_follow_ddp_rank_0_broadcast_at_each_forward(trainer_factory):
+    """FSDP2 does not synchronise buffers; raysgd keeps DDP's semantics (rank 0's, broadcast at the forward after
+    one with gradients): the same BatchNorm ResNet trained with strategy="ddp" and "fsdp" on the same batches ends
+    with the same parameters and running statistics, on every rank."""
+    results = {}
+    for strategy in ("ddp", "fsdp"):
+        trainer = trainer_factory(training_operator_cls=BatchNormOperator, num_workers=2, strategy=strategy,
+                                  config={"n": 40, "batch_size": 4})
+        trainer.train()
+        results[strategy] = (trainer.get_model().state_dict(), trainer.validate()["val_loss"],
+                             trainer.apply_all_operators(lambda op: buffers_of(op.registered_models()[0])))
+        trainer.shutdown()
+    (ddp, ddp_loss, _), (sharded, sharded_loss, per_rank) = results["ddp"], results["fsdp"]
+    assert set(ddp) == set(sharded) and ddp["1.num_batches_tracked"].item() == 5
+    for name in ddp:
+        assert torch.allclose(ddp[name], sharded[name], rtol=1e-4, atol=1e-6), name
+    assert sharded_loss == pytest.approx(ddp_loss, rel=1e-4)
+    assert all(torch.equal(rank[name], per_rank[0][name]) for rank in per_rank for name in rank)
 
 
 def test_three_workers_with_a_compiled_model_and_rank_0_here_match_one_process(trainer_factory):

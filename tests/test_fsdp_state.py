@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 
-from helpers import CountingOperator, counts, executed, kill_after_commit, seeding_hook, stored_commit
+from helpers import (BatchNormOperator, CountingOperator, buffers_of, counts, executed, kill_after_commit, seeding_hook,
+                     stored_commit)
 from raysgd.torch.operator import fsdp
 from raysgd.torch.storage import filesystem
 from s3_server import moto_s3
@@ -76,6 +77,38 @@ def test_a_worker_killed_after_a_sharded_commit_resumes_exactly_once_and_bit_exa
     assert_same(got["models"], expected_state["models"], "models")  # dropout streams included
     assert_same(got["optimizers"], expected_state["optimizers"], "optimizers")  # momentum buffers
     assert [r["torch"] for r in got["rng"]] == [r["torch"] for r in expected_state["rng"]]
+
+
+def test_a_batchnorm_resnet_killed_after_a_commit_resumes_bit_identical_buffers_included(trainers, tmp_path):
+    """FSDP2 leaves buffers to each rank; raysgd keeps them as DDP does (rank 0's, broadcast at the forward after
+    one with gradients, and before anything reads the state). So every rank holds the same running statistics,
+    get_model() and the checkpoint hold those, and a run restarted from a commit ends bit-identical to one that was
+    not, running statistics and num_batches_tracked included."""
+    config = {"n": 64, "batch_size": 4}  # 2 workers: 8 steps an epoch, a commit every 3
+    clean = trainers(training_operator_cls=BatchNormOperator, config=config)
+    for _ in range(2):
+        clean.train()
+    expected, expected_val = clean.state_dict(), clean.validate()
+    model, saved = clean.get_model(), expected["models"][0]
+    buffers = buffers_of(model)
+    assert buffers["1.num_batches_tracked"].item() == 16 and not torch.equal(buffers["1.running_var"], torch.ones(8))
+    assert_same({name: saved[name] for name in buffers}, buffers, "checkpoint vs get_model()")
+    for held in clean.apply_all_operators(lambda op: buffers_of(op.model)):  # every rank holds rank 0's
+        assert_same(held, buffers, "a rank's buffers")
+    clean.shutdown()
+
+    marker = str(tmp_path / "fault")
+    faulty = trainers(training_operator_cls=BatchNormOperator, config=dict(config, fault={"step": 5, "rank": 1,
+                                                                                            "marker": marker}))
+    kill_after_commit(faulty, marker, min_steps=3)
+    faulty.train()
+    assert os.path.exists(marker) and faulty.num_failures == 1
+    faulty.train()
+    got = faulty.state_dict()
+    assert_same(got["models"], expected["models"], "models")  # buffers included
+    assert_same(got["optimizers"], expected["optimizers"], "optimizers")
+    assert faulty.validate() == expected_val
+    assert_same(buffers_of(faulty.get_model()), buffers, "get_model() after the restart")
 
 
 def test_a_checkpoint_of_2_sharded_workers_resumes_the_epoch_on_3_exactly_once(trainers, tmp_path):

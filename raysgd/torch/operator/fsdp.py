@@ -51,6 +51,7 @@ import logging
 import torch
 
 from raysgd.torch.operator import compiled as _compiled
+from raysgd.torch.operator.fsdp_buffers import BufferSync
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +231,7 @@ class Sharding:
         self._world_size = world_size
         self._mesh = None
         self._sharded = []  # (root, skeleton) of every sharded model
+        self._buffers = []  # a BufferSync per sharded model: rank 0's buffers on every rank, as DDP keeps them
         if strategy == "fsdp" and world_size == 1 and not _warned_one_worker:
             _warned_one_worker = True
             logger.info("strategy='fsdp' with one worker: nothing to shard over, the models train unsharded")
@@ -269,8 +271,8 @@ class Sharding:
                     "strategy='fsdp' (made, not yet stepped or loaded: the state is sharded with the parameters)",
                     f"{type(optimizer).__name__} holding state for {len(optimizer.state)} parameters",
                     caller="TrainingOperator")
-        options = dict(mesh=self.mesh, reshard_after_forward=self._args.get("reshard_after_forward"),
-                       mp_policy=self.policy())
+        given = self._args.get("reshard_after_forward")
+        options = dict(mesh=self.mesh, mp_policy=self.policy())
         if self._args.get("offload_policy") is not None:
             options["offload_policy"] = self._args["offload_policy"]
         sharded = {}
@@ -278,22 +280,33 @@ class Sharding:
             root = _compiled.original(model)
             skeleton = meta_skeleton(root)
             before = {id(p): name for name, p in root.named_parameters(remove_duplicate=False)}
+            # None means FSDP2's own default, spelt out (torch 2.7's fully_shard takes no None): blocks free their
+            # gathered parameters after their forward, the root keeps them (its backward needs them at once)
             for _, block in blocks(root, self._args.get("shard_policy")):
-                fully_shard(block, **options)
-            fully_shard(root, **options)
+                fully_shard(block, reshard_after_forward=True if given is None else given, **options)
+            fully_shard(root, reshard_after_forward=False if given is None else given, **options)
             after = dict(root.named_parameters(remove_duplicate=False))
             sharded.update({key: after[name] for key, name in before.items()})
             self._sharded.append((root, skeleton))
+            self._buffers.append(BufferSync(root, self.mesh.get_group()))
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"][:] = [sharded.get(id(p), p) for p in group["params"]]  # in place: cached lists too
         return models
 
+    def sync_buffers(self):
+        """Rank 0's buffers to every rank, now (a collective: every rank calls it; a no-op when nothing is sharded):
+        before any state is read (see :mod:`raysgd.torch.operator.fsdp_buffers`)."""
+        for buffers in self._buffers:
+            buffers.sync()
+
     def gather(self, models):
         """The whole ``models`` on CPU as plain modules of their own classes, on rank 0 (None elsewhere): a
-        collective, every rank must call it. Unsharded models are copied to CPU from their tensors."""
+        collective, every rank must call it. Unsharded models are copied to CPU from their tensors; the buffers
+        are rank 0's (every rank's, after :meth:`sync_buffers`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
 
+        self.sync_buffers()
         skeletons = {id(root): skeleton for root, skeleton in self._sharded}
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         copies = []
@@ -325,12 +338,17 @@ class Sharding:
 
         given = self._args.get("reshard_after_forward")
         modules = [(root, m) for root, _ in self._sharded for m in root.modules() if isinstance(m, FSDPModule)]
+        self.sync_buffers()  # every rank validates with rank 0's buffers (those get_model() and a checkpoint hold)
         try:
+            for buffers in self._buffers:
+                buffers.quiet(True)  # no broadcast per forward: the ranks' batch counts may differ
             for _, module in modules:
                 module.set_reshard_after_forward(False, recurse=False)
                 module.unshard()
             yield
         finally:
+            for buffers in self._buffers:
+                buffers.quiet(False)
             for root, module in modules:  # back to what fully_shard got (None: True, the root False)
                 module.set_reshard_after_forward(given if given is not None else module is not root, recurse=False)
                 module.reshard()
@@ -373,3 +391,8 @@ class ShardingHelpers:
         """Context: the sharded models whole on this rank until exit (a collective on entry; see
         :meth:`Sharding.unsharded`); a no-op unless ``strategy == "fsdp"``. Validation runs inside it."""
         return self._sharding.unsharded()
+
+    def sync_buffers(self):
+        """Rank 0's buffers to every rank of a sharded group (a collective; a no-op unless ``strategy == "fsdp"``):
+        the state reads it before anything is saved (see :mod:`raysgd.torch.operator.fsdp_buffers`)."""
+        self._sharding.sync_buffers()
