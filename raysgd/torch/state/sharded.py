@@ -40,9 +40,14 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from raysgd.torch.state import dcp_blobs
-from raysgd.torch.state.dcp_blobs import as_metadata, file_sizes
+from raysgd.torch.state.dcp_blobs import as_metadata, file_sizes, renamed_files  # noqa: F401 (renamed_files: public here)
 
 logger = logging.getLogger(__name__)
+
+#: What this process's latest :func:`load_parts` read: ``read`` (bytes of the items' ranges), ``needed`` (bytes the
+#: loaded values take: this rank's new shard and the replicated values), ``pulled`` (bytes the source moved here),
+#: ``files`` (files read). Read by benchmarks and tests.
+LOAD_STATS = {}
 
 
 # ----------------------------------------------------------------- models and optimizers
@@ -151,6 +156,9 @@ class Part:
         file_name: its file's name in a DCP checkpoint folder (``__{rank}_0.distcp``).
         blob: the file's bytes (a ``bytearray``; empty when the rank had nothing to save).
         metadata: the checkpoint's ``.metadata`` bytes on rank 0 (the same for every rank's part); None elsewhere.
+        layout: on rank 0, where each tensor item's raw bytes start in its file (``{item key: offset}``, every
+            rank's: :attr:`~raysgd.torch.state.dcp_blobs.BlobWriter.layout`), which lets a load read only the rows
+            it needs; None elsewhere.
 
     Example:
         >>> Part(1, "__1_0.distcp", bytearray(b"x"), None).nbytes
@@ -161,6 +169,7 @@ class Part:
     file_name: str
     blob: bytearray
     metadata: bytes = None
+    layout: dict = None
 
     @property
     def nbytes(self):
@@ -210,10 +219,11 @@ def save_parts(state_dict, process_group=None):
     writer = dcp_blobs.BlobWriter()
     with _dcp_call(single, process_group):
         dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=single)
-    return Part(rank=writer.rank, file_name=writer.file_name, blob=writer.blob, metadata=writer.metadata)
+    return Part(rank=writer.rank, file_name=writer.file_name, blob=writer.blob, metadata=writer.metadata,
+                layout=writer.layout)
 
 
-def load_parts(state_dict, metadata, fetch, process_group=None, weights_only=True):
+def load_parts(state_dict, metadata, fetch, process_group=None, weights_only=True, layout=None):
     """Load a checkpoint saved by :func:`save_parts` (or DCP's ``FileSystemWriter``) into ``state_dict`` in place: a
     collective of ``process_group`` at any world size (each rank loads its own shard, resharded from the saved ones).
 
@@ -221,23 +231,31 @@ def load_parts(state_dict, metadata, fetch, process_group=None, weights_only=Tru
         state_dict: what to load into, e.g. :func:`models_and_optimizers_state` of this rank's models (its tensors
             are filled in place; its other values replaced).
         metadata: the checkpoint's ``.metadata`` bytes (rank 0's :attr:`Part.metadata`) or a DCP ``Metadata``.
-        fetch: ``fetch(relative_path) -> buffer`` (bytes-like) of a file the metadata names: called once for each
-            file this rank needs (:func:`files_needed`), never for another; it bounds its own wait (a
+        fetch: where the files' bytes come from: a source (``read(relative_path, [(offset, length), ...]) ->
+            [buffer, ...]``: only those ranges) or ``fetch(relative_path) -> buffer`` (a whole file). Asked once
+            for each file this rank needs (:func:`files_needed`), never for another; it bounds its own wait (a
             ``ray.get(ref, timeout=...)``, a filesystem's request timeout) and raises when the file is gone.
         process_group: the group loading (the default group; none: this process alone).
         weights_only: read the metadata and the non-tensor values only if a safe load accepts them.
+        layout: :attr:`Part.layout` of rank 0 (saved with the checkpoint): each rank then reads only the rows of
+            the saved shards that its new shard takes, and the replicated values; without it, whole items.
+
+    Returns the reader's counts (:attr:`~raysgd.torch.state.dcp_blobs.BlobReader.stats`: ``read``, ``needed``,
+    ``files``).
 
     Example:
         >>> # load_parts(state, parts[0].metadata, {p.file_name: p.blob for p in parts}.__getitem__)
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"load_parts expects a state dict (a dict) to load into; got {type(state_dict).__name__}")
-    if not callable(fetch):
-        raise TypeError(f"load_parts expects fetch(relative_path) -> bytes; got {fetch!r}")
+    source = dcp_blobs.as_source(fetch)
     single = _single_process(process_group)
-    reader = dcp_blobs.BlobReader(metadata, fetch, weights_only=weights_only)
+    reader = dcp_blobs.BlobReader(metadata, source, layout=layout, weights_only=weights_only)
     with _dcp_call(single, process_group):
         dcp.load(state_dict, storage_reader=reader, process_group=process_group, no_dist=single)
+    LOAD_STATS.clear()
+    LOAD_STATS.update(reader.stats, pulled=getattr(source, "pulled", reader.stats["read"]))
+    return dict(LOAD_STATS)
 
 
 def files_needed(state_dict, metadata):
@@ -306,7 +324,7 @@ def _slot(node, step, kind, value=None):
     return node.setdefault(step, kind())
 
 
-def consolidate_parts(metadata, fetch, weights_only=True):
+def consolidate_parts(metadata, fetch, weights_only=True, layout=None):
     """The whole checkpoint as one state dict of full CPU tensors, nested as it was saved (e.g.
     ``{"models": [{"weight": tensor}], "optimizers": [...]}``), read through ``fetch`` in this process alone (never a
     collective, also where a process group exists): for serving, or a model's copy on the driver. Every file is
@@ -319,7 +337,7 @@ def consolidate_parts(metadata, fetch, weights_only=True):
     """
     metadata = as_metadata(metadata, weights_only=weights_only)
     flat = _empty_state(metadata)
-    reader = dcp_blobs.BlobReader(metadata, fetch, weights_only=weights_only)
+    reader = dcp_blobs.BlobReader(metadata, fetch, layout=layout, weights_only=weights_only)
     with _dcp_call(True):
         dcp.load(flat, storage_reader=reader, no_dist=True)
     return _unflatten(flat, metadata.planner_data or {})
