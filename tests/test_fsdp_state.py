@@ -7,7 +7,13 @@ killed worker resumes from the sharded commit exactly once and bit-exact at the 
 the ranks); its small ``lin`` layer draws dropout from each rank's own stream, so a resume that put a stream back
 wrong would differ.
 """
+import json
 import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -15,8 +21,9 @@ import torch
 from helpers import (BatchNormOperator, CountingOperator, buffers_of, counts, executed, kill_after_commit, seeding_hook,
                      stored_commit)
 from raysgd.torch.operator import fsdp
-from raysgd.torch.storage import filesystem
+from raysgd.torch.storage import dcp_files, filesystem
 from s3_server import moto_s3
+from test_durable_driver import kill_driver, wait_until
 
 try:
     fsdp.check_strategy("fsdp")
@@ -149,3 +156,87 @@ def test_a_sharded_checkpoint_on_s3_resumes_on_one_worker(trainers):
         assert second.train()["num_samples"] == N - 2 * 5 * BATCH
         assert torch.equal(counts(second), torch.ones(N))
         second.shutdown()  # its last checkpoint's upload, while the server runs
+
+
+def test_saving_over_a_checkpoint_switches_between_two_sets_of_files_and_deletes_the_old(trainers, tmp_path):
+    """save(path) again writes the other set of names (parts, state file; the DCP metadata records them), switches
+    the marker to it, then deletes the old set: what a kill inside the save relies on (next test)."""
+    path = str(tmp_path / "ckpt")
+    trainer = trainers(config={"n": 16, "batch_size": 4})
+    names = []
+    for epoch in (1, 2, 3):
+        trainer.train()
+        trainer.save(path)
+        names.append(sorted(name for name in os.listdir(path) if name != ".metadata"))
+        assert dcp_files.consolidate(path)["models"][0]["p"].tolist() == [float(epoch)] * 16  # DCP's .metadata
+    first = ["__0_0.distcp", "__1_0.distcp", "checkpoint.json", "trainer.checkpoint"]
+    assert names == [first, ["__0_1.distcp", "__1_1.distcp", "checkpoint.json", "trainer.1.checkpoint"], first]
+    trainer.train()
+    trainer.load(path, blocking=True)
+    assert torch.equal(counts(trainer), 3 * torch.ones(16))
+
+
+@pytest.mark.parametrize("stage", ["head", "metadata"])
+def test_a_driver_killed_inside_a_save_over_a_checkpoint_leaves_the_old_one_loadable(trainers, tmp_path, stage):
+    """The common pattern, save("ckpt") every epoch, with the driver SIGKILLed inside the second save: once the new
+    state file is written (its parts' tasks started), or once DCP's new .metadata is written too. The old
+    checkpoint loads (p == 1 after one epoch, not 2); DCP's own readers see a complete set (the new one once its
+    .metadata is written)."""
+    path, inside = tmp_path / "ckpt", tmp_path / "inside"
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "save_driver.py")
+    with open(tmp_path / "driver.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, script, str(path), stage, str(inside)], stdout=subprocess.DEVNULL,
+                                stderr=log, start_new_session=True)
+    try:
+        wait_until(inside.exists, proc, f"the second save stopped after its {stage}", timeout_s=240)
+    finally:
+        if proc.poll() is None:
+            kill_driver(proc)
+    marker = json.loads((path / "checkpoint.json").read_text())
+    assert marker.get("generation", 0) == 0 and "trainer.1.checkpoint" in os.listdir(path)  # inside the 2nd save
+    trainer = trainers(config={"n": 16, "batch_size": 4})
+    trainer.load(str(path), blocking=True)
+    assert torch.equal(counts(trainer), torch.ones(16))  # the first save's state
+    seen_by_dcp = dcp_files.consolidate(str(path))["models"][0]["p"]
+    assert torch.equal(seen_by_dcp, (2.0 if stage == "metadata" else 1.0) * torch.ones(16))
+
+
+def _holder_pids():
+    import ray  # noqa: PLC0415
+
+    return [actor["Pid"] for actor in ray._private.state.actors().values()
+            if actor["ActorClassName"] == "_HolderActor" and actor["State"] == "ALIVE"]
+
+
+def test_a_part_holder_killed_mid_run_is_replaced_and_the_next_commit_completes(trainers, tmp_path):
+    """The holder of the workers' node (one node here) is SIGKILLed while every rank waits inside step 7, after the
+    commit at step 6: Ray restarts it there, the driver counts the replacement, and the commits at steps 9 and 12
+    are kept by the new process; no worker fails, every sample is trained once."""
+    release = tmp_path / "release"
+    trainer = trainers(config={"n": N, "batch_size": BATCH, "hold_until": {"step": 7, "path": str(release)}})
+    killed = []
+
+    def kill_the_holder():
+        try:
+            deadline = time.monotonic() + 120
+            while (stored_commit(trainer, 6, timeout_s=0) or {}).get("cursor", {}).get("steps", 0) < 6:
+                assert time.monotonic() < deadline, "no commit at step 6"
+                time.sleep(0.05)
+            (pid,) = _holder_pids()
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            while trainer.holder_replacements < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)  # counted at the driver's next tick (the call waits for the ranks meanwhile)
+        finally:
+            release.touch()
+
+    watcher = threading.Thread(target=kill_the_holder, daemon=True)
+    watcher.start()
+    result = trainer.train()
+    watcher.join(60)
+    assert killed and trainer.holder_replacements == 1 and trainer.num_failures == 0
+    assert result["num_samples"] == N and torch.equal(counts(trainer), torch.ones(N))
+    commit = stored_commit(trainer, 12)  # complete: every rank's part kept by the replaced holder
+    assert commit["cursor"]["steps"] == 12 and torch.equal(commit["models"][0]["p"], torch.ones(N))
+    (pid,) = _holder_pids()
+    assert pid != killed[0]

@@ -375,21 +375,23 @@ class TorchWorker:
         if self.world_rank != 0:
             return part, None
         rest = self._with_call_state(_state.capture_rest(self.operator, self._epoch_now()), rngs)
-        return part, bytes(serialise({"rest": rest, "metadata": part.metadata}))
+        return part, bytes(serialise({"rest": rest, "metadata": part.metadata, "layout": part.layout}))
 
     def load_restart_point(self, refs, weights_only=False, overlay=None, timeout_s=600):
         """Load the first still available copy of a restart point (``refs``: the
         :class:`~raysgd.torch.state.restart_point.RestartPoint`'s refs, fetched here from their nodes), updated with
         its ``overlay`` (a commit's random streams, metrics and cursor). A sharded one (``refs`` a
-        :class:`~raysgd.torch.state.restart_point.ShardedRefs`) is a collective of every rank, at any number of ranks:
-        each fetches the parts its new shard overlaps."""
+        :class:`~raysgd.torch.state.restart_point.ShardedRefs`, or a checkpoint's
+        :class:`~raysgd.torch.storage.parts.ShardedFiles`) is a collective of every rank, at any number of ranks:
+        each reads, of the parts its new shard overlaps, only the rows it takes and the replicated values."""
         location = self.operator.device if self.operator.use_gpu else "cpu"
-        if isinstance(refs, restart_point.ShardedRefs):
+        if hasattr(refs, "source"):  # a sharded point: its parts in object stores or in a checkpoint's files
             from raysgd.torch.state import sharded  # noqa: PLC0415 (DCP's import: sharded strategies only)
 
             head = checkpoint.state_from_bytes(refs.head, weights_only=weights_only)
             shards = _state.capture_shards(self.operator, metadata=head["metadata"])  # what the parts fill
-            sharded.load_parts(shards, head["metadata"], refs.fetcher(timeout_s), weights_only=weights_only)
+            sharded.load_parts(shards, head["metadata"], refs.source(timeout_s), weights_only=weights_only,
+                               layout=head.get("layout"))  # only the rows of this rank's new shard
             _state.restore_shards(self.operator, shards)
             state = head["rest"]
         else:

@@ -48,6 +48,9 @@ pyarrow = optional.lazy("pyarrow", FEATURE)
 pafs = optional.lazy("pyarrow.fs", FEATURE)
 
 STATE_FILE = "trainer.checkpoint"
+#: The state file of a sharded state's checkpoint saved over an existing one (``save(path)`` again): its files
+#: alternate between two names, so the marker, written last, switches from one complete set to the other.
+STATE_FILES = (STATE_FILE, "trainer.1.checkpoint")
 MARKER_FILE = "checkpoint.json"
 PREFIX = "checkpoint_"
 FORMAT = 1
@@ -144,14 +147,22 @@ def write_checkpoint_dir(filesystem, directory, stream, meta=None):
         extra = more[0] if more else {}  # a sharded state's other files: {"parts": {name: [size, crc32]}}
     else:
         size, crc32 = write_state_file(filesystem, _join(directory, STATE_FILE), stream)
-    marker = {"format": FORMAT, **(meta or {}), **extra, "file": STATE_FILE, "size": size, "crc32": crc32,
+    marker = {"format": FORMAT, **(meta or {}), "file": STATE_FILE, **extra, "size": size, "crc32": crc32,
               "time": time.time()}
-    with filesystem.open_output_stream(marker_path) as handle:
-        handle.write(json.dumps(marker, sort_keys=True).encode())
-    if local:
-        fsync_file(marker_path)
+    data = json.dumps(marker, sort_keys=True).encode()
+    if local:  # replaced in one rename: a marker is never seen half written
+        temporary = f"{marker_path}.{uuid.uuid4().hex[:12]}.tmp"
+        with filesystem.open_output_stream(temporary) as handle:
+            handle.write(data)
+        fsync_file(temporary)
+        os.replace(temporary, marker_path)
         checkpoint.fsync_directory(directory)
         checkpoint.fsync_directory(os.path.dirname(directory))
+    else:  # one PUT: atomic
+        with filesystem.open_output_stream(marker_path) as handle:
+            handle.write(data)
+    if hasattr(stream, "after_marker"):  # the files the marker no longer names (a checkpoint saved over)
+        stream.after_marker(directory, marker)
     return marker
 
 
@@ -201,37 +212,22 @@ def read_checkpoint_dir(filesystem, directory, weights_only=True):
     return stream, marker
 
 
-def read_parts(path):
-    """``(head, [part, ...])``: the state file and the parts (in rank order) of a sharded state's checkpoint directory
-    ``path`` (a local path or URI), each checked against its marker; read in this process (``TorchTrainer.load``).
-    None when ``path`` is no checkpoint directory of a sharded state (a file, a whole state's directory)."""
-    text = os.fspath(path)
-    if "://" not in text and not os.path.isfile(os.path.join(text, MARKER_FILE)):
-        return None
-    filesystem, directory = resolve(text)
-    marker = checked_marker(filesystem, directory)
-    names = sorted(marker.get("parts") or {}, key=lambda name: int(name.split("_")[2]))
-    if not names:
-        return None
-    return read_state_file(filesystem, directory, marker), \
-        [read_state_file(filesystem, directory, marker, name) for name in names]
-
-
 def checked_marker(filesystem, directory):
     """The marker of ``directory``, checked to name the state file (any other name is a damaged checkpoint, never a
     path to follow); :class:`DamagedCheckpoint` otherwise."""
     marker = read_marker(filesystem, directory)
-    if marker.get("file", STATE_FILE) != STATE_FILE:
+    if marker.get("file", STATE_FILE) not in STATE_FILES:
         raise DamagedCheckpoint(f"checkpoint {directory!r} is damaged: its {MARKER_FILE} names the state file "
-                                f"{marker.get('file')!r}; expected {STATE_FILE!r}")
+                                f"{marker.get('file')!r}; expected one of {', '.join(map(repr, STATE_FILES))}")
     return marker
 
 
-def read_state_file(filesystem, directory, marker, name=STATE_FILE):
-    """The state file (or, with ``name``, a sharded state's part that ``marker["parts"]`` lists) of ``directory``,
-    checked against the marker's size and CRC-32 (not loaded); :class:`DamagedCheckpoint` when it is missing or
-    does not match."""
-    if name == STATE_FILE:
+def read_state_file(filesystem, directory, marker, name=None):
+    """The state file the marker names (or, with ``name``, a sharded state's part that ``marker["parts"]`` lists)
+    of ``directory``, checked against the marker's size and CRC-32 (not loaded); :class:`DamagedCheckpoint` when it
+    is missing or does not match."""
+    if name is None or name == marker.get("file", STATE_FILE):
+        name = marker.get("file", STATE_FILE)
         size, crc32 = marker.get("size"), marker.get("crc32")
     else:
         listed = (marker.get("parts") or {}).get(name)
