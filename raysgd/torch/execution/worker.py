@@ -281,8 +281,8 @@ class TorchWorker:
         self.operator.registered_loader("validation")  # a clear error before anything else
         with self.timers.record("validation"), self._val_iter.fresh_after_error(), _state.preserved_rng(), \
                 evaluation.quiet_forward(evaluation.ddp_modules(self.operator)), \
-                self.operator.unsharded():  # no collective per batch (FSDP: gathered once, on every rank)
-            stats = self.operator.validate(self._val_iter.take(num_steps), dict(info or {}))
+                self.operator.validating(self._val_iter.take(num_steps), info) as batches:  # FSDP: in lockstep
+            stats = self.operator.validate(batches, dict(info or {}))
         if profile:
             stats = {**stats, "profile": self.timers.stats()}
         return stats

@@ -23,9 +23,12 @@ What the choices are and why:
   gradient of every parameter between micro-batches (the memory FSDP exists to save), and a partial optimizer
   step at the end of an epoch would leave its gradients inside FSDP, where no public call reduces them. The sharded
   gradients add up to the same sums (up to rounding), and the partial step is only rescaled.
-- **Validation gathers each model once.** Every FSDP forward all-gathers; exact validation shards can differ by a
-  batch, and a rank with one forward more would wait in its all-gather forever. :meth:`Sharding.unsharded`
-  all-gathers on every rank when validation starts and keeps the parameters whole until it ends.
+- **Validation stays sharded.** Every FSDP forward all-gathers; exact validation shards can differ by a batch, and a
+  rank with one forward more would wait in its all-gather forever. The ranks validate in lockstep, a rank that ran
+  out padding with its last batch (:mod:`raysgd.torch.operator.fsdp_validation`): no rank holds more than sharded
+  training does. ``fsdp_args={"validation": "gathered"}`` instead gathers each model once on every rank when
+  validation starts and keeps the parameters whole until it ends (:meth:`Sharding.unsharded`).
+- **Buffers are rank 0's**, as DDP keeps them (:mod:`raysgd.torch.operator.fsdp_buffers`).
 - **fp16.** A ``torch.amp.GradScaler`` works on FSDP2's DTensor gradients (checked on CPU/gloo with an enabled
   scaler: an inf in one rank's shard skips the step on every rank), so ``use_fp16=True`` means what it means
   for DDP: float16 (``MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32)``) and the scaler on CUDA,
@@ -52,6 +55,7 @@ import torch
 
 from raysgd.torch.operator import compiled as _compiled
 from raysgd.torch.operator.fsdp_buffers import BufferSync
+from raysgd.torch.operator.fsdp_validation import VALIDATION_MODES, LockstepBatches
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +65,7 @@ STRATEGIES = ("ddp", "fsdp")
 #: gloo was completed around 2.7 (gloo's reduce-scatter, pytorch/pytorch#149869). Only 2.13 is tested here.
 MIN_TORCH = "2.7"
 #: The keys ``fsdp_args`` may hold (see :func:`check_fsdp_args`).
-FSDP_ARGS = ("reshard_after_forward", "mp_policy", "offload_policy", "shard_policy")
+FSDP_ARGS = ("reshard_after_forward", "mp_policy", "offload_policy", "shard_policy", "validation")
 _warned_one_worker = False
 
 
@@ -112,7 +116,10 @@ def check_fsdp_args(fsdp_args, strategy, *, use_fp16=False, use_gpu=False, calle
     ``mp_policy``: a ``MixedPrecisionPolicy``, only with ``use_fp16=False`` (``use_fp16`` already picks one);
     ``offload_policy``: an ``OffloadPolicy`` (a ``CPUOffloadPolicy`` only with GPUs); ``shard_policy``: which
     submodules get their own ``fully_shard`` before the root, as ``policy(module) -> bool`` or a module class (or
-    tuple of them); default: the blocks of every ``nn.Sequential`` and ``nn.ModuleList`` (see :func:`blocks`).
+    tuple of them); default: the blocks of every ``nn.Sequential`` and ``nn.ModuleList`` (see :func:`blocks`);
+    ``validation``: ``"sharded"`` (the default: the models stay sharded, the ranks validate in lockstep, see
+    :mod:`raysgd.torch.operator.fsdp_validation`) or ``"gathered"`` (each model gathered whole on every rank while
+    it validates).
 
     Example:
         >>> check_fsdp_args({"reshard_after_forward": False}, "fsdp")
@@ -150,6 +157,9 @@ def check_fsdp_args(fsdp_args, strategy, *, use_fp16=False, use_gpu=False, calle
         _expect(use_gpu or not isinstance(offload, CPUOffloadPolicy), "fsdp_args['offload_policy']",
                 "no CPUOffloadPolicy when the workers train on CPU (nothing to offload; FSDP2 then looks for an "
                 "accelerator)", offload, caller=caller)
+    validation = fsdp_args.get("validation")
+    _expect(validation is None or validation in VALIDATION_MODES, "fsdp_args['validation']",
+            " or ".join(map(repr, VALIDATION_MODES)), validation, caller=caller)
     policy = fsdp_args.get("shard_policy")
     if policy is not None:
         classes = policy if isinstance(policy, tuple) else (policy,)
@@ -328,6 +338,29 @@ class Sharding:
         return None if any(c is None for c in copies) else copies
 
     @contextlib.contextmanager
+    def validating(self, batches, pad):
+        """Context around a validation call: yields the batches the operator's ``validate`` loop gets. Sharded
+        models stay sharded (every rank takes rank 0's buffers first, no broadcast per forward) and the batches come
+        in lockstep (:class:`~raysgd.torch.operator.fsdp_validation.LockstepBatches`, ``pad(batch)`` running a
+        padding batch); with ``fsdp_args={"validation": "gathered"}`` the models are gathered whole for the call
+        (:meth:`unsharded`). Nothing sharded: the batches as they are."""
+        if not self._sharded:
+            yield batches
+            return
+        if self._args.get("validation") == "gathered":
+            with self.unsharded():
+                yield batches
+            return
+        self.sync_buffers()  # every rank validates with rank 0's buffers (those get_model() and a checkpoint hold)
+        try:
+            for buffers in self._buffers:
+                buffers.quiet(True)  # padding forwards run no grad-mode forward either; nothing to broadcast
+            yield LockstepBatches(batches, pad, self.mesh.get_group())
+        finally:
+            for buffers in self._buffers:
+                buffers.quiet(False)
+
+    @contextlib.contextmanager
     def unsharded(self):
         """Every sharded model whole on this rank until exit (an all-gather on entry, every rank must enter):
         forwards inside run without collectives, so ranks with different batch counts never wait for each other."""
@@ -389,8 +422,21 @@ class ShardingHelpers:
 
     def unsharded(self):
         """Context: the sharded models whole on this rank until exit (a collective on entry; see
-        :meth:`Sharding.unsharded`); a no-op unless ``strategy == "fsdp"``. Validation runs inside it."""
+        :meth:`Sharding.unsharded`); a no-op unless ``strategy == "fsdp"``. Validation runs inside it with
+        ``fsdp_args={"validation": "gathered"}``."""
         return self._sharding.unsharded()
+
+    def validating(self, batches, info=None):
+        """Context: yields the batches a validation call's ``validate`` loop gets (see :meth:`Sharding.validating`):
+        under ``strategy="fsdp"`` in lockstep over the ranks, a rank that has run out padding with its last batch
+        through :meth:`validate_batch` (``batch_info["padding"] = True``, its result dropped); else as they are."""
+        info = dict(info or {})
+
+        def pad(batch):
+            with torch.no_grad():
+                self.validate_batch(batch, {**info, "batch_idx": -1, "padding": True})
+
+        return self._sharding.validating(batches, pad)
 
     def sync_buffers(self):
         """Rank 0's buffers to every rank of a sharded group (a collective; a no-op unless ``strategy == "fsdp"``):

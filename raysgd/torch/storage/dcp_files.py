@@ -150,15 +150,17 @@ def read_file(storage_path, relative_path):
                               f"(an incomplete or damaged checkpoint)") from err
 
 
-#: Ranges of one file closer than this are read in one request (fewer requests to an object store).
-MERGE_GAP = 64 * 1024
+#: Ranges of one file closer than this are read in one request (fewer requests to an object store), when the gap
+#: is also at most :data:`MERGE_SHARE` of the bytes they join: what is read beyond the ranges stays within it.
+MERGE_GAP, MERGE_SHARE = 64 * 1024, 0.05
 
 
 class FileRanges:
     """A source of byte ranges (``read(relative_path, ranges)``, see
     :class:`~raysgd.torch.state.dcp_blobs.BlobReader`) over the files of the folder ``storage_path`` (local or a URI;
-    ``folder``: a folder of that filesystem instead, as ``resolve`` names it): each file opened once, only the ranges read (ranges nearer than :data:`MERGE_GAP` in one request). ``sizes``
-    (``{file: bytes}``, a marker's) are checked first: a file of another size is a damaged checkpoint
+    ``folder``: a folder of that filesystem instead, as ``resolve`` names it): each file opened once, only the
+    ranges read (ranges nearer than :data:`MERGE_GAP`, a small share of them, in one request). ``sizes`` (``{file:
+    bytes}``, a marker's) are checked first: a file of another size is a damaged checkpoint
     (:class:`~raysgd.torch.errors.CheckpointError`), never read. :attr:`pulled` counts the bytes read.
 
     Example:
@@ -197,11 +199,12 @@ class FileRanges:
 
 
 def _merged(ranges):
-    """``[(start, end, [(index, (offset, length)), ...])]``: ``ranges`` sorted and merged where they are closer than
-    :data:`MERGE_GAP`."""
+    """``[(start, end, [(index, (offset, length)), ...])]``: ``ranges`` sorted and merged where the gap between them
+    is at most :data:`MERGE_GAP` and :data:`MERGE_SHARE` of the bytes joined."""
     merged = []
     for index, (offset, length) in sorted(enumerate(ranges), key=lambda entry: entry[1][0]):
-        if merged and offset - merged[-1][1] <= MERGE_GAP:
+        gap = offset - merged[-1][1] if merged else None
+        if merged and gap <= MERGE_GAP and gap <= MERGE_SHARE * (merged[-1][1] - merged[-1][0] + length):
             merged[-1][1] = max(merged[-1][1], offset + length)
             merged[-1][2].append((index, (offset, length)))
         else:
