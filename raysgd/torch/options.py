@@ -372,7 +372,7 @@ class TrainerOptions:
         "and Ray metrics)", _flag("ray_metrics"))
     strategy: str = option(
         "ddp", "`\"ddp\"` (DistributedDataParallel: the whole model on every worker) or `\"fsdp\"` (FSDP2's "
-        "`fully_shard`: parameters, gradients and optimizer state sharded over the workers; torch ≥ 2.7; see Sharded "
+        "`fully_shard`: parameters, gradients and optimizer state sharded over the workers; torch ≥ 2.9; see Sharded "
         "models (FSDP2))", _parallel_strategy, attribute=True, worker=True)
     fsdp_args: dict = option(
         None, "with `strategy=\"fsdp\"`: `reshard_after_forward`, `mp_policy`, `offload_policy` (passed to "

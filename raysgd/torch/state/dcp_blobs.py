@@ -280,7 +280,8 @@ class _BlobStream:
 
 class _MemoryFiles(FileSystemBase):
     """DCP's storage interface over memory: the files ``FileSystemWriter`` writes, by name. A file's buffer is sized
-    from :attr:`capacity` (``{name: bytes}``) when it is given, else grown as it is written (the metadata)."""
+    from :attr:`capacity` (``{name or ".distcp": bytes}``: the next data file's under ``".distcp"``) when it is
+    given, else grown as it is written (the metadata)."""
 
     def __init__(self):
         self.files, self.capacity = {}, {}
@@ -290,7 +291,7 @@ class _MemoryFiles(FileSystemBase):
         if "w" not in mode:
             raise io.UnsupportedOperation(f"an in-memory DCP file is written once; got mode {mode!r}")
         name = str(path).rsplit("/", 1)[-1]
-        capacity = self.capacity.pop(name, None)
+        capacity = self.capacity.pop(".distcp" if name.endswith(".distcp") else name, None)
         stream = _BlobStream(capacity if capacity is not None else 1024, exact=capacity is not None)
         yield stream
         self.files[name] = stream.finish()
@@ -352,23 +353,23 @@ class BlobWriter(FileSystemWriter):
         self.fs = _MemoryFiles()
         self.file_name, self.blob, self.metadata, self.layout = None, None, None, None
 
-    def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-        self.rank = kwargs.get("rank") or 0
-
     def write_data(self, plan, planner):
         """``FileSystemWriter``'s write of this rank's file, into a buffer sized from the plan first; each tensor
         item's result also carries where its raw bytes start (taken out again in :meth:`finish`)."""
-        self.file_name = FILE_NAME.format(rank=self.rank)  # FileSystemWriter's name (one file per rank)
         capacity = 0
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 capacity += len(planner.resolve_data(item).getbuffer())  # (resolved again when written: small)
             else:
                 capacity += _item_bytes(item) + TORCH_SAVE_OVERHEAD
-        self.fs.capacity[self.file_name] = capacity
+        self.fs.capacity[".distcp"] = capacity
         results = super().write_data(plan, planner).wait()
-        self.blob = self.fs.files.pop(self.file_name, bytearray())
+        written = [name for name in self.fs.files if name.endswith(".distcp")]  # one: a file per rank
+        if len(written) != 1:
+            raise CheckpointError(f"DCP's FileSystemWriter expected to write one file per rank; it wrote {written}")
+        self.file_name = written[0]  # FileSystemWriter's name: __{rank in the group}_0.distcp
+        self.rank = int(self.file_name.split("_")[2])
+        self.blob = self.fs.files.pop(self.file_name)
         view = memoryview(self.blob)
         tensors = {item.index: item for item in plan.items if item.type != WriteItemType.BYTE_IO}
         marked = []

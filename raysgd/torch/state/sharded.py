@@ -143,7 +143,14 @@ def load_models_and_optimizers(models, optimizers, state, full=False):
             for group, saved in zip(optimizer.param_groups, optimizer_state.get("param_groups", ())):
                 group.update({key: value for key, value in saved.items() if key != "params"})
             continue
-        set_optimizer_state_dict(_owner(models, optimizer), optimizer, optimizer_state, options=options)
+        # a parameter without state (SGD without momentum) gets an empty one, which every optimizer reads as none:
+        # torch 2.9's set_optimizer_state_dict wants an entry for each parameter even when not strict
+        with_state = dict(optimizer_state["state"])
+        for group in optimizer_state.get("param_groups", ()):
+            for name in group.get("params", ()):
+                with_state.setdefault(name, {})
+        set_optimizer_state_dict(_owner(models, optimizer), optimizer, {**optimizer_state, "state": with_state},
+                                 options=options)
 
 
 # ----------------------------------------------------------------- parts
