@@ -127,7 +127,7 @@ def check_fsdp_args(fsdp_args, strategy, *, use_fp16=False, use_gpu=False, calle
         {'reshard_after_forward': False}
         >>> check_fsdp_args({"reshard": True}, "fsdp")
         Traceback (most recent call last):
-        ValueError: TorchTrainer: fsdp_args expects keys among 'reshard_after_forward', 'mp_policy', 'offload_policy', 'shard_policy'; got 'reshard'
+        ValueError: TorchTrainer: fsdp_args expects keys among 'reshard_after_forward', 'mp_policy', 'offload_policy', 'shard_policy', 'validation'; got 'reshard'
         >>> check_fsdp_args({"reshard_after_forward": 2}, "fsdp")
         Traceback (most recent call last):
         TypeError: TorchTrainer: fsdp_args['reshard_after_forward'] expects True, False or None; got 2

@@ -144,7 +144,7 @@ _read_task = None
 
 
 class PartRanges:
-    """A source of byte ranges (``read(relative_path, ranges)``, see :class:`~raysgd.torch.state.dcp_blobs.BlobReader`)
+    """A source of byte ranges (``read(relative_path, ranges)``, see :class:`~raysgd.torch.state.dcp_reader.BlobReader`)
     over parts held in object stores: ``{file name: [(ref, node), ...]}`` (the copies, preferred first).
 
     A part on this process's node is read in place (a zero-copy view of the local object); one on another node is

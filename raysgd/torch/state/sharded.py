@@ -18,7 +18,7 @@ Example:
     >>> part.file_name, part.metadata is not None
     ('__0_0.distcp', True)
     >>> target = {"w": torch.zeros(3), "step": 0}
-    >>> load_parts(target, part.metadata, {part.file_name: part.blob}.__getitem__)
+    >>> _ = load_parts(target, part.metadata, {part.file_name: part.blob}.__getitem__)
     >>> target["w"].tolist(), target["step"]
     ([0.0, 1.0, 2.0], 7)
     >>> consolidate_parts(part.metadata, {part.file_name: part.blob}.__getitem__)["w"].tolist()
@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from raysgd.torch.state import dcp_blobs
+from raysgd.torch.state import dcp_blobs, dcp_reader
 from raysgd.torch.state.dcp_blobs import as_metadata, file_sizes, renamed_files  # noqa: F401 (renamed_files: public here)
 
 logger = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ def load_parts(state_dict, metadata, fetch, process_group=None, weights_only=Tru
         layout: :attr:`Part.layout` of rank 0 (saved with the checkpoint): each rank then reads only the rows of
             the saved shards that its new shard takes, and the replicated values; without it, whole items.
 
-    Returns the reader's counts (:attr:`~raysgd.torch.state.dcp_blobs.BlobReader.stats`: ``read``, ``needed``,
+    Returns the reader's counts (:attr:`~raysgd.torch.state.dcp_reader.BlobReader.stats`: ``read``, ``needed``,
     ``files``).
 
     Example:
@@ -255,9 +255,9 @@ def load_parts(state_dict, metadata, fetch, process_group=None, weights_only=Tru
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"load_parts expects a state dict (a dict) to load into; got {type(state_dict).__name__}")
-    source = dcp_blobs.as_source(fetch)
+    source = dcp_reader.as_source(fetch)
     single = _single_process(process_group)
-    reader = dcp_blobs.BlobReader(metadata, source, layout=layout, weights_only=weights_only)
+    reader = dcp_reader.BlobReader(metadata, source, layout=layout, weights_only=weights_only)
     with _dcp_call(single, process_group):
         dcp.load(state_dict, storage_reader=reader, process_group=process_group, no_dist=single)
     LOAD_STATS.clear()
@@ -344,7 +344,7 @@ def consolidate_parts(metadata, fetch, weights_only=True, layout=None):
     """
     metadata = as_metadata(metadata, weights_only=weights_only)
     flat = _empty_state(metadata)
-    reader = dcp_blobs.BlobReader(metadata, fetch, layout=layout, weights_only=weights_only)
+    reader = dcp_reader.BlobReader(metadata, fetch, layout=layout, weights_only=weights_only)
     with _dcp_call(True):
         dcp.load(flat, storage_reader=reader, no_dist=True)
     return _unflatten(flat, metadata.planner_data or {})

@@ -157,7 +157,7 @@ MERGE_GAP, MERGE_SHARE = 64 * 1024, 0.05
 
 class FileRanges:
     """A source of byte ranges (``read(relative_path, ranges)``, see
-    :class:`~raysgd.torch.state.dcp_blobs.BlobReader`) over the files of the folder ``storage_path`` (local or a URI;
+    :class:`~raysgd.torch.state.dcp_reader.BlobReader`) over the files of the folder ``storage_path`` (local or a URI;
     ``folder``: a folder of that filesystem instead, as ``resolve`` names it): each file opened once, only the
     ranges read (ranges nearer than :data:`MERGE_GAP`, a small share of them, in one request). ``sizes`` (``{file:
     bytes}``, a marker's) are checked first: a file of another size is a damaged checkpoint
@@ -169,7 +169,7 @@ class FileRanges:
         >>> _ = write_part(folder, sharded.Part(0, "f", bytearray(b"abcdef")))
         >>> source = FileRanges(folder, sizes={"f": 6})
         >>> [bytes(piece) for piece in source.read("f", [(1, 2), (4, 2)])], source.pulled
-        ([b'bc', b'ef'], 5)
+        ([b'bc', b'ef'], 4)
     """
 
     def __init__(self, storage_path, sizes=None, folder=None):
