@@ -243,3 +243,36 @@ def test_a_part_holder_killed_mid_run_is_replaced_and_the_next_commit_completes(
     assert commit["cursor"]["steps"] == 12 and torch.equal(commit["models"][0]["p"], torch.ones(N))
     (pid,) = _holder_pids()
     assert pid != killed[0]
+
+
+def test_the_sharded_call_start_snapshot_is_taken_beside_the_call_and_a_failure_restarts_from_it(trainers, tmp_path):
+    """Without commits, a call's restart point is its call-start snapshot. Sharded, every rank writes its part beside
+    the call (in its snapshot thread, over a process group of their own) and no rank steps before every part is
+    stored: rank 1 ends its process at step 3, inside the second call, and the call restarts from the snapshot taken
+    at its start (step 2): bit-exact, every sample once."""
+    from raysgd.torch.state import call_start  # noqa: PLC0415
+
+    config = {"n": N, "batch_size": BATCH}
+    clean = trainers(config=config, commit_every_n_steps=0)
+    clean.train(num_steps=2)
+    clean.train()
+    expected = clean.state_dict()
+    clean.shutdown()
+
+    marker = str(tmp_path / "exited")
+    faulty = trainers(config=dict(config, fault={"step": 3, "rank": 1, "marker": marker, "exit": True}),
+                      commit_every_n_steps=0)
+    faulty.train(num_steps=2)  # the first call's point is taken before it starts
+    events = faulty.apply_all_workers(lambda: [event for event, _ in call_start.EVENTS])
+    assert all("serialising" not in seen for seen in events), events
+    faulty.train()
+    assert os.path.exists(marker) and faulty.num_failures == 1
+    assert torch.equal(counts(faulty), torch.ones(N))
+    got = faulty.state_dict()
+    assert_same(got["models"], expected["models"], "models")
+    assert_same(got["optimizers"], expected["optimizers"], "optimizers")
+    faulty.train(num_steps=1)  # starts from state_dict()'s snapshot: the state has not moved since
+    faulty.train(num_steps=1)  # its snapshot is taken beside it by every rank
+    for seen in faulty.apply_all_workers(lambda: list(call_start.EVENTS)):
+        latest = {event for event, token in seen if token == seen[-1][1]}
+        assert {"captured", "serialising", "serialised", "gate_open"} <= latest, seen
