@@ -9,8 +9,12 @@ For each worker count N (``--workers``), ``TorchTrainer(strategy="fsdp", num_wor
 commit_every_n_steps=1)`` trains ``benchmarks/fsdp.py``'s MLP with Adam (the state: parameters and two Adam moments,
 about 3x the parameters' bytes, sharded over the N ranks). Measured:
 
-- ``snapshot_ms``: a ``train(num_steps=2)`` call's wall time minus the slowest worker's own time in it (the driver's
-  per-call overhead: each rank writes its part of the call-start snapshot into its node's object store, at once);
+- ``snapshot_ms``: a ``train(num_steps=2)`` call's wall time minus the slowest worker's own time in it, in a run
+  without ``storage_path`` and commits (the call-start snapshot's per-call overhead: every rank captures its shards at
+  the call's start and writes its part beside the call; a wait of its first step for the parts counts in the
+  worker's own time, as for DDP's in ``state_scaling.py``);
+- ``with_checkpoint_ms``: the same with ``storage_path`` and ``commit_every_n_steps=1``, where every result is
+  checkpointed: the checkpoint's snapshot of every rank's part is taken when the call returns, before the next;
 - ``commit_ms``: the latest commit's latency (every rank's part saved, handed to its node's holder, and its record
   stored; the slowest rank's), ``trainer.last_commit_latency_s``;
 - ``checkpoint_s``: the durable checkpoint of a call's result, from the call's return until it is durable (every
@@ -48,26 +52,45 @@ from raysgd.torch.state import sharded  # noqa: E402
 from raysgd.utils import BATCH_SIZE  # noqa: E402
 
 
-def trainer(workers, widths, storage, resume=True):
+def trainer(workers, widths, storage, resume=True, commit_every_n_steps=1):
     return TorchTrainer(training_operator_cls=MLPOperator, num_workers=workers, strategy="fsdp", timeout_s=300,
                         config={BATCH_SIZE: GLOBAL_BATCH, "widths": widths, "samples": GLOBAL_BATCH * 16},
-                        storage_path=storage, resume=resume, commit_every_n_steps=1)
+                        storage_path=storage, resume=resume, commit_every_n_steps=commit_every_n_steps)
+
+
+def _overheads(run, calls=3):
+    """Per ``train(num_steps=2)`` call: its wall time minus the slowest worker's own time in it (seconds)."""
+    overheads = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        result = run.train(num_steps=2, profile=True)
+        overheads.append(time.perf_counter() - started - result["profile"]["mean_train_epoch_s"])
+    return overheads
+
+
+def measure_snapshot(workers, widths):
+    """``snapshot_ms``: the per-call overhead of the call-start snapshot alone (no ``storage_path``, no commits), the
+    lowest of 3 calls after a warm-up (as DDP's is measured in ``state_scaling.py``)."""
+    run = trainer(workers, widths, None, resume=False, commit_every_n_steps=0)
+    try:
+        run.train(num_steps=1)  # warm-up: imports, and the first call's point (taken before it: none to fall back to)
+        return {"snapshot_ms": 1000 * min(_overheads(run))}
+    finally:
+        run.shutdown()
 
 
 def measure_run(workers, widths, storage):
-    """``snapshot_ms``, ``commit_ms`` and ``checkpoint_s`` of N workers; leaves a checkpoint in ``storage``."""
+    """``with_checkpoint_ms`` (the per-call overhead with a durable checkpoint of every result: its snapshot is
+    taken when the call returns), ``commit_ms`` and ``checkpoint_s`` of N workers; leaves a checkpoint in
+    ``storage``."""
     run = trainer(workers, widths, storage, resume=False)
     try:
         run.train(num_steps=1)  # warm-up: the first call's imports, the holders' and the write tasks' processes
         run.controller.durable.flush(timeout_s=600)
-        overheads = []
-        for _ in range(2):  # 2 steps a call: the first step's commit is stored before the second commits
-            started = time.perf_counter()
-            result = run.train(num_steps=2, profile=True)
-            overheads.append(time.perf_counter() - started - result["profile"]["mean_train_epoch_s"])
+        overheads = _overheads(run, calls=2)  # 2 steps a call: the first step's commit is stored before the second's
         started = time.perf_counter()
         run.controller.durable.flush(timeout_s=600)
-        return {"snapshot_ms": 1000 * min(overheads), "commit_ms": 1000 * run.last_commit_latency_s,
+        return {"with_checkpoint_ms": 1000 * min(overheads), "commit_ms": 1000 * run.last_commit_latency_s,
                 "checkpoint_s": time.perf_counter() - started}
     finally:
         run.shutdown()
@@ -150,7 +173,7 @@ def main(argv=None):
             reads.extend(measure_reads(source, target, widths, folder))
         for workers in [] if args.skip_costs else counts:
             storage = os.path.join(folder, f"n{workers}")
-            row = {"workers": workers, **measure_run(workers, widths, storage)}
+            row = {"workers": workers, **measure_snapshot(workers, widths), **measure_run(workers, widths, storage)}
             for other in counts[1:] if args.smoke_test else counts:  # the smoke test: 2 workers resumed on 1
                 row[f"resume_to_{other}_s"] = measure_resume(other, widths, storage)
             rows.append(row)

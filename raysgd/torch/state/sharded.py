@@ -1,13 +1,14 @@
 """Sharded training state: each rank saves its own shard of the models and optimizers as one blob in DCP's format,
-and any number of ranks loads it back, each reading only the blobs its new shard needs.
+and any number of ranks loads it back, each reading only the rows its new shard takes and the replicated values.
 
 Layer 2 (torch only: no Ray, no files). FSDP2 models (``fully_shard``) hold DTensors; their state goes through
 ``torch.distributed.checkpoint`` (DCP): :func:`models_and_optimizers_state` and :func:`load_models_and_optimizers`
 wrap DCP's ``get_state_dict``/``set_state_dict`` for lists of models and optimizers; :func:`save_parts` (a collective)
-gives each rank a :class:`Part` (its blob, named as DCP's ``FileSystemWriter`` names its file, and on rank 0 the
-checkpoint's metadata); :func:`load_parts` (a collective at any world size: resharding) loads them through a
-``fetch(relative_path)`` that the caller backs with memory, an object store or files. The byte format is
-:mod:`~raysgd.torch.state.dcp_blobs`'s: the blobs under their names plus ``.metadata`` are a DCP checkpoint folder.
+gives each rank a :class:`Part` (its blob, the file DCP's ``FileSystemWriter`` writes, and on rank 0 the
+checkpoint's metadata and layout); :func:`load_parts` (a collective at any world size: resharding) loads them
+through a source of byte ranges (or a ``fetch(relative_path)`` of whole files) that the caller backs with memory, an
+object store or files. The byte format is :mod:`~raysgd.torch.state.dcp_blobs`'s (the blobs under their names plus
+``.metadata`` are a DCP checkpoint folder), read by :mod:`~raysgd.torch.state.dcp_reader`.
 
 Plain (unsharded) modules work too, in a process group (DCP then saves each replicated tensor once) or in a process
 with no process group at all (DCP's single-process mode: one part, rank 0).

@@ -12,6 +12,11 @@ folder that may exist on the driver's disk only; NFS works either way). A resume
 :func:`read_part` checks a checkpoint's state file against its marker in a task on rank 0's node and leaves the
 bytes in that node's object store, where every worker loads them from.
 
+A sharded state's checkpoint (FSDP) is written by :class:`ShardedRemoteParts` (a task per rank's part, then the
+head, DCP's ``.metadata`` and the marker; over an existing one in the other set of names, atomically) and read back
+by the workers themselves (:class:`ShardedFiles`: each reads its byte ranges of the parts; the driver reads only the
+marker and the head).
+
 Example:
     >>> # part = RemotePart(point.refs, point.nodes[0], storage.root, storage.local, timeout_s=600)
     >>> # write_checkpoint_dir(fs, directory, part, meta) -> the marker, with the size and CRC the task measured
