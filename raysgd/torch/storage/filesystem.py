@@ -150,17 +150,19 @@ def write_checkpoint_dir(filesystem, directory, stream, meta=None):
     marker = {"format": FORMAT, **(meta or {}), "file": STATE_FILE, **extra, "size": size, "crc32": crc32,
               "time": time.time()}
     data = json.dumps(marker, sort_keys=True).encode()
-    if local:  # replaced in one rename: a marker is never seen half written
-        temporary = f"{marker_path}.{uuid.uuid4().hex[:12]}.tmp"
-        with filesystem.open_output_stream(temporary) as handle:
-            handle.write(data)
-        fsync_file(temporary)
-        os.replace(temporary, marker_path)
+    # over an existing marker (a checkpoint saved over, locally) through a temporary and one rename: the old marker or
+    # the new one, never half of one; a new one in place (a crash leaves a folder without a complete marker: skipped);
+    # elsewhere one PUT (atomic)
+    replacing = local and os.path.exists(marker_path)
+    target = f"{marker_path}.{uuid.uuid4().hex[:12]}.tmp" if replacing else marker_path
+    with filesystem.open_output_stream(target) as handle:
+        handle.write(data)
+    if local:
+        fsync_file(target)
+        if replacing:
+            os.replace(target, marker_path)
         checkpoint.fsync_directory(directory)
         checkpoint.fsync_directory(os.path.dirname(directory))
-    else:  # one PUT: atomic
-        with filesystem.open_output_stream(marker_path) as handle:
-            handle.write(data)
     if hasattr(stream, "after_marker"):  # the files the marker no longer names (a checkpoint saved over)
         stream.after_marker(directory, marker)
     return marker

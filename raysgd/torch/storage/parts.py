@@ -119,7 +119,8 @@ class ShardedRemoteParts:
         crc32, {"parts": {file: [size, crc32]}, "file": head, "generation": 0 or 1})`` for the marker. A failed or
         overdue write raises (no marker: the checkpoint does not count)."""
         fs, _ = filesystem.resolve(self.root)
-        generation = 1 - _generation(fs, directory) if _generation(fs, directory) is not None else 0
+        existing = _generation(fs, directory)
+        generation = 0 if existing is None else 1 - existing  # the set the marker does not name
         names = [part_file(rank, generation) for rank in range(len(self.point.parts))]
         writers = [RemotePart(part.refs, part.nodes[0], self.root, self.local, timeout_s=self.timeout_s)
                    for part in self.point.parts]
