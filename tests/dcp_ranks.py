@@ -107,6 +107,7 @@ def main(rank, port, out, s3, environ):
         if rank == 0:
             dcp_files.write_metadata(mem, part.metadata)
             torch.save(reference, os.path.join(out, "reference.pt"))
+            torch.save(part.layout, os.path.join(out, "layout.pt"))  # where each tensor item's raw bytes start
         # the laziness check: one layer whose rows split 6/6 at 2 ranks and 4/4/4 at 3
         lazy = torch.nn.Linear(4, 12)
         fully_shard(lazy, mesh=mesh)
@@ -114,6 +115,7 @@ def main(rank, port, out, s3, environ):
         dcp_files.write_part(os.path.join(out, "lazy"), lazy_part)
         if rank == 0:
             dcp_files.write_metadata(os.path.join(out, "lazy"), lazy_part.metadata)
+            torch.save(lazy_part.layout, os.path.join(out, "lazy_layout.pt"))
     dist.barrier()
     mesh = DeviceMesh.from_group(world, "cpu")  # ---------------- load at 3 ranks
     blobs = read_folder(mem)
@@ -127,7 +129,14 @@ def main(rank, port, out, s3, environ):
         sharded.load_parts(state, metadata, fetcher, process_group=world)
         timings["load_parts_3_s"] = time.perf_counter() - started
 
+    layout = torch.load(os.path.join(out, "layout.pt"), weights_only=True)
+    ranged = {}
+
+    def rows_only(state):  # with the layout: only the rows this rank's shard takes, and the replicated values
+        ranged.update(sharded.load_parts(state, metadata, blobs.__getitem__, process_group=world, layout=layout))
+
     results = {"loaded_3": load_into_fresh(mesh, 1, from_memory, metadata),
+               "loaded_3_ranged": load_into_fresh(mesh, 6, rows_only, metadata),
                "loaded_3_torch_reader": load_into_fresh(
                    mesh, 2, lambda state: dcp.load(state, storage_reader=dcp.FileSystemReader(mem), process_group=world),
                    metadata),
@@ -141,6 +150,13 @@ def main(rank, port, out, s3, environ):
     lazy_state, lazy_fetcher = {"model": get_model_state_dict(lazy)}, Fetcher(lazy_blobs)
     lazy_needed = sharded.files_needed(lazy_state, lazy_metadata)
     sharded.load_parts(lazy_state, lazy_metadata, lazy_fetcher, process_group=world)
+    lazy_rows = {"model": get_model_state_dict(lazy)}  # the same again, reading only this rank's rows
+    for value in lazy_rows["model"].values():
+        value.to_local().zero_()
+    lazy_ranged = sharded.load_parts(lazy_rows, lazy_metadata, lazy_blobs.__getitem__, process_group=world,
+                                     layout=torch.load(os.path.join(out, "lazy_layout.pt"), weights_only=True))
+    lazy_same = all(torch.equal(lazy_rows["model"][key].to_local(), lazy_state["model"][key].to_local())
+                    for key in lazy_state["model"])
     if rank == 0:  # ---------------- load at 1 rank
         solo_mesh = DeviceMesh.from_group(solo, "cpu")
         results["loaded_1"] = load_into_fresh(
@@ -150,6 +166,7 @@ def main(rank, port, out, s3, environ):
             torch.save(result, os.path.join(out, f"{name}.pt"))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
         json.dump({"fetched": fetcher.calls, "needed": needed, "lazy_fetched": lazy_fetcher.calls,
-                   "lazy_needed": lazy_needed, "timings": timings}, handle)
+                   "lazy_needed": lazy_needed, "timings": timings, "ranged": ranged, "lazy_ranged": lazy_ranged,
+                   "lazy_same": lazy_same}, handle)
     dist.barrier()
     dist.destroy_process_group()

@@ -245,6 +245,50 @@ class CountingOperator(TrainingOperator):
         return {"train_loss": out.detach().pow(2).mean().item(), "num_samples": len(idx)}
 
 
+def small_resnet():
+    """A BatchNorm ResNet small enough for CPU tests: a 3x3 stem with batch norm, two of raysgd's ResNet
+    ``BasicBlock`` (the second with a projection shortcut and its own batch norm), pooling and a linear head."""
+    from raysgd.torch.resnet import BasicBlock  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), BasicBlock(8, 8),
+                         BasicBlock(8, 16, stride=2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
+
+
+class BatchNormOperator(CountingOperator):
+    """:func:`small_resnet` on ``n`` random 8x8 images of 4 classes with SGD (momentum), cross entropy and the
+    data cursor's shuffled loader (``batch_size`` per worker); 10 validation images. Faults, holds and the log as
+    :class:`CountingOperator`'s."""
+
+    def setup(self, config):
+        n = config.get("n", 64)
+        model = small_resnet()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        self.model, self.optimizer, self.criterion = self.register(models=model, optimizers=optimizer,
+                                                                   criterion=nn.CrossEntropyLoss())
+        generator = torch.Generator().manual_seed(7)
+        x, y = torch.randn(n, 3, 8, 8, generator=generator), torch.randint(0, 4, (n,), generator=generator)
+        self.register_data(train_loader=DataLoader(TensorDataset(x, y), batch_size=config.get("batch_size", 4),
+                                                    shuffle=True),
+                           validation_loader=DataLoader(TensorDataset(x[:10], y[:10]), batch_size=3))
+
+    def _step(self, batch):
+        if self.config.get("log"):
+            with open(self.config["log"], "a") as handle:
+                handle.write(f"{self.world_rank} {self.global_step}\n")
+        x, y = (tensor.to(self.device) for tensor in batch)
+        loss = self.criterion(self.model(x), y)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return {"train_loss": loss.item(), "num_samples": len(x)}
+
+
+def buffers_of(model):
+    """``{name: buffer}`` of ``model`` (copies on the CPU)."""
+    return {name: buffer.detach().cpu().clone() for name, buffer in model.named_buffers()}
+
+
 class SlowCleanupOperator(CountingOperator):
     """A CountingOperator whose ``train_epoch``, when an error ends it, takes ``config["cleanup_s"]`` seconds to
     clean up (a DataLoader's worker processes, a log flush): a rank that exits meanwhile (a preempted one) is

@@ -137,7 +137,11 @@ def test_fsdp_state_benchmark_smoke_test_measures_every_column(tmp_path):
     result, stdout = run_smoke("fsdp_state.py", tmp_path / "fsdp_state.json", timeout=500)
     (row,) = result["rows"]
     assert row["workers"] == 2 and row["commit_ms"] > 0 and row["checkpoint_s"] > 0, row
-    assert "snapshot_ms" in row and "resume_to_1_s" in row and "checkpoint_s" in stdout
+    assert row["snapshot_ms"] is not None and "with_checkpoint_ms" in row and "resume_to_1_s" in row
+    assert "checkpoint_s" in stdout
+    assert [(read["path"], read["from"], read["to"]) for read in result["reads"]] == [
+        ("objects", 2, 1), ("load(path)", 2, 1), ("resume", 2, 1)]
+    assert all(read["worst_ratio"] <= 1.1 and "r0" in read for read in result["reads"]), result["reads"]
 
 
 def test_serialise_stall_smoke_test_measures_both_ways(tmp_path):

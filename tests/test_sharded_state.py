@@ -85,7 +85,7 @@ def _assert_same_state(reference, loaded):
     assert _differences(reference, loaded) == []
 
 
-@pytest.mark.parametrize("name", ["loaded_3", "loaded_1"])
+@pytest.mark.parametrize("name", ["loaded_3", "loaded_1", "loaded_3_ranged"])
 def test_fsdp2_state_saved_at_2_ranks_loads_bit_exact_at_3_and_at_1(ranks, name):
     _assert_same_state(_load(ranks, "reference"), _load(ranks, name))
 
@@ -122,6 +122,17 @@ def test_a_rank_fetches_only_the_files_its_shard_needs_each_once(ranks):
     # rows 0-5 were rank 0's and 6-11 rank 1's; at 3 ranks rank 0 holds 0-3, rank 1 4-7, rank 2 8-11
     assert [log["lazy_fetched"] for log in logs] == [["__0_0.distcp"], ["__0_0.distcp", "__1_0.distcp"],
                                                      ["__1_0.distcp"]]
+
+
+def test_with_the_layout_a_rank_reads_only_its_rows_and_the_replicated_values(ranks):
+    """The layout (where each tensor item's raw bytes start) lets a rank read the rows its new shard takes out of
+    the saved shards: 12 rows saved 6/6 at 2 ranks, loaded 4/4/4 at 3 (rank 1 reads rows 4-5 of rank 0's part and
+    6-7 of rank 1's), exactly the bytes it loads; without it each overlapping item is read whole."""
+    logs = [json.load(open(os.path.join(ranks, f"rank{rank}.json"))) for rank in range(3)]
+    for log in logs:
+        assert log["lazy_same"] and log["lazy_ranged"]["read"] == log["lazy_ranged"]["needed"]
+        assert log["lazy_ranged"]["needed"] == 4 * 4 * 4 + 4 * 4  # its 4 rows of the weight and of the bias
+        assert log["ranged"]["read"] == log["ranged"]["needed"], log["ranged"]
 
 
 def test_consolidate_gives_the_full_state_in_one_process(ranks):

@@ -372,11 +372,12 @@ class TrainerOptions:
         "and Ray metrics)", _flag("ray_metrics"))
     strategy: str = option(
         "ddp", "`\"ddp\"` (DistributedDataParallel: the whole model on every worker) or `\"fsdp\"` (FSDP2's "
-        "`fully_shard`: parameters, gradients and optimizer state sharded over the workers; torch ≥ 2.7; see Sharded "
+        "`fully_shard`: parameters, gradients and optimizer state sharded over the workers; torch ≥ 2.9; see Sharded "
         "models (FSDP2))", _parallel_strategy, attribute=True, worker=True)
     fsdp_args: dict = option(
         None, "with `strategy=\"fsdp\"`: `reshard_after_forward`, `mp_policy`, `offload_policy` (passed to "
-        "`fully_shard`) and `shard_policy` (the submodules sharded on their own before the root)", _fsdp_args,
+        "`fully_shard`), `shard_policy` (the submodules sharded on their own before the root) and `validation` "
+        "(`\"sharded\"`, the default, or `\"gathered\"`)", _fsdp_args,
         worker=True)
     num_spares: int = option(
         0, "warm spare workers kept idle beside the group, each with its own bundle of `num_cpus_per_worker` (and "

@@ -133,6 +133,13 @@ class TorchTrainer:
         return controller.last_commit_latency_s if controller is not None else None
 
     @property
+    def holder_replacements(self):
+        """How many commit part holders (one per node, keeping the committed state parts) lost their process and were
+        replaced on their node so far (Ray restarts them; the next commit is kept by the new one)."""
+        controller = self.__dict__.get("_controller")
+        return controller.commits.holder_replacements if controller is not None else 0
+
+    @property
     def last_checkpoint_s(self):
         """Seconds the latest durable checkpoint (``storage_path``) took to write, state and marker; None before any.
         Set on the checkpoint writer's thread just before ``on_checkpoint`` is called."""

@@ -19,7 +19,7 @@ Example:
 import itertools
 import logging
 
-from raysgd.torch.state.call_start import PendingPoint, SnapshotFailed
+from raysgd.torch.state.call_start import PendingPoint, PendingShardedPoint, SnapshotFailed
 from raysgd.torch.state.restart_point import RestartPointLost, ShardedPoint, copy_all, start_copy, this_node
 
 logger = logging.getLogger(__name__)
@@ -89,6 +89,10 @@ class RestartPoints:
         begun = group.begin_snapshot(token, self._timeout_s)
         if begun is None:
             return self.take(group)
+        if isinstance(begun, list):  # a sharded state: every rank's part, each copied to another node
+            targets = self._copy_targets(group, [node for _, _, node in begun])
+            return PendingShardedPoint(token, [(info, data, node, [(target, *start_copy(data, target, node))]
+                                                if target else []) for (info, data, node), target in zip(begun, targets)])
         info, data, node = begun
         copies = [(target, *start_copy(data, target, node)) for target in self._copy_targets(group, [node]) if target]
         return PendingPoint(token, info, data, node, copies)
@@ -120,7 +124,8 @@ class RestartPoints:
             logger.warning("The call-start snapshot failed (%s): this trainer's later calls take theirs before they "
                            "start", err)
         except RestartPointLost as err:
-            survivor = group.survivor_snapshot(state.token, self._timeout_s) if fallback else None
+            survivor = group.survivor_snapshot(state.token, self._timeout_s) \
+                if fallback and not getattr(state, "sharded", False) else None  # a lost rank's shard: none has it
             logger.warning("The call-start snapshot was not stored (%s)%s", err, "; a survivor's capture of the "
                            "call's start is the restart point" if survivor is not None else "")
             if survivor is not None:

@@ -102,16 +102,15 @@ class StateAccess:
                                   f"state_dict() holds other objects than tensors, numbers, strings and "
                                   f"containers, make it return those, start with resume=False, or, if you trust "
                                   f"the checkpoint, load it with TorchTrainer.load(path, weights_only=False)") from err
-        self.points.current, self.points.stale = point, False
+        self.points.current, self.points.stale = point, getattr(point, "from_files", False)  # (see ShardedFiles)
 
     def load_path(self, path, weights_only=True, blocking=False):
         """Load a file written by ``save`` or a checkpoint directory (see ``TorchTrainer.load``)."""
-        found = filesystem.read_parts(path)  # a sharded state's folder: its head and parts, one per saving rank
+        found = parts.find_sharded(path)  # a sharded state's folder: each worker reads its ranges of the parts
         if found is not None:
-            head, files = found
-            filesystem.check_state_bytes(head, name=f"checkpoint {path!r}", weights_only=weights_only)
-            self._load_point(ShardedPoint([RestartPoint.of_bytes(part) for part in files], head=head), weights_only,
-                             blocking)
+            filesystem.check_state_bytes(found.head, name=f"checkpoint {path!r}", weights_only=weights_only)
+            self._load_point(found, weights_only, blocking)
+            self.points.stale = True  # (see ShardedFiles)
             return
         state = filesystem.read_path(path, weights_only=weights_only)  # checked: a dict or state bytes
         if isinstance(state, bytes):

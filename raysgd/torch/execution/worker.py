@@ -86,6 +86,7 @@ class TorchWorker:
         self.timers.disable()
         self._is_local = is_local
         self._handoff = call_start.Handoff()  # the call-start snapshot's capture, from the call to its serialiser
+        self._snapshot_group = None  # a sharded state's snapshot threads' process group (made at the first call)
         self._options = dict(use_fp16=use_fp16, use_tqdm=use_tqdm, wrap_ddp=wrap_ddp,
                              add_dist_sampler=add_dist_sampler, scheduler_step_freq=scheduler_step_freq,
                              strategy=strategy, fsdp_args=fsdp_args)
@@ -177,6 +178,7 @@ class TorchWorker:
             os.environ.setdefault("NCCL_BLOCKING_WAIT", "1")
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._snapshot_group = None  # (destroyed with the old group)
         dist.init_process_group(self.backend, init_method=url, rank=world_rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
 
@@ -283,8 +285,8 @@ class TorchWorker:
         self.operator.registered_loader("validation")  # a clear error before anything else
         with self.timers.record("validation"), self._val_iter.fresh_after_error(), _state.preserved_rng(), \
                 evaluation.quiet_forward(evaluation.ddp_modules(self.operator)), \
-                self.operator.unsharded():  # no collective per batch (FSDP: gathered once, on every rank)
-            stats = self.operator.validate(self._val_iter.take(num_steps), dict(info or {}))
+                self.operator.validating(self._val_iter.take(num_steps), info) as batches:  # FSDP: in lockstep
+            stats = self.operator.validate(batches, dict(info or {}))
         if profile:
             stats = {**stats, "profile": self.timers.stats()}
         return stats
@@ -295,13 +297,40 @@ class TorchWorker:
         is None."""
         if plan is None:
             return contextlib.nullcontext()
+        sharded_state = _state.is_sharded(self.operator)
+        if sharded_state and self.world_size > 1 and self._snapshot_group is None:
+            self._snapshot_group = dist.new_group(backend="gloo")  # the snapshot threads' own (every rank, here)
         return call_start.overlapped(plan, self._handoff, rank=self.world_rank, world_size=self.world_size,
-                                     own_rng=self.rng_state(), capture_state=self.state_dict,
+                                     own_rng=self.rng_state(),
+                                     capture_state=self._sharded_capture if sharded_state else self.state_dict,
                                      parts=self.operator.state_parts())
+
+    def _sharded_capture(self, rngs):
+        """A sharded state at the call's start (every rank): this rank's shards as DCP state dicts (rank 0's buffers
+        taken first) and, on rank 0, the rest of the state with every rank's random streams."""
+        state = {"shards": _state.capture_shards(self.operator)}
+        if self.world_rank == 0:
+            state["rest"] = self._with_call_state(_state.capture_rest(self.operator, self._epoch_now()), rngs)
+        return state
+
+    def _write_sharded(self, state):
+        """``(part, head)`` of a sharded capture, written in the snapshot thread: this rank's DCP part (a collective of
+        the snapshot threads, over their own process group) and rank 0's head."""
+        from raysgd.torch.state import sharded  # noqa: PLC0415 (DCP's import: sharded strategies only)
+
+        part = sharded.save_parts(state["shards"], process_group=self._snapshot_group)
+        head = None if "rest" not in state else bytes(serialise({"rest": state["rest"], "metadata": part.metadata,
+                                                                 "layout": part.layout}))
+        return part, head
 
     def call_start_snapshot(self, token, timeout_s):
         """``(info, state bytes)`` of the call-start snapshot that the call with ``token`` captured (rank 0, in the
-        ``"snapshot"`` concurrency group, beside the call): as :meth:`state_snapshot`, serialised while it trains."""
+        ``"snapshot"`` concurrency group, beside the call): as :meth:`state_snapshot`, serialised while it trains. A
+        sharded state: every rank answers its part, rank 0's info also holding the head."""
+        if _state.is_sharded(self.operator):
+            part, head = call_start.snapshot_bytes(self._handoff, token, timeout_s, write=self._write_sharded)
+            info = {"bytes": part.nbytes, "node": restart_point.this_node(), **({"head": head} if head else {})}
+            return info, part_holders.out_of_band(part.blob)
         view = call_start.snapshot_bytes(self._handoff, token, timeout_s)
         return {"bytes": view.nbytes, "node": restart_point.this_node()}, part_holders.out_of_band(view)
 
@@ -377,21 +406,23 @@ class TorchWorker:
         if self.world_rank != 0:
             return part, None
         rest = self._with_call_state(_state.capture_rest(self.operator, self._epoch_now()), rngs)
-        return part, bytes(serialise({"rest": rest, "metadata": part.metadata}))
+        return part, bytes(serialise({"rest": rest, "metadata": part.metadata, "layout": part.layout}))
 
     def load_restart_point(self, refs, weights_only=False, overlay=None, timeout_s=600):
         """Load the first still available copy of a restart point (``refs``: the
         :class:`~raysgd.torch.state.restart_point.RestartPoint`'s refs, fetched here from their nodes), updated with
         its ``overlay`` (a commit's random streams, metrics and cursor). A sharded one (``refs`` a
-        :class:`~raysgd.torch.state.restart_point.ShardedRefs`) is a collective of every rank, at any number of ranks:
-        each fetches the parts its new shard overlaps."""
+        :class:`~raysgd.torch.state.restart_point.ShardedRefs`, or a checkpoint's
+        :class:`~raysgd.torch.storage.parts.ShardedFiles`) is a collective of every rank, at any number of ranks:
+        each reads, of the parts its new shard overlaps, only the rows it takes and the replicated values."""
         location = self.operator.device if self.operator.use_gpu else "cpu"
-        if isinstance(refs, restart_point.ShardedRefs):
+        if hasattr(refs, "source"):  # a sharded point: its parts in object stores or in a checkpoint's files
             from raysgd.torch.state import sharded  # noqa: PLC0415 (DCP's import: sharded strategies only)
 
             head = checkpoint.state_from_bytes(refs.head, weights_only=weights_only)
             shards = _state.capture_shards(self.operator, metadata=head["metadata"])  # what the parts fill
-            sharded.load_parts(shards, head["metadata"], refs.fetcher(timeout_s), weights_only=weights_only)
+            sharded.load_parts(shards, head["metadata"], refs.source(timeout_s), weights_only=weights_only,
+                               layout=head.get("layout"))  # only the rows of this rank's new shard
             _state.restore_shards(self.operator, shards)
             state = head["rest"]
         else:

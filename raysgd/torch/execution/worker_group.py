@@ -255,12 +255,19 @@ class WorkerGroup(Regrouping):
         """Ask rank 0 for the call-start snapshot of the call ``token`` without waiting: it serialises the state that
         call captures, in its ``"snapshot"`` concurrency group beside the call (see
         :mod:`raysgd.torch.state.call_start`). Returns ``(info ref, data ref, rank 0's node)``, or None where the
-        snapshot cannot overlap a call: a sharded state (a collective of every rank), a local rank 0 (it runs in
-        the driver), a worker class that does not take part (``overlaps_snapshots``), or a broken group."""
-        if self.broken or not self._handles or self._worker_options.get("strategy") == "fsdp" \
-                or self._handles[0].local is not None or not getattr(self._worker_cls, "overlaps_snapshots", False):
+        snapshot cannot overlap a call: a local rank 0 (it runs in the driver), a worker class that does not take
+        part (``overlaps_snapshots``), or a broken group. A sharded state (``strategy="fsdp"``): every rank is asked
+        for its part, and ``[(info ref, data ref, node), ...]`` in rank order is returned."""
+        if self.broken or not self._handles or self._handles[0].local is not None \
+                or not getattr(self._worker_cls, "overlaps_snapshots", False):
             return None
         self._drain_submitted()
+        if self._worker_options.get("strategy") == "fsdp":  # every rank's part (call_start's sharded snapshot)
+            calls = [handle.call_with_data("call_start_snapshot", token, timeout_s, group=diagnostics.SNAPSHOT_GROUP)
+                     for handle in self._handles]
+            self._snapshot_answer = calls[0][0]
+            return [(info, data, self._nodes[rank] if rank < len(self._nodes) else None)
+                    for rank, (info, data) in enumerate(calls)]
         info, data = self._handles[0].call_with_data("call_start_snapshot", token, timeout_s,
                                                      group=diagnostics.SNAPSHOT_GROUP)
         self._snapshot_answer = info

@@ -18,6 +18,9 @@ metric (Prometheus adds ``ray_``)    kind     value
                                              the workers), of the last ``train()`` call that stored one
 ``raysgd_checkpoint_upload_s``      gauge    the latest durable checkpoint's write time (state and
                                              marker, measured on the checkpoint writer's thread)
+``raysgd_holder_replacements``      counter  commit part holders that lost their process and were
+                                             replaced (``TorchTrainer.holder_replacements``), counted
+                                             at each ``train()`` result
 ==================================  =======  =========================================================
 
 Ray exports them from the node's metrics agent (``ray.nodes()[i]["MetricsExportPort"]``, every few seconds), which
@@ -77,6 +80,9 @@ class RayMetrics(Callback):
                                               "held every rank's record (last train() call)", tag_keys=keys)
         self.checkpoint_upload_s = metrics.Gauge("raysgd_checkpoint_upload_s", "the latest durable checkpoint's "
                                                  "write time in seconds", tag_keys=keys)
+        self.holder_replacements = metrics.Counter("raysgd_holder_replacements", "commit part holders that lost "
+                                                   "their process and were replaced", tag_keys=keys)
+        self._replacements_seen = 0
 
     def on_train_result(self, trainer, result):
         seconds = getattr(trainer, "last_call_s", None)
@@ -89,6 +95,10 @@ class RayMetrics(Callback):
         latency = getattr(trainer, "last_commit_latency_s", None)
         if latency is not None:
             self.commit_latency_s.set(latency, tags=self._tags)
+        replaced = getattr(trainer, "holder_replacements", 0) or 0
+        if replaced > self._replacements_seen:
+            self.holder_replacements.inc(replaced - self._replacements_seen, tags=self._tags)
+            self._replacements_seen = replaced
 
     def on_failure(self, trainer, failure):
         self.failures.inc(1, tags=self._tags)

@@ -68,10 +68,12 @@ def quiet_forward(models):
         for model in models:
             if model.will_sync_module_buffers():
                 model._sync_buffers()  # the broadcast DDP would make at the first forward, on every rank
-            saved.append((model, model.require_forward_param_sync, model.forward_sync_buffers))
-            model.forward_sync_buffers = False  # also when a custom validate runs with gradients on
+            # DDP's switch of the per-forward sync: forward_sync_buffers (newer torch) or broadcast_buffers (2.7)
+            switch = "forward_sync_buffers" if "forward_sync_buffers" in vars(model) else "broadcast_buffers"
+            saved.append((model, model.require_forward_param_sync, switch, getattr(model, switch)))
+            setattr(model, switch, False)  # also when a custom validate runs with gradients on
         yield
     finally:
-        for model, require_sync, sync_buffers in saved:
+        for model, require_sync, switch, sync_buffers in saved:
             model.require_forward_param_sync = require_sync
-            model.forward_sync_buffers = sync_buffers
+            setattr(model, switch, sync_buffers)

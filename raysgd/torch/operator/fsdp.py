@@ -23,9 +23,12 @@ What the choices are and why:
   gradient of every parameter between micro-batches (the memory FSDP exists to save), and a partial optimizer
   step at the end of an epoch would leave its gradients inside FSDP, where no public call reduces them. The sharded
   gradients add up to the same sums (up to rounding), and the partial step is only rescaled.
-- **Validation gathers each model once.** Every FSDP forward all-gathers; exact validation shards can differ by a
-  batch, and a rank with one forward more would wait in its all-gather forever. :meth:`Sharding.unsharded`
-  all-gathers on every rank when validation starts and keeps the parameters whole until it ends.
+- **Validation stays sharded.** Every FSDP forward all-gathers; exact validation shards can differ by a batch, and a
+  rank with one forward more would wait in its all-gather forever. The ranks validate in lockstep, a rank that ran
+  out padding with its last batch (:mod:`raysgd.torch.operator.fsdp_validation`): no rank holds more than sharded
+  training does. ``fsdp_args={"validation": "gathered"}`` instead gathers each model once on every rank when
+  validation starts and keeps the parameters whole until it ends (:meth:`Sharding.unsharded`).
+- **Buffers are rank 0's**, as DDP keeps them (:mod:`raysgd.torch.operator.fsdp_buffers`).
 - **fp16.** A ``torch.amp.GradScaler`` works on FSDP2's DTensor gradients (checked on CPU/gloo with an enabled
   scaler: an inf in one rank's shard skips the step on every rank), so ``use_fp16=True`` means what it means
   for DDP: float16 (``MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32)``) and the scaler on CUDA,
@@ -51,16 +54,19 @@ import logging
 import torch
 
 from raysgd.torch.operator import compiled as _compiled
+from raysgd.torch.operator.fsdp_buffers import BufferSync
+from raysgd.torch.operator.fsdp_validation import VALIDATION_MODES, LockstepBatches
 
 logger = logging.getLogger(__name__)
 
 #: ``TorchTrainer(strategy=...)``: replicate (DistributedDataParallel) or shard (FSDP2's ``fully_shard``).
 STRATEGIES = ("ddp", "fsdp")
-#: The oldest torch accepted: ``torch.distributed.fsdp.fully_shard`` is public from 2.6, and FSDP2's CPU path over
-#: gloo was completed around 2.7 (gloo's reduce-scatter, pytorch/pytorch#149869). Only 2.13 is tested here.
-MIN_TORCH = "2.7"
+#: The oldest torch accepted, the oldest tested: tests/test_fsdp.py, test_fsdp_state.py and test_sharded_state.py pass
+#: on 2.9.0 and 2.13.0 (CPU, gloo; see the README). ``fully_shard`` is public from 2.6, but on a gloo mesh 2.7.0 and
+#: 2.8.0 reduce gradients to twice their mean (measured: an SGD step differs from one process; Adam hides most of it).
+MIN_TORCH = "2.9"
 #: The keys ``fsdp_args`` may hold (see :func:`check_fsdp_args`).
-FSDP_ARGS = ("reshard_after_forward", "mp_policy", "offload_policy", "shard_policy")
+FSDP_ARGS = ("reshard_after_forward", "mp_policy", "offload_policy", "shard_policy", "validation")
 _warned_one_worker = False
 
 
@@ -79,7 +85,7 @@ def check_strategy(strategy, *, use_fp16=False, wrap_ddp=True, use_gpu=False, ba
     Example:
         >>> check_strategy("fsdp", torch_version="2.5.1")
         Traceback (most recent call last):
-        ValueError: TorchTrainer: strategy='fsdp' expects torch >= 2.7 (FSDP2's fully_shard on a CPU mesh with gloo); got torch 2.5.1
+        ValueError: TorchTrainer: strategy='fsdp' expects torch >= 2.9 (FSDP2's fully_shard on a CPU mesh with gloo); got torch 2.5.1
         >>> check_strategy("fsdp", use_fp16="apex")
         Traceback (most recent call last):
         ValueError: TorchTrainer: use_fp16 expects False, True or 'bf16' with strategy='fsdp' (apex patches whole models, FSDP2 shards them); got 'apex'
@@ -111,14 +117,17 @@ def check_fsdp_args(fsdp_args, strategy, *, use_fp16=False, use_gpu=False, calle
     ``mp_policy``: a ``MixedPrecisionPolicy``, only with ``use_fp16=False`` (``use_fp16`` already picks one);
     ``offload_policy``: an ``OffloadPolicy`` (a ``CPUOffloadPolicy`` only with GPUs); ``shard_policy``: which
     submodules get their own ``fully_shard`` before the root, as ``policy(module) -> bool`` or a module class (or
-    tuple of them); default: the blocks of every ``nn.Sequential`` and ``nn.ModuleList`` (see :func:`blocks`).
+    tuple of them); default: the blocks of every ``nn.Sequential`` and ``nn.ModuleList`` (see :func:`blocks`);
+    ``validation``: ``"sharded"`` (the default: the models stay sharded, the ranks validate in lockstep, see
+    :mod:`raysgd.torch.operator.fsdp_validation`) or ``"gathered"`` (each model gathered whole on every rank while
+    it validates).
 
     Example:
         >>> check_fsdp_args({"reshard_after_forward": False}, "fsdp")
         {'reshard_after_forward': False}
         >>> check_fsdp_args({"reshard": True}, "fsdp")
         Traceback (most recent call last):
-        ValueError: TorchTrainer: fsdp_args expects keys among 'reshard_after_forward', 'mp_policy', 'offload_policy', 'shard_policy'; got 'reshard'
+        ValueError: TorchTrainer: fsdp_args expects keys among 'reshard_after_forward', 'mp_policy', 'offload_policy', 'shard_policy', 'validation'; got 'reshard'
         >>> check_fsdp_args({"reshard_after_forward": 2}, "fsdp")
         Traceback (most recent call last):
         TypeError: TorchTrainer: fsdp_args['reshard_after_forward'] expects True, False or None; got 2
@@ -149,6 +158,9 @@ def check_fsdp_args(fsdp_args, strategy, *, use_fp16=False, use_gpu=False, calle
         _expect(use_gpu or not isinstance(offload, CPUOffloadPolicy), "fsdp_args['offload_policy']",
                 "no CPUOffloadPolicy when the workers train on CPU (nothing to offload; FSDP2 then looks for an "
                 "accelerator)", offload, caller=caller)
+    validation = fsdp_args.get("validation")
+    _expect(validation is None or validation in VALIDATION_MODES, "fsdp_args['validation']",
+            " or ".join(map(repr, VALIDATION_MODES)), validation, caller=caller)
     policy = fsdp_args.get("shard_policy")
     if policy is not None:
         classes = policy if isinstance(policy, tuple) else (policy,)
@@ -230,6 +242,7 @@ class Sharding:
         self._world_size = world_size
         self._mesh = None
         self._sharded = []  # (root, skeleton) of every sharded model
+        self._buffers = []  # a BufferSync per sharded model: rank 0's buffers on every rank, as DDP keeps them
         if strategy == "fsdp" and world_size == 1 and not _warned_one_worker:
             _warned_one_worker = True
             logger.info("strategy='fsdp' with one worker: nothing to shard over, the models train unsharded")
@@ -269,8 +282,8 @@ class Sharding:
                     "strategy='fsdp' (made, not yet stepped or loaded: the state is sharded with the parameters)",
                     f"{type(optimizer).__name__} holding state for {len(optimizer.state)} parameters",
                     caller="TrainingOperator")
-        options = dict(mesh=self.mesh, reshard_after_forward=self._args.get("reshard_after_forward"),
-                       mp_policy=self.policy())
+        given = self._args.get("reshard_after_forward")
+        options = dict(mesh=self.mesh, mp_policy=self.policy())
         if self._args.get("offload_policy") is not None:
             options["offload_policy"] = self._args["offload_policy"]
         sharded = {}
@@ -278,22 +291,33 @@ class Sharding:
             root = _compiled.original(model)
             skeleton = meta_skeleton(root)
             before = {id(p): name for name, p in root.named_parameters(remove_duplicate=False)}
+            # None means FSDP2's own default, spelt out (older fully_shard takes no None): blocks free their
+            # gathered parameters after their forward, the root keeps them (its backward needs them at once)
             for _, block in blocks(root, self._args.get("shard_policy")):
-                fully_shard(block, **options)
-            fully_shard(root, **options)
+                fully_shard(block, reshard_after_forward=True if given is None else given, **options)
+            fully_shard(root, reshard_after_forward=False if given is None else given, **options)
             after = dict(root.named_parameters(remove_duplicate=False))
             sharded.update({key: after[name] for key, name in before.items()})
             self._sharded.append((root, skeleton))
+            self._buffers.append(BufferSync(root, self.mesh.get_group()))
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"][:] = [sharded.get(id(p), p) for p in group["params"]]  # in place: cached lists too
         return models
 
+    def sync_buffers(self):
+        """Rank 0's buffers to every rank, now (a collective: every rank calls it; a no-op when nothing is sharded):
+        before any state is read (see :mod:`raysgd.torch.operator.fsdp_buffers`)."""
+        for buffers in self._buffers:
+            buffers.sync()
+
     def gather(self, models):
         """The whole ``models`` on CPU as plain modules of their own classes, on rank 0 (None elsewhere): a
-        collective, every rank must call it. Unsharded models are copied to CPU from their tensors."""
+        collective, every rank must call it. Unsharded models are copied to CPU from their tensors; the buffers
+        are rank 0's (every rank's, after :meth:`sync_buffers`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: PLC0415
 
+        self.sync_buffers()
         skeletons = {id(root): skeleton for root, skeleton in self._sharded}
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         copies = []
@@ -315,6 +339,29 @@ class Sharding:
         return None if any(c is None for c in copies) else copies
 
     @contextlib.contextmanager
+    def validating(self, batches, pad):
+        """Context around a validation call: yields the batches the operator's ``validate`` loop gets. Sharded
+        models stay sharded (every rank takes rank 0's buffers first, no broadcast per forward) and the batches come
+        in lockstep (:class:`~raysgd.torch.operator.fsdp_validation.LockstepBatches`, ``pad(batch)`` running a
+        padding batch); with ``fsdp_args={"validation": "gathered"}`` the models are gathered whole for the call
+        (:meth:`unsharded`). Nothing sharded: the batches as they are."""
+        if not self._sharded:
+            yield batches
+            return
+        if self._args.get("validation") == "gathered":
+            with self.unsharded():
+                yield batches
+            return
+        self.sync_buffers()  # every rank validates with rank 0's buffers (those get_model() and a checkpoint hold)
+        try:
+            for buffers in self._buffers:
+                buffers.quiet(True)  # padding forwards run no grad-mode forward either; nothing to broadcast
+            yield LockstepBatches(batches, pad, self.mesh.get_group())
+        finally:
+            for buffers in self._buffers:
+                buffers.quiet(False)
+
+    @contextlib.contextmanager
     def unsharded(self):
         """Every sharded model whole on this rank until exit (an all-gather on entry, every rank must enter):
         forwards inside run without collectives, so ranks with different batch counts never wait for each other."""
@@ -325,12 +372,17 @@ class Sharding:
 
         given = self._args.get("reshard_after_forward")
         modules = [(root, m) for root, _ in self._sharded for m in root.modules() if isinstance(m, FSDPModule)]
+        self.sync_buffers()  # every rank validates with rank 0's buffers (those get_model() and a checkpoint hold)
         try:
+            for buffers in self._buffers:
+                buffers.quiet(True)  # no broadcast per forward: the ranks' batch counts may differ
             for _, module in modules:
                 module.set_reshard_after_forward(False, recurse=False)
                 module.unshard()
             yield
         finally:
+            for buffers in self._buffers:
+                buffers.quiet(False)
             for root, module in modules:  # back to what fully_shard got (None: True, the root False)
                 module.set_reshard_after_forward(given if given is not None else module is not root, recurse=False)
                 module.reshard()
@@ -371,5 +423,23 @@ class ShardingHelpers:
 
     def unsharded(self):
         """Context: the sharded models whole on this rank until exit (a collective on entry; see
-        :meth:`Sharding.unsharded`); a no-op unless ``strategy == "fsdp"``. Validation runs inside it."""
+        :meth:`Sharding.unsharded`); a no-op unless ``strategy == "fsdp"``. Validation runs inside it with
+        ``fsdp_args={"validation": "gathered"}``."""
         return self._sharding.unsharded()
+
+    def validating(self, batches, info=None):
+        """Context: yields the batches a validation call's ``validate`` loop gets (see :meth:`Sharding.validating`):
+        under ``strategy="fsdp"`` in lockstep over the ranks, a rank that has run out padding with its last batch
+        through :meth:`validate_batch` (``batch_info["padding"] = True``, its result dropped); else as they are."""
+        info = dict(info or {})
+
+        def pad(batch):
+            with torch.no_grad():
+                self.validate_batch(batch, {**info, "batch_idx": -1, "padding": True})
+
+        return self._sharding.validating(batches, pad)
+
+    def sync_buffers(self):
+        """Rank 0's buffers to every rank of a sharded group (a collective; a no-op unless ``strategy == "fsdp"``):
+        the state reads it before anything is saved (see :mod:`raysgd.torch.operator.fsdp_buffers`)."""
+        self._sharding.sync_buffers()

@@ -15,6 +15,12 @@ Layer 2 (ray, torch, layers 0-1). Both ends of it:
   resolves only then) and the copy's are on the other node: so the parameters and optimizer state serialised are
   the call's starting ones, and whichever rank dies, a stored point of the call's start exists or no rank stepped.
 
+A sharded state (``strategy="fsdp"``) is taken the same way by *every* rank: each captures its shards (the
+parameters' and optimizer states' local shards by reference, buffers copied after every rank took rank 0's) and its
+snapshot call writes its DCP part beside the call, the ranks' DCP save running over a process group of their own
+(the snapshot threads' collectives never meet the call's); rank 0's answer also holds the head. Each rank's first
+step waits until every rank's part is stored (:class:`PendingShardedPoint` on the driver's side).
+
 What the gate cannot hold is a parameter changed in place outside an optimizer's ``step`` before the first step (a
 ``train_batch`` that clips or averages weights first): the capture records each protected tensor's version counter
 and the snapshot call refuses bytes whose tensors changed meanwhile (:class:`TornSnapshot`); the controller then
@@ -72,17 +78,23 @@ class SnapshotNotTaken(RuntimeError):
 
 class SnapshotPlan:
     """What every rank gets with a call whose snapshot overlaps it: ``token`` (names rank 0's snapshot call),
-    ``refs`` (the small answers the first step waits for: rank 0's snapshot, then its copies), ``timeout_s``.
-    Nested in the call's arguments, the refs reach the workers unresolved."""
+    ``refs`` (the small answers the first step waits for: rank 0's snapshot, then its copies; a sharded state's:
+    every rank's part, then the copies), ``timeout_s``, ``required`` (how many of the first refs must be stored:
+    1, or a sharded state's number of parts). Nested in the call's arguments, the refs reach the workers unresolved."""
 
-    def __init__(self, token, refs, timeout_s):
-        self.token, self.refs, self.timeout_s = token, list(refs), timeout_s
+    def __init__(self, token, refs, timeout_s, required=1):
+        self.token, self.refs, self.timeout_s, self.required = token, list(refs), timeout_s, required
 
 
 # ----------------------------------------------------------------- the worker's end
+def _local(tensor):
+    """A tensor's own storage holder: a DTensor's local shard (FSDP2's parameters and optimizer states), else itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def protected_storages(tensors):
     """The storages (their data pointers) of ``tensors``: what the gate keeps unchanged until the bytes are stored."""
-    return {tensor.untyped_storage().data_ptr() for tensor in tensors}
+    return {_local(tensor).untyped_storage().data_ptr() for tensor in tensors}
 
 
 def gated_tensors(models, optimizers):
@@ -106,8 +118,9 @@ class Capture:
 
     def _freeze(self, value, protected):
         if isinstance(value, torch.Tensor):
-            if value.untyped_storage().data_ptr() in protected:
-                self._versions.append((value, value._version))
+            local = _local(value)
+            if local.untyped_storage().data_ptr() in protected:
+                self._versions.append((local, local._version))
                 return value
             return value.detach().clone()
         if isinstance(value, dict):
@@ -165,13 +178,14 @@ class Handoff:
             self._items.pop(token, None)
 
 
-def snapshot_bytes(handoff, token, timeout_s):
-    """The snapshot call's work (rank 0, in the ``"snapshot"`` group): ``(nbytes, read-only view)`` of the capture of
-    ``token`` serialised; :class:`TornSnapshot` when a protected tensor changed meanwhile."""
+def snapshot_bytes(handoff, token, timeout_s, write=serialise):
+    """The snapshot call's work (rank 0, in the ``"snapshot"`` group): the capture of ``token`` serialised (a
+    read-only view; ``write(state)``'s result instead when given: a sharded state's part); :class:`TornSnapshot` when
+    a protected tensor changed meanwhile."""
     capture = handoff.take(token, timeout_s)
     EVENTS.append(("serialising", token))
     try:
-        view = serialise(capture.state)
+        view = write(capture.state)
         changed = capture.changed()
     finally:
         capture.release()
@@ -206,11 +220,12 @@ class Gate:
         token = self._plan.token
         EVENTS.append(("stored_wait", token))
         deadline = time.monotonic() + self._plan.timeout_s
+        required = getattr(self._plan, "required", 1)
         for index, ref in enumerate(self._plan.refs):
             try:
                 ray.get(ref, timeout=max(0.001, deadline - time.monotonic()))
             except ray_errors.GetTimeoutError as err:
-                if index == 0:
+                if index < required:
                     raise TimeoutError(f"rank {self._rank}: the call-start snapshot was not stored within "
                                        f"{self._plan.timeout_s} s") from err
                 logger.warning("rank %d: the call-start snapshot's copy (part %d) was not stored within %s s; "
@@ -220,9 +235,9 @@ class Gate:
                 logger.warning("rank %d: the call-start snapshot (part %d) failed: %s", self._rank, index,
                                str(err).splitlines()[0])
             except ray_errors.RayError as err:
-                if index == 0:
-                    raise CollectiveError(self._rank, "rank 0 was lost before its call-start snapshot was stored "
-                                                      f"({type(err).__name__})") from err
+                if index < required:
+                    raise CollectiveError(self._rank, f"rank {index} was lost before its call-start snapshot was "
+                                                      f"stored ({type(err).__name__})") from err
                 logger.warning("rank %d: the call-start snapshot's copy was lost (%s)", self._rank, type(err).__name__)
         self._open = True
         EVENTS.append(("gate_open", token))
@@ -358,3 +373,59 @@ class PendingPoint:
 
     def __repr__(self):
         return f"PendingPoint(token={self.token}, {len(self.copies)} copy(ies) started)"
+
+
+class PendingShardedPoint(PendingPoint):
+    """The call-start snapshot of a sharded state while every rank writes its part: ``parts`` (``[(info ref, data
+    ref, node, [(node, info ref, data ref), ...copies])]`` in rank order, rank 0's info holding the head) and the
+    call's ``token``; :meth:`settle` turns it into a :class:`~raysgd.torch.state.restart_point.ShardedPoint`. No
+    survivor can stand in for a lost rank's part (it holds its own shard only). A :class:`PendingPoint` wherever the
+    run handles one."""
+
+    sharded = True
+
+    def __init__(self, token, parts):  # noqa: D107 (PendingPoint's fields are rank 0's part's)
+        self.parts = [(info, data, node, list(copies)) for info, data, node, copies in parts]
+        info, data, node, copies = self.parts[0]
+        super().__init__(token, info, data, node, copies)
+
+    def _answers(self):
+        return [info for info, _, _, copies in self.parts for info in [info] + [c[1] for c in copies]]
+
+    def stored(self):
+        """Whether every part and copy answered (stored or failed): :meth:`settle` then never waits."""
+        refs = self._answers()
+        return len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) == len(refs)
+
+    def plan(self, timeout_s):
+        """The :class:`SnapshotPlan` every rank gets with the call: its first step waits for every rank's part."""
+        return SnapshotPlan(self.token, [info for info, _, _, _ in self.parts] +
+                            [c[1] for _, _, _, copies in self.parts for c in copies], timeout_s,
+                            required=len(self.parts))
+
+    def settle(self, timeout_s):
+        """The stored :class:`~raysgd.torch.state.restart_point.ShardedPoint` with its copies (see
+        :meth:`PendingPoint.settle`: the same errors, for any rank's part)."""
+        if self._point is not None:
+            return self._point
+        deadline = time.monotonic() + timeout_s
+        pieces, head = [], None
+        for rank, (info_ref, data_ref, node, copies) in enumerate(self.parts):
+            single = PendingPoint(self.token, info_ref, data_ref, node, copies)
+            try:
+                info = ray.get(info_ref, timeout=max(1.0, deadline - time.monotonic()))
+            except ray_errors.RayTaskError as err:
+                text = f"rank {rank}: {type(err.cause).__name__}: {err.cause}".splitlines()[0]
+                if isinstance(err.cause, SnapshotNotTaken):
+                    raise restart_point.RestartPointLost(text) from err
+                raise SnapshotFailed(text) from err
+            except ray_errors.RayError as err:
+                raise restart_point.RestartPointLost(f"rank {rank} was lost before its call-start snapshot was "
+                                                     f"stored ({type(err).__name__})") from err
+            head = info.get("head", head)
+            pieces.append(single.settle(max(1.0, deadline - time.monotonic())))
+        self._point = restart_point.ShardedPoint(pieces, head=head)
+        return self._point
+
+    def __repr__(self):
+        return f"PendingShardedPoint(token={self.token}, {len(self.parts)} parts)"

@@ -198,15 +198,16 @@ def state_problem(state):
 
 
 def is_sharded_head(state):
-    """Whether ``state`` is the head of a sharded state (``{"rest": {..., "sharded": True}, "metadata": bytes}``:
-    the rest of the state and the DCP metadata of its parts, one per rank).
+    """Whether ``state`` is the head of a sharded state (``{"rest": {..., "sharded": True}, "metadata": bytes[,
+    "layout": {...}]}``: the rest of the state, the DCP metadata of its parts, one per rank, and where their tensor
+    items' raw bytes start).
 
     Example:
         >>> is_sharded_head({"rest": {"epoch": 1, "sharded": True}, "metadata": b""}), is_sharded_head({"epoch": 1})
         (True, False)
     """
-    return isinstance(state, dict) and set(state) == {"rest", "metadata"} and isinstance(state["rest"], dict) \
-        and state["rest"].get("sharded") is True
+    return isinstance(state, dict) and {"rest", "metadata"} <= set(state) <= {"rest", "metadata", "layout"} \
+        and isinstance(state["rest"], dict) and state["rest"].get("sharded") is True
 
 
 def _foreign_format(handle):

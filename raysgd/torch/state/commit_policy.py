@@ -70,6 +70,11 @@ class CommitPolicy:
     def enabled(self):
         return self.every_n != 0
 
+    @property
+    def holder_replacements(self):
+        """How many commit part holders lost their process and were replaced (restarted on their node) so far."""
+        return self._holders.replaced
+
     def prepare(self):
         """Start the store now (its process starts while the workers do), so that a failure never waits for it."""
         if self.enabled and self._store is None:
@@ -103,6 +108,7 @@ class CommitPolicy:
         commits are then not stored, and a failure restarts the call from its start; later attempts and calls use
         the new store. Not waited for before the call starts: the round trip (~1 ms here) would be paid by every
         call, for a store lost between calls (an OOM kill on the driver's node)."""
+        self._holders.check()  # a holder that lost its process is restarted by Ray: counted here
         begun = self._begun
         if begun is None or not ray.wait([begun], timeout=0)[0]:
             return

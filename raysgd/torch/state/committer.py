@@ -321,7 +321,7 @@ class Committer:
                 state = memoryview(part.blob).toreadonly()
                 if worker.world_rank == 0:
                     record[HEAD] = bytes(serialise({"rest": _state.capture_rest(op, worker.epochs),
-                                                    "metadata": part.metadata}))
+                                                    "metadata": part.metadata, "layout": part.layout}))
                 del part
             elif worker.world_rank == 0:
                 state = serialise(_state.capture(op, worker.epochs))

@@ -1,37 +1,40 @@
-"""DCP's checkpoint format in memory: one rank's file as one blob, and a reader that loads blobs at any world size.
+"""DCP's checkpoint format in memory: each rank's file written as one blob by DCP's own ``FileSystemWriter``, with
+the *layout* that lets a load read only the rows it needs (:mod:`~raysgd.torch.state.dcp_reader` reads them).
 
-Layer 2 (torch only: no Ray, no files). A ``torch.distributed.checkpoint`` (DCP) StorageWriter and StorageReader
-whose storage is memory: :class:`BlobWriter` writes each rank's items into one preallocated buffer laid out exactly
-as DCP's own ``FileSystemWriter`` writes ``__{rank}_0.distcp`` (one file per rank, the default), and the
-coordinator also gets the checkpoint's ``Metadata``; :class:`BlobReader` loads the items a rank's plan needs from
-buffers that a ``fetch(relative_path)`` callable hands it, lazily, one file at a time. A folder holding the blobs
-under their names and the metadata as ``.metadata`` is a DCP checkpoint that ``FileSystemReader`` loads, and
-:class:`BlobReader` loads what ``FileSystemWriter`` wrote.
+Layer 2 (torch only: no Ray, no files). :class:`BlobWriter` *is* ``torch.distributed.checkpoint``'s (DCP)
+``FileSystemWriter`` (one file per rank, ``torch.save`` items), given an in-memory ``FileSystemBase`` (the storage
+interface ``FileSystemWriter`` writes through; torch's own fsspec writer plugs its storage in the same way). Each
+rank's file is therefore byte for byte the ``__{rank}_0.distcp`` that ``FileSystemWriter`` writes, and the
+coordinator's ``.metadata`` is DCP's own, records included: nothing of DCP's layout is reproduced here, so a torch
+upgrade that changes it changes both sides together. The only addition is the *layout*: for each tensor item, where
+its raw bytes start inside the item (``torch.save`` stores a tensor's data uncompressed in a zip record, found
+through the zip's central directory right after the item is written).
 
-The layout of one rank's file (``FileSystemWriter``'s, with ``SerializationFormat.TORCH_SAVE`` and no extensions):
-first the rank's byte items (non-tensor values: ``torch.save`` bytes, as the planner resolved them), then each
-tensor item as a complete ``torch.save`` archive of the tensor (its local shard; a view is cloned first so that
-only its own bytes are written), back to back, no header, no padding, no trailer. The metadata maps each item's
-``MetadataIndex`` to ``(relative_path, offset, length)`` (DCP's ``_StorageInfo``); it is pickled (``.metadata``).
+The metadata is read back with a safe unpickler (:func:`metadata_from_bytes`): DCP's metadata classes only, and the
+storage record ``FileSystemWriter`` puts in it (``_StorageInfo``, allowed by name: it is never constructed here; a
+reader reads its ``relative_path``, ``offset`` and ``length``). A folder holding the blobs under their names and the
+metadata as ``.metadata`` is a DCP checkpoint that DCP's ``FileSystemReader`` loads.
 
 Example:
     >>> # dcp.save(state_dict, storage_writer=(writer := BlobWriter())): writer.file_name, writer.blob, writer.metadata
-    >>> # dcp.load(state_dict, storage_reader=BlobReader(writer.metadata, {writer.file_name: writer.blob}.__getitem__))
     >>> FILE_NAME.format(rank=1), METADATA_FILE
     ('__1_0.distcp', '.metadata')
 """
-import dataclasses
+import contextlib
 import io
 import logging
 import pickle
 import pathlib
-import uuid
+import struct
+import sys
+import zipfile
 
 import torch
-from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from raysgd.torch.errors import CheckpointError
@@ -44,19 +47,13 @@ FILE_NAME, METADATA_FILE = "__{rank}_0.distcp", ".metadata"
 #: zip records, the pickle of the shape and 64-byte alignment; zip64 adds < 100 bytes). A bound, not the size:
 #: the buffer is sized with it and trimmed to what was written.
 TORCH_SAVE_OVERHEAD = 4096
-
-
-def storage_info(relative_path, offset, length):
-    """Where an item lies, as DCP's own record (``_StorageInfo``): raysgd's one use of a DCP-internal class, since
-    ``FileSystemReader`` needs its type in the metadata. Readers here only read its fields (``relative_path``,
-    ``offset``, ``length``, ``transform_descriptors``)."""
-    return dcp_filesystem._StorageInfo(relative_path, offset, length)  # noqa: SLF001 (see the docstring)
+_MEMORY = "raysgd-memory"  # the in-memory folder BlobWriter's FileSystemWriter writes into
 
 
 # ----------------------------------------------------------------- metadata as bytes
 _SAFE_GLOBALS = {("torch.distributed.checkpoint.metadata", name)  # its dataclasses and the memory format's enum
                  for name in (*dcp_metadata.__all__, "_MEM_FORMAT_ENCODING")}
-_SAFE_GLOBALS |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+_SAFE_GLOBALS |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # FileSystemWriter's storage record
                   ("torch.serialization", "_get_layout")}  # a layout by its name
 _SAFE_PATHS = {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}  # FileSystemWriter's checkpoint_id
 
@@ -127,10 +124,11 @@ def file_sizes(metadata):
     by name. A file's size is where its last item ends (DCP's files have no trailer).
 
     Example:
-        >>> md = dcp_metadata.Metadata({}, storage_data={"a": storage_info("__1_0.distcp", 0, 5),
-        ...                                             "b": storage_info("__0_0.distcp", 7, 3)})
-        >>> file_sizes(md)
-        {'__0_0.distcp': 10, '__1_0.distcp': 5}
+        >>> import torch.distributed.checkpoint as dcp
+        >>> writer = BlobWriter()
+        >>> _ = dcp.save({"w": torch.ones(2)}, storage_writer=writer, no_dist=True)
+        >>> file_sizes(writer.metadata) == {"__0_0.distcp": len(writer.blob)}
+        True
     """
     sizes = {}
     for info in (as_metadata(metadata).storage_data or {}).values():
@@ -138,23 +136,110 @@ def file_sizes(metadata):
     return dict(sorted(sizes.items()))
 
 
+def renamed_files(metadata, names):
+    """``metadata`` (a ``Metadata`` or its bytes) with its files renamed by ``names`` (``{old: new}``; a file not
+    in it keeps its name), as bytes: the records are DCP's own, each copied with its ``relative_path`` replaced.
+
+    Example:
+        >>> import torch.distributed.checkpoint as dcp
+        >>> writer = BlobWriter()
+        >>> _ = dcp.save({"w": torch.ones(2)}, storage_writer=writer, no_dist=True)
+        >>> list(file_sizes(renamed_files(writer.metadata, {"__0_0.distcp": "__0_1.distcp"})))
+        ['__0_1.distcp']
+    """
+    import dataclasses  # noqa: PLC0415
+
+    metadata = as_metadata(metadata)
+    copy = dataclasses.replace(metadata, storage_data={
+        index: dataclasses.replace(info, relative_path=names.get(info.relative_path, info.relative_path))
+        for index, info in (metadata.storage_data or {}).items()})
+    return metadata_to_bytes(copy)
+
+
+# ----------------------------------------------------------------- the layout: where a tensor item's bytes start
+_EOCD, _CENTRAL, _LOCAL = 0x06054B50, 0x02014B50, 0x04034B50
+
+
+def raw_data_offset(item, nbytes):
+    """Where the tensor's raw bytes start inside ``item`` (one ``torch.save`` archive of a contiguous tensor of
+    ``nbytes`` bytes), found through the zip's central directory; None when the archive is not as expected (its
+    data record not stored uncompressed, another size, a zip64 directory): such an item is then read whole.
+
+    Example:
+        >>> buffer = io.BytesIO(); torch.save(torch.arange(4.0), buffer)
+        >>> item = buffer.getbuffer()
+        >>> start = raw_data_offset(item, 16)
+        >>> torch.frombuffer(bytearray(item[start:start + 16]), dtype=torch.float32).tolist()
+        [0.0, 1.0, 2.0, 3.0]
+    """
+    view = memoryview(item).cast("B") if not isinstance(item, memoryview) or item.format != "B" else item
+    end = len(view)
+    if end < 22 or struct.unpack_from("<I", view, end - 22)[0] != _EOCD:  # torch writes no comment
+        return _zipfile_offset(view, nbytes)
+    entries, size, start = struct.unpack_from("<HII", view, end - 12)
+    if start == 0xFFFFFFFF or size == 0xFFFFFFFF or start + size > end:
+        return _zipfile_offset(view, nbytes)
+    position = start
+    for _ in range(entries):
+        if struct.unpack_from("<I", view, position)[0] != _CENTRAL:
+            return None
+        method, = struct.unpack_from("<H", view, position + 10)
+        compressed, uncompressed, name_len, extra_len, comment_len = struct.unpack_from("<IIHHH", view, position + 20)
+        local, = struct.unpack_from("<I", view, position + 42)
+        name = bytes(view[position + 46:position + 46 + name_len])
+        position += 46 + name_len + extra_len + comment_len
+        if name.endswith(b"/data/0"):
+            if method != 0 or compressed != nbytes or uncompressed != nbytes or local == 0xFFFFFFFF:
+                return _zipfile_offset(view, nbytes) if 0xFFFFFFFF in (compressed, local) else None
+            return _local_data(view, local, nbytes)
+    return None
+
+
+def _local_data(view, local, nbytes):
+    if struct.unpack_from("<I", view, local)[0] != _LOCAL:
+        return None
+    name_len, extra_len = struct.unpack_from("<HH", view, local + 26)
+    start = local + 30 + name_len + extra_len
+    return start if start + nbytes <= len(view) else None
+
+
+def _zipfile_offset(view, nbytes):
+    """The same through ``zipfile`` (zip64 archives of tensors over 4 GB)."""
+    try:
+        with zipfile.ZipFile(ViewFile(view)) as archive:
+            for info in archive.infolist():
+                if info.filename.endswith("/data/0"):
+                    if info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes:
+                        return None
+                    return _local_data(view, info.header_offset, nbytes)
+    except (zipfile.BadZipFile, struct.error, ValueError):
+        return None
+    return None
+
+
+def layout_key(index):
+    """The key of a stored item (a ``MetadataIndex``) in a layout: its fully qualified name and chunk offset."""
+    return f"{index.fqn}@{','.join(map(str, index.offset or ()))}"
+
+
 # ----------------------------------------------------------------- writing
 class _BlobStream:
-    """A write-only file over one preallocated buffer (what ``torch.save`` writes a tensor's archive into)."""
+    """A write-only file over one preallocated buffer (what ``FileSystemWriter`` writes a rank's file into)."""
 
-    def __init__(self, capacity):
+    def __init__(self, capacity, exact=True):
         self.buffer = bytearray(capacity)
         self._view = memoryview(self.buffer)
-        self.position = 0
+        self.position, self._exact = 0, exact
 
     def write(self, data):
         data = memoryview(data)
         if data.format != "B" or data.ndim != 1:
             data = data.cast("B")
         end = self.position + data.nbytes
-        if end > len(self.buffer):  # never expected: the capacity bounds what the plan writes
-            logger.warning("A DCP blob outgrew its %d-byte buffer (%d bytes); growing it (one copy)",
-                           len(self.buffer), end)
+        if end > len(self.buffer):
+            if self._exact:  # never expected: the capacity bounds what the plan writes
+                logger.warning("A DCP blob outgrew its %d-byte buffer (%d bytes); growing it (one copy)",
+                               len(self.buffer), end)
             self._view.release()
             self.buffer.extend(bytes(max(end - len(self.buffer), len(self.buffer) // 8)))
             self._view = memoryview(self.buffer)
@@ -162,8 +247,17 @@ class _BlobStream:
         self.position = end
         return data.nbytes
 
+    def tell(self):
+        return self.position
+
+    def writable(self):
+        return True
+
     def flush(self):
         """Nothing to flush: the bytes are in the buffer."""
+
+    def close(self):
+        """Nothing to close: :meth:`finish` hands the buffer over."""
 
     def finish(self):
         """The buffer trimmed to what was written (in place: a shrink by less than half does not copy)."""
@@ -172,88 +266,129 @@ class _BlobStream:
         return self.buffer
 
 
-class BlobWriter(StorageWriter):
-    """A DCP ``StorageWriter`` that writes each rank's items into one buffer (see the module docstring).
+class _MemoryFiles(FileSystemBase):
+    """DCP's storage interface over memory: the files ``FileSystemWriter`` writes, by name. A file's buffer is sized
+    from :attr:`capacity` (``{name or ".distcp": bytes}``: the next data file's under ``".distcp"``) when it is
+    given, else grown as it is written (the metadata)."""
+
+    def __init__(self):
+        self.files, self.capacity = {}, {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        if "w" not in mode:
+            raise io.UnsupportedOperation(f"an in-memory DCP file is written once; got mode {mode!r}")
+        name = str(path).rsplit("/", 1)[-1]
+        capacity = self.capacity.pop(".distcp" if name.endswith(".distcp") else name, None)
+        stream = _BlobStream(capacity if capacity is not None else 1024, exact=capacity is not None)
+        yield stream
+        self.files[name] = stream.finish()
+
+    def concat_path(self, path, suffix):
+        return f"{path}/{suffix}"
+
+    def rename(self, path, new_path):
+        self.files[str(new_path).rsplit("/", 1)[-1]] = self.files.pop(str(path).rsplit("/", 1)[-1])
+
+    def init_path(self, path):
+        return str(path)
+
+    def mkdir(self, path):
+        """Nothing to make: the files are keys."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):
+        return False
+
+    def exists(self, path):
+        return str(path).rsplit("/", 1)[-1] in self.files
+
+    def rm_file(self, path):
+        self.files.pop(str(path).rsplit("/", 1)[-1], None)
+
+
+def _item_bytes(item):
+    """The bytes of a tensor write item's chunk (this rank's shard, not the whole tensor)."""
+    count = 1
+    for size in item.tensor_data.chunk.sizes:
+        count *= size
+    return count * item.tensor_data.properties.dtype.itemsize
+
+
+class BlobWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` writing each rank's file into one buffer in memory (see the module docstring).
 
     After ``torch.distributed.checkpoint.save(state_dict, storage_writer=writer)``: :attr:`rank` (this rank in the
     group), :attr:`file_name` (``__{rank}_0.distcp``), :attr:`blob` (a ``bytearray``: the file's bytes) and, on the
-    coordinator (rank 0), :attr:`metadata` (the ``.metadata`` file's bytes; None elsewhere). The buffer is sized from
-    the rank's write plan before anything is written: the peak is the blob plus the rank's small byte items plus one
-    tensor being copied (a view or a device tensor), never a second copy of the blob.
+    coordinator (rank 0), :attr:`metadata` (the ``.metadata`` file's bytes) and :attr:`layout` (``{item key: where
+    its raw bytes start in its file}`` of every rank's tensor items); None elsewhere. The buffer is sized from the
+    rank's write plan before anything is written: the peak is the blob plus one tensor being copied (a view or a
+    device tensor), never a second copy of the blob.
 
     Example:
-        >>> # writer = BlobWriter(); dcp.save(state_dict, storage_writer=writer); writer.blob, writer.metadata
         >>> BlobWriter().blob is None
         True
     """
 
     def __init__(self):
-        super().__init__()
-        self.rank, self.file_name, self.blob, self.metadata = 0, None, None, None
-        self.save_id = str(uuid.uuid4())
+        super().__init__(_MEMORY, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True)
+        self.fs = _MemoryFiles()  # FileSystemWriter's storage interface (as torch's fsspec writer sets its own)
+        self.rank, self.file_name, self.blob, self.metadata, self.layout = 0, None, None, None, None
 
     def reset(self, checkpoint_id=None):
         """A new save starts: forget the last one's results."""
-        self.file_name, self.blob, self.metadata = None, None, None
-        self.save_id = str(uuid.uuid4())
-
-    def set_up_storage_writer(self, is_coordinator, *args, **kwargs):
-        """Learn this rank (``rank`` in DCP's keyword arguments; 0 without a process group)."""
-        self.rank = kwargs.get("rank") or 0
-
-    def storage_meta(self):
-        """The save's id, as ``FileSystemWriter`` records it (no checkpoint path: the storage is memory)."""
-        return dcp_metadata.StorageMeta(checkpoint_id=None, save_id=self.save_id)
-
-    def prepare_local_plan(self, plan):
-        """The planner's plan, unchanged."""
-        return plan
-
-    def prepare_global_plan(self, plans):
-        """Name each rank's file after its rank (the coordinator sees every plan, in rank order)."""
-        return [dataclasses.replace(plan, storage_data=FILE_NAME.format(rank=rank)) for rank, plan in enumerate(plans)]
+        super().reset(None)
+        self.fs = _MemoryFiles()
+        self.file_name, self.blob, self.metadata, self.layout = None, None, None, None
 
     def write_data(self, plan, planner):
-        """Write the plan's byte items, then its tensors, into one buffer sized from the plan; returns a done future
-        with one ``WriteResult`` per item."""
-        self.file_name = plan.storage_data
-        byte_items = [(item, planner.resolve_data(item)) for item in plan.items if item.type == WriteItemType.BYTE_IO]
-        tensor_items = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
-        capacity = sum(data.getbuffer().nbytes for _, data in byte_items)
-        capacity += sum(item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
-                        + TORCH_SAVE_OVERHEAD for item in tensor_items)
-        stream, results = _BlobStream(capacity), []
-        for item, data in byte_items:
-            offset = stream.position
-            stream.write(data.getbuffer())
-            results.append(self._result(item, offset, stream.position - offset))
-        del byte_items
-        for item in tensor_items:
-            tensor = planner.resolve_data(item).detach()
-            if tensor.device.type != "cpu":
-                tensor = tensor.to("cpu")
-            if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-                tensor = tensor.clone()  # a view: torch.save would write its whole storage
-            offset = stream.position
-            torch.save(tensor, stream)
-            results.append(self._result(item, offset, stream.position - offset))
-        self.blob = stream.finish()
-        logger.debug("DCP blob %s: %d items, %.2f MB (buffer sized %.2f MB)", self.file_name, len(results),
+        """``FileSystemWriter``'s write of this rank's file, into a buffer sized from the plan first; each tensor
+        item's result also carries where its raw bytes start (taken out again in :meth:`finish`)."""
+        capacity = 0
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                capacity += len(planner.resolve_data(item).getbuffer())  # (resolved again when written: small)
+            else:
+                capacity += _item_bytes(item) + TORCH_SAVE_OVERHEAD
+        self.fs.capacity[".distcp"] = capacity
+        results = super().write_data(plan, planner).wait()
+        written = [name for name in self.fs.files if name.endswith(".distcp")]  # one: a file per rank
+        if len(written) != 1:
+            raise CheckpointError(f"DCP's FileSystemWriter expected to write one file per rank; it wrote {written}")
+        self.file_name = written[0]  # FileSystemWriter's name: __{rank in the group}_0.distcp
+        self.rank = int(self.file_name.split("_")[2])
+        self.blob = self.fs.files.pop(self.file_name)
+        view = memoryview(self.blob)
+        tensors = {item.index: item for item in plan.items if item.type != WriteItemType.BYTE_IO}
+        marked = []
+        for result in results:
+            item, start = tensors.get(result.index), None
+            info = result.storage_data
+            if item is not None and sys.byteorder == "little" and not getattr(info, "transform_descriptors", None):
+                start = raw_data_offset(view[info.offset:info.offset + info.length], _item_bytes(item))
+            marked.append(WriteResult(index=result.index, size_in_bytes=result.size_in_bytes,
+                                      storage_data=(info, start)))
+        view.release()
+        logger.debug("DCP blob %s: %d items, %.2f MB (buffer sized %.2f MB)", self.file_name, len(marked),
                      len(self.blob) / 1e6, capacity / 1e6)
         future = Future()
-        future.set_result(results)
+        future.set_result(marked)
         return future
 
-    def _result(self, item, offset, length):
-        return WriteResult(index=item.index, size_in_bytes=length,
-                           storage_data=storage_info(self.file_name, offset, length))
-
     def finish(self, metadata, results):
-        """On the coordinator: record where every item lies and keep the metadata's bytes (:attr:`metadata`)."""
-        metadata.version = dcp_filesystem.CURRENT_DCP_VERSION
-        metadata.storage_data = {result.index: result.storage_data for rank in results for result in rank}
-        metadata.storage_meta = self.storage_meta()
-        self.metadata = metadata_to_bytes(metadata)
+        """On the coordinator: ``FileSystemWriter``'s metadata, kept as bytes (:attr:`metadata`), and the layout of
+        every rank's tensor items (:attr:`layout`)."""
+        layout, plain = {}, []
+        for rank_results in results:
+            plain.append([])
+            for result in rank_results:
+                info, start = result.storage_data
+                if start is not None:
+                    layout[layout_key(result.index)] = start
+                plain[-1].append(WriteResult(index=result.index, size_in_bytes=result.size_in_bytes,
+                                             storage_data=info))
+        super().finish(metadata, plain)
+        self.metadata, self.layout = bytes(self.fs.files.pop(METADATA_FILE)), layout
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id):
@@ -262,8 +397,14 @@ class BlobWriter(StorageWriter):
 
 
 # ----------------------------------------------------------------- reading
-class _ViewFile(io.RawIOBase):
-    """A read-only, seekable file over a buffer, without copying it (what ``torch.load`` reads an item from)."""
+class ViewFile(io.RawIOBase):
+    """A read-only, seekable file over a buffer, without copying it (what ``torch.load`` or ``zipfile`` reads an
+    item from).
+
+    Example:
+        >>> ViewFile(memoryview(b"abc")).read(2)
+        b'ab'
+    """
 
     def __init__(self, view):
         super().__init__()
@@ -288,104 +429,3 @@ class _ViewFile(io.RawIOBase):
         memoryview(target).cast("B")[:len(chunk)] = chunk
         self._position += len(chunk)
         return len(chunk)
-
-
-def _narrow(tensor, offsets, lengths):
-    for dim, (offset, length) in enumerate(zip(offsets, lengths)):
-        tensor = tensor.narrow(dim, offset, length)
-    return tensor
-
-
-class BlobReader(StorageReader):
-    """A DCP ``StorageReader`` over buffers: ``fetch(relative_path)`` returns a file's bytes (any bytes-like object).
-
-    ``fetch`` is called in ``read_data`` only, once for each file this rank's load plan needs (never for another),
-    and the buffer is dropped once that file's items are loaded: a rank holds one file at a time. Byte items (the
-    non-tensor values) are checked with a safe load (``weights_only=True``) before DCP's planner unpickles them,
-    unless ``weights_only=False``.
-
-    Args:
-        metadata: the checkpoint's ``Metadata`` or its bytes (read safely unless ``weights_only=False``).
-        fetch: ``fetch(relative_path) -> buffer``.
-        weights_only: load byte items and the metadata only if a safe load accepts them.
-
-    Example:
-        >>> # dcp.load(state_dict, storage_reader=BlobReader(metadata_bytes, {"__0_0.distcp": blob}.__getitem__))
-        >>> BlobReader(metadata_to_bytes(dcp_metadata.Metadata({})), fetch=None).read_metadata().state_dict_metadata
-        {}
-    """
-
-    def __init__(self, metadata, fetch, weights_only=True):
-        super().__init__()
-        self.metadata = as_metadata(metadata, weights_only=weights_only)
-        self.fetch, self.weights_only = fetch, weights_only
-
-    def reset(self, checkpoint_id=None):
-        """Nothing to reset: the reader holds no state between loads."""
-
-    def read_metadata(self, *args, **kwargs):
-        """The checkpoint's metadata (given, not read)."""
-        return self.metadata
-
-    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
-        """Check that the metadata says where its items lie."""
-        if metadata.storage_data is None:
-            raise CheckpointError("DCP metadata expected with storage_data (where each item lies); got none")
-
-    def prepare_local_plan(self, plan):
-        """The planner's plan, unchanged."""
-        return plan
-
-    def prepare_global_plan(self, plans):
-        """The planners' plans, unchanged."""
-        return plans
-
-    def read_data(self, plan, planner):
-        """Load the plan's items, fetching each file it needs once; returns a done future."""
-        per_file = {}
-        for item in plan.items:
-            info = self.metadata.storage_data[item.storage_index]
-            if getattr(info, "transform_descriptors", None):
-                raise CheckpointError(f"DCP item {item.storage_index.fqn!r} expected as plain torch.save bytes; got "
-                                      f"one written with stream transforms {list(info.transform_descriptors)}, "
-                                      f"which this reader does not decode")
-            per_file.setdefault(info.relative_path, []).append((item, info))
-        for relative_path, items in per_file.items():
-            data = memoryview(self.fetch(relative_path))
-            data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-            for item, info in items:
-                end = info.offset + info.length
-                if end > data.nbytes:
-                    raise CheckpointError(f"DCP file {relative_path!r} expected to hold item {item.storage_index.fqn!r} "
-                                          f"at bytes {info.offset}..{end}; got a file of {data.nbytes} bytes "
-                                          f"(truncated or another checkpoint's)")
-                self._load_item(item, data[info.offset:end], planner)
-            del data
-        future = Future()
-        future.set_result(None)
-        return future
-
-    def _load_item(self, item, view, planner):
-        if item.type == LoadItemType.BYTE_IO:
-            if self.weights_only:
-                try:
-                    torch.load(_ViewFile(view), weights_only=True)
-                except pickle.UnpicklingError as err:
-                    raise CheckpointError(f"DCP item {item.storage_index.fqn!r} holds objects that a safe load "
-                                          f"(weights_only=True) refuses; if you trust the checkpoint, load it with "
-                                          f"weights_only=False. Detail: {str(err).splitlines()[0]}") from err
-            planner.load_bytes(item, io.BytesIO(view))
-            return
-        tensor = _narrow(torch.load(_ViewFile(view), map_location="cpu", weights_only=True),
-                         item.storage_offsets, item.lengths)
-        target = planner.resolve_tensor(item).detach()
-        if target.size() != tensor.size():
-            raise CheckpointError(f"DCP item {item.storage_index.fqn!r} expected of size {tuple(target.size())} "
-                                  f"(this rank's part of the state dict); got {tuple(tensor.size())}")
-        target.copy_(tensor)
-        planner.commit_tensor(item, target)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id):
-        """A checkpoint id names no storage here: the buffers come from ``fetch``."""
-        return False

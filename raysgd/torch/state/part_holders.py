@@ -19,8 +19,13 @@ wait for it), could have its pull sent there and wait Ray's ``object_manager_pul
 before another location is tried. So each kept copy is only ever stored on its own node when it is made.
 
 Holders hold no state of their own: a copy lives as long as someone (the store's latest commit, a restart point)
-holds its ref, and is freed when the last one lets go. A holder is lost only with its node (or an OOM kill of its
-process), taking its node's copies; the buddies' remain.
+holds its ref, and is freed when the last one lets go. A holder is lost with its node or with its process (an OOM
+kill), taking its node's copies; the buddies' remain. A holder whose process died on a live node is *replaced*:
+Ray restarts it on its node (``max_restarts=-1``; the handles the ranks hold reach the new process), and the ranks'
+calls to it are retried there (``max_task_retries``: keeping a part again from the rank's temporary is harmless), so
+the next commit completes. The driver counts the replacements (:attr:`Holders.replaced`): a call to each holder
+that never returns (``watch``) fails when its process dies, which :meth:`Holders.check` sees at the controller's
+next tick. A holder whose node is gone is not restarted (Ray reports it unschedulable at once).
 
 The buddy of a node is the next one in the sorted ring of the group's nodes (:func:`buddies`): every node keeps its
 own ranks' parts and one neighbour's, so no node holds more than its share.
@@ -33,6 +38,7 @@ Example:
 """
 import logging
 import pickle
+import threading
 import types
 
 import numpy
@@ -44,8 +50,10 @@ logger = logging.getLogger(__name__)
 
 #: How long a holder waits for its buddy's copy; a copy that cannot be made in time leaves the part with one copy.
 COPY_TIMEOUT_S = 600.0
-#: Concurrent calls a holder serves (every rank of its node, and the buddies' copies, at once).
+#: Concurrent calls a holder serves (every rank of its node, the buddies' copies and the driver's watch, at once).
 MAX_CONCURRENCY = 32
+#: How often a call to a holder is retried after its process died (Ray restarts it on its node in about 1-2 s).
+CALL_RETRIES = 3
 
 
 def buddies(nodes):
@@ -142,7 +150,8 @@ class _HolderActor:
         copies = [(ray.get_runtime_context().get_node_id(), [own])]
         if buddy is not None:
             try:
-                copies.append(tuple(ray.get(buddy.copy.remote(temporary), timeout=COPY_TIMEOUT_S)))
+                copies.append(tuple(ray.get(buddy.copy.options(max_task_retries=CALL_RETRIES).remote(temporary),
+                                            timeout=COPY_TIMEOUT_S)))
             except ray_errors.RayError as err:  # the part still has its first copy
                 logger.warning("The buddy copy of a committed part failed (%s: %s); it has one copy",
                                type(err).__name__, str(err).splitlines()[0] if str(err) else "")
@@ -159,34 +168,80 @@ class _HolderActor:
     def ping(self):
         return ray.get_runtime_context().get_node_id()
 
+    def watch(self):
+        """Never returns: the driver's call that fails when this process dies (:meth:`Holders.check`)."""
+        threading.Event().wait()
+
 
 class Holders:
     """The driver's holders, one per node of the workers, made on first need and owned by the driver (they live
-    as long as the trainer, unless their node dies).
+    as long as the trainer, unless their node dies; one whose process dies is restarted by Ray and counted in
+    :attr:`replaced`).
 
     Example:
-        >>> # holders = Holders(); handles = holders.for_nodes({0: node_a, 1: node_b}); holders.close()
+        >>> # holders = Holders(); handles = holders.for_nodes({0: node_a, 1: node_b}); holders.check(); holders.close()
+        >>> Holders().replaced
+        0
     """
 
     def __init__(self):
         self._by_node = {}
         self._cls = None
+        self._watches = {}  # node -> the pending ``watch`` call, or ("restarting", ping) once it failed
+        self.replaced = 0
 
     def for_nodes(self, nodes):
         """``{node: holder handle}`` for the nodes in ``nodes`` (an iterable of node ids), starting any missing."""
         if self._cls is None:
-            self._cls = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY, max_restarts=0)(
+            self._cls = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY, max_restarts=-1)(
                 by_value(_HolderActor))  # its process imports no torch
         wanted = sorted({node for node in nodes if node is not None})
         for node in wanted:
             if node not in self._by_node:
                 strategy = NodeAffinitySchedulingStrategy(node, soft=False)
                 self._by_node[node] = self._cls.options(scheduling_strategy=strategy).remote()
+                self._watches[node] = self._by_node[node].watch.remote()
         return {node: self._by_node[node] for node in wanted}
+
+    def check(self):
+        """Never waits (the controller's tick): a holder whose ``watch`` failed lost its process; Ray restarts it on
+        its node, which is counted (:attr:`replaced`, logged) and watched again once it answers. A holder whose node
+        is gone (unschedulable) is forgotten."""
+        pending = {ref: node for node, ref in self._watches.items() if not isinstance(ref, tuple)}
+        restarting = {entry[1]: node for node, entry in self._watches.items() if isinstance(entry, tuple)}
+        ready, _ = ray.wait(list(pending) + list(restarting), num_returns=len(pending) + len(restarting), timeout=0)
+        for ref in ready:
+            node = pending.get(ref, restarting.get(ref))
+            try:
+                ray.get(ref, timeout=0)
+            except ray_errors.ActorUnschedulableError:  # its node is gone: nothing to restart there
+                self._forget(node)
+                continue
+            except ray_errors.ActorDiedError as err:
+                logger.warning("The commit part holder on node %s is gone (%s)", node[:12], str(err).splitlines()[0])
+                self._forget(node)
+                continue
+            except ray_errors.RayError as err:
+                if ref in pending:  # its process died; Ray restarts it on its node
+                    self.replaced += 1
+                    logger.warning("The commit part holder on node %s lost its process (%s: %s); Ray restarts it "
+                                   "there and the next commit is kept by the new one (replacements: %d)", node[:12],
+                                   type(err).__name__, str(err).splitlines()[0] if str(err) else "", self.replaced)
+                    self._watches[node] = ("restarting", self._by_node[node].ping.options(
+                        max_task_retries=-1).remote())
+                else:
+                    self._forget(node)
+                continue
+            if ref in restarting:  # answered again: watch the new process
+                self._watches[node] = self._by_node[node].watch.remote()
+
+    def _forget(self, node):
+        self._by_node.pop(node, None)
+        self._watches.pop(node, None)
 
     def close(self):
         """Kill every holder (the copies they own go with them)."""
-        by_node, self._by_node = self._by_node, {}
+        by_node, self._by_node, self._watches = self._by_node, {}, {}
         for handle in by_node.values():
             try:
                 ray.kill(handle, no_restart=True)
@@ -206,6 +261,6 @@ def keep_part(holders, buddy_of, part, timeout_s):
         raise RuntimeError(f"no part holder for node {node[:12]}: the commit plan names {len(holders)} other node(s)")
     buddy = holders.get(buddy_of.get(node))
     temporary = ray.put(out_of_band(part))  # released on return: the holders' copies are the kept ones
-    copies = ray.get(holder.keep.remote([temporary], buddy), timeout=timeout_s)
+    copies = ray.get(holder.keep.options(max_task_retries=CALL_RETRIES).remote([temporary], buddy), timeout=timeout_s)
     del temporary
     return {"size": memoryview(part).nbytes, "copies": [(where, list(refs)) for where, refs in copies]}

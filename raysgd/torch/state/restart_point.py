@@ -29,6 +29,7 @@ Example:
 import logging
 import time
 
+import numpy
 import ray
 from ray import exceptions as ray_errors
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -96,24 +97,31 @@ class RestartPoint:
 
 
 class ShardedRefs:
-    """What a worker loads a sharded restart point from: each saving rank's part as a list of refs (its copies), the
-    DCP file name of each, and the head (the state's small rest and the DCP metadata, bytes). Nested in a call's
-    arguments, its refs reach the worker unresolved (it fetches the files its new shard needs).
+    """What a worker loads a sharded restart point from: each saving rank's part as a list of refs (its copies) with
+    the node holding each, the DCP file name of each part, and the head (the state's small rest, the DCP metadata
+    and the layout, bytes). Nested in a call's arguments, its refs reach the worker unresolved: it reads, of the
+    parts its new shard overlaps, only the byte ranges it needs (:meth:`source`).
 
     Example:
         >>> ShardedRefs([[], []], b"").file_names
         ['__0_0.distcp', '__1_0.distcp']
     """
 
-    def __init__(self, parts, head):
+    def __init__(self, parts, head, nodes=None):
         self.parts, self.head = [list(refs) for refs in parts], head
+        self.nodes = [list(where) for where in nodes] if nodes is not None else [[None] * len(refs) for refs in parts]
 
     @property
     def file_names(self):
         return [part_file_name(rank) for rank in range(len(self.parts))]
 
+    def source(self, timeout_s=600):
+        """The parts as a source of byte ranges (:class:`PartRanges`)."""
+        return PartRanges({name: list(zip(refs, nodes)) for name, refs, nodes in
+                           zip(self.file_names, self.parts, self.nodes)}, timeout_s)
+
     def fetcher(self, timeout_s=600):
-        """``fetch(relative_path)``: the first available copy of that rank's part (a zero-copy buffer)."""
+        """``fetch(relative_path)``: the first available copy of that rank's part (a zero-copy buffer, whole)."""
         by_name = dict(zip(self.file_names, self.parts))
 
         def fetch(name):
@@ -122,6 +130,67 @@ class ShardedRefs:
             return first_available(by_name[name], timeout_s)
 
         return fetch
+
+
+def _read_ranges(refs, ranges):
+    """On the node holding ``refs[0]`` (a part, read from its object store without a copy): the byte ranges
+    ``[(offset, length), ...]`` of it, one after the other (the only bytes that then travel)."""
+    data = numpy.frombuffer(ray.get(refs[0]), dtype=numpy.uint8)
+    pieces = [data[offset:offset + length] for offset, length in ranges]
+    return out_of_band(numpy.concatenate(pieces) if pieces else numpy.empty(0, dtype=numpy.uint8))
+
+
+_read_task = None
+
+
+class PartRanges:
+    """A source of byte ranges (``read(relative_path, ranges)``, see :class:`~raysgd.torch.state.dcp_reader.BlobReader`)
+    over parts held in object stores: ``{file name: [(ref, node), ...]}`` (the copies, preferred first).
+
+    A part on this process's node is read in place (a zero-copy view of the local object); one on another node is
+    cut there by a 0-CPU task (:func:`_read_ranges`), so only the ranges travel. A copy that cannot be read (its
+    node lost, its owner gone, not read within its share of ``timeout_s``) gives way to the next;
+    :class:`RestartPointLost` when none is left. :attr:`pulled` counts the bytes that came to this process.
+
+    Example:
+        >>> PartRanges({}, timeout_s=1).pulled
+        0
+    """
+
+    def __init__(self, copies, timeout_s=600):
+        self.copies, self.timeout_s, self.pulled = dict(copies), timeout_s, 0
+
+    def read(self, relative_path, ranges):
+        global _read_task
+        if relative_path not in self.copies:
+            raise KeyError(f"the sharded state has no part {relative_path!r} (it has {sorted(self.copies)})")
+        here, deadline, errors = this_node(), time.monotonic() + self.timeout_s, []
+        total = sum(length for _, length in ranges)
+        for index, (ref, node) in enumerate(self.copies[relative_path]):
+            patience = max(1.0, min(deadline - time.monotonic(), ROUNDS_S[0] if index + 1 < len(
+                self.copies[relative_path]) else float("inf")))
+            try:
+                if node is None or node == here:  # here (or unknown: fetched whole)
+                    data = memoryview(ray.get(ref, timeout=patience)).cast("B")
+                    self.pulled += total if node == here else data.nbytes
+                    return [data[offset:offset + length] for offset, length in ranges]
+                if _read_task is None:  # its processes import no torch
+                    _read_task = ray.remote(num_cpus=0, max_retries=0)(by_value(_read_ranges))
+                strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+                data = memoryview(ray.get(_read_task.options(scheduling_strategy=strategy).remote([ref], ranges),
+                                          timeout=patience)).cast("B")
+            except (ray_errors.RayError, ValueError) as err:
+                errors.append(f"copy {index}: {type(err).__name__}: {err}".splitlines()[0])
+                logger.warning("Copy %d of part %s of the restart point cannot be read (%s); trying the next",
+                               index, relative_path, type(err).__name__)
+                continue
+            self.pulled += data.nbytes
+            pieces, position = [], 0
+            for _, length in ranges:
+                pieces.append(data[position:position + length])
+                position += length
+            return pieces
+        raise RestartPointLost(f"no copy of part {relative_path} of the restart point is left ({'; '.join(errors)})")
 
 
 def part_file_name(rank):
@@ -149,7 +218,8 @@ class ShardedPoint:
 
     def load_args(self, weights_only=False):
         """The arguments of a worker's ``load_restart_point``: ``(ShardedRefs, weights_only, overlay)``."""
-        return ShardedRefs([part.refs for part in self.parts], self.head), weights_only, self.overlay
+        return ShardedRefs([part.refs for part in self.parts], self.head,
+                           [part.nodes for part in self.parts]), weights_only, self.overlay
 
     def fetcher(self, timeout_s=600):
         """``fetch(file name)`` of the parts, in this process (the driver, only when the user asks for the state)."""
@@ -164,7 +234,7 @@ class ShardedPoint:
         from raysgd.torch.state import checkpoint, sharded  # noqa: PLC0415
 
         head = checkpoint.state_from_bytes(self.head)
-        whole = sharded.consolidate_parts(head["metadata"], self.fetcher(timeout_s))
+        whole = sharded.consolidate_parts(head["metadata"], self.fetcher(timeout_s), layout=head.get("layout"))
         return {**head["rest"], **(self.overlay or {}), "models": whole["models"], "optimizers": whole["optimizers"]}
 
     def __repr__(self):

@@ -1,13 +1,14 @@
 """Sharded training state: each rank saves its own shard of the models and optimizers as one blob in DCP's format,
-and any number of ranks loads it back, each reading only the blobs its new shard needs.
+and any number of ranks loads it back, each reading only the rows its new shard takes and the replicated values.
 
 Layer 2 (torch only: no Ray, no files). FSDP2 models (``fully_shard``) hold DTensors; their state goes through
 ``torch.distributed.checkpoint`` (DCP): :func:`models_and_optimizers_state` and :func:`load_models_and_optimizers`
 wrap DCP's ``get_state_dict``/``set_state_dict`` for lists of models and optimizers; :func:`save_parts` (a collective)
-gives each rank a :class:`Part` (its blob, named as DCP's ``FileSystemWriter`` names its file, and on rank 0 the
-checkpoint's metadata); :func:`load_parts` (a collective at any world size: resharding) loads them through a
-``fetch(relative_path)`` that the caller backs with memory, an object store or files. The byte format is
-:mod:`~raysgd.torch.state.dcp_blobs`'s: the blobs under their names plus ``.metadata`` are a DCP checkpoint folder.
+gives each rank a :class:`Part` (its blob, the file DCP's ``FileSystemWriter`` writes, and on rank 0 the
+checkpoint's metadata and layout); :func:`load_parts` (a collective at any world size: resharding) loads them
+through a source of byte ranges (or a ``fetch(relative_path)`` of whole files) that the caller backs with memory, an
+object store or files. The byte format is :mod:`~raysgd.torch.state.dcp_blobs`'s (the blobs under their names plus
+``.metadata`` are a DCP checkpoint folder), read by :mod:`~raysgd.torch.state.dcp_reader`.
 
 Plain (unsharded) modules work too, in a process group (DCP then saves each replicated tensor once) or in a process
 with no process group at all (DCP's single-process mode: one part, rank 0).
@@ -18,7 +19,7 @@ Example:
     >>> part.file_name, part.metadata is not None
     ('__0_0.distcp', True)
     >>> target = {"w": torch.zeros(3), "step": 0}
-    >>> load_parts(target, part.metadata, {part.file_name: part.blob}.__getitem__)
+    >>> _ = load_parts(target, part.metadata, {part.file_name: part.blob}.__getitem__)
     >>> target["w"].tolist(), target["step"]
     ([0.0, 1.0, 2.0], 7)
     >>> consolidate_parts(part.metadata, {part.file_name: part.blob}.__getitem__)["w"].tolist()
@@ -39,10 +40,15 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from raysgd.torch.state import dcp_blobs
-from raysgd.torch.state.dcp_blobs import as_metadata, file_sizes
+from raysgd.torch.state import dcp_blobs, dcp_reader
+from raysgd.torch.state.dcp_blobs import as_metadata, file_sizes, renamed_files  # noqa: F401 (renamed_files: public here)
 
 logger = logging.getLogger(__name__)
+
+#: What this process's latest :func:`load_parts` read: ``read`` (bytes of the items' ranges), ``needed`` (bytes the
+#: loaded values take: this rank's new shard and the replicated values), ``pulled`` (bytes the source moved here),
+#: ``files`` (files read). Read by benchmarks and tests.
+LOAD_STATS = {}
 
 
 # ----------------------------------------------------------------- models and optimizers
@@ -138,7 +144,14 @@ def load_models_and_optimizers(models, optimizers, state, full=False):
             for group, saved in zip(optimizer.param_groups, optimizer_state.get("param_groups", ())):
                 group.update({key: value for key, value in saved.items() if key != "params"})
             continue
-        set_optimizer_state_dict(_owner(models, optimizer), optimizer, optimizer_state, options=options)
+        # a parameter without state (SGD without momentum) gets an empty one, which every optimizer reads as none:
+        # torch 2.9's set_optimizer_state_dict wants an entry for each parameter even when not strict
+        with_state = dict(optimizer_state["state"])
+        for group in optimizer_state.get("param_groups", ()):
+            for name in group.get("params", ()):
+                with_state.setdefault(name, {})
+        set_optimizer_state_dict(_owner(models, optimizer), optimizer, {**optimizer_state, "state": with_state},
+                                 options=options)
 
 
 # ----------------------------------------------------------------- parts
@@ -151,6 +164,9 @@ class Part:
         file_name: its file's name in a DCP checkpoint folder (``__{rank}_0.distcp``).
         blob: the file's bytes (a ``bytearray``; empty when the rank had nothing to save).
         metadata: the checkpoint's ``.metadata`` bytes on rank 0 (the same for every rank's part); None elsewhere.
+        layout: on rank 0, where each tensor item's raw bytes start in its file (``{item key: offset}``, every
+            rank's: :attr:`~raysgd.torch.state.dcp_blobs.BlobWriter.layout`), which lets a load read only the rows
+            it needs; None elsewhere.
 
     Example:
         >>> Part(1, "__1_0.distcp", bytearray(b"x"), None).nbytes
@@ -161,6 +177,7 @@ class Part:
     file_name: str
     blob: bytearray
     metadata: bytes = None
+    layout: dict = None
 
     @property
     def nbytes(self):
@@ -210,10 +227,11 @@ def save_parts(state_dict, process_group=None):
     writer = dcp_blobs.BlobWriter()
     with _dcp_call(single, process_group):
         dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=single)
-    return Part(rank=writer.rank, file_name=writer.file_name, blob=writer.blob, metadata=writer.metadata)
+    return Part(rank=writer.rank, file_name=writer.file_name, blob=writer.blob, metadata=writer.metadata,
+                layout=writer.layout)
 
 
-def load_parts(state_dict, metadata, fetch, process_group=None, weights_only=True):
+def load_parts(state_dict, metadata, fetch, process_group=None, weights_only=True, layout=None):
     """Load a checkpoint saved by :func:`save_parts` (or DCP's ``FileSystemWriter``) into ``state_dict`` in place: a
     collective of ``process_group`` at any world size (each rank loads its own shard, resharded from the saved ones).
 
@@ -221,23 +239,31 @@ def load_parts(state_dict, metadata, fetch, process_group=None, weights_only=Tru
         state_dict: what to load into, e.g. :func:`models_and_optimizers_state` of this rank's models (its tensors
             are filled in place; its other values replaced).
         metadata: the checkpoint's ``.metadata`` bytes (rank 0's :attr:`Part.metadata`) or a DCP ``Metadata``.
-        fetch: ``fetch(relative_path) -> buffer`` (bytes-like) of a file the metadata names: called once for each
-            file this rank needs (:func:`files_needed`), never for another; it bounds its own wait (a
+        fetch: where the files' bytes come from: a source (``read(relative_path, [(offset, length), ...]) ->
+            [buffer, ...]``: only those ranges) or ``fetch(relative_path) -> buffer`` (a whole file). Asked once
+            for each file this rank needs (:func:`files_needed`), never for another; it bounds its own wait (a
             ``ray.get(ref, timeout=...)``, a filesystem's request timeout) and raises when the file is gone.
         process_group: the group loading (the default group; none: this process alone).
         weights_only: read the metadata and the non-tensor values only if a safe load accepts them.
+        layout: :attr:`Part.layout` of rank 0 (saved with the checkpoint): each rank then reads only the rows of
+            the saved shards that its new shard takes, and the replicated values; without it, whole items.
+
+    Returns the reader's counts (:attr:`~raysgd.torch.state.dcp_reader.BlobReader.stats`: ``read``, ``needed``,
+    ``files``).
 
     Example:
         >>> # load_parts(state, parts[0].metadata, {p.file_name: p.blob for p in parts}.__getitem__)
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"load_parts expects a state dict (a dict) to load into; got {type(state_dict).__name__}")
-    if not callable(fetch):
-        raise TypeError(f"load_parts expects fetch(relative_path) -> bytes; got {fetch!r}")
+    source = dcp_reader.as_source(fetch)
     single = _single_process(process_group)
-    reader = dcp_blobs.BlobReader(metadata, fetch, weights_only=weights_only)
+    reader = dcp_reader.BlobReader(metadata, source, layout=layout, weights_only=weights_only)
     with _dcp_call(single, process_group):
         dcp.load(state_dict, storage_reader=reader, process_group=process_group, no_dist=single)
+    LOAD_STATS.clear()
+    LOAD_STATS.update(reader.stats, pulled=getattr(source, "pulled", reader.stats["read"]))
+    return dict(LOAD_STATS)
 
 
 def files_needed(state_dict, metadata):
@@ -306,7 +332,7 @@ def _slot(node, step, kind, value=None):
     return node.setdefault(step, kind())
 
 
-def consolidate_parts(metadata, fetch, weights_only=True):
+def consolidate_parts(metadata, fetch, weights_only=True, layout=None):
     """The whole checkpoint as one state dict of full CPU tensors, nested as it was saved (e.g.
     ``{"models": [{"weight": tensor}], "optimizers": [...]}``), read through ``fetch`` in this process alone (never a
     collective, also where a process group exists): for serving, or a model's copy on the driver. Every file is
@@ -319,7 +345,7 @@ def consolidate_parts(metadata, fetch, weights_only=True):
     """
     metadata = as_metadata(metadata, weights_only=weights_only)
     flat = _empty_state(metadata)
-    reader = dcp_blobs.BlobReader(metadata, fetch, weights_only=weights_only)
+    reader = dcp_reader.BlobReader(metadata, fetch, layout=layout, weights_only=weights_only)
     with _dcp_call(True):
         dcp.load(flat, storage_reader=reader, no_dist=True)
     return _unflatten(flat, metadata.planner_data or {})

@@ -199,8 +199,12 @@ def capture_rest(operator, epoch):
 def capture_shards(operator, full=False, metadata=None):
     """This rank's shard of the models and optimizers, as DCP state dicts (``{"models": [...], "optimizers": [...]}``
     of DTensors: :func:`raysgd.torch.state.sharded.models_and_optimizers_state`); what the parts save and, with a
-    checkpoint's ``metadata``, what they load into. ``full``: whole CPU tensors instead (a collective)."""
+    checkpoint's ``metadata``, what they load into. ``full``: whole CPU tensors instead (a collective). Saving
+    (no ``metadata``), every rank first takes rank 0's buffers (a collective: ``operator.sync_buffers()``), so the
+    parts hold the buffers ``get_model()`` returns, whichever rank's copy DCP keeps."""
     parts = operator.state_parts()
+    if metadata is None and hasattr(operator, "sync_buffers"):
+        operator.sync_buffers()  # rank 0's buffers on every rank before any is saved (DDP's semantics)
     from raysgd.torch.state import sharded  # noqa: PLC0415 (DCP's import: only sharded strategies pay it)
     return sharded.models_and_optimizers_state(parts["models"], parts["optimizers"], full=full, metadata=metadata)
 

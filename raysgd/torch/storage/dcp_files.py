@@ -16,7 +16,7 @@ Example:
     >>> sorted(os.listdir(folder))
     ['.metadata', '__0_0.distcp']
     >>> state = {"w": torch.zeros(3)}
-    >>> load(state, folder)
+    >>> _ = load(state, folder)
     >>> state["w"].tolist(), consolidate(folder)["w"].tolist()
     ([0.0, 1.0, 2.0], [0.0, 1.0, 2.0])
 """
@@ -34,9 +34,10 @@ from raysgd.torch.storage import filesystem
 logger = logging.getLogger(__name__)
 
 
-def _write_durably(fs, path, data):
+def write_file(fs, path, data):
     """Write ``data`` to ``path``: on a local disk through a temporary name, ``fsync``ed, renamed and its folder
-    ``fsync``ed; elsewhere in one PUT. Returns ``(size, crc32)``."""
+    ``fsync``ed (a reader sees the old file or the new one, never a part of it); elsewhere in one PUT (atomic).
+    Returns ``(size, crc32)``."""
     if not isinstance(fs, filesystem.pafs.LocalFileSystem):
         return filesystem.write_state_file(fs, path, data)
     temporary = f"{path}.{uuid.uuid4().hex[:12]}.tmp"
@@ -62,7 +63,7 @@ def write_part(storage_path, part):
     """
     fs, folder = filesystem.resolve(storage_path)
     fs.create_dir(folder, recursive=True)
-    return _write_durably(fs, f"{folder}/{part.file_name}", part.blob)
+    return write_file(fs, f"{folder}/{part.file_name}", part.blob)
 
 
 def write_metadata(storage_path, metadata):
@@ -82,7 +83,7 @@ def write_metadata(storage_path, metadata):
                         f"{type(metadata).__name__}")
     fs, folder = filesystem.resolve(storage_path)
     fs.create_dir(folder, recursive=True)
-    _write_durably(fs, f"{folder}/{METADATA_FILE}", metadata)
+    write_file(fs, f"{folder}/{METADATA_FILE}", metadata)
     if isinstance(fs, filesystem.pafs.LocalFileSystem):
         checkpoint.fsync_directory(os.path.dirname(folder))  # the folder's own entry
 
@@ -149,6 +150,68 @@ def read_file(storage_path, relative_path):
                               f"(an incomplete or damaged checkpoint)") from err
 
 
+#: Ranges of one file closer than this are read in one request (fewer requests to an object store), when the gap
+#: is also at most :data:`MERGE_SHARE` of the bytes they join: what is read beyond the ranges stays within it.
+MERGE_GAP, MERGE_SHARE = 64 * 1024, 0.05
+
+
+class FileRanges:
+    """A source of byte ranges (``read(relative_path, ranges)``, see
+    :class:`~raysgd.torch.state.dcp_reader.BlobReader`) over the files of the folder ``storage_path`` (local or a URI;
+    ``folder``: a folder of that filesystem instead, as ``resolve`` names it): each file opened once, only the
+    ranges read (ranges nearer than :data:`MERGE_GAP`, a small share of them, in one request). ``sizes`` (``{file:
+    bytes}``, a marker's) are checked first: a file of another size is a damaged checkpoint
+    (:class:`~raysgd.torch.errors.CheckpointError`), never read. :attr:`pulled` counts the bytes read.
+
+    Example:
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = write_part(folder, sharded.Part(0, "f", bytearray(b"abcdef")))
+        >>> source = FileRanges(folder, sizes={"f": 6})
+        >>> [bytes(piece) for piece in source.read("f", [(1, 2), (4, 2)])], source.pulled
+        ([b'bc', b'ef'], 4)
+    """
+
+    def __init__(self, storage_path, sizes=None, folder=None):
+        self.storage_path, self.sizes, self.folder, self.pulled = storage_path, dict(sizes or {}), folder, 0
+
+    def read(self, relative_path, ranges):
+        fs, folder = filesystem.resolve(self.storage_path)
+        folder = self.folder or folder
+        try:
+            with fs.open_input_file(f"{folder}/{relative_path}") as handle:
+                size = handle.size()
+                expected = self.sizes.get(relative_path)
+                if expected is not None and size != expected:
+                    raise CheckpointError(f"DCP checkpoint {self.storage_path!r}: its file {relative_path} has "
+                                          f"{size} bytes, the marker says {expected} (damaged)")
+                pieces = [None] * len(ranges)
+                for start, end, members in _merged(ranges):
+                    data = memoryview(handle.read_at(max(0, min(end, size) - start), start)) if start < size \
+                        else memoryview(b"")
+                    self.pulled += data.nbytes
+                    for index, (offset, length) in members:
+                        pieces[index] = data[offset - start:offset - start + length]
+                return pieces
+        except FileNotFoundError as err:
+            raise CheckpointError(f"DCP checkpoint {self.storage_path!r} expected to hold {relative_path!r}; it does "
+                                  f"not (an incomplete or damaged checkpoint)") from err
+
+
+def _merged(ranges):
+    """``[(start, end, [(index, (offset, length)), ...])]``: ``ranges`` sorted and merged where the gap between them
+    is at most :data:`MERGE_GAP` and :data:`MERGE_SHARE` of the bytes joined."""
+    merged = []
+    for index, (offset, length) in sorted(enumerate(ranges), key=lambda entry: entry[1][0]):
+        gap = offset - merged[-1][1] if merged else None
+        if merged and gap <= MERGE_GAP and gap <= MERGE_SHARE * (merged[-1][1] - merged[-1][0] + length):
+            merged[-1][1] = max(merged[-1][1], offset + length)
+            merged[-1][2].append((index, (offset, length)))
+        else:
+            merged.append([offset, offset + length, [(index, (offset, length))]])
+    return merged
+
+
 def read_metadata(storage_path):
     """The ``.metadata`` bytes of the checkpoint folder ``storage_path``; :class:`~raysgd.torch.errors.CheckpointError`
     when there is none (not a DCP checkpoint, or one whose save did not finish)."""
@@ -158,14 +221,16 @@ def read_metadata(storage_path):
 def load(state_dict, storage_path, process_group=None, weights_only=True):
     """Load the DCP checkpoint folder ``storage_path`` into ``state_dict`` in place: a collective of
     ``process_group`` at any world size (see :func:`~raysgd.torch.state.sharded.load_parts`). Each rank reads the
-    metadata and then only the files its own shard needs, each once.
+    metadata and then, of the files its own shard needs, only the items it loads (ranged reads: a folder
+    ``FileSystemWriter`` wrote has no layout, so an item overlapping the shard is read whole). Returns the counts
+    of :func:`~raysgd.torch.state.sharded.load_parts`.
 
     Example:
         >>> # load(sharded.models_and_optimizers_state(models, optimizers), "s3://bucket/run/step_100")
     """
     metadata = read_metadata(storage_path)
-    sharded.load_parts(state_dict, metadata, lambda name: read_file(storage_path, name),
-                       process_group=process_group, weights_only=weights_only)
+    return sharded.load_parts(state_dict, metadata, FileRanges(storage_path), process_group=process_group,
+                              weights_only=weights_only)
 
 
 def consolidate(storage_path, weights_only=True):

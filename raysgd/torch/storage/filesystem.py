@@ -48,6 +48,9 @@ pyarrow = optional.lazy("pyarrow", FEATURE)
 pafs = optional.lazy("pyarrow.fs", FEATURE)
 
 STATE_FILE = "trainer.checkpoint"
+#: The state file of a sharded state's checkpoint saved over an existing one (``save(path)`` again): its files
+#: alternate between two names, so the marker, written last, switches from one complete set to the other.
+STATE_FILES = (STATE_FILE, "trainer.1.checkpoint")
 MARKER_FILE = "checkpoint.json"
 #: The marker of a checkpoint a training function reported (``raysgd.train``): its directory also holds the user's
 #: files, so raysgd's own name is a hidden one.
@@ -145,15 +148,20 @@ def write_checkpoint_dir(filesystem, directory, stream, meta=None):
         extra = more[0] if more else {}  # a sharded state's other files: {"parts": {name: [size, crc32]}}
     else:
         size, crc32 = write_state_file(filesystem, _join(directory, STATE_FILE), stream)
-    files = {STATE_FILE: [size, crc32], **(extra.get("parts") or {})}
-    return write_marker(filesystem, directory, files, {**(meta or {}), **extra, "file": STATE_FILE, "size": size,
-                                                       "crc32": crc32})
+    head = extra.get("file", STATE_FILE)  # a sharded state saved over an existing one: the other of STATE_FILES
+    files = {head: [size, crc32], **(extra.get("parts") or {})}
+    marker = write_marker(filesystem, directory, files, {**(meta or {}), "file": STATE_FILE, **extra, "size": size,
+                                                         "crc32": crc32})
+    if hasattr(stream, "after_marker"):  # the files the marker no longer names (a checkpoint saved over)
+        stream.after_marker(directory, marker)
+    return marker
 
 
 def write_marker(filesystem, directory, files, meta=None, name=MARKER_FILE):
     """Write the completion marker ``name`` of ``directory`` (whose ``files``, ``{relative name: [size, crc32]}``,
     are already written): the format, ``meta`` and the files, so a reader checks each file against it. On a local
-    disk the marker, the directory and its parent are ``fsync``ed. Returns the marker dict.
+    disk the marker, the directory and its parent are ``fsync``ed; a marker that replaces an existing one goes
+    through a temporary and one rename (the old marker or the new one, never half of one). Returns the marker dict.
 
     Example:
         >>> import tempfile
@@ -164,10 +172,16 @@ def write_marker(filesystem, directory, files, meta=None, name=MARKER_FILE):
     marker = {"format": FORMAT, **(meta or {}), "files": {key: list(value) for key, value in files.items()},
               "time": time.time()}
     path = _join(directory, name)
-    with filesystem.open_output_stream(path) as handle:
+    local = _is_local(filesystem)
+    # a new marker in place (a crash leaves a folder without a complete marker: skipped); elsewhere one PUT (atomic)
+    replacing = local and os.path.exists(path)
+    target = f"{path}.{uuid.uuid4().hex[:12]}.tmp" if replacing else path
+    with filesystem.open_output_stream(target) as handle:
         handle.write(marker_text(marker).encode())
-    if _is_local(filesystem):
-        fsync_file(path)
+    if local:
+        fsync_file(target)
+        if replacing:
+            os.replace(target, path)
         checkpoint.fsync_directory(directory)
         checkpoint.fsync_directory(os.path.dirname(directory))
     return marker
@@ -224,37 +238,22 @@ def read_checkpoint_dir(filesystem, directory, weights_only=True):
     return stream, marker
 
 
-def read_parts(path):
-    """``(head, [part, ...])``: the state file and the parts (in rank order) of a sharded state's checkpoint directory
-    ``path`` (a local path or URI), each checked against its marker; read in this process (``TorchTrainer.load``).
-    None when ``path`` is no checkpoint directory of a sharded state (a file, a whole state's directory)."""
-    text = os.fspath(path)
-    if "://" not in text and not os.path.isfile(os.path.join(text, MARKER_FILE)):
-        return None
-    filesystem, directory = resolve(text)
-    marker = checked_marker(filesystem, directory)
-    names = sorted(marker.get("parts") or {}, key=lambda name: int(name.split("_")[2]))
-    if not names:
-        return None
-    return read_state_file(filesystem, directory, marker), \
-        [read_state_file(filesystem, directory, marker, name) for name in names]
-
-
 def checked_marker(filesystem, directory):
     """The marker of ``directory``, checked to name the state file (any other name is a damaged checkpoint, never a
     path to follow); :class:`DamagedCheckpoint` otherwise."""
     marker = read_marker(filesystem, directory)
-    if marker.get("file", STATE_FILE) != STATE_FILE:
+    if marker.get("file", STATE_FILE) not in STATE_FILES:
         raise DamagedCheckpoint(f"checkpoint {directory!r} is damaged: its {MARKER_FILE} names the state file "
-                                f"{marker.get('file')!r}; expected {STATE_FILE!r}")
+                                f"{marker.get('file')!r}; expected one of {', '.join(map(repr, STATE_FILES))}")
     return marker
 
 
-def read_state_file(filesystem, directory, marker, name=STATE_FILE):
-    """The state file (or, with ``name``, a sharded state's part that ``marker["parts"]`` lists) of ``directory``,
-    checked against the marker's size and CRC-32 (not loaded); :class:`DamagedCheckpoint` when it is missing or
-    does not match."""
-    if name == STATE_FILE:
+def read_state_file(filesystem, directory, marker, name=None):
+    """The state file the marker names (or, with ``name``, a sharded state's part that ``marker["parts"]`` lists)
+    of ``directory``, checked against the marker's size and CRC-32 (not loaded); :class:`DamagedCheckpoint` when it
+    is missing or does not match."""
+    if name is None or name == marker.get("file", STATE_FILE):
+        name = marker.get("file", STATE_FILE)
         size, crc32 = marker.get("size"), marker.get("crc32")
     else:
         listed = (marker.get("parts") or {}).get(name)

@@ -12,18 +12,25 @@ folder that may exist on the driver's disk only; NFS works either way). A resume
 :func:`read_part` checks a checkpoint's state file against its marker in a task on rank 0's node and leaves the
 bytes in that node's object store, where every worker loads them from.
 
+A sharded state's checkpoint (FSDP) is written by :class:`ShardedRemoteParts` (a task per rank's part, then the
+head, DCP's ``.metadata`` and the marker; over an existing one in the other set of names, atomically) and read back
+by the workers themselves (:class:`ShardedFiles`: each reads its byte ranges of the parts; the driver reads only the
+marker and the head).
+
 Example:
     >>> # part = RemotePart(point.refs, point.nodes[0], storage.root, storage.local, timeout_s=600)
     >>> # write_checkpoint_dir(fs, directory, part, meta) -> the marker, with the size and CRC the task measured
 """
 import logging
+import os
+import re
 import time
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysgd.torch.state import checkpoint, restart_point
-from raysgd.torch.storage import filesystem
+from raysgd.torch.state import checkpoint, dcp_blobs, restart_point
+from raysgd.torch.storage import dcp_files, filesystem
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +94,17 @@ class RemotePart:
 class ShardedRemoteParts:
     """The files of a sharded state's checkpoint (a :class:`~raysgd.torch.state.restart_point.ShardedPoint`): each
     rank's part written by a task on the node holding it (in parallel), then, from this process, the small head
-    (the rest of the state, updated with the overlay, and the DCP metadata) as the state file and the DCP
+    (the rest of the state, updated with the overlay, the DCP metadata and the layout) as the state file and the DCP
     ``.metadata``: the folder is a DCP checkpoint of the models and optimizers too. The marker lists every part's
     size and CRC-32.
+
+    Saved over an existing checkpoint (``save(path)`` every epoch), nothing the old marker names is touched: the new
+    files take the other of two sets of names (``__{rank}_1.distcp`` and ``trainer.1.checkpoint`` after
+    ``__{rank}_0.distcp`` and ``trainer.checkpoint``: both are DCP's and raysgd's names, the DCP metadata records
+    which), the marker (replaced in one rename, or one PUT) switches to them, and only then are the old ones deleted
+    (:meth:`after_marker`). A process killed at any point leaves a loadable checkpoint: the old one until the new
+    marker exists, the new one after. DCP's ``.metadata`` (for DCP's own readers) is replaced in one rename too,
+    before the marker.
 
     Example:
         >>> ShardedRemoteParts(None, "/tmp/run", local=True, timeout_s=5).timeout_s
@@ -100,25 +115,146 @@ class ShardedRemoteParts:
         self.point, self.root, self.local, self.timeout_s = point, root, local, timeout_s
 
     def write_to(self, directory, name):
-        """Write every file into ``directory`` (the head as ``name``); returns ``(size, crc32, {"parts": {file:
-        [size, crc32]}})`` for the marker. A failed or overdue write raises (no marker: the checkpoint does not
-        count)."""
-        names = [restart_point.part_file_name(rank) for rank in range(len(self.point.parts))]
+        """Write every file into ``directory`` (the head under the state file name of the new set); returns ``(size,
+        crc32, {"parts": {file: [size, crc32]}, "file": head, "generation": 0 or 1})`` for the marker. A failed or
+        overdue write raises (no marker: the checkpoint does not count)."""
+        fs, _ = filesystem.resolve(self.root)
+        existing = _generation(fs, directory)
+        generation = 0 if existing is None else 1 - existing  # the set the marker does not name
+        names = [part_file(rank, generation) for rank in range(len(self.point.parts))]
         writers = [RemotePart(part.refs, part.nodes[0], self.root, self.local, timeout_s=self.timeout_s)
                    for part in self.point.parts]
         calls = [writer.start(directory, file) for writer, file in zip(writers, names)]
-        fs, _ = filesystem.resolve(self.root)
         head = checkpoint.state_from_bytes(self.point.head)
         head["rest"].update(self.point.overlay or {})
-        filesystem.write_state_file(fs, f"{directory}/{DCP_METADATA}", head["metadata"])
-        size, crc32 = filesystem.write_state_file(fs, f"{directory}/{name}", checkpoint.state_to_bytes(head))
+        if generation:
+            head["metadata"] = dcp_blobs.renamed_files(head["metadata"], {
+                restart_point.part_file_name(rank): file for rank, file in enumerate(names)})
+        head_file = filesystem.STATE_FILES[generation]
+        size, crc32 = filesystem.write_state_file(fs, f"{directory}/{head_file}", checkpoint.state_to_bytes(head))
         deadline = time.monotonic() + self.timeout_s
         written = {file: list(ray.get(call, timeout=max(1.0, deadline - time.monotonic())))
                    for file, call in zip(names, calls)}
-        return size, crc32, {"parts": written}
+        dcp_files.write_file(fs, f"{directory}/{DCP_METADATA}", head["metadata"])  # every part is written
+        return size, crc32, {"parts": written, "file": head_file, "generation": generation}
+
+    def after_marker(self, directory, marker):
+        """Delete the files of ``directory`` that a checkpoint's files may have (parts, state files, temporaries of
+        ours) and that ``marker`` (just written) does not name: the old set, or a set a killed save left."""
+        _delete_unnamed(filesystem.resolve(self.root)[0], directory, marker)
 
 
-def _read(root, directory, marker, name=filesystem.STATE_FILE):
+def part_file(rank, generation=0):
+    """The DCP file name of saving rank ``rank``'s part in the ``generation`` (0 or 1) set of a checkpoint's files.
+
+    Example:
+        >>> part_file(3), part_file(3, 1)
+        ('__3_0.distcp', '__3_1.distcp')
+    """
+    return f"__{rank}_{generation}.distcp"
+
+
+_OURS = re.compile(r"(__\d+_[01]\.distcp|trainer(\.1)?\.checkpoint)(\.[0-9a-f]{12}\.tmp)?|"
+                   r"(\.metadata|checkpoint\.json)\.[0-9a-f]{12}\.tmp")
+
+
+def _generation(fs, directory):
+    """The set of names (0 or 1) the complete checkpoint in ``directory`` uses, or None when there is none."""
+    try:
+        marker = filesystem.read_marker(fs, directory)
+    except filesystem.DamagedCheckpoint:
+        return None
+    return int(marker.get("generation", 0)) if marker.get("generation", 0) in (0, 1) else 0
+
+
+def _delete_unnamed(fs, directory, marker):
+    named = {marker.get("file", filesystem.STATE_FILE), *(marker.get("parts") or {})}
+    try:
+        infos = fs.get_file_info(filesystem.pafs.FileSelector(directory, allow_not_found=True))
+    except OSError as err:
+        logger.warning("Could not list %s to delete the files of the checkpoint it replaced: %s", directory, err)
+        return
+    for info in infos:
+        if info.type == filesystem.pafs.FileType.File and _OURS.fullmatch(info.base_name) \
+                and info.base_name not in named:
+            try:
+                fs.delete_file(info.path)
+            except OSError as err:  # left behind: the next save deletes it
+                logger.warning("Could not delete %s (of the checkpoint it replaced): %s", info.path, err)
+
+
+class ShardedFiles:
+    """A sharded state's checkpoint as a restart point that the workers load from its files: each rank reads, of the
+    parts its new shard overlaps, only the byte ranges it needs (:class:`~raysgd.torch.storage.dcp_files.FileRanges`),
+    on its own node; the driver reads only the marker and the head (the small rest, the DCP metadata and the layout).
+
+    Args:
+        root: ``storage_path`` (or the folder's path or URI) as :func:`~raysgd.torch.storage.filesystem.resolve`
+            takes it on any node; ``directory``: the folder, as that filesystem names it.
+        sizes: ``{part file: bytes}`` (the marker's, checked before anything is read); ``head``: the state file's
+            bytes.
+
+    Example:
+        >>> ShardedFiles("/tmp/run", "/tmp/run/checkpoint_000001", {"__0_0.distcp": 8}, b"").nbytes
+        8
+    """
+
+    from_files = True  # the run takes a snapshot of the loaded state before it needs one that it can copy or write
+
+    def __init__(self, root, directory, sizes, head):
+        self.root, self.directory, self.sizes, self.head = root, directory, dict(sizes), head
+        self.overlay = None
+
+    @property
+    def nbytes(self):
+        return sum(self.sizes.values())
+
+    def source(self, timeout_s=600):
+        """The files as a source of byte ranges, read on this node."""
+        return dcp_files.FileRanges(self.root, self.sizes, folder=self.directory)
+
+    def load_args(self, weights_only=False):
+        """The arguments of a worker's ``load_restart_point``: ``(self, weights_only, None)``."""
+        return self, weights_only, None
+
+    def __repr__(self):
+        return f"ShardedFiles({self.directory!r}, {len(self.sizes)} parts, {self.nbytes / 1e6:.1f} MB)"
+
+
+def sharded_files(root, directory, marker):
+    """The :class:`ShardedFiles` of a sharded state's checkpoint ``directory`` (of ``root``'s filesystem) whose
+    ``marker`` lists its parts: its head read here (small) and checked against the marker, every part's size checked
+    (no part is read here); :class:`~raysgd.torch.storage.filesystem.DamagedCheckpoint` when anything is missing or
+    does not match."""
+    fs, _ = filesystem.resolve(root)
+    head = filesystem.read_state_file(fs, directory, marker)
+    listed = marker.get("parts") or {}
+    names = sorted(listed, key=_part_rank)
+    if names != [part_file(rank, marker.get("generation", 0)) for rank in range(len(names))]:
+        raise filesystem.DamagedCheckpoint(f"checkpoint {directory!r}: its parts {names} are not one per rank")
+    infos = fs.get_file_info([f"{directory}/{name}" for name in names])
+    for name, info in zip(names, infos):
+        size = listed[name][0] if isinstance(listed[name], (list, tuple)) and listed[name] else None
+        if info.type != filesystem.pafs.FileType.File or info.size != size:
+            raise filesystem.DamagedCheckpoint(f"checkpoint {directory!r}: its part {name} is missing or has "
+                                               f"{info.size} bytes, the marker says {size}")
+    return ShardedFiles(root, directory, {name: listed[name][0] for name in names}, bytes(head))
+
+
+def find_sharded(path):
+    """:func:`sharded_files` of ``path`` (a local folder or a URI) when it is a sharded state's checkpoint directory,
+    else None (a file, a whole state's directory): what ``TorchTrainer.load(path)`` loads on the workers."""
+    text = os.fspath(path)
+    if "://" not in text and not os.path.isfile(os.path.join(text, filesystem.MARKER_FILE)):
+        return None
+    fs, directory = filesystem.resolve(text)
+    marker = filesystem.checked_marker(fs, directory)
+    if not marker.get("parts"):
+        return None
+    return sharded_files(text, directory, marker)
+
+
+def _read(root, directory, marker, name=None):
     """On a worker's node: ``(info, state bytes)`` of ``directory``'s state file checked against ``marker``;
     ``({"damaged": why}, None)`` when it does not match."""
     fs, _ = filesystem.resolve(root)
@@ -136,27 +272,20 @@ def read_part(root, directory, marker, node, local, timeout_s=600):
     """A :class:`~raysgd.torch.state.restart_point.RestartPoint` of a checkpoint's state file, read by a task on
     ``node`` (the driver's for a ``local`` root) into that node's object store, checked against ``marker`` (size,
     CRC-32), never through this process; :class:`~raysgd.torch.storage.filesystem.DamagedCheckpoint` when it does
-    not match. The workers then load it safely (``weights_only=True``)."""
+    not match. The workers then load it safely (``weights_only=True``). A sharded state's checkpoint (its marker
+    lists parts): its :class:`ShardedFiles`, which the workers read their ranges of themselves."""
     global _read_task
+    if marker.get("parts"):  # a sharded state: the workers read their ranges of the parts themselves
+        return sharded_files(root, directory, marker)
     if _read_task is None:
         _read_task = ray.remote(num_cpus=0, max_retries=0, num_returns=2)(_read)
     node = restart_point.this_node() if local else node
     options = {} if node is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True)}
-    names = [filesystem.STATE_FILE] + sorted(marker.get("parts") or {}, key=_part_rank)
-    started = [_read_task.options(**options).remote(root, directory, marker, name) for name in names]
-    deadline = time.monotonic() + timeout_s
-    points = []
-    for info_ref, data_ref in started:
-        info = ray.get(info_ref, timeout=max(1.0, deadline - time.monotonic()))
-        if "damaged" in info:
-            raise filesystem.DamagedCheckpoint(info["damaged"])
-        points.append(restart_point.RestartPoint([data_ref], nbytes=info["bytes"], nodes=[info["node"]]))
-    if len(points) == 1:
-        return points[0]
-    head = restart_point.first_available(points[0].refs, timeout_s)  # small: the rest of the state and metadata
-    if [restart_point.part_file_name(rank) for rank in range(len(points) - 1)] != names[1:]:
-        raise filesystem.DamagedCheckpoint(f"checkpoint {directory!r}: its parts {names[1:]} are not one per rank")
-    return restart_point.ShardedPoint(points[1:], head=bytes(head))
+    info_ref, data_ref = _read_task.options(**options).remote(root, directory, marker)
+    info = ray.get(info_ref, timeout=timeout_s)
+    if "damaged" in info:
+        raise filesystem.DamagedCheckpoint(info["damaged"])
+    return restart_point.RestartPoint([data_ref], nbytes=info["bytes"], nodes=[info["node"]])
 
 
 def _part_rank(name):
