@@ -16,6 +16,8 @@ GLUE = 7
 
 # unit (a folder or a root module) -> layer (DESIGN.md's table)
 LAYERS = {
+    # -1: the ground floor: the argument checker and the environment's table (the standard library only)
+    "raysgd.base": -1,
     # 0: exceptions and failure text, keys and tunables, meters (and their reduction) and timers, optional imports
     "raysgd.torch.errors": 0, "raysgd.torch.constants": 0, "raysgd.meters": 0, "raysgd.timers": 0,
     "raysgd.optional": 0, "raysgd.callbacks": 0, "raysgd.logs": 0,
@@ -40,7 +42,7 @@ LAYERS = {
     "raysgd.data": GLUE, "raysgd.loggers": GLUE, "raysgd.torch.lightning_operator": GLUE, "raysgd.torch.worker_group": GLUE,
 }
 # What each layer may import from outside the package (beyond the standard library).
-THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex", "filelock"},
+THIRD_PARTY = {-1: set(), 0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex", "filelock"},
                2: {"torch", "numpy", "filelock", "ray"}, 3: {"torch", "numpy", "ray"}, 4: {"ray", "torch", "numpy"},
                5: {"ray", "torch", "numpy", "tqdm", "tensorboardX", "mlflow", "wandb"},  # the last four optional, imported when used
                6: {"ray", "torch", "numpy", "pytorch_lightning", "lightning"}, GLUE: None,

@@ -32,6 +32,7 @@ import os
 import time
 import types
 
+from raysgd.base import environment
 from raysgd.callbacks import Failure
 from raysgd.torch import constants
 from raysgd.torch.errors import CheckpointError, WorkerFailure
@@ -91,7 +92,7 @@ class RunController:
         self.stateless = stateless  # the workers' code keeps its state itself (a training function's checkpoints)
         self.points = NoRestartPoints() if stateless else RestartPoints(self._first, timeout_s)  # and whether stale
         self.last_commit_latency_s = None  # the slowest rank's latest stored commit of the last train() call
-        self._resize_cooldown_s = constants.env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S) \
+        self._resize_cooldown_s = environment.get("SGD_RESIZE_COOLDOWN_S") \
             if resize_cooldown_s is None else resize_cooldown_s
 
     # ----------------------------------------------------------------- the group
@@ -110,7 +111,7 @@ class RunController:
         starting raises ``RuntimeError`` from the :class:`WorkerFailure`."""
         try:
             restarts.start_first_group(self._start_workers, self.group.how_many_fit, self.min_workers,
-                                       self.max_workers, self._is_range, constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
+                                       self.max_workers, self._is_range, environment.get("SGD_PLACEMENT_GROUP_TIMEOUT_S"))
             self._size = self.group.num_workers
             self.durable.resume(self.load_checkpoint, self._timeout_s)  # storage_path's newest (checked, safe)
         except WorkerFailure as err:
@@ -259,7 +260,7 @@ class RunController:
         ``FailureConfig``)."""
         if limits is None:
             self.check_max_retries(max_retries)
-            limits = failure_policy.FailureLimits(max_failures=max_retries, cap_s=constants.SGD_BACKOFF_CAP_S)
+            limits = failure_policy.FailureLimits(max_failures=max_retries, cap_s=environment.get("SGD_BACKOFF_CAP_S"))
         self.ensure_workers()
         self.commits.begin_call(method == "train_epoch", replay=replay)  # its store answers during the call (check_store)
         if not self._move_off_draining():

@@ -38,7 +38,7 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 
 from raysgd import optional
-from raysgd.torch import constants
+from raysgd.base import environment
 from raysgd.torch.execution import cluster_state
 from raysgd.torch.constants import BATCH_SIZE
 from raysgd.torch.training_operator import TrainingOperator
@@ -224,7 +224,7 @@ class ShardCache:
             self.drop()
             if starved:  # once per split, not per call
                 logger.warning("train(dataset=...): %s, so Ray Data's tasks get no CPU; a dataset that needs them "
-                               "fails after %.0f s", starved, constants.SGD_DATA_NO_CPU_S)
+                               "fails after %.0f s", starved, environment.get("SGD_DATA_NO_CPU_S"))
             self._splits = data.dataset.streaming_split(num_workers, equal=True)
             self._dataset, self._key = data.dataset, key
         batch_size = data.batch_size or batch_size_per_worker(config, num_workers)
@@ -345,7 +345,7 @@ def _with_deadline(iterable, timeout_s, starved=None):
     try:
         while True:
             waited, warned = 0.0, False
-            limit = min(timeout_s, constants.SGD_DATA_NO_CPU_S) if first and starved else timeout_s
+            limit = min(timeout_s, environment.get("SGD_DATA_NO_CPU_S")) if first and starved else timeout_s
             while True:
                 step = min(limit - waited, SLOW_BATCH_WARNING_S)
                 if step <= 0:

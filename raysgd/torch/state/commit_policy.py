@@ -18,7 +18,7 @@ import uuid
 import ray
 from ray.exceptions import RayActorError
 
-from raysgd.torch import constants
+from raysgd.base import environment
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.state import checkpoint
 from raysgd.torch.state import training_state as _state
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 def commit_interval_s():
     """``SGD_COMMIT_INTERVAL_S`` (seconds between commits when ``commit_every_n_steps=None``)."""
-    return constants.env_float("SGD_COMMIT_INTERVAL_S", constants.SGD_COMMIT_INTERVAL_S)
+    return environment.get("SGD_COMMIT_INTERVAL_S")
 
 
 def check_every_n(value, caller="TorchTrainer"):

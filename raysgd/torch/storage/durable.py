@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 
-from raysgd.torch import constants
+from raysgd.base import environment
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.storage import async_writer, filesystem
 
@@ -208,5 +208,5 @@ class DurableRun:
     def close(self, timeout_s=None):
         """Flush (waiting at most ``timeout_s``, default ``SGD_CHECKPOINT_FLUSH_S``), then stop the writer thread.
         A write still running then raises ``TimeoutError`` naming it; a failed one its ``CheckpointError``."""
-        self._writer.close(constants.env_float("SGD_CHECKPOINT_FLUSH_S", constants.SGD_CHECKPOINT_FLUSH_S)
+        self._writer.close(environment.get("SGD_CHECKPOINT_FLUSH_S")
                            if timeout_s is None else timeout_s)
