@@ -201,3 +201,26 @@ def test_the_tests_use_the_trainers_public_surface():
     uses = [f"{path.name}:{number}" for path in sorted(tests.glob("*.py")) if path.name != "test_layers.py"
             for number, line in enumerate(path.read_text().splitlines(), 1) if "trainer._" in line]
     assert not uses, f"tests read a trainer's private state: {uses}"
+
+
+def test_argument_errors_come_from_the_one_checker():
+    """Every "<argument> expects <what>; got <value>" error is made by ``raysgd.base.checks`` (``expect``,
+    ``argument_error``): no module defines a checker of its own (a function taking ``expected`` that raises) or
+    writes such a message by hand, so every message names the argument, what it expects and what it got alike."""
+    home = ROOT / "base" / "checks.py"
+    own, by_hand = [], []
+    for path in library_modules():
+        if path == home:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                arguments = {a.arg for a in node.args.args + node.args.kwonlyargs}
+                if "expected" in arguments and any(isinstance(n, ast.Raise) for n in ast.walk(node)):
+                    own.append(f"{module_name(path)}:{node.lineno} {node.name}")
+            elif isinstance(node, ast.Raise) and node.exc is not None:
+                text = "".join(c.value for c in ast.walk(node.exc) if isinstance(c, ast.Constant)
+                               and isinstance(c.value, str))
+                if " expects " in text or text.startswith("expects "):
+                    by_hand.append(f"{module_name(path)}:{node.lineno}")
+    assert not own, f"checkers of their own (use raysgd.base.checks.expect): {own}"
+    assert not by_hand, f"'... expects ...' errors written by hand (use raysgd.base.checks): {by_hand}"

@@ -33,6 +33,7 @@ import time
 import types
 
 from raysgd.base import environment
+from raysgd.base.checks import expect, is_int
 from raysgd.callbacks import Failure
 from raysgd.torch import constants
 from raysgd.torch.errors import CheckpointError, WorkerFailure
@@ -246,8 +247,7 @@ class RunController:
     @staticmethod
     def check_max_retries(max_retries):
         """``max_retries`` of ``train()``/``validate()``: an int >= 0, else ``ValueError``."""
-        if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
-            raise ValueError(f"max_retries expects an int >= 0; got {max_retries!r}")
+        expect(is_int(max_retries, 0), "max_retries", "an int >= 0", max_retries)
 
     def run_call(self, method, max_retries, kwargs, replay=False, on_tick=None, limits=None):
         """Run ``method`` on every worker through its attempts (see the module docstring); returns per-worker stats.

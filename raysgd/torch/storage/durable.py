@@ -28,6 +28,7 @@ import threading
 import time
 
 from raysgd.base import environment
+from raysgd.base.checks import expect
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.storage import async_writer, filesystem
 
@@ -75,8 +76,7 @@ def open_run(storage_path, num_to_keep=2, resume=True, result_log=None, callback
         Traceback (most recent call last):
         ValueError: TorchTrainer: num_to_keep expects an int >= 1 (checkpoints kept in storage_path); got 0
     """
-    if resume not in (True, False):
-        raise TypeError(f"TorchTrainer: resume expects True or False; got {resume!r}")
+    expect(resume in (True, False), "resume", "True or False", resume, TypeError, "TorchTrainer")
     if storage_path is None:
         return NoStorage()
     checkpoints = filesystem.CheckpointStorage(storage_path, num_to_keep)  # without pyarrow: says what to install
