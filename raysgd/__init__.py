@@ -8,9 +8,8 @@ Example:
     >>> from raysgd import TorchTrainer, TrainingOperator
     >>> from raysgd.utils import BATCH_SIZE
 """
-import os
-
 from raysgd import logs
+from raysgd.base import environment
 from raysgd.callbacks import Callback
 from raysgd.torch import TorchTrainer, TrainingOperator
 from raysgd.logs import set_log_level
@@ -21,7 +20,7 @@ __all__ = ["TorchTrainer", "TrainingOperator", "Callback", "PyTorchTrainer", "se
 
 logs.install()  # raysgd's warnings and event lines on stderr while logging is unconfigured (see raysgd.logs)
 
-if "1" in (os.environ.get(LEGACY_IMPORTS_ENV), os.environ.get(TRAIN_IMPORTS_ENV)):  # set by raysgd.compat's install()
+if environment.get(LEGACY_IMPORTS_ENV) or environment.get(TRAIN_IMPORTS_ENV):  # set by raysgd.compat's install()
     # or install_train() in the driver: a Ray worker
     from raysgd import compat as _compat  # imports the legacy script's modules, which need the mapping too
 

@@ -23,6 +23,8 @@ import collections
 import logging
 import threading
 
+from raysgd.base.checks import argument_error, expect
+
 logger = logging.getLogger(__name__)
 
 #: The hooks a :class:`Callback` may override, in the order a run meets them.
@@ -157,10 +159,10 @@ def check_callbacks(callbacks, caller="TorchTrainer"):
     expected = "a list of raysgd.Callback instances"
     if callbacks is None:
         return []
-    if not isinstance(callbacks, (list, tuple)):
-        raise TypeError(f"{caller}: callbacks expects {expected}; got {callbacks!r}")
+    expect(isinstance(callbacks, (list, tuple)), "callbacks", expected, callbacks, TypeError, caller)
     for index, callback in enumerate(callbacks):
         if not isinstance(callback, Callback):
             what = "a class, not an instance" if isinstance(callback, type) else f"of type {type(callback).__name__}"
-            raise TypeError(f"{caller}: callbacks expects {expected}; got {callbacks!r} (item {index} is {what})")
+            raise argument_error("callbacks", expected, callbacks, TypeError, caller=caller,
+                                 got=f"{callbacks!r} (item {index} is {what})")
     return list(callbacks)

@@ -31,6 +31,7 @@ import os
 import pkgutil
 import sys
 
+from raysgd.base import environment
 from raysgd.torch.constants import LEGACY_IMPORTS_ENV, TRAIN_IMPORTS_ENV
 
 logger = logging.getLogger(__name__)
@@ -197,9 +198,9 @@ def install_if_requested():
     Example:
         >>> install_if_requested()  # a no-op unless the variable is set
     """
-    if os.environ.get(LEGACY_IMPORTS_ENV) == "1" and not is_installed():
+    if environment.get(LEGACY_IMPORTS_ENV) and not is_installed():
         install()
-    if os.environ.get(TRAIN_IMPORTS_ENV) == "1" and not train_is_installed():
+    if environment.get(TRAIN_IMPORTS_ENV) and not train_is_installed():
         install_train()
 
 

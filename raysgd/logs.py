@@ -22,8 +22,10 @@ Example:
     >>> set_log_level("INFO")
 """
 import logging
-import os
 import sys
+
+from raysgd.base import environment
+from raysgd.base.checks import argument_error
 
 #: The driver's level (default ``INFO``): what ``raysgd`` logs and the console shows in this process.
 LEVEL_ENV = "RAYSGD_LOG_LEVEL"
@@ -31,12 +33,11 @@ LEVEL_ENV = "RAYSGD_LOG_LEVEL"
 WORKER_LEVEL_ENV = "RAYSGD_WORKER_LOG_LEVEL"
 #: The variables the worker group forwards to its actors.
 FORWARDED_ENV = (LEVEL_ENV, WORKER_LEVEL_ENV)
-#: ``OFF``: nothing from raysgd reaches the console (or any handler).
-OFF = logging.CRITICAL + 10
+#: Level names (any case): the standard ones, and ``OFF``: nothing from raysgd reaches the console (or any handler).
+NAMES = environment.LOG_LEVELS
+OFF = NAMES["OFF"]
 FORMAT = "%(asctime)s raysgd %(levelname)s: %(message)s"
 DATE_FORMAT = "%H:%M:%S"
-NAMES = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "WARN": logging.WARNING,
-         "ERROR": logging.ERROR, "CRITICAL": logging.CRITICAL, "OFF": OFF}
 
 logger = logging.getLogger("raysgd")
 
@@ -52,8 +53,7 @@ def parse_level(level, what="set_log_level(level)"):
         return level
     if isinstance(level, str) and level.strip().upper() in NAMES:
         return NAMES[level.strip().upper()]
-    raise ValueError(f"{what} expects a level name ({', '.join(n for n in NAMES if n != 'WARN')}) or a number; "
-                     f"got {level!r}")
+    raise argument_error(what, environment.level().expected, level)
 
 
 def worker_level(level):
@@ -106,14 +106,12 @@ def _console():
 
 
 def _from_env(name, default):
-    value = os.environ.get(name, "")
-    if not value.strip():
-        return default
     try:
-        return parse_level(value, what=f"the environment variable {name}")
+        value = environment.get(name)
     except ValueError as err:
         logger.warning("%s; using %s", err, logging.getLevelName(default))
         return default
+    return default if value is None else value
 
 
 def install():
@@ -209,11 +207,11 @@ def forwarded_env():
     """
     found = {}
     level = logger.level if logger.level != logging.NOTSET else logging.INFO
-    if level != logging.INFO or os.environ.get(LEVEL_ENV, "").strip():
+    if level != logging.INFO or environment.raw(LEVEL_ENV) is not None:
         found[LEVEL_ENV] = _name(level)
     workers = _workers["level"]
     if workers is not None:
         found[WORKER_LEVEL_ENV] = _name(workers)
-    elif os.environ.get(WORKER_LEVEL_ENV, "").strip():
-        found[WORKER_LEVEL_ENV] = os.environ[WORKER_LEVEL_ENV].strip()
+    elif environment.raw(WORKER_LEVEL_ENV) is not None:
+        found[WORKER_LEVEL_ENV] = environment.raw(WORKER_LEVEL_ENV)
     return found

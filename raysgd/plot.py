@@ -15,6 +15,7 @@ import math
 import os
 
 from raysgd import optional
+from raysgd.base.checks import expect
 
 __all__ = ["plot_training_curve", "read_history"]
 
@@ -78,11 +79,10 @@ def plot_training_curve(history, path, metrics=None, x="epoch", title=None):
     """
     if isinstance(history, (str, os.PathLike)):
         history = read_history(history)
-    if not isinstance(history, (list, tuple)) or not all(isinstance(row, dict) for row in history):
-        raise TypeError(f"plot_training_curve(history=...) expects a list of result dicts or a CSV path; "
-                        f"got {type(history).__name__}")
-    if not history:
-        raise ValueError("plot_training_curve(history=...) expects at least one result; got an empty list")
+    how = {"caller": "plot_training_curve", "call": True}
+    expect(isinstance(history, (list, tuple)) and all(isinstance(row, dict) for row in history), "history",
+           "a list of result dicts or a CSV path", history, TypeError, got=type(history).__name__, **how)
+    expect(history, "history", "at least one result", history, got="an empty list", **how)
     metrics = list(metrics) if metrics is not None else _default_metrics(history)
     if not metrics:
         raise ValueError(f"plot_training_curve found no loss or accuracy keys to draw; the results have "

@@ -13,7 +13,6 @@ from torch.utils.data import RandomSampler
 from conftest import assert_released
 from helpers import (CountingOperator, LinearOperator, counts, executed, kill_after_commit, seeding_hook,
                      stored_commit)
-from raysgd.torch import constants
 from raysgd.torch.state import checkpoint
 from raysgd.torch.sharding.epoch_order import draw_stream
 
@@ -277,7 +276,7 @@ def test_a_range_starts_with_what_fits_and_an_unplaceable_minimum_is_a_clear_err
     assert trainer.worker_group.num_workers == 2  # 4 CPUs: two workers fit now; no wait for four
     assert trainer.train()["num_samples"] == 200
     trainer.shutdown()
-    monkeypatch.setattr(constants, "SGD_PLACEMENT_GROUP_TIMEOUT_S", 2)
+    monkeypatch.setenv("SGD_PLACEMENT_GROUP_TIMEOUT_S", "2")
     with pytest.raises(TimeoutError, match=r"minimum of 3 workers.*free resources"):
         trainer_factory(training_operator_cls=LinearOperator, num_workers=(3, 4), num_cpus_per_worker=2)
     assert_released()

@@ -16,6 +16,8 @@ GLUE = 7
 
 # unit (a folder or a root module) -> layer (DESIGN.md's table)
 LAYERS = {
+    # -1: the ground floor: the argument checker and the environment's table (the standard library only)
+    "raysgd.base": -1,
     # 0: exceptions and failure text, keys and tunables, meters (and their reduction) and timers, optional imports
     "raysgd.torch.errors": 0, "raysgd.torch.constants": 0, "raysgd.meters": 0, "raysgd.timers": 0,
     "raysgd.optional": 0, "raysgd.callbacks": 0, "raysgd.logs": 0,
@@ -40,7 +42,7 @@ LAYERS = {
     "raysgd.data": GLUE, "raysgd.loggers": GLUE, "raysgd.torch.lightning_operator": GLUE, "raysgd.torch.worker_group": GLUE,
 }
 # What each layer may import from outside the package (beyond the standard library).
-THIRD_PARTY = {0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex", "filelock"},
+THIRD_PARTY = {-1: set(), 0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex", "filelock"},
                2: {"torch", "numpy", "filelock", "ray"}, 3: {"torch", "numpy", "ray"}, 4: {"ray", "torch", "numpy"},
                5: {"ray", "torch", "numpy", "tqdm", "tensorboardX", "mlflow", "wandb"},  # the last four optional, imported when used
                6: {"ray", "torch", "numpy", "pytorch_lightning", "lightning"}, GLUE: None,
@@ -199,3 +201,26 @@ def test_the_tests_use_the_trainers_public_surface():
     uses = [f"{path.name}:{number}" for path in sorted(tests.glob("*.py")) if path.name != "test_layers.py"
             for number, line in enumerate(path.read_text().splitlines(), 1) if "trainer._" in line]
     assert not uses, f"tests read a trainer's private state: {uses}"
+
+
+def test_argument_errors_come_from_the_one_checker():
+    """Every "<argument> expects <what>; got <value>" error is made by ``raysgd.base.checks`` (``expect``,
+    ``argument_error``): no module defines a checker of its own (a function taking ``expected`` that raises) or
+    writes such a message by hand, so every message names the argument, what it expects and what it got alike."""
+    home = ROOT / "base" / "checks.py"
+    own, by_hand = [], []
+    for path in library_modules():
+        if path == home:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                arguments = {a.arg for a in node.args.args + node.args.kwonlyargs}
+                if "expected" in arguments and any(isinstance(n, ast.Raise) for n in ast.walk(node)):
+                    own.append(f"{module_name(path)}:{node.lineno} {node.name}")
+            elif isinstance(node, ast.Raise) and node.exc is not None:
+                text = "".join(c.value for c in ast.walk(node.exc) if isinstance(c, ast.Constant)
+                               and isinstance(c.value, str))
+                if " expects " in text or text.startswith("expects "):
+                    by_hand.append(f"{module_name(path)}:{node.lineno}")
+    assert not own, f"checkers of their own (use raysgd.base.checks.expect): {own}"
+    assert not by_hand, f"'... expects ...' errors written by hand (use raysgd.base.checks): {by_hand}"

@@ -125,7 +125,8 @@ def test_changelog_keeps_a_changelog_form():
     assert text.index("## [Unreleased]") < text.index("\n## [0."), "Unreleased comes first"
 
 
-DOCTESTED = ["raysgd.utils", "raysgd.logs", "raysgd.cli.paths", "raysgd.cli.train_folders",
+DOCTESTED = ["raysgd.base", "raysgd.base.checks", "raysgd.base.environment", "raysgd.utils", "raysgd.logs",
+             "raysgd.cli.paths", "raysgd.cli.train_folders",
              "raysgd.optional", "raysgd.meters", "raysgd.timers", "raysgd.torch.constants",
              "raysgd.torch.errors", "raysgd.torch.options", "raysgd.torch.lightning_operator",
              "raysgd.torch.worker_group", "raysgd.torch.examples.train_example", "raysgd.torch.sharding",
@@ -260,3 +261,82 @@ def test_docs_scripts_run(tmp_path):
         done = subprocess.run([sys.executable, name], capture_output=True, text=True, timeout=400, cwd=tmp_path,
                               env=env)
         assert done.returncode == 0, f"{page}: {name}\n" + done.stdout[-3000:] + done.stderr[-3000:]
+
+
+# ----------------------------------------------------------------- the environment variables: one table
+OWN_VARIABLE = re.compile(r"\b(?:SGD|RAYSGD)_[A-Z0-9_]*[A-Z0-9]\b|\bNCCL_TIMEOUT_S\b")
+
+
+def environment_reads(tree):
+    """``(line, name or None)`` of every read of the environment in ``tree``: ``os.environ.get(x)``,
+    ``os.getenv(x)``, ``os.environ[x]`` (read), ``x in os.environ``, ``os.environ.copy()``; ``name``: the constant
+    read (None when the name is computed)."""
+    def is_environ(node):
+        return isinstance(node, ast.Attribute) and node.attr == "environ" and getattr(node.value, "id", "") == "os"
+
+    def constant(node):
+        return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner, attr = node.func.value, node.func.attr
+            if (is_environ(owner) and attr in ("get", "copy", "items", "keys", "values")) or \
+                    (getattr(owner, "id", "") == "os" and attr == "getenv"):
+                yield node.lineno, constant(node.args[0]) if node.args else None
+        elif isinstance(node, ast.Subscript) and is_environ(node.value) and isinstance(node.ctx, ast.Load):
+            yield node.lineno, constant(node.slice)
+        elif isinstance(node, ast.Compare) and any(is_environ(c) for c in node.comparators):
+            yield node.lineno, constant(node.left)
+
+
+def test_raysgds_environment_variables_are_read_through_the_table_only():
+    """Every ``SGD_*``/``RAYSGD_*`` variable is read through ``raysgd.base.environment.get`` (its default, its check
+    and its doc in one table): no module reads one from ``os.environ`` itself, computes the name it reads, or names
+    a variable the table lacks (code, README and the docs alike)."""
+    from raysgd.base import environment
+
+    home = REPO / "raysgd" / "base" / "environment.py"
+    reads = []
+    for path in sorted((REPO / "raysgd").rglob("*.py")):
+        if path == home:
+            continue
+        for line, name in environment_reads(ast.parse(path.read_text())):
+            if name is None or OWN_VARIABLE.fullmatch(name):
+                reads.append(f"{path.relative_to(REPO)}:{line} reads {name or 'a computed name'}")
+    assert not reads, "read raysgd's environment variables through raysgd.base.environment.get:\n" + "\n".join(reads)
+    assert "env_float" not in "".join(p.read_text() for p in (REPO / "raysgd").rglob("*.py"))
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), *sorted((REPO / "raysgd").rglob("*.py")),
+             *sorted((REPO / "examples").glob("*.py"))]
+    unknown = {f"{page.relative_to(REPO)}: {name}" for page in pages for name in OWN_VARIABLE.findall(page.read_text())
+               if name not in environment.VARIABLES}
+    assert not unknown, f"variables named but not in raysgd.base.environment.VARIABLES: {sorted(unknown)}"
+
+
+def test_docs_environment_table_is_the_table():
+    """docs/environment.md lists every variable, its default, its check and its doc line, as the table gives them."""
+    from raysgd.base import environment
+
+    table = environment.docs_table()
+    assert table in (REPO / "docs" / "environment.md").read_text(), \
+        "docs/environment.md's table differs from raysgd.base.environment.docs_table(): paste the generated one"
+    assert all(f"| `{name}` |" in table for name in environment.VARIABLES)
+
+
+def test_a_bad_environment_value_is_a_clear_error(monkeypatch):
+    from raysgd.base import environment
+    from raysgd.torch import constants
+
+    for name, bad, expected in [("SGD_GROW_CHECK_S", "-1", "a number of seconds >= 0"),
+                                ("SGD_MAX_RESTART_TRIES", "2.5", "an int >= 1"),
+                                ("SGD_KEEP_SURVIVORS", "maybe", "1 or 0"),
+                                ("RAYSGD_LOG_LEVEL", "LOUD", "a level name")]:
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=rf"^the environment variable {name} expects {expected}.*; got '{bad}'$"):
+            environment.get(name)
+    monkeypatch.setenv("SGD_PLACEMENT_GROUP_TIMEOUT_S", " 7 ")
+    monkeypatch.setenv("SGD_KEEP_SURVIVORS", "0")
+    monkeypatch.setenv("SGD_RESIZE_COOLDOWN_S", "")  # empty: the default
+    assert constants.SGD_PLACEMENT_GROUP_TIMEOUT_S == 7.0 and environment.get("SGD_KEEP_SURVIVORS") is False
+    assert constants.RESIZE_COOLDOWN_S == environment.variable("SGD_RESIZE_COOLDOWN_S").default == 10.0
+    with pytest.raises(KeyError, match="SGD_NO_SUCH is not one of raysgd's environment variables"):
+        environment.get("SGD_NO_SUCH")

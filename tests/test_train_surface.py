@@ -202,10 +202,10 @@ def test_a_missing_or_nan_score_ranks_worst_and_a_non_numeric_one_is_refused(cap
 # ------------------------------------------------------------------------------------------------------ checkpoint
 def test_checkpoint_from_a_missing_folder_is_refused_at_once(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"from_directory\(path=...\) expects an existing local directory; "
-                                                r"'.*/nope' does not exist"):
+                                                r"got '.*/nope', which does not exist"):
         Checkpoint.from_directory(tmp_path / "nope")
     (tmp_path / "file").write_text("x")
-    with pytest.raises(NotADirectoryError, match=r"expects a directory; '.*/file' is a file"):
+    with pytest.raises(NotADirectoryError, match=r"expects a directory; got '.*/file', a file"):
         Checkpoint.from_directory(str(tmp_path / "file"))
     with pytest.raises(ValueError, match=r"expects a local directory; got the URI 's3://b/c': use Checkpoint"):
         Checkpoint.from_directory("s3://b/c")

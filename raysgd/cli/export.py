@@ -26,6 +26,7 @@ import uuid
 import torch
 
 from raysgd import optional
+from raysgd.base.checks import expect
 from raysgd.cli import checkpoints, paths
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.state import checkpoint as state_files
@@ -105,9 +106,8 @@ def flatten(models, index=None):
     non-tensor entries (a module's extra state) are left out and named."""
     models = list(models.values()) if isinstance(models, dict) else list(models)
     if index is not None:
-        if not 0 <= index < len(models):
-            raise ValueError(f"--model expects an index below {len(models)} (the checkpoint holds {len(models)} "
-                             f"model(s)); got {index}")
+        expect(0 <= index < len(models), "--model", f"an index below {len(models)} (the checkpoint holds "
+               f"{len(models)} model(s))", index)
         chosen = {"": models[index]}
     else:
         chosen = {"" if len(models) == 1 else f"{i}.": state for i, state in enumerate(models)}

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from raysgd import optional
+from raysgd.base.checks import expect, is_int
 from raysgd.torch.integrations.ray_data import DatasetInput
 
 
@@ -109,16 +110,13 @@ class Dataset:
             raise TypeError("raysgd.data.Dataset takes the items themselves (a list), not a ray.util.iter "
                             "ParallelIterator (deprecated in Ray 2.x); for Ray Data datasets use "
                             "raysgd.torch.integrations.ray_data.DatasetInput")
-        if isinstance(data, (str, bytes)) or not hasattr(data, "__iter__"):
-            raise TypeError(f"raysgd.data.Dataset(data=...) expects an iterable of items; got {type(data).__name__}")
-        if not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool) or batch_size < 1:
-            raise ValueError(f"raysgd.data.Dataset(batch_size=...) expects an int >= 1; got {batch_size!r}")
-        if not isinstance(max_concurrency, numbers.Integral) or isinstance(max_concurrency, bool) \
-                or max_concurrency < 0:
-            raise ValueError(f"raysgd.data.Dataset(max_concurrency=...) expects an int >= 0; got {max_concurrency!r}")
+        how = {"caller": "raysgd.data.Dataset", "call": True}
+        expect(not isinstance(data, (str, bytes)) and hasattr(data, "__iter__"), "data", "an iterable of items", data,
+               TypeError, got=type(data).__name__, **how)
+        expect(is_int(batch_size, 1), "batch_size", "an int >= 1", batch_size, **how)
+        expect(is_int(max_concurrency, 0), "max_concurrency", "an int >= 0", max_concurrency, **how)
         for name, fn in (("download_func", download_func), ("transform", transform)):
-            if fn is not None and not callable(fn):
-                raise TypeError(f"raysgd.data.Dataset({name}=...) expects a callable or None; got {fn!r}")
+            expect(fn is None or callable(fn), name, "a callable or None", fn, TypeError, **how)
         self._items = list(data)
         if not self._items:
             raise ValueError("raysgd.data.Dataset(data=...) is empty")
@@ -149,8 +147,8 @@ class Dataset:
 
     def set_num_shards(self, num_shards):
         """Split the items into ``num_shards`` shards (``train(dataset=...)`` splits by the worker count itself)."""
-        if not isinstance(num_shards, numbers.Integral) or num_shards < 1:
-            raise ValueError(f"set_num_shards expects an int >= 1; got {num_shards!r}")
+        expect(isinstance(num_shards, numbers.Integral) and num_shards >= 1, "set_num_shards", "an int >= 1",
+               num_shards)
         self.num_shards = int(num_shards)
 
     def get_shard(self, i):

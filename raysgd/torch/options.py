@@ -18,10 +18,10 @@ Example:
 import dataclasses
 import inspect
 import logging
-import numbers
 
 import torch
 
+from raysgd.base.checks import argument_error, expect, is_int, is_number
 from raysgd.callbacks import check_callbacks
 from raysgd.torch.constants import BATCH_SIZE, DATA_SEED, VALID_SCHEDULER_STEP
 from raysgd.torch.operator import fsdp
@@ -53,18 +53,6 @@ _warned_serialize = False
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
-def expect(condition, name, expected, value, error=ValueError, caller="TorchTrainer"):
-    """Raise ``error`` naming the argument, what was expected and what was given, unless ``condition``.
-
-    Example:
-        >>> expect(False, "timeout_s", "a number of seconds > 0", 0)
-        Traceback (most recent call last):
-        ValueError: TorchTrainer: timeout_s expects a number of seconds > 0; got 0
-    """
-    if not condition:
-        raise error(f"{caller}: {name} expects {expected}; got {value!r}")
-
-
 def check_deprecated(kwargs):
     """Raise the 1.x ``DeprecationWarning`` for a removed keyword; unknown keywords are a ``TypeError``."""
     global _warned_serialize
@@ -93,12 +81,11 @@ def worker_range(num_workers, caller="TorchTrainer"):
     """
     expected = "an int >= 1 or a tuple (min, max) with 1 <= min <= max"
     if isinstance(num_workers, tuple):
-        expect(len(num_workers) == 2 and all(isinstance(n, int) and not isinstance(n, bool) for n in num_workers),
-               "num_workers", expected, num_workers, TypeError, caller)
+        expect(len(num_workers) == 2 and all(is_int(n) for n in num_workers), "num_workers", expected, num_workers,
+               TypeError, caller)
         expect(1 <= num_workers[0] <= num_workers[1], "num_workers", expected, num_workers, caller=caller)
         return tuple(num_workers)
-    expect(isinstance(num_workers, int) and not isinstance(num_workers, bool), "num_workers", expected,
-           num_workers, TypeError, caller)
+    expect(is_int(num_workers), "num_workers", expected, num_workers, TypeError, caller)
     expect(num_workers >= 1, "num_workers", "an int >= 1", num_workers, caller=caller)
     return 1, num_workers
 
@@ -126,16 +113,11 @@ def check_num_steps(num_steps):
     """
     if num_steps is None:
         return None
-    expected = "num_steps expects None or an int >= 0 (batches per worker)"
-    if isinstance(num_steps, bool) or not isinstance(num_steps, numbers.Integral):
-        raise TypeError(f"{expected}; got {num_steps!r} ({type(num_steps).__name__})")
-    if num_steps < 0:
-        raise ValueError(f"{expected}; got {num_steps!r}")
+    expected = "None or an int >= 0 (batches per worker)"
+    expect(is_int(num_steps), "num_steps", expected, num_steps, TypeError,
+           got=f"{num_steps!r} ({type(num_steps).__name__})")
+    expect(num_steps >= 0, "num_steps", expected, num_steps)
     return int(num_steps)
-
-
-def _is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # ----------------------------------------------------------------- the checks: f(values, caller) -> the value kept
@@ -156,7 +138,7 @@ def _config(v, caller):
     config = v["config"]
     expect(config is None or isinstance(config, dict), "config", "a dict or None", config, TypeError, caller)
     seed = (config or {}).get(DATA_SEED)
-    expect(seed is None or (isinstance(seed, numbers.Integral) and not isinstance(seed, bool)), "config[DATA_SEED]",
+    expect(seed is None or is_int(seed), "config[DATA_SEED]",
            "an int (the seed of the data order) or None", seed, TypeError, caller)
     return config
 
@@ -169,7 +151,7 @@ def _num_workers(v, caller):
 
 def _cpus(v, caller):
     value = v["num_cpus_per_worker"]
-    expect(_is_number(value) and value > 0, "num_cpus_per_worker", "a number > 0", value, caller=caller)
+    expect(is_number(value, above=0), "num_cpus_per_worker", "a number > 0", value, caller=caller)
     return value
 
 
@@ -186,7 +168,7 @@ def _use_local(v, caller):
 
 def _gpus(v, caller):
     value = v["num_gpus_per_worker"]
-    expect(_is_number(value) and (0 < value < 1 or (value >= 1 and value % 1 == 0)), "num_gpus_per_worker",
+    expect(is_number(value) and (0 < value < 1 or (value >= 1 and value % 1 == 0)), "num_gpus_per_worker",
            "a fraction in (0, 1) or a whole number >= 1", value, caller=caller)
     expect(v["use_gpu"] is not False or value == 1, "num_gpus_per_worker", "its default (1) when use_gpu=False",
            value, caller=caller)
@@ -207,13 +189,12 @@ def _backend(v, caller):
 
 def _spares(v, caller):
     value = v["num_spares"]
-    expect(isinstance(value, int) and not isinstance(value, bool) and value >= 0, "num_spares", "an int >= 0",
-           value, caller=caller)
+    expect(is_int(value, 0), "num_spares", "an int >= 0", value, caller=caller)
     return value
 
 
 def _timeout(v, caller):
-    expect(_is_number(v["timeout_s"]) and v["timeout_s"] > 0, "timeout_s", "a number of seconds > 0", v["timeout_s"],
+    expect(is_number(v["timeout_s"], above=0), "timeout_s", "a number of seconds > 0", v["timeout_s"],
            caller=caller)
     return v["timeout_s"]
 
@@ -222,7 +203,7 @@ def _fp16(v, caller):
     try:
         validate_fp16(v["use_fp16"])
     except ValueError as err:
-        raise ValueError(f"{caller}: use_fp16 expects False, True, 'apex' or 'bf16'; got {v['use_fp16']!r}") from err
+        raise argument_error("use_fp16", "False, True, 'apex' or 'bf16'", v["use_fp16"], caller=caller) from err
     return v["use_fp16"]
 
 
@@ -246,12 +227,10 @@ def _fixed_worker_batch(v, caller):
     expect(isinstance(fixed, bool), "fixed_worker_batch", "True or False", fixed, TypeError, caller)
     if not fixed:
         return False
-    if v["use_fp16"] == "apex":
-        raise ValueError(f"{caller}: fixed_worker_batch=True expects use_fp16 False, True or 'bf16' (apex's "
-                         "loss scaling is not accumulation-aware here); got use_fp16='apex'")
+    expect(v["use_fp16"] != "apex", "fixed_worker_batch=True", "use_fp16 False, True or 'bf16' (apex's loss scaling "
+           "is not accumulation-aware here)", v["use_fp16"], caller=caller, got="use_fp16='apex'")
     total = (v["config"] or {}).get(BATCH_SIZE)
-    expect(total is None or (isinstance(total, int) and not isinstance(total, bool) and total > 0
-                             and not total % max_workers), "config[BATCH_SIZE]",
+    expect(total is None or (is_int(total, 1) and not total % max_workers), "config[BATCH_SIZE]",
            f"a multiple of the maximum number of workers ({max_workers}) with fixed_worker_batch=True", total,
            caller=caller)
     return True

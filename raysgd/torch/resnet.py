@@ -15,6 +15,8 @@ Example:
 import torch.nn as nn
 import torch.nn.functional as F
 
+from raysgd.base.checks import expect
+
 __all__ = ["BasicBlock", "Bottleneck", "ResNet", "ResNet18", "ResNet34", "ResNet50", "ResNet101", "ResNet152"]
 
 
@@ -103,10 +105,10 @@ class ResNet(nn.Module):
 
     def __init__(self, block, num_blocks, num_classes=10, in_channels=3):
         super().__init__()
-        if len(num_blocks) != 4 or not all(isinstance(n, int) and n >= 1 for n in num_blocks):
-            raise ValueError(f"ResNet(num_blocks=...) expects four ints >= 1; got {num_blocks!r}")
-        if not isinstance(num_classes, int) or num_classes < 1:
-            raise ValueError(f"ResNet(num_classes=...) expects an int >= 1; got {num_classes!r}")
+        how = {"caller": "ResNet", "call": True}
+        expect(len(num_blocks) == 4 and all(isinstance(n, int) and n >= 1 for n in num_blocks), "num_blocks",
+               "four ints >= 1", num_blocks, **how)
+        expect(isinstance(num_classes, int) and num_classes >= 1, "num_classes", "an int >= 1", num_classes, **how)
         self.conv1 = _conv3x3(in_channels, 64)  # no stride, no max-pool: 32x32 inputs stay 32x32
         self.bn1 = nn.BatchNorm2d(64)
         in_planes = 64

@@ -22,6 +22,7 @@ import time
 
 import ray
 
+from raysgd.base.checks import expect
 from raysgd.callbacks import CallbackList
 from raysgd.meters import reduce_worker_stats
 from raysgd.torch.execution import shipping
@@ -247,9 +248,8 @@ class TorchTrainer:
             ['traces/rank_0.pt.trace.json', 'traces/rank_1.pt.trace.json']
         """
         num_steps = check_num_steps(num_steps)
-        if num_steps is None or num_steps < 1:
-            raise ValueError(f"profile: num_steps expects an int >= 1 (batches per worker to profile); "
-                             f"got {num_steps!r}")
+        expect(num_steps is not None and num_steps >= 1, "num_steps", "an int >= 1 (batches per worker to profile)",
+               num_steps, caller="profile")
         folder, started = tracing.prepare_logdir(logdir), time.monotonic()
         stats = self._controller.run_call("train_epoch", max_retries, dict(
             num_steps=num_steps, profile=False, info=dict(info or {}), lockstep=True, trace=True))

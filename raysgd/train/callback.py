@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import uuid
 
+from raysgd.base.checks import argument_error, expect
 from raysgd.callbacks import Callback
 
 logger = logging.getLogger(__name__)
@@ -82,14 +83,14 @@ def check_callbacks(callbacks, owner="RunConfig"):
         >>> check_callbacks([UserCallback])
         Traceback (most recent call last):
         ...
-        TypeError: RunConfig(callbacks=...) expects a list of raysgd.train.UserCallback or raysgd.Callback instances (raysgd.loggers.MLflowLogger, WandbLogger); item 0 is a class, not an instance: UserCallback
+        TypeError: RunConfig(callbacks=...) expects a list of raysgd.train.UserCallback or raysgd.Callback instances (raysgd.loggers.MLflowLogger, WandbLogger); got [<class '...UserCallback'>] (item 0 is a class, not an instance: UserCallback)
     """
     expected = ("a list of raysgd.train.UserCallback or raysgd.Callback instances (raysgd.loggers.MLflowLogger, "
                 "WandbLogger)")
     if callbacks is None:
         return []
-    if not isinstance(callbacks, (list, tuple)):
-        raise TypeError(f"{owner}(callbacks=...) expects {expected}; got {type(callbacks).__name__} {callbacks!r}")
+    how = {"error": TypeError, "caller": owner, "call": True}
+    expect(isinstance(callbacks, (list, tuple)), "callbacks", expected, callbacks, typed=True, **how)
     for index, callback in enumerate(callbacks):
         if isinstance(callback, (UserCallback, Callback)):
             continue
@@ -100,7 +101,7 @@ def check_callbacks(callbacks, owner="RunConfig"):
                     f"run the trainer inside Tune (raysgd's TorchTrainer.as_trainable) for Tune's callbacks")
         else:
             what = f"{type(callback).__name__} {callback!r}"
-        raise TypeError(f"{owner}(callbacks=...) expects {expected}; item {index} is {what}")
+        raise argument_error("callbacks", expected, callbacks, got=f"{callbacks!r} (item {index} is {what})", **how)
     return list(callbacks)
 
 

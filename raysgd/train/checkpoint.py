@@ -28,10 +28,18 @@ import shutil
 import tempfile
 
 from raysgd import optional
+from raysgd.base.checks import argument_error, expect
 from raysgd.torch.storage import filesystem as _fs
 
 #: The file in a checkpoint's directory that holds its metadata (Ray Train's name).
 METADATA_FILE = ".metadata.json"
+#: How ``Checkpoint(...)``'s errors name an argument and its value: ``Checkpoint(path=...) expects ...; got int 3``.
+_CHECKPOINT = {"caller": "Checkpoint", "call": True, "typed": True}
+
+
+def _is_path(path):
+    """A non-empty path or URI (``str`` or ``os.PathLike``; not ``bytes``)."""
+    return isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes) and bool(os.fspath(path))
 
 
 def _local_path(path):
@@ -75,16 +83,13 @@ class Checkpoint:
     """
 
     def __init__(self, path, filesystem=None):
-        if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes) or not os.fspath(path):
-            raise TypeError(f"Checkpoint(path=...) expects a directory path or URI (str); got "
-                            f"{type(path).__name__} {path!r}")
+        expect(_is_path(path), "path", "a directory path or URI (str)", path, TypeError, **_CHECKPOINT)
         text = os.fspath(path)
         self._filesystem, self._uri = None, None
         if filesystem is not None:
             optional.require("pyarrow.fs", _fs.FEATURE)
-            if not isinstance(filesystem, _fs.pafs.FileSystem):
-                raise TypeError(f"Checkpoint(filesystem=...) expects a pyarrow.fs.FileSystem; got "
-                                f"{type(filesystem).__name__} {filesystem!r}")
+            expect(isinstance(filesystem, _fs.pafs.FileSystem), "filesystem", "a pyarrow.fs.FileSystem", filesystem,
+                   TypeError, **_CHECKPOINT)
             if "://" in text:
                 raise ValueError(f"Checkpoint(path=..., filesystem=...): with a filesystem the path is a path inside "
                                  f"it, without a scheme; got {text!r} (pass the URI alone instead)")
@@ -100,8 +105,9 @@ class Checkpoint:
         try:
             self._filesystem, self.path = _fs.resolve(text)
         except ValueError as err:
-            raise ValueError(f"Checkpoint(path=...) expects a local directory or a URI that pyarrow.fs understands "
-                             f"(s3://, gs://, hdfs://, file://); got {text!r}: {err}") from err
+            raise argument_error("path", "a local directory or a URI that pyarrow.fs understands (s3://, gs://, "
+                                 "hdfs://, file://)", text, caller="Checkpoint", call=True,
+                                 got=f"{text!r}: {err}") from err
         self._uri, self._local = text, isinstance(self._filesystem, _fs.pafs.LocalFileSystem)
 
     @classmethod
@@ -112,21 +118,17 @@ class Checkpoint:
             >>> Checkpoint.from_directory("/no/such/folder")
             Traceback (most recent call last):
             ...
-            FileNotFoundError: Checkpoint.from_directory(path=...) expects an existing local directory; '/no/such/folder' does not exist
+            FileNotFoundError: Checkpoint.from_directory(path=...) expects an existing local directory; got '/no/such/folder', which does not exist
         """
-        if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes) or not os.fspath(path):
-            raise TypeError(f"Checkpoint.from_directory(path=...) expects a local directory (str); got "
-                            f"{type(path).__name__} {path!r}")
+        how = {"caller": "Checkpoint.from_directory", "call": True}
+        expect(_is_path(path), "path", "a local directory (str)", path, TypeError, typed=True, **how)
         text = os.fspath(path)
-        if "://" in text and not text.startswith("file://"):
-            raise ValueError(f"Checkpoint.from_directory(path=...) expects a local directory; got the URI {text!r}: "
-                             f"use Checkpoint({text!r}) for a directory in remote storage")
+        expect("://" not in text or text.startswith("file://"), "path", "a local directory", text,
+               got=f"the URI {text!r}: use Checkpoint({text!r}) for a directory in remote storage", **how)
         local = _local_path(text)
-        if not os.path.exists(local):
-            raise FileNotFoundError(f"Checkpoint.from_directory(path=...) expects an existing local directory; "
-                                    f"{local!r} does not exist")
-        if not os.path.isdir(local):
-            raise NotADirectoryError(f"Checkpoint.from_directory(path=...) expects a directory; {local!r} is a file")
+        expect(os.path.exists(local), "path", "an existing local directory", local, FileNotFoundError,
+               got=f"{local!r}, which does not exist", **how)
+        expect(os.path.isdir(local), "path", "a directory", local, NotADirectoryError, got=f"{local!r}, a file", **how)
         return cls(local)
 
     @property
@@ -201,16 +203,16 @@ class Checkpoint:
             >>> Checkpoint.from_directory(tempfile.mkdtemp()).set_metadata({"model": object()})
             Traceback (most recent call last):
             ...
-            TypeError: Checkpoint.set_metadata(metadata=...) expects a dict that JSON can write (str keys; numbers, strings, bools, None, lists and dicts as values): Object of type object is not JSON serializable
+            TypeError: Checkpoint.set_metadata(metadata=...) expects a dict that JSON can write (str keys; numbers, strings, bools, None, lists and dicts as values); got one it cannot write: Object of type object is not JSON serializable
         """
-        if not isinstance(metadata, dict):
-            raise TypeError(f"Checkpoint.set_metadata(metadata=...) expects a dict; got {type(metadata).__name__} "
-                            f"{metadata!r}")
+        how = {"error": TypeError, "caller": "Checkpoint.set_metadata", "call": True}
+        expect(isinstance(metadata, dict), "metadata", "a dict", metadata, typed=True, **how)
         try:
             data = json.dumps(metadata).encode()
         except (TypeError, ValueError) as err:
-            raise TypeError(f"Checkpoint.set_metadata(metadata=...) expects a dict that JSON can write (str keys; "
-                            f"numbers, strings, bools, None, lists and dicts as values): {err}") from err
+            raise argument_error("metadata", "a dict that JSON can write (str keys; numbers, strings, bools, None, "
+                                 "lists and dicts as values)", metadata, got=f"one it cannot write: {err}",
+                                 **how) from err
         if self.is_local:
             if not os.path.isdir(self.path):
                 raise FileNotFoundError(f"Checkpoint.set_metadata: the checkpoint's directory {self.path!r} does not "
@@ -225,9 +227,8 @@ class Checkpoint:
 
     def update_metadata(self, metadata):
         """Add ``metadata``'s keys to the checkpoint's metadata (replacing those it had)."""
-        if not isinstance(metadata, dict):
-            raise TypeError(f"Checkpoint.update_metadata(metadata=...) expects a dict; got "
-                            f"{type(metadata).__name__} {metadata!r}")
+        expect(isinstance(metadata, dict), "metadata", "a dict", metadata, TypeError, "Checkpoint.update_metadata",
+               call=True, typed=True)
         self.set_metadata({**self.get_metadata(), **metadata})
 
     def _identity(self):

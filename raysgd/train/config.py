@@ -20,6 +20,7 @@ import logging
 import os
 import time
 
+from raysgd.base.checks import expect, is_int, is_number
 from raysgd.train.callback import check_callbacks
 
 #: The default of a deprecated field: any other value, None included, is refused (as in Ray Train 2.58).
@@ -27,13 +28,9 @@ DEPRECATED = "DEPRECATED"
 _MIGRATION = "See https://github.com/ray-project/ray/issues/49454 for the context (Ray Train 2.x's migration)."
 
 
-def _int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _expect(ok, owner, name, expected, value, error=TypeError):
-    if not ok:
-        raise error(f"{owner}({name}=...) expects {expected}; got {type(value).__name__} {value!r}")
+#: How the configs' errors name an argument and its value, as Ray Train's do: ``ScalingConfig(num_workers=...)``
+#: expects ...; got str '2'.
+_AS_CALL = {"call": True, "typed": True}
 
 
 def _unsupported(owner, name, value, default, why):
@@ -85,24 +82,24 @@ class ScalingConfig:
 
     def __post_init__(self):
         n = self.num_workers
-        is_range = isinstance(n, (tuple, list)) and len(n) == 2 and all(_int(x) for x in n) and 1 <= n[0] <= n[1]
-        _expect((_int(n) and n >= 1) or is_range, "ScalingConfig", "num_workers",
-                "an int >= 1 or a range (min, max) of ints", n)
-        _expect(isinstance(self.use_gpu, bool), "ScalingConfig", "use_gpu", "a bool", self.use_gpu)
+        is_range = isinstance(n, (tuple, list)) and len(n) == 2 and all(is_int(x) for x in n) and 1 <= n[0] <= n[1]
+        expect((is_int(n) and n >= 1) or is_range, "num_workers", "an int >= 1 or a range (min, max) of ints", n,
+               TypeError, "ScalingConfig", **_AS_CALL)
+        expect(isinstance(self.use_gpu, bool), "use_gpu", "a bool", self.use_gpu, TypeError, "ScalingConfig",
+               **_AS_CALL)
         if self.trainer_resources is not None:
             raise DeprecationWarning("`ScalingConfig(trainer_resources)` is deprecated (as in Ray Train 2.x): the "
                                      "trainer runs in the driver process and reserves nothing; set the workers' "
                                      f"resources with `resources_per_worker`. {_MIGRATION}")
         self._check_resources(self.resources_per_worker)
-        _expect(_int(self.num_spares) and self.num_spares >= 0, "ScalingConfig", "num_spares", "an int >= 0",
-                self.num_spares)
-        _expect(self.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), "ScalingConfig",
-                "placement_strategy", "'PACK', 'SPREAD', 'STRICT_PACK' or 'STRICT_SPREAD'", self.placement_strategy,
-                ValueError)
+        expect(is_int(self.num_spares, 0), "num_spares", "an int >= 0", self.num_spares, TypeError, "ScalingConfig",
+               **_AS_CALL)
+        expect(self.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), "placement_strategy",
+               "'PACK', 'SPREAD', 'STRICT_PACK' or 'STRICT_SPREAD'", self.placement_strategy, ValueError,
+               "ScalingConfig", **_AS_CALL)
         interval = self.elastic_resize_monitor_interval_s
-        _expect(isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval >= 0,
-                "ScalingConfig", "elastic_resize_monitor_interval_s", "a number of seconds >= 0", interval,
-                ValueError)
+        expect(is_number(interval, minimum=0), "elastic_resize_monitor_interval_s", "a number of seconds >= 0",
+               interval, ValueError, "ScalingConfig", **_AS_CALL)
         why = "raysgd places workers by CPU and GPU count only"
         _unsupported("ScalingConfig", "label_selector", self.label_selector, None, why)
         _unsupported("ScalingConfig", "accelerator_type", self.accelerator_type, None, why)
@@ -120,8 +117,8 @@ class ScalingConfig:
     @staticmethod
     def _check_resources(resources):
         expected = "None or a dict {'CPU': n, 'GPU': g} of amounts >= 0"
-        _expect(resources is None or isinstance(resources, dict), "ScalingConfig", "resources_per_worker", expected,
-                resources)
+        expect(resources is None or isinstance(resources, dict), "resources_per_worker", expected, resources, TypeError,
+               "ScalingConfig", **_AS_CALL)
         for key, value in (resources or {}).items():
             if isinstance(key, str) and key.upper() in ("CPU", "GPU") and key != key.upper():
                 raise ValueError(f"ScalingConfig(resources_per_worker=...): the keys are case-sensitive (as in Ray "
@@ -130,8 +127,8 @@ class ScalingConfig:
                 raise ValueError(f"ScalingConfig(resources_per_worker=...): raysgd reserves 'CPU' and 'GPU' per "
                                  f"worker only ({key!r}: memory and custom resources are not supported); got "
                                  f"{resources!r}")
-            _expect(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, "ScalingConfig",
-                    "resources_per_worker", expected, resources)
+            expect(is_number(value, minimum=0), "resources_per_worker", expected, resources, TypeError, "ScalingConfig",
+                   **_AS_CALL)
 
     @property
     def worker_range(self):
@@ -141,17 +138,17 @@ class ScalingConfig:
     @property
     def min_workers(self):
         """The fewest workers the run trains with (``num_workers``, or a range's minimum)."""
-        return self.num_workers if _int(self.num_workers) else int(self.num_workers[0])
+        return self.num_workers if is_int(self.num_workers) else int(self.num_workers[0])
 
     @property
     def max_workers(self):
         """The most workers the run trains with (``num_workers``, or a range's maximum)."""
-        return self.num_workers if _int(self.num_workers) else int(self.num_workers[1])
+        return self.num_workers if is_int(self.num_workers) else int(self.num_workers[1])
 
     @property
     def is_range(self):
         """Whether ``num_workers`` is an elastic range ``(min, max)``."""
-        return not _int(self.num_workers)
+        return not is_int(self.num_workers)
 
     @property
     def elasticity_enabled(self):
@@ -212,7 +209,7 @@ class FailureConfig:
                                      f"several trials under Ray Tune; set `max_failures=0` to fail at once. {_MIGRATION}")
         for name in ("max_failures", "controller_failure_limit", "max_preemption_failures"):
             value = getattr(self, name)
-            _expect(_int(value) and value >= -1, "FailureConfig", name, "an int >= -1 (-1: no limit)", value)
+            expect(is_int(value, -1), name, "an int >= -1 (-1: no limit)", value, TypeError, "FailureConfig", **_AS_CALL)
 
 
 @dataclasses.dataclass
@@ -244,15 +241,15 @@ class CheckpointConfig:
                 raise DeprecationWarning(f"`{name}` is deprecated since it does not apply to user-defined training "
                                          f"functions (as in Ray Train 2.x). Please remove this argument from your "
                                          f"CheckpointConfig.")
-        _expect(self.num_to_keep is None or _int(self.num_to_keep), "CheckpointConfig", "num_to_keep",
-                "None or an int >= 1", self.num_to_keep)
-        _expect(self.num_to_keep is None or self.num_to_keep >= 1, "CheckpointConfig", "num_to_keep",
-                "None or an int >= 1", self.num_to_keep, ValueError)
-        _expect(self.checkpoint_score_attribute is None or (isinstance(self.checkpoint_score_attribute, str)
-                                                            and self.checkpoint_score_attribute), "CheckpointConfig",
-                "checkpoint_score_attribute", "None or a metric's name (str)", self.checkpoint_score_attribute)
-        _expect(self.checkpoint_score_order in ("max", "min"), "CheckpointConfig", "checkpoint_score_order",
-                "'max' or 'min'", self.checkpoint_score_order, ValueError)
+        expect(self.num_to_keep is None or is_int(self.num_to_keep), "num_to_keep", "None or an int >= 1",
+               self.num_to_keep, TypeError, "CheckpointConfig", **_AS_CALL)
+        expect(self.num_to_keep is None or self.num_to_keep >= 1, "num_to_keep", "None or an int >= 1",
+               self.num_to_keep, ValueError, "CheckpointConfig", **_AS_CALL)
+        score = self.checkpoint_score_attribute
+        expect(score is None or (isinstance(score, str) and score), "checkpoint_score_attribute",
+               "None or a metric's name (str)", score, TypeError, "CheckpointConfig", **_AS_CALL)
+        expect(self.checkpoint_score_order in ("max", "min"), "checkpoint_score_order", "'max' or 'min'",
+               self.checkpoint_score_order, ValueError, "CheckpointConfig", **_AS_CALL)
 
 
 @dataclasses.dataclass
@@ -273,8 +270,8 @@ class LoggingConfig:
         if self.log_level is None:
             return
         levels = sorted(name for name in logging.getLevelNamesMapping())
-        _expect(isinstance(self.log_level, str) and self.log_level.upper() in levels, "LoggingConfig", "log_level",
-                f"one of {levels} or None", self.log_level, ValueError)
+        expect(isinstance(self.log_level, str) and self.log_level.upper() in levels, "log_level",
+               f"one of {levels} or None", self.log_level, ValueError, "LoggingConfig", **_AS_CALL)
         self.log_level = self.log_level.upper()
 
 
@@ -326,21 +323,23 @@ class RunConfig:
                 raise DeprecationWarning(f"`RunConfig({name})` is deprecated. This configuration was a Ray Tune API "
                                          f"that did not support Ray Train usage well, so Ray Train 2.x (and "
                                          f"raysgd.train) dropped it. {_MIGRATION}")
-        _expect(self.name is None or (isinstance(self.name, str) and self.name and "/" not in self.name), "RunConfig",
-                "name", "None or a non-empty str without '/'", self.name)
-        _expect(self.storage_path is None or isinstance(self.storage_path, (str, os.PathLike)), "RunConfig",
-                "storage_path", "None, a folder path or a URI (str)", self.storage_path)
+        expect(self.name is None or (isinstance(self.name, str) and self.name and "/" not in self.name), "name",
+               "None or a non-empty str without '/'", self.name, TypeError, "RunConfig", **_AS_CALL)
+        expect(self.storage_path is None or isinstance(self.storage_path, (str, os.PathLike)), "storage_path",
+               "None, a folder path or a URI (str)", self.storage_path, TypeError, "RunConfig", **_AS_CALL)
         _unsupported("RunConfig", "storage_filesystem", self.storage_filesystem, None,
                      "pass the location as a URI in storage_path (s3://bucket/path?endpoint_override=...)")
         _unsupported("RunConfig", "worker_runtime_env", self.worker_runtime_env or None, None,
                      "the workers run in the cluster's environment: install what they need on its nodes")
-        _expect(self.failure_config is None or isinstance(self.failure_config, FailureConfig), "RunConfig",
-                "failure_config", "a raysgd.train.FailureConfig", self.failure_config)
-        _expect(self.checkpoint_config is None or isinstance(self.checkpoint_config, CheckpointConfig), "RunConfig",
-                "checkpoint_config", "a raysgd.train.CheckpointConfig", self.checkpoint_config)
-        _expect(self.logging_config is None or isinstance(self.logging_config, LoggingConfig), "RunConfig",
-                "logging_config", "a raysgd.train.LoggingConfig", self.logging_config)
-        _expect(isinstance(self.progress_bar, bool), "RunConfig", "progress_bar", "a bool", self.progress_bar)
+        expect(self.failure_config is None or isinstance(self.failure_config, FailureConfig), "failure_config",
+               "a raysgd.train.FailureConfig", self.failure_config, TypeError, "RunConfig", **_AS_CALL)
+        expect(self.checkpoint_config is None or isinstance(self.checkpoint_config, CheckpointConfig),
+               "checkpoint_config", "a raysgd.train.CheckpointConfig", self.checkpoint_config, TypeError, "RunConfig",
+               **_AS_CALL)
+        expect(self.logging_config is None or isinstance(self.logging_config, LoggingConfig), "logging_config",
+               "a raysgd.train.LoggingConfig", self.logging_config, TypeError, "RunConfig", **_AS_CALL)
+        expect(isinstance(self.progress_bar, bool), "progress_bar", "a bool", self.progress_bar, TypeError, "RunConfig",
+               **_AS_CALL)
         self.callbacks = check_callbacks(self.callbacks)
         self.failure_config = self.failure_config or FailureConfig()
         self.checkpoint_config = self.checkpoint_config or CheckpointConfig()
@@ -365,7 +364,7 @@ class TorchConfig:
     init_method: str = "env"
 
     def __post_init__(self):
-        _expect(self.backend in (None, "gloo", "nccl"), "TorchConfig", "backend", "None, 'gloo' or 'nccl'",
-                self.backend, ValueError)
-        _expect(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
-                and self.timeout_s > 0, "TorchConfig", "timeout_s", "a number of seconds > 0", self.timeout_s)
+        expect(self.backend in (None, "gloo", "nccl"), "backend", "None, 'gloo' or 'nccl'", self.backend, ValueError,
+               "TorchConfig", **_AS_CALL)
+        expect(is_number(self.timeout_s, above=0), "timeout_s", "a number of seconds > 0", self.timeout_s, TypeError,
+               "TorchConfig", **_AS_CALL)

@@ -14,6 +14,7 @@ Example:
     >>> copy.worker_failures
     {1: ValueError('bad batch')}
 """
+from raysgd.base.checks import expect
 
 
 class TrainingFailedError(RuntimeError):
@@ -49,10 +50,10 @@ class WorkerGroupError(TrainingFailedError):
     """
 
     def __init__(self, error_message, worker_failures, result=None):
-        if not isinstance(worker_failures, dict) or not all(
-                isinstance(rank, int) and isinstance(error, BaseException) for rank, error in worker_failures.items()):
-            raise TypeError(f"WorkerGroupError(worker_failures=...) expects a dict {{world rank: exception}}; got "
-                            f"{type(worker_failures).__name__} {worker_failures!r}")
+        expect(isinstance(worker_failures, dict) and all(
+            isinstance(rank, int) and isinstance(error, BaseException) for rank, error in worker_failures.items()),
+            "worker_failures", "a dict {world rank: exception}", worker_failures, TypeError, "WorkerGroupError",
+            call=True, typed=True)
         super().__init__("Training failed due to worker errors:\n" + str(error_message), result)
         self.error_message = str(error_message)
         self.worker_failures = dict(worker_failures)
@@ -85,8 +86,8 @@ def context_deprecation(method):
         ...
         DeprecationWarning: `get_trial_name` is deprecated because the concept of a `Trial` is gone from Ray Train 2.x (raysgd.train follows it): use get_experiment_name() for the run's name. See https://github.com/ray-project/ray/issues/49454
     """
-    if method not in DEPRECATED_CONTEXT_METHODS:
-        raise ValueError(f"context_deprecation(method=...) expects one of {DEPRECATED_CONTEXT_METHODS}; got {method!r}")
+    expect(method in DEPRECATED_CONTEXT_METHODS, "method", f"one of {DEPRECATED_CONTEXT_METHODS}", method,
+           caller="context_deprecation", call=True)
     if method == "get_metadata":
         text = ("`get_metadata` was an experimental API that accessed the metadata passed to "
                 "`TorchTrainer(metadata=...)`, deprecated in Ray Train 2.x: pass the metadata to the training function "

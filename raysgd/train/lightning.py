@@ -20,6 +20,7 @@ import shutil
 import tempfile
 
 from raysgd import optional
+from raysgd.base.checks import expect
 from raysgd.train import session as _session
 from raysgd.train.checkpoint import Checkpoint
 
@@ -173,8 +174,8 @@ def prepare_trainer(trainer):
     pl, _ = _lightning()
     strategies = tuple(__getattr__(name) for name in _STRATEGIES)
     environment_cls = __getattr__("RayLightningEnvironment")
-    if not isinstance(trainer, pl.Trainer):
-        raise TypeError(f"prepare_trainer(trainer=...) expects a Lightning Trainer; got {type(trainer).__name__}")
+    expect(isinstance(trainer, pl.Trainer), "trainer", "a Lightning Trainer", trainer, TypeError, "prepare_trainer",
+           call=True, got=type(trainer).__name__)
     context = _session.current("lightning.prepare_trainer()").context
     strategy = trainer.strategy
     if context.get_world_size() > 1 and not isinstance(strategy, strategies):

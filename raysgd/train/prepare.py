@@ -28,6 +28,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from raysgd.base.checks import expect
 from raysgd.torch.sharding import loaders as _loaders
 from raysgd.train import session as _session
 
@@ -53,8 +54,8 @@ def prepare_model(model, move_to_device=True, parallel_strategy="ddp", parallel_
         ...     model = raysgd.train.torch.prepare_model(torch.nn.Linear(4, 1))
     """
     session = _session.current("torch.prepare_model()")
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"prepare_model(model=...) expects a torch.nn.Module; got {type(model).__name__}")
+    expect(isinstance(model, torch.nn.Module), "model", "a torch.nn.Module", model, TypeError, "prepare_model",
+           call=True, got=type(model).__name__)
     if parallel_strategy not in ("ddp", None):
         raise NotImplementedError(f"prepare_model(parallel_strategy={parallel_strategy!r}): raysgd.train supports "
                                   "'ddp' or None; for FSDP wrap the model yourself (torch.distributed.fsdp) inside "
@@ -84,9 +85,8 @@ def prepare_data_loader(data_loader, add_dist_sampler=True, move_to_device=True,
         ...         for x, y in loader: ...
     """
     session = _session.current("torch.prepare_data_loader()")
-    if not isinstance(data_loader, DataLoader):
-        raise TypeError(f"prepare_data_loader(data_loader=...) expects a torch.utils.data.DataLoader; got "
-                        f"{type(data_loader).__name__}")
+    expect(isinstance(data_loader, DataLoader), "data_loader", "a torch.utils.data.DataLoader", data_loader,
+           TypeError, "prepare_data_loader", call=True, got=type(data_loader).__name__)
     context = session.context
     prepared = PreparedLoader(data_loader, context.get_world_rank(), context.get_world_size(), session.device,
                               shard=add_dist_sampler, move_to_device=move_to_device,

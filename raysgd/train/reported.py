@@ -17,6 +17,7 @@ Example:
     ...
     RuntimeError: raysgd.train.get_all_reported_checkpoints() works only inside the training function that TorchTrainer runs on its workers
 """
+from raysgd.base.checks import expect, is_number
 from raysgd.train import collective
 from raysgd.train import session as _session
 from raysgd.train.checkpoint import Checkpoint, ReportedCheckpoint
@@ -34,12 +35,9 @@ def get_all_reported_checkpoints(consistency_mode="VALIDATED", timeout_s=None):
             bounded by the process group's timeout, ``TorchConfig(timeout_s)``.
     """
     mode = getattr(consistency_mode, "value", consistency_mode)
-    if mode not in CONSISTENCY_MODES:
-        raise ValueError(f"get_all_reported_checkpoints(consistency_mode=...) expects 'COMMITTED' or 'VALIDATED'; "
-                         f"got {consistency_mode!r}")
-    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-                                  or timeout_s <= 0):
-        raise ValueError(f"get_all_reported_checkpoints(timeout_s=...) expects None or seconds > 0; got {timeout_s!r}")
+    how = {"caller": "get_all_reported_checkpoints", "call": True}
+    expect(mode in CONSISTENCY_MODES, "consistency_mode", "'COMMITTED' or 'VALIDATED'", consistency_mode, **how)
+    expect(timeout_s is None or is_number(timeout_s, above=0), "timeout_s", "None or seconds > 0", timeout_s, **how)
     session = _session.current("get_all_reported_checkpoints()")
     collective.barrier()
     reported = session.reporter.reported if session.reporter is not None else []

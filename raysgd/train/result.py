@@ -26,6 +26,7 @@ import dataclasses
 import os
 
 from raysgd import optional
+from raysgd.base.checks import expect
 from raysgd.torch.storage import filesystem as _fs
 from raysgd.train import retention
 from raysgd.train.checkpoint import Checkpoint
@@ -100,8 +101,8 @@ class Result:
             ...
             RuntimeError: Result.get_best_checkpoint: the run kept no checkpoint (none was reported)
         """
-        if mode not in retention.ORDERS:
-            raise ValueError(f"Result.get_best_checkpoint(mode=...) expects 'max' or 'min'; got {mode!r}")
+        expect(mode in retention.ORDERS, "mode", "'max' or 'min'", mode, caller="Result.get_best_checkpoint",
+               call=True)
         if not self.best_checkpoints:
             raise RuntimeError("Result.get_best_checkpoint: the run kept no checkpoint (none was reported)")
         missing = object()
@@ -153,9 +154,8 @@ class Result:
         if storage_filesystem is not None:
             raise NotImplementedError("Result.from_path(storage_filesystem=...) is not supported by raysgd.train: "
                                       "pass the run folder as a URI (s3://bucket/path?endpoint_override=...)")
-        if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes) or not os.fspath(path):
-            raise TypeError(f"Result.from_path(path=...) expects a run folder's path or URI; got "
-                            f"{type(path).__name__} {path!r}")
+        expect(isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes) and bool(os.fspath(path)), "path",
+               "a run folder's path or URI", path, TypeError, "Result.from_path", call=True, typed=True)
         text = os.fspath(path)
         base, query = (text.split("?", 1) + [""])[:2] if "://" in text else (os.path.abspath(text), "")
         base = base.rstrip("/")

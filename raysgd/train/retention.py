@@ -35,6 +35,8 @@ import logging
 import math
 import numbers
 
+from raysgd.base.checks import expect
+
 logger = logging.getLogger(__name__)
 
 ORDERS = ("max", "min")
@@ -162,16 +164,15 @@ def checkpoints_to_delete(entries, config=None):
     num_to_keep = _settings(config)[0]
     if num_to_keep is None or not entries:
         return []
-    if not isinstance(num_to_keep, int) or num_to_keep < 1:
-        raise ValueError(f"checkpoints_to_delete: num_to_keep expects None or an int >= 1; got {num_to_keep!r}")
+    expect(isinstance(num_to_keep, int) and num_to_keep >= 1, "num_to_keep", "None or an int >= 1", num_to_keep,
+           caller="checkpoints_to_delete")
     kept = {index for index, _ in best(entries, config)}
     latest = entries[-1][0]
     return sorted(index for index, _ in entries if index not in kept and index != latest)
 
 
 def _check_order(order):
-    if order not in ORDERS:
-        raise ValueError(f"CheckpointConfig(checkpoint_score_order=...) expects 'max' or 'min'; got {order!r}")
+    expect(order in ORDERS, "checkpoint_score_order", "'max' or 'min'", order, caller="CheckpointConfig", call=True)
 
 
 __all__ = ["best", "check_score", "checkpoints_to_delete", "lookup", "ranked", "score"]

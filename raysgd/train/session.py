@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 
+from raysgd.base.checks import expect
 from raysgd.torch.state import restart_point
 from raysgd.torch.storage import rank_files
 from raysgd.train.checkpoint import Checkpoint
@@ -150,22 +151,20 @@ class Session:
             shutil.rmtree(fetched, ignore_errors=True)
 
     def report(self, metrics, checkpoint=None, checkpoint_dir_name=None):
-        if not isinstance(metrics, dict) or not all(isinstance(key, str) for key in metrics):
-            raise TypeError(f"raysgd.train.report(metrics=...) expects a dict with str keys; got "
-                            f"{type(metrics).__name__} {metrics!r}")
-        if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
-            raise TypeError(f"raysgd.train.report(checkpoint=...) expects a raysgd.train.Checkpoint "
-                            f"(Checkpoint.from_directory(path)); got {type(checkpoint).__name__} {checkpoint!r}")
-        if checkpoint_dir_name is not None and (not isinstance(checkpoint_dir_name, str) or not checkpoint_dir_name
-                                                or "/" in checkpoint_dir_name or checkpoint_dir_name.startswith(".")):
-            raise ValueError(f"raysgd.train.report(checkpoint_dir_name=...) expects a folder name (no '/', not "
-                             f"starting with '.'); got {checkpoint_dir_name!r}")
+        how = {"caller": "raysgd.train.report", "call": True}
+        expect(isinstance(metrics, dict) and all(isinstance(key, str) for key in metrics), "metrics",
+               "a dict with str keys", metrics, TypeError, typed=True, **how)
+        expect(checkpoint is None or isinstance(checkpoint, Checkpoint), "checkpoint",
+               "a raysgd.train.Checkpoint (Checkpoint.from_directory(path))", checkpoint, TypeError, typed=True, **how)
+        name = checkpoint_dir_name
+        expect(name is None or (isinstance(name, str) and name and "/" not in name and not name.startswith(".")),
+               "checkpoint_dir_name", "a folder name (no '/', not starting with '.')", name, **how)
         source = None
         if checkpoint is not None:
-            if not checkpoint.is_local or not os.path.isdir(checkpoint.path):
-                raise ValueError(f"raysgd.train.report(checkpoint=...) expects a checkpoint of a local directory of "
-                                 f"this worker (Checkpoint.from_directory(folder)); got {checkpoint.path!r}, which "
-                                 f"is {'remote' if not checkpoint.is_local else 'not a directory (any more)'}")
+            where = "remote" if not checkpoint.is_local else "not a directory (any more)"
+            expect(checkpoint.is_local and os.path.isdir(checkpoint.path), "checkpoint", "a checkpoint of a local "
+                   "directory of this worker (Checkpoint.from_directory(folder))", checkpoint,
+                   got=f"{checkpoint.path!r}, which is {where}", **how)
             source = checkpoint.path
         if self.reporter is None:  # a session without a plan (tests of the loaders): nothing to write
             return None

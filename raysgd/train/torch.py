@@ -14,6 +14,7 @@ import tempfile
 
 import torch
 
+from raysgd.base.checks import expect
 from raysgd.train.checkpoint import Checkpoint
 from raysgd.train.config import TorchConfig
 from raysgd.train.prepare import PreparedLoader, get_device, prepare_data_loader, prepare_model
@@ -91,9 +92,8 @@ class TorchCheckpoint(Checkpoint):
     @classmethod
     def from_state_dict(cls, state_dict, *, preprocessor=None):
         """A checkpoint of ``state_dict`` (a DDP ``module.`` prefix is taken off), in a new temporary directory."""
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"TorchCheckpoint.from_state_dict(state_dict=...) expects a dict; got "
-                            f"{type(state_dict).__name__}")
+        expect(isinstance(state_dict, dict), "state_dict", "a dict", state_dict, TypeError,
+               "TorchCheckpoint.from_state_dict", call=True, got=type(state_dict).__name__)
         if state_dict and all(isinstance(key, str) and key.startswith("module.") for key in state_dict):
             state_dict = type(state_dict)((key[len("module."):], value) for key, value in state_dict.items())
         return cls._write(state_dict, preprocessor)
@@ -101,9 +101,8 @@ class TorchCheckpoint(Checkpoint):
     @classmethod
     def from_model(cls, model, *, preprocessor=None):
         """A checkpoint of the whole ``model`` (pickled: :meth:`get_model` needs ``weights_only=False``)."""
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"TorchCheckpoint.from_model(model=...) expects a torch.nn.Module; got "
-                            f"{type(model).__name__}")
+        expect(isinstance(model, torch.nn.Module), "model", "a torch.nn.Module", model, TypeError,
+               "TorchCheckpoint.from_model", call=True, got=type(model).__name__)
         return cls._write(model, preprocessor)
 
     def get_model(self, model=None, *, weights_only=True):

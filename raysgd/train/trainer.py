@@ -28,6 +28,7 @@ import time
 import ray
 
 from raysgd import logs
+from raysgd.base.checks import argument_error, expect
 from raysgd.callbacks import CallbackList
 from raysgd.torch.errors import WorkerFailure, rank_of
 from raysgd.torch.execution import cluster_state, shipping
@@ -53,9 +54,9 @@ logger = logging.getLogger(__name__)
 CALLBACKS_NOTE = ".raysgd_callbacks.json"
 
 
-def _check(ok, name, expected, value):
-    if not ok:
-        raise TypeError(f"TorchTrainer({name}=...) expects {expected}; got {type(value).__name__} {value!r}")
+#: How the constructor's errors name an argument and its value: ``TorchTrainer(run_config=...) expects ...; got dict
+#: {...}`` (:func:`raysgd.base.checks.expect`).
+_ARGUMENT = {"error": TypeError, "caller": "TorchTrainer", "call": True, "typed": True}
 
 
 class TorchTrainer:
@@ -79,21 +80,21 @@ class TorchTrainer:
 
     def __init__(self, train_loop_per_worker, *, train_loop_config=None, scaling_config=None, run_config=None,
                  datasets=None, torch_config=None, resume_from_checkpoint=None, dataset_config=None, metadata=None):
-        _check(callable(train_loop_per_worker), "train_loop_per_worker", "a function fn(config) or fn()",
-               train_loop_per_worker)
-        _check(train_loop_config is None or isinstance(train_loop_config, dict), "train_loop_config",
-               "None or a dict", train_loop_config)
-        _check(scaling_config is None or isinstance(scaling_config, ScalingConfig), "scaling_config",
-               "a raysgd.train.ScalingConfig (ScalingConfig(num_workers=2))", scaling_config)
-        _check(run_config is None or isinstance(run_config, RunConfig), "run_config",
-               "a raysgd.train.RunConfig (RunConfig(name=..., storage_path=...))", run_config)
-        _check(datasets is None or (isinstance(datasets, dict) and all(
+        expect(callable(train_loop_per_worker), "train_loop_per_worker", "a function fn(config) or fn()",
+               train_loop_per_worker, **_ARGUMENT)
+        expect(train_loop_config is None or isinstance(train_loop_config, dict), "train_loop_config", "None or a dict",
+               train_loop_config, **_ARGUMENT)
+        expect(scaling_config is None or isinstance(scaling_config, ScalingConfig), "scaling_config",
+               "a raysgd.train.ScalingConfig (ScalingConfig(num_workers=2))", scaling_config, **_ARGUMENT)
+        expect(run_config is None or isinstance(run_config, RunConfig), "run_config",
+               "a raysgd.train.RunConfig (RunConfig(name=..., storage_path=...))", run_config, **_ARGUMENT)
+        expect(datasets is None or (isinstance(datasets, dict) and all(
             isinstance(k, str) and hasattr(v, "streaming_split") for k, v in datasets.items())), "datasets",
-            "None or a dict {name: ray.data.Dataset}", datasets)
-        _check(torch_config is None or isinstance(torch_config, TorchConfig), "torch_config",
-               "None or a raysgd.train.torch.TorchConfig", torch_config)
-        _check(resume_from_checkpoint is None or isinstance(resume_from_checkpoint, Checkpoint),
-               "resume_from_checkpoint", "None or a raysgd.train.Checkpoint", resume_from_checkpoint)
+               "None or a dict {name: ray.data.Dataset}", datasets, **_ARGUMENT)
+        expect(torch_config is None or isinstance(torch_config, TorchConfig), "torch_config",
+               "None or a raysgd.train.torch.TorchConfig", torch_config, **_ARGUMENT)
+        expect(resume_from_checkpoint is None or isinstance(resume_from_checkpoint, Checkpoint),
+               "resume_from_checkpoint", "None or a raysgd.train.Checkpoint", resume_from_checkpoint, **_ARGUMENT)
         if dataset_config is not None:
             raise NotImplementedError("TorchTrainer(dataset_config=...) is not supported by raysgd.train: every "
                                       "dataset is split equally among the workers (streaming_split)")
@@ -140,10 +141,9 @@ class TorchTrainer:
             >>> result = trainer.fit()  # doctest: +SKIP
         """
         text = os.fspath(path)
-        if not cls.can_restore(text):
-            raise ValueError(f"TorchTrainer.restore(path=...) expects the folder of a raysgd.train run holding a "
-                             f"complete reported checkpoint (checkpoint_NNNNNN/ with its "
-                             f"{filesystem.REPORT_MARKER}); got {text!r}, which holds none")
+        expect(cls.can_restore(text), "path", "the folder of a raysgd.train run holding a complete reported "
+               f"checkpoint (checkpoint_NNNNNN/ with its {filesystem.REPORT_MARKER})", text,
+               caller="TorchTrainer.restore", call=True, got=f"{text!r}, which holds none")
         base, query = text.split("?", 1) if "://" in text and "?" in text else (text, None)
         storage_path, name = base.rstrip("/").rsplit("/", 1)
         storage_path = f"{storage_path}?{query}" if query else storage_path
@@ -180,8 +180,8 @@ class TorchTrainer:
         try:
             storage.check_writable()
         except ValueError as err:
-            raise ValueError(f"RunConfig(storage_path=...) expects a folder or URI this process can write; got "
-                             f"{run.storage_path!r}: {err}") from err
+            raise argument_error("storage_path", "a folder or URI this process can write", run.storage_path,
+                                 caller="RunConfig", call=True, got=f"{run.storage_path!r}: {err}") from err
         return storage
 
     def _check_resources(self):

@@ -37,6 +37,8 @@ import logging
 import time
 import types
 
+from raysgd.base import environment
+from raysgd.base.checks import expect, is_int
 from raysgd.callbacks import Failure
 from raysgd.torch import constants
 from raysgd.torch.errors import WorkerFailure
@@ -98,7 +100,7 @@ class RunController(StateAccess):
         self.stateless = stateless  # the workers' code keeps its state itself (a training function's checkpoints)
         self.points = NoRestartPoints() if stateless else RestartPoints(self._first, timeout_s)  # and whether stale
         self.last_commit_latency_s = None  # the slowest rank's latest stored commit of the last train() call
-        self._resize_cooldown_s = constants.env_float("SGD_RESIZE_COOLDOWN_S", constants.RESIZE_COOLDOWN_S) \
+        self._resize_cooldown_s = environment.get("SGD_RESIZE_COOLDOWN_S") \
             if resize_cooldown_s is None else resize_cooldown_s
 
     # ----------------------------------------------------------------- the group
@@ -132,7 +134,7 @@ class RunController(StateAccess):
         starting raises ``RuntimeError`` from the :class:`WorkerFailure`."""
         try:
             restarts.start_first_group(self._start_workers, self.group.how_many_fit, self.min_workers,
-                                       self.max_workers, self._is_range, constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
+                                       self.max_workers, self._is_range, environment.get("SGD_PLACEMENT_GROUP_TIMEOUT_S"))
             self.durable.resume(self.load_checkpoint, self._timeout_s)  # storage_path's newest (checked, safe)
         except WorkerFailure as err:
             self._enter(RunState.ERRORED, "a worker died while starting")
@@ -284,8 +286,7 @@ class RunController(StateAccess):
     @staticmethod
     def check_max_retries(max_retries):
         """``max_retries`` of ``train()``/``validate()``: an int >= 0, else ``ValueError``."""
-        if not isinstance(max_retries, int) or isinstance(max_retries, bool) or max_retries < 0:
-            raise ValueError(f"max_retries expects an int >= 0; got {max_retries!r}")
+        expect(is_int(max_retries, 0), "max_retries", "an int >= 0", max_retries)
 
     def run_call(self, method, max_retries, kwargs, replay=False, on_tick=None, limits=None):
         """Run ``method`` on every worker through its attempts (see the module docstring); returns per-worker stats.
@@ -298,7 +299,7 @@ class RunController(StateAccess):
         ``FailureConfig``)."""
         if limits is None:
             self.check_max_retries(max_retries)
-            limits = failure_policy.FailureLimits(max_failures=max_retries, cap_s=constants.SGD_BACKOFF_CAP_S)
+            limits = failure_policy.FailureLimits(max_failures=max_retries, cap_s=environment.get("SGD_BACKOFF_CAP_S"))
         self.ensure_workers()
         self.commits.begin_call(method == "train_epoch", replay=replay)  # its store answers during the call (check_store)
         if not self._move_off_draining():

@@ -26,16 +26,13 @@ import ray
 from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import get_current_placement_group, placement_group, remove_placement_group
 
-from raysgd.torch import constants
-from raysgd.torch.constants import env_float
+from raysgd.base import environment
 from raysgd.torch.errors import PlacementUnavailable
 from raysgd.torch.execution import cluster_state
 from raysgd.torch.fault_tolerance import recovery, reform
 
 logger = logging.getLogger(__name__)
 
-#: How long a restart waits for Ray to report a node dead once its raylet stopped answering.
-DYING_NODE_WAIT_S = env_float("SGD_DYING_NODE_WAIT_S", 30)
 
 
 class Placement:
@@ -111,7 +108,7 @@ class Placement:
     def remove(pg):
         """Remove a placement group this group created and wait (bounded) until Ray reports it removed."""
         remove_placement_group(pg)
-        deadline = time.monotonic() + constants.SGD_PLACEMENT_GROUP_TIMEOUT_S
+        deadline = time.monotonic() + environment.get("SGD_PLACEMENT_GROUP_TIMEOUT_S")
         while time.monotonic() < deadline:
             if ray.util.placement_group_table(pg).get("state") == "REMOVED":
                 break
@@ -130,7 +127,7 @@ class Placement:
         if trial_pg is not None:
             return min(limit, len(trial_pg.bundle_specs) - (0 if self._use_local else 1))
         if settle_s > 0:
-            cluster_state.wait_out_dying_nodes(DYING_NODE_WAIT_S)
+            cluster_state.wait_out_dying_nodes(environment.get("SGD_DYING_NODE_WAIT_S"))
         deadline = time.monotonic() + settle_s
         while True:
             try:
@@ -235,7 +232,7 @@ def usable_bundles(bundles):
 
 def unplaced_limit_s():
     """Seconds a trial's bundles may stay unplaced: twice ``SGD_PLACEMENT_GROUP_TIMEOUT_S`` (read now)."""
-    return 2 * env_float("SGD_PLACEMENT_GROUP_TIMEOUT_S", constants.SGD_PLACEMENT_GROUP_TIMEOUT_S)
+    return 2 * environment.get("SGD_PLACEMENT_GROUP_TIMEOUT_S")
 
 
 class TrialPlacementWatch:

@@ -23,7 +23,7 @@ import time
 
 import ray
 
-from raysgd.torch import constants
+from raysgd.base import environment
 from raysgd.torch.errors import WorkerFailure
 from raysgd.torch.execution import cluster_state, worker_handle
 from raysgd.torch.fault_tolerance import recovery
@@ -94,7 +94,7 @@ def restart_group(group, state, *, start, config_for, operator_cls, initializati
     def try_start(n):
         try:  # the resource view can lag a lost node: a size that is not placed soon is not waited for
             size = recovery.place_largest(start, group.how_many_fit, n, low, recovery.placement_try_s(),
-                                          min(constants.SGD_PLACEMENT_GROUP_TIMEOUT_S, 10))
+                                          min(environment.get("SGD_PLACEMENT_GROUP_TIMEOUT_S"), 10))
             if state is not None:  # None: a stateless run (a training function reads its own checkpoint)
                 group.run("load_restart_point", *state.load_args(), deadline_s=timeout_s)
         except BaseException:
@@ -108,8 +108,8 @@ def restart_group(group, state, *, start, config_for, operator_cls, initializati
         return fit if fit >= low else 0  # never below the minimum: wait (backoff)
 
     started = recovery.restart_with_backoff(
-        try_start, retry_cleanup_fit, tries=max_retries or constants.SGD_MAX_RESTART_TRIES,
-        cap_s=constants.SGD_BACKOFF_CAP_S, retryable=(WorkerFailure, TimeoutError))
+        try_start, retry_cleanup_fit, tries=max_retries or environment.get("SGD_MAX_RESTART_TRIES"),
+        cap_s=environment.get("SGD_BACKOFF_CAP_S"), retryable=(WorkerFailure, TimeoutError))
     logger.info("Workers now %d of %d: every worker restarted", started, high)
     return started
 

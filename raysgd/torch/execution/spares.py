@@ -25,7 +25,7 @@ import time
 import ray
 from ray.exceptions import RayActorError
 
-from raysgd.torch.constants import env_float
+from raysgd.base import environment
 from raysgd.torch.execution import diagnostics
 
 logger = logging.getLogger(__name__)
@@ -36,13 +36,13 @@ _PING_S = 0.5  # how often an idle spare is asked whether it lives
 def warm_limit_s():
     """``SGD_SPARE_WARM_S`` (default 120): a spare not warm by then (its actor never placed, or stuck) is killed, its
     stacks logged, and another started in its bundle."""
-    return env_float("SGD_SPARE_WARM_S", 120.0)
+    return environment.get("SGD_SPARE_WARM_S")
 
 
 def refill_delay_s():
     """``SGD_SPARE_REFILL_DELAY_S`` (default 1): how long after a spare took a rank its refill starts (its ``import
     torch`` would otherwise compete for the CPUs with the re-formed group's first steps)."""
-    return env_float("SGD_SPARE_REFILL_DELAY_S", 1.0)
+    return environment.get("SGD_SPARE_REFILL_DELAY_S")
 
 
 class Spare:

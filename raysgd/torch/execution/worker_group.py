@@ -16,7 +16,7 @@ import logging
 
 import ray
 
-from raysgd.torch import constants
+from raysgd.base import environment
 from raysgd.torch.errors import WorkerFailure, is_peer_gone
 from raysgd.torch.execution import calls as _calls
 from raysgd.torch.execution import cluster_state, diagnostics, placement, worker_handle
@@ -127,7 +127,7 @@ class WorkerGroup(Regrouping):
             raise RuntimeError("WorkerGroup.start called on a running group; shut it down first")
         if self._kept or self._pg is not None:  # survivors, or spares, of a group that did not re-form
             self._kill_all()
-        pg_timeout_s = constants.SGD_PLACEMENT_GROUP_TIMEOUT_S if pg_timeout_s is None else pg_timeout_s
+        pg_timeout_s = environment.get("SGD_PLACEMENT_GROUP_TIMEOUT_S") if pg_timeout_s is None else pg_timeout_s
         self.broken = False
         self.generation += 1
         spares = self._spares_that_fit(n)
@@ -294,7 +294,7 @@ class WorkerGroup(Regrouping):
         ``SGD_SNAPSHOT_FINISH_S``, default 120 s)."""
         answer, self._snapshot_answer = self._snapshot_answer, None
         if answer is not None:
-            ray.wait([answer], timeout=constants.env_float("SGD_SNAPSHOT_FINISH_S", 120.0))
+            ray.wait([answer], timeout=environment.get("SGD_SNAPSHOT_FINISH_S"))
 
     def _sharded_snapshot(self, rngs, deadline_s):
         """A :class:`~raysgd.torch.state.restart_point.ShardedPoint`: every rank saves its part at once (a collective)
@@ -435,7 +435,7 @@ class WorkerGroup(Regrouping):
                                       for bundle in pg.bundle_specs])  # group may still wait for room
         try:
             if self._handles and not force and not self.broken:
-                self.run("shutdown", deadline_s=constants.SGD_SHUTDOWN_TIMEOUT_S)
+                self.run("shutdown", deadline_s=environment.get("SGD_SHUTDOWN_TIMEOUT_S"))
         except Exception as err:  # noqa: BLE001 (a pending call's error must not stop the release)
             logger.warning("Graceful shutdown failed (%s: %s); killing the workers", type(err).__name__, err)
         finally:
@@ -445,5 +445,5 @@ class WorkerGroup(Regrouping):
                 cluster_state.wait_until_released(
                     actor_ids, [pg.id.hex() for pg in pgs],
                     {key: before.get(key, 0) + amount for key, amount in held.items()},
-                    timeout_s=constants.SGD_SHUTDOWN_TIMEOUT_S)
+                    timeout_s=environment.get("SGD_SHUTDOWN_TIMEOUT_S"))
 

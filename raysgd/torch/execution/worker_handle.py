@@ -11,7 +11,6 @@ Example:
     >>> done.value, type(done.error).__name__
     (None, 'ZeroDivisionError')
 """
-import os
 import threading
 
 import ray
@@ -19,6 +18,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raysgd import logs
+from raysgd.base import environment
 from raysgd.torch import constants
 from raysgd.torch.execution import diagnostics
 from raysgd.torch.execution import shipping
@@ -39,7 +39,7 @@ def _legacy_runtime_env():
     """Actor options carrying ``raysgd.compat``'s flags, so actors map ``ray.util.sgd`` (and ``ray.train``) imports
     too."""
     flags = {name: "1" for name in (constants.LEGACY_IMPORTS_ENV, constants.TRAIN_IMPORTS_ENV)
-             if os.environ.get(name) == "1"}
+             if environment.get(name)}
     return {"runtime_env": {"env_vars": flags}} if flags else {}
 
 

@@ -50,7 +50,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from raysgd.torch import constants
+from raysgd.base import environment
 from raysgd.torch.errors import CollectiveError
 
 logger = logging.getLogger(__name__)
@@ -69,18 +69,18 @@ _STATE = {"requested": False, "exit_now": False, "active": False, "previous": No
 
 def check_every():
     """``SGD_PREEMPT_CHECK_STEPS``: step boundaries between two agreements (default 1: every step)."""
-    return max(1, int(constants.env_float("SGD_PREEMPT_CHECK_STEPS", 1)))
+    return environment.get("SGD_PREEMPT_CHECK_STEPS")
 
 
 def grace_s():
     """``SGD_PREEMPT_GRACE_S``: how long a signalled worker waits for the agreed step boundary before it exits."""
-    return constants.env_float("SGD_PREEMPT_GRACE_S", 20.0)
+    return environment.get("SGD_PREEMPT_GRACE_S")
 
 
 def commit_s():
     """``SGD_PREEMPT_COMMIT_S``: how long the agreed commit may take to be stored (complete) before the ranks end
     the call anyway (its send is never cut short by :func:`grace_s`'s timer)."""
-    return constants.env_float("SGD_PREEMPT_COMMIT_S", 120.0)
+    return environment.get("SGD_PREEMPT_COMMIT_S")
 
 
 def install():

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 
-from raysgd.torch.constants import env_float
+from raysgd.base import environment
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def fit_for_strategy(free_by_node, own_nodes, strategy, cpus_per_worker, gpus_pe
 
 def placement_try_s():
     """``SGD_PLACEMENT_TRY_S``: how long a restart waits for a size above the minimum to be placed (default 3)."""
-    return env_float("SGD_PLACEMENT_TRY_S", 3.0)
+    return environment.get("SGD_PLACEMENT_TRY_S")
 
 
 def move_size(num_workers, leaving, fit, low, high):

@@ -39,7 +39,7 @@ bundle, else a new placement group's (docs/fault-tolerance/spares.md, "Partial m
     >>> resize_plan([(0, "r0"), (1, "r1")], usable={0, 1}, target=3, spares=1, free=[])
     ([(0, 'r0'), (1, 'r1'), (None, None)], [], 1)
 """
-from raysgd.torch.constants import env_float
+from raysgd.base import environment
 from raysgd.torch.errors import CollectiveError
 from raysgd.torch.fault_tolerance import preemption
 
@@ -49,12 +49,12 @@ SPARE = "spare"
 
 def enabled():
     """``SGD_KEEP_SURVIVORS`` (default 1): whether survivors keep their processes after a failure."""
-    return env_float("SGD_KEEP_SURVIVORS", 1) != 0
+    return environment.get("SGD_KEEP_SURVIVORS")
 
 
 def survivor_grace_s():
     """``SGD_SURVIVOR_GRACE_S`` (default 2): how long a survivor's call gets to end with an error after a death."""
-    return env_float("SGD_SURVIVOR_GRACE_S", 2.0)
+    return environment.get("SGD_SURVIVOR_GRACE_S")
 
 
 def can_stay(error):

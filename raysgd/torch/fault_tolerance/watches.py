@@ -29,7 +29,7 @@ import collections
 import logging
 import time
 
-from raysgd.torch.constants import env_float
+from raysgd.base import environment
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +43,17 @@ MAX_ASKS = 3
 
 def grow_check_s():
     """``SGD_GROW_CHECK_S``: seconds between two checks for room to grow while a call trains (default 2)."""
-    return env_float("SGD_GROW_CHECK_S", 2.0)
+    return environment.get("SGD_GROW_CHECK_S")
 
 
 def drain_check_s():
     """``SGD_DRAIN_CHECK_S``: seconds between two checks for draining nodes while a call trains (default 1)."""
-    return env_float("SGD_DRAIN_CHECK_S", 1.0)
+    return environment.get("SGD_DRAIN_CHECK_S")
 
 
 def ask_s():
     """``SGD_RESIZE_ASK_S``: how long a rank may take to answer a request to stop before it is asked again."""
-    return env_float("SGD_RESIZE_ASK_S", 5.0)
+    return environment.get("SGD_RESIZE_ASK_S")
 
 
 class StopWatch:

@@ -43,6 +43,7 @@ import threading
 import time
 
 from raysgd import optional
+from raysgd.base.checks import expect
 from raysgd.torch.integrations.tracker import BackgroundWriter, EpochLogger, is_number
 
 logger = logging.getLogger(__name__)
@@ -56,18 +57,15 @@ TIMEOUT_S = 120.0
 
 def check_arguments(tracking_uri, experiment_name, run_name, tags, log_checkpoints):
     """:class:`MLflowLogger`'s checks: every error names the argument, what it expects and the value given."""
-    def expect(ok, name, expected, value):
-        if not ok:
-            raise TypeError(f"MLflowLogger: {name} expects {expected}; got {value!r}")
-
+    how = {"error": TypeError, "caller": "MLflowLogger"}
     expect(tracking_uri is None or (isinstance(tracking_uri, (str, os.PathLike)) and os.fspath(tracking_uri)),
-           "tracking_uri", "None, a URI or a local folder", tracking_uri)
+           "tracking_uri", "None, a URI or a local folder", tracking_uri, **how)
     expect(isinstance(experiment_name, str) and experiment_name, "experiment_name", "a non-empty str",
-           experiment_name)
-    expect(run_name is None or isinstance(run_name, str), "run_name", "None or a str", run_name)
+           experiment_name, **how)
+    expect(run_name is None or isinstance(run_name, str), "run_name", "None or a str", run_name, **how)
     expect(tags is None or (isinstance(tags, dict) and all(isinstance(k, str) for k in tags)), "tags",
-           "None or a dict with str keys", tags)
-    expect(isinstance(log_checkpoints, bool), "log_checkpoints", "True or False", log_checkpoints)
+           "None or a dict with str keys", tags, **how)
+    expect(isinstance(log_checkpoints, bool), "log_checkpoints", "True or False", log_checkpoints, **how)
 
 
 def resolve_tracking_uri(tracking_uri):

@@ -30,18 +30,14 @@ import ray
 import torch
 
 from raysgd import optional
+from raysgd.base import environment
 from raysgd.meters import AverageMeterCollection
 from ray.exceptions import GetTimeoutError, RayError
 
-from raysgd.torch.constants import env_float
 from raysgd.torch.integrations.mailbox import Mailbox
 
 logger = logging.getLogger(__name__)
 
-#: Least seconds between two updates rank 0 sends (the last one of an epoch is always sent).
-PROGRESS_INTERVAL_S = env_float("SGD_PROGRESS_INTERVAL_S", 0.5)
-#: Deadline for rank 0's last update of an epoch, and for the driver's last read of it.
-FINAL_UPDATE_TIMEOUT_S = env_float("SGD_PROGRESS_FINAL_TIMEOUT_S", 5)
 
 
 def require_tqdm():
@@ -105,7 +101,7 @@ class ProgressReporter:
     def __init__(self, sink, call_id, interval_s=None):
         self._sink = sink
         self.call_id = call_id
-        self.interval_s = PROGRESS_INTERVAL_S if interval_s is None else float(interval_s)
+        self.interval_s = environment.get("SGD_PROGRESS_INTERVAL_S") if interval_s is None else float(interval_s)
         self.begin()
 
     def begin(self, total=None):
@@ -169,7 +165,7 @@ class _MailboxSink:
         try:
             ref = self._mailbox.post(state, state["call"])
             if final:
-                ray.get(ref, timeout=FINAL_UPDATE_TIMEOUT_S)
+                ray.get(ref, timeout=environment.get("SGD_PROGRESS_FINAL_TIMEOUT_S"))
         except (RayError, GetTimeoutError) as err:
             logger.debug("progress update lost: %s", err)
 
@@ -236,7 +232,8 @@ class ProgressBar:
         """End the call: show rank 0's final state (a bounded wait) when it ``completed``; close the bar."""
         if completed and not self._local and self._mailbox is not None:
             try:
-                self._show_posted(ray.get(self._mailbox.read(), timeout=FINAL_UPDATE_TIMEOUT_S))
+                timeout_s = environment.get("SGD_PROGRESS_FINAL_TIMEOUT_S")
+                self._show_posted(ray.get(self._mailbox.read(), timeout=timeout_s))
             except (RayError, GetTimeoutError) as err:
                 logger.debug("final progress read failed: %s", err)
         self._close_bar()

@@ -30,7 +30,6 @@ Example:
 """
 import gc
 import logging
-import numbers
 import queue
 import threading
 
@@ -38,7 +37,8 @@ import ray
 from ray.util.placement_group import get_current_placement_group
 
 from raysgd import optional
-from raysgd.torch import constants
+from raysgd.base import environment
+from raysgd.base.checks import expect, is_int, is_number
 from raysgd.torch.execution import cluster_state
 from raysgd.torch.constants import BATCH_SIZE
 from raysgd.torch.training_operator import TrainingOperator
@@ -49,10 +49,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 32
 #: Seconds without a batch after which the worker logs a warning (Ray Data may lack free CPUs).
 SLOW_BATCH_WARNING_S = 30.0
-
-
-def _is_count(value):
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0
 
 
 class DatasetInput:
@@ -85,26 +81,23 @@ class DatasetInput:
                  batch_timeout_s=None, repeat=False, convert=None):
         Dataset = optional.require("ray.data", "DatasetInput").Dataset  # noqa: N806 (Ray Data: optional until used)
 
-        if not isinstance(dataset, Dataset):
-            raise TypeError(f"DatasetInput(dataset=...) expects a ray.data.Dataset; got {type(dataset).__name__}")
-        if label_column is not None and not isinstance(label_column, str):
-            raise TypeError(f"DatasetInput(label_column=...) expects a column name (str) or None; "
-                            f"got {label_column!r}")
+        how = {"caller": "DatasetInput", "call": True}
+        expect(isinstance(dataset, Dataset), "dataset", "a ray.data.Dataset", dataset, TypeError,
+               got=type(dataset).__name__, **how)
+        expect(label_column is None or isinstance(label_column, str), "label_column", "a column name (str) or None",
+               label_column, TypeError, **how)
         if feature_columns is not None:
-            if isinstance(feature_columns, str) or not all(isinstance(c, str) for c in feature_columns):
-                raise TypeError(f"DatasetInput(feature_columns=...) expects a list of column names; "
-                                f"got {feature_columns!r}")
+            expect(not isinstance(feature_columns, str) and all(isinstance(c, str) for c in feature_columns),
+                   "feature_columns", "a list of column names", feature_columns, TypeError, **how)
             if label_column is None:
                 raise ValueError("DatasetInput(feature_columns=...) needs label_column: without it batches are "
                                  "dicts of every column")
             feature_columns = list(feature_columns)
-        if label_shape is not None and not (isinstance(label_shape, tuple) and all(_is_count(d) for d in label_shape)):
-            raise TypeError(f"DatasetInput(label_shape=...) expects a tuple of ints > 0 such as (1,); "
-                            f"got {label_shape!r}")
-        if batch_size is not None and not _is_count(batch_size):
-            raise ValueError(f"DatasetInput(batch_size=...) expects an int > 0 or None; got {batch_size!r}")
-        if batch_timeout_s is not None and not (isinstance(batch_timeout_s, (int, float)) and batch_timeout_s > 0):
-            raise ValueError(f"DatasetInput(batch_timeout_s=...) expects seconds > 0 or None; got {batch_timeout_s!r}")
+        expect(label_shape is None or (isinstance(label_shape, tuple) and all(is_int(d, 1) for d in label_shape)),
+               "label_shape", "a tuple of ints > 0 such as (1,)", label_shape, TypeError, **how)
+        expect(batch_size is None or is_int(batch_size, 1), "batch_size", "an int > 0 or None", batch_size, **how)
+        expect(batch_timeout_s is None or is_number(batch_timeout_s, above=0), "batch_timeout_s",
+               "seconds > 0 or None", batch_timeout_s, **how)
         self.dataset = dataset
         self.label_column = label_column
         self.feature_columns = feature_columns
@@ -112,8 +105,7 @@ class DatasetInput:
         self.batch_size = batch_size
         self.batch_timeout_s = batch_timeout_s
         self.repeat = bool(repeat)
-        if convert is not None and not callable(convert):
-            raise TypeError(f"DatasetInput(convert=...) expects a callable or None; got {convert!r}")
+        expect(convert is None or callable(convert), "convert", "a callable or None", convert, TypeError, **how)
         self.convert = convert
         self.iter_options = dict(dtypes=dtypes, drop_last=drop_last, prefetch_batches=prefetch_batches,
                                  local_shuffle_buffer_size=local_shuffle_buffer_size)
@@ -130,9 +122,10 @@ def as_input(dataset, operator_cls, num_steps=None):
         dataset = dataset.as_dataset_input(repeat=num_steps is not None)
     if isinstance(dataset, Dataset):
         dataset = DatasetInput(dataset)
-    elif not isinstance(dataset, DatasetInput):
-        raise TypeError(f"train(dataset=...) expects a ray.data.Dataset or a raysgd.torch.integrations.ray_data.DatasetInput; "
-                        f"got {type(dataset).__name__}")
+    else:
+        expect(isinstance(dataset, DatasetInput), "dataset",
+               "a ray.data.Dataset or a raysgd.torch.integrations.ray_data.DatasetInput", dataset, TypeError,
+               caller="train", call=True, got=type(dataset).__name__)
     default_loop = (operator_cls.train_batch is TrainingOperator.train_batch
                     and operator_cls.train_epoch is TrainingOperator.train_epoch)
     if dataset.label_column is None and default_loop:
@@ -224,7 +217,7 @@ class ShardCache:
             self.drop()
             if starved:  # once per split, not per call
                 logger.warning("train(dataset=...): %s, so Ray Data's tasks get no CPU; a dataset that needs them "
-                               "fails after %.0f s", starved, constants.SGD_DATA_NO_CPU_S)
+                               "fails after %.0f s", starved, environment.get("SGD_DATA_NO_CPU_S"))
             self._splits = data.dataset.streaming_split(num_workers, equal=True)
             self._dataset, self._key = data.dataset, key
         batch_size = data.batch_size or batch_size_per_worker(config, num_workers)
@@ -345,7 +338,7 @@ def _with_deadline(iterable, timeout_s, starved=None):
     try:
         while True:
             waited, warned = 0.0, False
-            limit = min(timeout_s, constants.SGD_DATA_NO_CPU_S) if first and starved else timeout_s
+            limit = min(timeout_s, environment.get("SGD_DATA_NO_CPU_S")) if first and starved else timeout_s
             while True:
                 step = min(limit - waited, SLOW_BATCH_WARNING_S)
                 if step <= 0:

@@ -28,6 +28,7 @@ import os
 import time
 
 from raysgd import optional
+from raysgd.base.checks import expect
 from raysgd.callbacks import Callback
 
 logger = logging.getLogger(__name__)
@@ -93,10 +94,9 @@ class ResultLogger:
     """
 
     def __init__(self, logdir, *, tensorboard="auto"):
-        if not isinstance(logdir, (str, os.PathLike)):
-            raise TypeError(f"ResultLogger(logdir=...) expects a directory path; got {logdir!r}")
-        if tensorboard not in ("auto", True, False):
-            raise ValueError(f"ResultLogger(tensorboard=...) expects 'auto', True or False; got {tensorboard!r}")
+        how = {"caller": "ResultLogger", "call": True}
+        expect(isinstance(logdir, (str, os.PathLike)), "logdir", "a directory path", logdir, TypeError, **how)
+        expect(tensorboard in ("auto", True, False), "tensorboard", "'auto', True or False", tensorboard, **how)
         self.logdir = os.path.abspath(os.fspath(logdir))
         os.makedirs(self.logdir, exist_ok=True)
         self._columns = {}
@@ -123,10 +123,10 @@ class ResultLogger:
 
     def log(self, phase, result):
         """Append one result dict of ``phase`` (``"train"`` or ``"validate"``)."""
-        if phase not in PHASES:
-            raise ValueError(f"ResultLogger.log(phase=...) expects one of {PHASES}; got {phase!r}")
-        if not isinstance(result, dict):
-            raise TypeError(f"ResultLogger.log(result=...) expects a dict of metrics; got {type(result).__name__}")
+        how = {"caller": "ResultLogger.log", "call": True}
+        expect(phase in PHASES, "phase", f"one of {PHASES}", phase, **how)
+        expect(isinstance(result, dict), "result", "a dict of metrics", result, TypeError, got=type(result).__name__,
+               **how)
         if phase == "train":
             self._train_steps += 1
         now = time.time()
@@ -243,6 +243,6 @@ def open_result_log(logdir):
     """
     if logdir is None or isinstance(logdir, ResultLogger):
         return logdir
-    if not isinstance(logdir, (str, os.PathLike)):
-        raise TypeError(f"TorchTrainer(logdir=...) expects a directory path, a ResultLogger or None; got {logdir!r}")
+    expect(isinstance(logdir, (str, os.PathLike)), "logdir", "a directory path, a ResultLogger or None", logdir,
+           TypeError, caller="TorchTrainer", call=True)
     return ResultLogger(logdir)

@@ -29,6 +29,7 @@ import logging
 import os
 
 from raysgd import optional
+from raysgd.base.checks import expect
 from raysgd.torch import options
 from raysgd.torch.execution import cluster_state, shipping
 from raysgd.torch.state import checkpoint
@@ -268,17 +269,16 @@ def checkpoint_state(path, weights_only=True):
 def _check_step_function(override_tune_step):
     if override_tune_step is None:
         return
-    if not callable(override_tune_step):
-        raise TypeError(f"as_trainable(override_tune_step=...) expects a callable (trainer, info); "
-                        f"got {override_tune_step!r}")
+    how = {"caller": "as_trainable", "call": True}
+    expect(callable(override_tune_step), "override_tune_step", "a callable (trainer, info)", override_tune_step,
+           TypeError, **how)
     try:
         params = inspect.signature(override_tune_step).parameters
     except (TypeError, ValueError) as err:
         raise ValueError(f"as_trainable(override_tune_step=...): cannot read the signature of "
                          f"{override_tune_step!r}") from err
-    if len(params) != 2:
-        raise ValueError(f"as_trainable(override_tune_step=...) expects a function of exactly 2 parameters "
-                         f"(trainer, info); got {len(params)}: {list(params)}")
+    expect(len(params) == 2, "override_tune_step", "a function of exactly 2 parameters (trainer, info)",
+           override_tune_step, got=f"{len(params)}: {list(params)}", **how)
 
 
 def make_trainable(trainer_cls, *args, override_tune_step=None, **kwargs):
@@ -295,10 +295,9 @@ def make_trainable(trainer_cls, *args, override_tune_step=None, **kwargs):
     if not TUNE_INSTALLED:
         raise optional.missing("ray.tune", "TorchTrainer.as_trainable", _TUNE_IMPORT_ERROR) from _TUNE_IMPORT_ERROR
     _check_step_function(override_tune_step)
-    if kwargs.get("storage_path") is not None:
-        raise ValueError("as_trainable: storage_path expects None under Tune (every trial would write to the same "
-                         f"place); Tune keeps trial checkpoints itself (RunConfig(storage_path=...)); got "
-                         f"{kwargs['storage_path']!r}")
+    expect(kwargs.get("storage_path") is None, "storage_path", "None under Tune (every trial would write to the "
+           "same place); Tune keeps trial checkpoints itself (RunConfig(storage_path=...))", kwargs.get("storage_path"),
+           caller="as_trainable")
     resolve_resources({}, kwargs)  # a bad resource argument fails here, not in every trial
     shipping.install()  # Tune pickles the trainable, with the operator class, in this process
     captured_args, captured_kwargs = tuple(args), dict(kwargs)

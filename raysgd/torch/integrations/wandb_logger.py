@@ -36,6 +36,7 @@ import os
 import struct
 
 from raysgd import optional
+from raysgd.base.checks import expect
 from raysgd.torch.integrations.tracker import EpochLogger, is_number, numbers
 
 logger = logging.getLogger(__name__)
@@ -48,19 +49,16 @@ _FULL, _LAST = 1, 4
 
 def check_arguments(project, name, mode, dir, tags, group, log_checkpoints):  # noqa: A002 (wandb.init's name)
     """:class:`WandbLogger`'s checks: every error names the argument, what it expects and the value given."""
-    def expect(ok, argument, expected, value):
-        if not ok:
-            raise TypeError(f"WandbLogger: {argument} expects {expected}; got {value!r}")
-
-    expect(isinstance(project, str) and project, "project", "a non-empty str", project)
-    expect(name is None or isinstance(name, str), "name", "None or a str", name)
-    expect(mode in MODES, "mode", "None, 'online', 'offline' or 'disabled'", mode)
+    how = {"error": TypeError, "caller": "WandbLogger"}
+    expect(isinstance(project, str) and project, "project", "a non-empty str", project, **how)
+    expect(name is None or isinstance(name, str), "name", "None or a str", name, **how)
+    expect(mode in MODES, "mode", "None, 'online', 'offline' or 'disabled'", mode, **how)
     expect(dir is None or (isinstance(dir, (str, os.PathLike)) and os.fspath(dir)), "dir",
-           "None or a local folder", dir)
+           "None or a local folder", dir, **how)
     expect(tags is None or (isinstance(tags, (list, tuple)) and all(isinstance(t, str) for t in tags)), "tags",
-           "None or a list of str", tags)
-    expect(group is None or isinstance(group, str), "group", "None or a str", group)
-    expect(isinstance(log_checkpoints, bool), "log_checkpoints", "True or False", log_checkpoints)
+           "None or a list of str", tags, **how)
+    expect(group is None or isinstance(group, str), "group", "None or a str", group, **how)
+    expect(isinstance(log_checkpoints, bool), "log_checkpoints", "True or False", log_checkpoints, **how)
 
 
 def jsonable(value):

@@ -10,11 +10,14 @@ side (a mixin of :class:`~raysgd.torch.training_operator.TrainingOperator`): the
 micro-batches of the running optimizer step with it, and the committer asks it whether the loop stands at an
 optimizer-step boundary (:meth:`AccumulationHelpers.at_step_boundary`), the only place a commit may land.
 
-How a worker's config gets ``k`` and the per-worker batch: :mod:`raysgd.torch.sharding.batch_split`.
+How a worker's config gets ``k`` and the per-worker batch: :mod:`raysgd.torch.sharding.batch_split`;
+``fixed_worker_batch`` and what it needs are checked with the trainer's options (:mod:`raysgd.torch.options`).
 
 Example:
-    >>> check(True, {"*batch_size": 8}, max_workers=2, use_fp16=False)
-    True
+    >>> tracker = Tracker(steps=2)  # two micro-batches per optimizer step
+    >>> first = tracker.next_info(); tracker.done(first); second = tracker.next_info()
+    >>> first, second
+    ({'micro_step': 0, 'step_now': False}, {'micro_step': 1, 'step_now': True})
 """
 import contextlib
 import logging
@@ -22,32 +25,9 @@ import logging
 import torch.distributed as dist
 
 from raysgd.torch.operator.compiled import find_ddp
-from raysgd.torch.constants import ACCUMULATION_STEPS, BATCH_SIZE
+from raysgd.torch.constants import ACCUMULATION_STEPS
 
 logger = logging.getLogger(__name__)
-
-
-def check(fixed_worker_batch, config, max_workers, use_fp16):
-    """Check ``fixed_worker_batch`` and what it needs, before any actor starts; returns it.
-
-    Example:
-        >>> check(True, {"*batch_size": 5}, 2, False)
-        Traceback (most recent call last):
-        ValueError: TorchTrainer: config[BATCH_SIZE] expects a multiple of the maximum number of workers (2) with fixed_worker_batch=True; got 5
-    """
-    if not isinstance(fixed_worker_batch, bool):
-        raise TypeError(f"TorchTrainer: fixed_worker_batch expects True or False; got {fixed_worker_batch!r}")
-    if not fixed_worker_batch:
-        return False
-    if use_fp16 == "apex":
-        raise ValueError("TorchTrainer: fixed_worker_batch=True expects use_fp16 False, True or 'bf16' (apex's "
-                         "loss scaling is not accumulation-aware here); got use_fp16='apex'")
-    total = (config or {}).get(BATCH_SIZE)
-    if total is not None and (not isinstance(total, int) or isinstance(total, bool) or total <= 0
-                              or total % max_workers):
-        raise ValueError(f"TorchTrainer: config[BATCH_SIZE] expects a multiple of the maximum number of workers "
-                         f"({max_workers}) with fixed_worker_batch=True; got {total!r}")
-    return True
 
 
 class Tracker:

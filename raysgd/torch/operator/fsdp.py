@@ -53,6 +53,7 @@ import logging
 
 import torch
 
+from raysgd.base.checks import expect
 from raysgd.torch.operator import compiled as _compiled
 from raysgd.torch.operator.fsdp_buffers import BufferSync
 from raysgd.torch.operator.fsdp_validation import VALIDATION_MODES, LockstepBatches
@@ -70,11 +71,6 @@ FSDP_ARGS = ("reshard_after_forward", "mp_policy", "offload_policy", "shard_poli
 _warned_one_worker = False
 
 
-def _expect(condition, name, expected, value, error=ValueError, caller="TorchTrainer"):
-    if not condition:
-        raise error(f"{caller}: {name} expects {expected}; got {value!r}")
-
-
 def check_strategy(strategy, *, use_fp16=False, wrap_ddp=True, use_gpu=False, backend="gloo",
                    torch_version=None, caller="TorchTrainer"):
     """``strategy`` checked with what it needs (before any actor starts); returns it.
@@ -90,23 +86,21 @@ def check_strategy(strategy, *, use_fp16=False, wrap_ddp=True, use_gpu=False, ba
         Traceback (most recent call last):
         ValueError: TorchTrainer: use_fp16 expects False, True or 'bf16' with strategy='fsdp' (apex patches whole models, FSDP2 shards them); got 'apex'
     """
-    _expect(isinstance(strategy, str) and strategy in STRATEGIES, "strategy", "'ddp' or 'fsdp'", strategy,
-            caller=caller)
+    expect(isinstance(strategy, str) and strategy in STRATEGIES, "strategy", "'ddp' or 'fsdp'", strategy,
+           caller=caller)
     if strategy != "fsdp":
         return strategy
     version = torch.torch_version.TorchVersion(torch_version or torch.__version__)
-    if version < MIN_TORCH:
-        raise ValueError(f"{caller}: strategy='fsdp' expects torch >= {MIN_TORCH} (FSDP2's fully_shard on a CPU mesh "
-                         f"with gloo); got torch {version}")
-    if not torch.distributed.is_available():
-        raise ValueError(f"{caller}: strategy='fsdp' expects a torch built with torch.distributed; this one "
-                         f"({torch.__version__}) has none")
-    _expect(use_fp16 != "apex", "use_fp16", "False, True or 'bf16' with strategy='fsdp' (apex patches whole "
-            "models, FSDP2 shards them)", use_fp16, caller=caller)
-    _expect(wrap_ddp is True, "wrap_ddp", "True (its default) with strategy='fsdp' (raysgd shards the registered "
-            "models; wrap_ddp=False would leave them unsynchronised)", wrap_ddp, caller=caller)
-    _expect(not use_gpu or backend == "nccl", "backend", "'nccl' with strategy='fsdp' on GPUs (FSDP2's "
-            "collectives on CUDA tensors; whole GPUs per worker)", backend, caller=caller)
+    expect(version >= MIN_TORCH, "strategy='fsdp'", f"torch >= {MIN_TORCH} (FSDP2's fully_shard on a CPU mesh with "
+           "gloo)", version, caller=caller, got=f"torch {version}")
+    expect(torch.distributed.is_available(), "strategy='fsdp'", "a torch built with torch.distributed", version,
+           caller=caller, got=f"torch {torch.__version__}, built without it")
+    expect(use_fp16 != "apex", "use_fp16", "False, True or 'bf16' with strategy='fsdp' (apex patches whole "
+           "models, FSDP2 shards them)", use_fp16, caller=caller)
+    expect(wrap_ddp is True, "wrap_ddp", "True (its default) with strategy='fsdp' (raysgd shards the registered "
+           "models; wrap_ddp=False would leave them unsynchronised)", wrap_ddp, caller=caller)
+    expect(not use_gpu or backend == "nccl", "backend", "'nccl' with strategy='fsdp' on GPUs (FSDP2's "
+           "collectives on CUDA tensors; whole GPUs per worker)", backend, caller=caller)
     return strategy
 
 
@@ -132,41 +126,41 @@ def check_fsdp_args(fsdp_args, strategy, *, use_fp16=False, use_gpu=False, calle
         Traceback (most recent call last):
         TypeError: TorchTrainer: fsdp_args['reshard_after_forward'] expects True, False or None; got 2
     """
-    _expect(fsdp_args is None or isinstance(fsdp_args, dict), "fsdp_args", "a dict or None", fsdp_args, TypeError,
-            caller)
+    expect(fsdp_args is None or isinstance(fsdp_args, dict), "fsdp_args", "a dict or None", fsdp_args, TypeError,
+           caller)
     if not fsdp_args:
         return {}
-    _expect(strategy == "fsdp", "fsdp_args", "None with strategy='ddp' (pass strategy='fsdp')", fsdp_args,
-            caller=caller)
+    expect(strategy == "fsdp", "fsdp_args", "None with strategy='ddp' (pass strategy='fsdp')", fsdp_args,
+           caller=caller)
     for key in fsdp_args:
-        _expect(key in FSDP_ARGS, "fsdp_args", "keys among " + ", ".join(map(repr, FSDP_ARGS)), key, caller=caller)
+        expect(key in FSDP_ARGS, "fsdp_args", "keys among " + ", ".join(map(repr, FSDP_ARGS)), key, caller=caller)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy  # noqa: PLC0415
 
     reshard = fsdp_args.get("reshard_after_forward")
-    _expect(reshard is None or isinstance(reshard, bool), "fsdp_args['reshard_after_forward']",
-            "True, False or None", reshard, TypeError, caller)
+    expect(reshard is None or isinstance(reshard, bool), "fsdp_args['reshard_after_forward']",
+           "True, False or None", reshard, TypeError, caller)
     mp_policy = fsdp_args.get("mp_policy")
     if mp_policy is not None:
-        _expect(isinstance(mp_policy, MixedPrecisionPolicy), "fsdp_args['mp_policy']",
-                "a torch.distributed.fsdp.MixedPrecisionPolicy", mp_policy, TypeError, caller)
-        _expect(not use_fp16, "use_fp16", "False with fsdp_args['mp_policy'] (use_fp16 picks the policy itself: "
-                "give one or the other)", use_fp16, caller=caller)
+        expect(isinstance(mp_policy, MixedPrecisionPolicy), "fsdp_args['mp_policy']",
+               "a torch.distributed.fsdp.MixedPrecisionPolicy", mp_policy, TypeError, caller)
+        expect(not use_fp16, "use_fp16", "False with fsdp_args['mp_policy'] (use_fp16 picks the policy itself: "
+               "give one or the other)", use_fp16, caller=caller)
     offload = fsdp_args.get("offload_policy")
     if offload is not None:
-        _expect(isinstance(offload, OffloadPolicy), "fsdp_args['offload_policy']",
-                "a torch.distributed.fsdp.OffloadPolicy (e.g. CPUOffloadPolicy())", offload, TypeError, caller)
-        _expect(use_gpu or not isinstance(offload, CPUOffloadPolicy), "fsdp_args['offload_policy']",
-                "no CPUOffloadPolicy when the workers train on CPU (nothing to offload; FSDP2 then looks for an "
-                "accelerator)", offload, caller=caller)
+        expect(isinstance(offload, OffloadPolicy), "fsdp_args['offload_policy']",
+               "a torch.distributed.fsdp.OffloadPolicy (e.g. CPUOffloadPolicy())", offload, TypeError, caller)
+        expect(use_gpu or not isinstance(offload, CPUOffloadPolicy), "fsdp_args['offload_policy']",
+               "no CPUOffloadPolicy when the workers train on CPU (nothing to offload; FSDP2 then looks for an "
+               "accelerator)", offload, caller=caller)
     validation = fsdp_args.get("validation")
-    _expect(validation is None or validation in VALIDATION_MODES, "fsdp_args['validation']",
-            " or ".join(map(repr, VALIDATION_MODES)), validation, caller=caller)
+    expect(validation is None or validation in VALIDATION_MODES, "fsdp_args['validation']",
+           " or ".join(map(repr, VALIDATION_MODES)), validation, caller=caller)
     policy = fsdp_args.get("shard_policy")
     if policy is not None:
         classes = policy if isinstance(policy, tuple) else (policy,)
         is_classes = all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes)
-        _expect(is_classes or (callable(policy) and not isinstance(policy, type)), "fsdp_args['shard_policy']",
-                "a function module -> bool, or an nn.Module subclass (or a tuple of them)", policy, TypeError, caller)
+        expect(is_classes or (callable(policy) and not isinstance(policy, type)), "fsdp_args['shard_policy']",
+               "a function module -> bool, or an nn.Module subclass (or a tuple of them)", policy, TypeError, caller)
     return dict(fsdp_args)
 
 
@@ -273,15 +267,15 @@ class Sharding:
         (``register``'s) must be empty: nothing is DDP-wrapped."""
         if not self.active:
             return models
-        _expect(not ddp_args, "register(ddp_args=...)", "None under strategy='fsdp' (use TorchTrainer(fsdp_args=...))",
-                ddp_args, caller="TrainingOperator")
+        expect(not ddp_args, "register(ddp_args=...)", "None under strategy='fsdp' (use TorchTrainer(fsdp_args=...))",
+               ddp_args, caller="TrainingOperator")
         from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
 
         for optimizer in optimizers:
-            _expect(not optimizer.state, "register(optimizers=...)", "optimizers without state under "
-                    "strategy='fsdp' (made, not yet stepped or loaded: the state is sharded with the parameters)",
-                    f"{type(optimizer).__name__} holding state for {len(optimizer.state)} parameters",
-                    caller="TrainingOperator")
+            expect(not optimizer.state, "register(optimizers=...)", "optimizers without state under "
+                   "strategy='fsdp' (made, not yet stepped or loaded: the state is sharded with the parameters)",
+                   f"{type(optimizer).__name__} holding state for {len(optimizer.state)} parameters",
+                   caller="TrainingOperator")
         given = self._args.get("reshard_after_forward")
         options = dict(mesh=self.mesh, mp_policy=self.policy())
         if self._args.get("offload_policy") is not None:

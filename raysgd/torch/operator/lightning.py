@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from raysgd.base.checks import expect
 from raysgd.meters import NUM_SAMPLES, AverageMeterCollection
 from raysgd.torch.operator import lightning_bridge as lightning
 
@@ -381,17 +382,16 @@ def make_lightning_operator(base, lightning_module_cls, train_dataloader=None, v
     if not issubclass(base, LightningLoops):
         raise TypeError(f"make_lightning_operator needs a base class with LightningLoops; got {base!r}")
     lightning.lightning_packages()  # ImportError saying what to install
-    if lightning.lightning_base(lightning_module_cls) is None:
-        raise TypeError("from_ptl(lightning_module_cls=...) expects a subclass of LightningModule "
-                        "(pytorch_lightning.LightningModule or lightning.pytorch.LightningModule); got "
-                        f"{lightning.describe(lightning_module_cls)}")
-    if datamodule is not None and lightning.lightning_base(
-            datamodule if isinstance(datamodule, type) else type(datamodule), "LightningDataModule") is None:
-        raise TypeError("from_ptl(datamodule=...) expects a LightningDataModule subclass or instance; got "
-                        f"{lightning.describe(datamodule)}")
-    if ddp_args is not None and not isinstance(ddp_args, dict):
-        raise TypeError(f"from_ptl(ddp_args=...) expects a dict of DistributedDataParallel arguments; got "
-                        f"{ddp_args!r}")
+    how = {"error": TypeError, "caller": "from_ptl", "call": True}
+    expect(lightning.lightning_base(lightning_module_cls) is not None, "lightning_module_cls", "a subclass of "
+           "LightningModule (pytorch_lightning.LightningModule or lightning.pytorch.LightningModule)",
+           lightning_module_cls, got=lightning.describe(lightning_module_cls), **how)
+    expect(datamodule is None or lightning.lightning_base(
+        datamodule if isinstance(datamodule, type) else type(datamodule), "LightningDataModule") is not None,
+        "datamodule", "a LightningDataModule subclass or instance", datamodule, got=lightning.describe(datamodule),
+        **how)
+    expect(ddp_args is None or isinstance(ddp_args, dict), "ddp_args", "a dict of DistributedDataParallel arguments",
+           ddp_args, **how)
     return type(f"{lightning_module_cls.__name__}Operator", (base,), {
         "_lightning_module_cls": lightning_module_cls, "_train_dataloader": train_dataloader,
         "_val_dataloader": val_dataloader, "_datamodule_spec": datamodule, "_ddp_args": ddp_args})

@@ -19,6 +19,7 @@ Example:
 """
 import torch
 
+from raysgd.base.checks import argument_error, expect
 from raysgd.torch.constants import SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH
 
 
@@ -30,18 +31,18 @@ def as_list(value, kind, item_type):
         items = list(value)
         restore = tuple if isinstance(value, tuple) else list
     else:
-        raise TypeError(f"register({kind}=...) expects a {item_type.__name__} or a list/tuple of them; "
-                        f"got {type(value).__name__}")
+        raise argument_error(kind, f"a {item_type.__name__} or a list/tuple of them", value, TypeError,
+                             caller="register", call=True, got=type(value).__name__)
     for item in items:
-        if not isinstance(item, item_type):
-            raise TypeError(f"register({kind}=...) expects {item_type.__name__} items; got {type(item).__name__}")
+        expect(isinstance(item, item_type), kind, f"{item_type.__name__} items", item, TypeError, caller="register",
+               call=True, got=type(item).__name__)
     return items, restore
 
 
 def check_dict(name, value):
     """``value`` (a dict of keyword arguments, or None) as a dict."""
-    if value is not None and not isinstance(value, dict):
-        raise ValueError(f"register({name}=...) expects a dict of keyword arguments; got {value!r}")
+    expect(value is None or isinstance(value, dict), name, "a dict of keyword arguments", value, caller="register",
+           call=True)
     return value or {}
 
 

@@ -21,6 +21,8 @@ import tempfile
 import torch
 from torch.profiler import ProfilerActivity
 
+from raysgd.base.checks import expect
+
 #: How a trace file of rank ``r`` is named (``*.pt.trace.json``, as ``torch.profiler.tensorboard_trace_handler``
 #: names its files, so TensorBoard's profiler plugin finds them).
 TRACE_NAME = "rank_{rank}.pt.trace.json"
@@ -65,12 +67,10 @@ def prepare_logdir(logdir):
         ...
         TypeError: profile: logdir expects a local folder path (str or os.PathLike); got 42 (int)
     """
-    if not isinstance(logdir, (str, os.PathLike)):
-        raise TypeError(f"profile: logdir expects a local folder path (str or os.PathLike); got {logdir!r} "
-                        f"({type(logdir).__name__})")
+    expect(isinstance(logdir, (str, os.PathLike)), "logdir", "a local folder path (str or os.PathLike)", logdir,
+           TypeError, caller="profile", got=f"{logdir!r} ({type(logdir).__name__})")
     path = os.fspath(logdir)
-    if "://" in path:
-        raise ValueError(f"profile: logdir expects a local folder path (the driver writes the traces); got {path!r}")
+    expect("://" not in path, "logdir", "a local folder path (the driver writes the traces)", path, caller="profile")
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as err:

@@ -16,6 +16,7 @@ Example:
 """
 import warnings
 
+from raysgd.base.checks import expect
 from raysgd.torch.constants import ACCUMULATION_STEPS, BATCH_SIZE
 
 
@@ -49,11 +50,10 @@ def split_batch_size(config, num_workers, warn=True):
     if BATCH_SIZE not in config:
         return worker_config, None
     total = config[BATCH_SIZE]
-    if not (isinstance(total, int) and not isinstance(total, bool) and total > 0):
-        raise ValueError(f"TorchTrainer: config[BATCH_SIZE] expects an int > 0 (the global batch size); got {total!r}")
-    if total < num_workers:
-        raise ValueError(f"TorchTrainer: config[BATCH_SIZE] expects an int >= the number of workers ({num_workers}), "
-                         f"so that every worker's batch holds a sample; got {total!r}")
+    expect(isinstance(total, int) and not isinstance(total, bool) and total > 0, "config[BATCH_SIZE]",
+           "an int > 0 (the global batch size)", total, caller="TorchTrainer")
+    expect(total >= num_workers, "config[BATCH_SIZE]", f"an int >= the number of workers ({num_workers}), so that "
+           "every worker's batch holds a sample", total, caller="TorchTrainer")
     per_worker = total // num_workers
     if per_worker * num_workers != total and warn:
         warnings.warn(f"BATCH_SIZE {total} does not divide among {num_workers} workers: each worker gets a batch "

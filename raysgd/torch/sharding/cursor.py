@@ -52,10 +52,16 @@ import logging
 
 from torch.utils.data import Sampler
 
+from raysgd.base.checks import expect
 from raysgd.torch.sharding.epoch_order import draw_stream, seeded, stream_length
 
 logger = logging.getLogger(__name__)
 _END = object()
+
+
+def _cursor_int(value):
+    """A plain ``int`` >= 0 (an epoch, a cursor: they go into JSON markers, where numpy's ints do not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def shard_positions(total, start, rank, world_size, *, batch_size=1, drop_last=False, lockstep=False):
@@ -146,8 +152,7 @@ class ShardSampler(Sampler):
 
     def set_epoch(self, epoch):
         """Use ``epoch``'s stream from the next pass; the cursor goes back to 0 unless :meth:`set_start` set it."""
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-            raise ValueError(f"ShardSampler.set_epoch expects an int >= 0; got {epoch!r}")
+        expect(_cursor_int(epoch), "ShardSampler.set_epoch", "an int >= 0", epoch)
         self.epoch = epoch
         self.set_epoch_calls += 1
         if not self._pinned:
@@ -155,8 +160,7 @@ class ShardSampler(Sampler):
 
     def set_start(self, consumed):
         """Start the next pass at the global cursor ``consumed`` (positions already read by all ranks)."""
-        if not isinstance(consumed, int) or isinstance(consumed, bool) or consumed < 0:
-            raise ValueError(f"ShardSampler.set_start expects an int >= 0 (a cursor); got {consumed!r}")
+        expect(_cursor_int(consumed), "ShardSampler.set_start", "an int >= 0 (a cursor)", consumed)
         self.start = consumed
         self._pinned = True
 
@@ -183,9 +187,8 @@ class ShardSampler(Sampler):
     def position_after(self, num_batches, batch_size=None):
         """The global cursor after ``num_batches`` batches of ``batch_size`` (default: ours) on every rank."""
         batch_size = self.batch_size if batch_size is None else batch_size
-        if num_batches < 0 or batch_size < 1:
-            raise ValueError(f"position_after expects num_batches >= 0 and batch_size >= 1; "
-                             f"got {num_batches}, {batch_size}")
+        expect(num_batches >= 0 and batch_size >= 1, "position_after", "num_batches >= 0 and batch_size >= 1",
+               (num_batches, batch_size), got=f"{num_batches}, {batch_size}")
         return min(self.start + num_batches * batch_size * self.world_size, self.total)
 
     def __iter__(self):
@@ -232,8 +235,7 @@ class StreamShardSampler(Sampler):
 
     def set_epoch(self, epoch):
         """Seed the next pass from ``epoch``."""
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-            raise ValueError(f"StreamShardSampler.set_epoch expects an int >= 0; got {epoch!r}")
+        expect(_cursor_int(epoch), "StreamShardSampler.set_epoch", "an int >= 0", epoch)
         self.epoch = epoch
         self.set_epoch_calls += 1
 

@@ -34,7 +34,7 @@ import random
 
 import torch
 
-from raysgd.torch.constants import SGD_MAX_CURSOR_POSITIONS
+from raysgd.base import environment
 
 _END = object()
 
@@ -146,12 +146,13 @@ def draw_stream(base, seed, epoch, limit=None):
         >>> draw_stream(RandomSampler(range(6)), 1, 0) == draw_stream(RandomSampler(range(6)), 1, 0)
         True
     """
-    limit = SGD_MAX_CURSOR_POSITIONS if limit is None else limit
+    most = environment.get("SGD_MAX_CURSOR_POSITIONS")
+    limit = most if limit is None else limit
     with seeded(base, seed, epoch):
         stream = list(itertools.islice(iter(base), limit + 1))
     if len(stream) > limit:
         raise StreamTooLong(f"{type(base).__name__} yielded more than {limit} positions in epoch {epoch}: the "
-                            f"data cursor draws an epoch whole, up to SGD_MAX_CURSOR_POSITIONS={SGD_MAX_CURSOR_POSITIONS}")
+                            f"data cursor draws an epoch whole, up to SGD_MAX_CURSOR_POSITIONS={most}")
     return stream
 
 

@@ -33,7 +33,7 @@ import numbers
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
-from raysgd.torch.constants import SGD_MAX_CURSOR_POSITIONS
+from raysgd.base import environment
 from raysgd.torch.sharding.cursor import ShardSampler, StreamShardSampler
 from raysgd.torch.sharding.epoch_order import StreamTooLong, draws_repeat, stream_length
 
@@ -118,12 +118,12 @@ def _sharding(base, dataset, seed, rank):
     random object of its own would give every draw, and every restart, another order. Without a length,
     the draws stop at a bound: a stream that ends within it is finite, one that goes on is taken to be endless.
     """
-    length = stream_length(base)
-    if length is not None and length > SGD_MAX_CURSOR_POSITIONS:
-        why = f"has {length} positions, more than SGD_MAX_CURSOR_POSITIONS={SGD_MAX_CURSOR_POSITIONS}"
+    length, most = stream_length(base), environment.get("SGD_MAX_CURSOR_POSITIONS")
+    if length is not None and length > most:
+        why = f"has {length} positions, more than SGD_MAX_CURSOR_POSITIONS={most}"
     else:
-        probe = SGD_MAX_CURSOR_POSITIONS if length is not None else min(
-            SGD_MAX_CURSOR_POSITIONS, max(_PROBE_FACTOR * (stream_length(dataset) or 0), _PROBE_FLOOR))
+        probe = most if length is not None else min(
+            most, max(_PROBE_FACTOR * (stream_length(dataset) or 0), _PROBE_FLOOR))
         try:
             if draws_repeat(base, seed, 0, limit=probe):
                 return ShardSampler

@@ -21,6 +21,7 @@ import zipfile
 
 import torch
 
+from raysgd.base.checks import argument_error
 from raysgd.torch.errors import CheckpointError
 
 _REQUIRED = ("epoch", "models", "optimizers")
@@ -63,8 +64,8 @@ def checked_stream(state, weights_only=True):
         return stream, weights_only
     problem = state_problem(state)
     if problem is not None:
-        raise CheckpointError(f"load_state_dict expects the trainer state that state_dict() returns; got something "
-                              f"that is not a raysgd checkpoint: {problem}")
+        raise argument_error("load_state_dict", "the trainer state that state_dict() returns", state, CheckpointError,
+                             got=f"something that is not a raysgd checkpoint: {problem}")
     return state_to_bytes(state), False
 
 

@@ -18,7 +18,8 @@ import uuid
 import ray
 from ray.exceptions import RayActorError
 
-from raysgd.torch import constants
+from raysgd.base import environment
+from raysgd.base.checks import expect
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.state import checkpoint
 from raysgd.torch.state import training_state as _state
@@ -33,14 +34,14 @@ logger = logging.getLogger(__name__)
 
 def commit_interval_s():
     """``SGD_COMMIT_INTERVAL_S`` (seconds between commits when ``commit_every_n_steps=None``)."""
-    return constants.env_float("SGD_COMMIT_INTERVAL_S", constants.SGD_COMMIT_INTERVAL_S)
+    return environment.get("SGD_COMMIT_INTERVAL_S")
 
 
 def check_every_n(value, caller="TorchTrainer"):
     """``commit_every_n_steps``: None (time-based), 0 (off) or a positive int."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-        raise ValueError(f"{caller}: commit_every_n_steps expects None (about every SGD_COMMIT_INTERVAL_S "
-                         f"seconds), 0 (off) or an int > 0; got {value!r}")
+    expect(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0),
+           "commit_every_n_steps", "None (about every SGD_COMMIT_INTERVAL_S seconds), 0 (off) or an int > 0", value,
+           caller=caller)
     return value
 
 

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from raysgd.base.checks import expect
 from raysgd.torch.state import dcp_blobs, dcp_reader
 from raysgd.torch.state.dcp_blobs import as_metadata, file_sizes, renamed_files  # noqa: F401 (renamed_files: public here)
 
@@ -221,8 +222,8 @@ def save_parts(state_dict, process_group=None):
         >>> save_parts({"w": torch.ones(2)}).rank
         0
     """
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"save_parts expects a state dict (a dict); got {type(state_dict).__name__}")
+    expect(isinstance(state_dict, dict), "save_parts", "a state dict (a dict)", state_dict, TypeError,
+           got=type(state_dict).__name__)
     single = _single_process(process_group)
     writer = dcp_blobs.BlobWriter()
     with _dcp_call(single, process_group):
@@ -254,8 +255,8 @@ def load_parts(state_dict, metadata, fetch, process_group=None, weights_only=Tru
     Example:
         >>> # load_parts(state, parts[0].metadata, {p.file_name: p.blob for p in parts}.__getitem__)
     """
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"load_parts expects a state dict (a dict) to load into; got {type(state_dict).__name__}")
+    expect(isinstance(state_dict, dict), "load_parts", "a state dict (a dict) to load into", state_dict, TypeError,
+           got=type(state_dict).__name__)
     source = dcp_reader.as_source(fetch)
     single = _single_process(process_group)
     reader = dcp_reader.BlobReader(metadata, source, layout=layout, weights_only=weights_only)

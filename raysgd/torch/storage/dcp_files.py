@@ -26,6 +26,7 @@ import uuid
 
 import torch.distributed as dist
 
+from raysgd.base.checks import expect
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.state import checkpoint, sharded
 from raysgd.torch.state.dcp_blobs import METADATA_FILE
@@ -78,9 +79,8 @@ def write_metadata(storage_path, metadata):
         >>> consolidate(folder)
         {'x': 1}
     """
-    if not isinstance(metadata, (bytes, bytearray, memoryview)):
-        raise TypeError(f"write_metadata expects the metadata's bytes (rank 0's Part.metadata); got "
-                        f"{type(metadata).__name__}")
+    expect(isinstance(metadata, (bytes, bytearray, memoryview)), "write_metadata",
+           "the metadata's bytes (rank 0's Part.metadata)", metadata, TypeError, got=type(metadata).__name__)
     fs, folder = filesystem.resolve(storage_path)
     fs.create_dir(folder, recursive=True)
     write_file(fs, f"{folder}/{METADATA_FILE}", metadata)

@@ -27,7 +27,8 @@ import logging
 import threading
 import time
 
-from raysgd.torch import constants
+from raysgd.base import environment
+from raysgd.base.checks import expect
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.storage import async_writer, filesystem
 
@@ -75,8 +76,7 @@ def open_run(storage_path, num_to_keep=2, resume=True, result_log=None, callback
         Traceback (most recent call last):
         ValueError: TorchTrainer: num_to_keep expects an int >= 1 (checkpoints kept in storage_path); got 0
     """
-    if resume not in (True, False):
-        raise TypeError(f"TorchTrainer: resume expects True or False; got {resume!r}")
+    expect(resume in (True, False), "resume", "True or False", resume, TypeError, "TorchTrainer")
     if storage_path is None:
         return NoStorage()
     checkpoints = filesystem.CheckpointStorage(storage_path, num_to_keep)  # without pyarrow: says what to install
@@ -208,5 +208,5 @@ class DurableRun:
     def close(self, timeout_s=None):
         """Flush (waiting at most ``timeout_s``, default ``SGD_CHECKPOINT_FLUSH_S``), then stop the writer thread.
         A write still running then raises ``TimeoutError`` naming it; a failed one its ``CheckpointError``."""
-        self._writer.close(constants.env_float("SGD_CHECKPOINT_FLUSH_S", constants.SGD_CHECKPOINT_FLUSH_S)
+        self._writer.close(environment.get("SGD_CHECKPOINT_FLUSH_S")
                            if timeout_s is None else timeout_s)

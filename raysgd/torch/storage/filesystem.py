@@ -36,6 +36,7 @@ import uuid
 import zlib
 
 from raysgd import optional
+from raysgd.base.checks import argument_error, expect
 from raysgd.torch.state import checkpoint
 from raysgd.torch.errors import CheckpointError
 
@@ -71,20 +72,19 @@ def resolve(storage_path):
         >>> type(fs).__name__, path
         ('LocalFileSystem', '/tmp/run')
     """
-    if not isinstance(storage_path, (str, os.PathLike)) or isinstance(storage_path, bytes):
-        raise TypeError(f"TorchTrainer: storage_path expects a folder path or a URI such as 's3://bucket/run'; "
-                        f"got {storage_path!r}")
+    expect(isinstance(storage_path, (str, os.PathLike)) and not isinstance(storage_path, bytes), "storage_path",
+           "a folder path or a URI such as 's3://bucket/run'", storage_path, TypeError, "TorchTrainer")
     text = os.fspath(storage_path)
-    if not text:
-        raise ValueError("TorchTrainer: storage_path expects a folder path or a URI; got ''")
+    expect(text, "storage_path", "a folder path or a URI", text, caller="TorchTrainer")
     if "://" not in text:
         text = os.path.abspath(os.path.expanduser(text))
     optional.require("pyarrow.fs", FEATURE)  # a missing pyarrow says what to install, before anything else
     try:
         filesystem, path = pafs.FileSystem.from_uri(text)
     except (pyarrow.ArrowException, ValueError, OSError) as err:
-        raise ValueError(f"TorchTrainer: storage_path expects a local folder or a URI that pyarrow.fs understands "
-                         f"(s3://, gs://, hdfs://, file://); got {storage_path!r}: {err}") from err
+        raise argument_error("storage_path", "a local folder or a URI that pyarrow.fs understands (s3://, gs://, "
+                             "hdfs://, file://)", storage_path, caller="TorchTrainer",
+                             got=f"{storage_path!r}: {err}") from err
     return filesystem, path.rstrip("/")
 
 
@@ -333,10 +333,9 @@ class CheckpointStorage:
     """
 
     def __init__(self, storage_path, num_to_keep=2, marker=MARKER_FILE, keep=None):
-        if num_to_keep is not None and (not isinstance(num_to_keep, int) or isinstance(num_to_keep, bool)
-                                        or num_to_keep < 1):
-            raise ValueError(f"TorchTrainer: num_to_keep expects an int >= 1 (checkpoints kept in storage_path); "
-                             f"got {num_to_keep!r}")
+        expect(num_to_keep is None or (isinstance(num_to_keep, int) and not isinstance(num_to_keep, bool)
+                                       and num_to_keep >= 1), "num_to_keep",
+               "an int >= 1 (checkpoints kept in storage_path)", num_to_keep, caller="TorchTrainer")
         self.filesystem, self.path = resolve(storage_path)
         self.storage_path = os.fspath(storage_path)
         text = self.storage_path  # what resolve() gives the same filesystem from, on any node
@@ -368,9 +367,10 @@ class CheckpointStorage:
                 handle.write(b"raysgd")
             self.filesystem.delete_file(probe)
         except (OSError, pyarrow.ArrowException) as err:
-            raise ValueError(f"TorchTrainer: storage_path expects a folder or URI this process can write (a test "
-                             f"file is written and deleted there); got {self.storage_path!r}: writing "
-                             f"{probe!r} failed: {type(err).__name__}: {err}") from err
+            raise argument_error("storage_path", "a folder or URI this process can write (a test file is written "
+                                 "and deleted there)", self.storage_path, caller="TorchTrainer",
+                                 got=f"{self.storage_path!r}: writing {probe!r} failed: {type(err).__name__}: "
+                                     f"{err}") from err
 
     def list(self):
         """``[(index, directory)]`` of every checkpoint directory, complete or not, oldest first: the numbered ones

@@ -1,0 +1,15 @@
+"""The ground floor: what every layer of raysgd uses, on the standard library alone.
+
+- :mod:`raysgd.base.checks`: the one argument checker; its error names the argument, what it expects and what it
+  was given, before any actor starts.
+- :mod:`raysgd.base.environment`: every environment variable raysgd reads, in one table (name, default, check,
+  doc), read through :func:`raysgd.base.environment.get`.
+
+Layer -1: below the exceptions, keys and meters of layer 0, so that every module may import it; it imports nothing
+of raysgd and nothing outside the standard library.
+
+Example:
+    >>> from raysgd.base import checks, environment
+    >>> environment.get("SGD_RESIZE_COOLDOWN_S") >= 0
+    True
+"""

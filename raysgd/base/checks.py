@@ -1,0 +1,93 @@
+"""Argument checks: the one checker, whose error names the argument, what it expects and what it was given.
+
+Layer -1 (standard library only), so that every layer checks its arguments the same way. A message reads
+``<argument> expects <expected>; got <value>``, where the argument is named as its owner writes it:
+``TorchTrainer: num_workers`` (``caller``), ``ScalingConfig(num_workers=...)`` (``call=True``) or just
+``num_steps``; the value is its ``repr`` (``typed=True`` puts its type first, for values whose ``repr`` alone
+could mislead, such as ``'2'``), or a text of the caller's (``got=``, e.g. which item of a list is wrong).
+
+Example:
+    >>> expect(False, "num_workers", "an int >= 1", 0, caller="TorchTrainer")
+    Traceback (most recent call last):
+    ValueError: TorchTrainer: num_workers expects an int >= 1; got 0
+    >>> expect(is_int("2", 1), "num_workers", "an int >= 1", "2", TypeError, caller="ScalingConfig", call=True,
+    ...        typed=True)
+    Traceback (most recent call last):
+    TypeError: ScalingConfig(num_workers=...) expects an int >= 1; got str '2'
+"""
+import numbers
+
+
+def is_int(value, minimum=None):
+    """Whether ``value`` is an int (``bool`` is not) and at least ``minimum`` when one is given.
+
+    Example:
+        >>> is_int(3, 1), is_int(True), is_int(2.0), is_int(0, minimum=1)
+        (True, False, False, False)
+    """
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+
+
+def is_number(value, minimum=None, above=None):
+    """Whether ``value`` is a real number (``bool`` is not), at least ``minimum`` and above ``above`` when given.
+
+    Example:
+        >>> is_number(0.5, above=0), is_number(0, above=0), is_number("1"), is_number(False)
+        (True, False, False, False)
+    """
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and (minimum is None or value >= minimum) and (above is None or value > above))
+
+
+def argument(name, caller=None, call=False):
+    """How a message names argument ``name`` of ``caller``: ``caller: name``, ``caller(name=...)`` (``call``), or
+    ``name`` alone.
+
+    Example:
+        >>> argument("tags", "MLflowLogger"), argument("path", "Checkpoint", call=True), argument("num_steps")
+        ('MLflowLogger: tags', 'Checkpoint(path=...)', 'num_steps')
+    """
+    if caller is None:
+        return name
+    return f"{caller}({name}=...)" if call else f"{caller}: {name}"
+
+
+def message(name, expected, value, *, caller=None, call=False, typed=False, got=None):
+    """``<argument> expects <expected>; got <value>`` (see the module docstring); ``got``: the text shown for the
+    value instead of its ``repr``.
+
+    Example:
+        >>> message("num_steps", "None or an int >= 0", 2.5)
+        'num_steps expects None or an int >= 0; got 2.5'
+        >>> message("callbacks", "a list", [3], caller="RunConfig", call=True, got="[3] (item 0 is int 3)")
+        'RunConfig(callbacks=...) expects a list; got [3] (item 0 is int 3)'
+    """
+    if got is None:
+        got = f"{type(value).__name__} {value!r}" if typed else repr(value)
+    return f"{argument(name, caller, call)} expects {expected}; got {got}"
+
+
+def argument_error(name, expected, value, error=ValueError, **how):
+    """The exception :func:`expect` raises (``how``: :func:`message`'s keywords), for a caller that raises it
+    itself (``raise argument_error(...) from err``).
+
+    Example:
+        >>> argument_error("timeout_s", "seconds > 0", -1, caller="TorchTrainer")
+        ValueError('TorchTrainer: timeout_s expects seconds > 0; got -1')
+    """
+    return error(message(name, expected, value, **how))
+
+
+def expect(condition, name, expected, value, error=ValueError, caller=None, **how):
+    """Raise ``error`` naming the argument, what it expects and what it was given, unless ``condition``.
+
+    ``caller`` names the argument's owner; ``how``: ``call``, ``typed`` and ``got`` (see :func:`message`).
+
+    Example:
+        >>> expect(True, "timeout_s", "a number of seconds > 0", 5)
+        >>> expect(False, "timeout_s", "a number of seconds > 0", 0, caller="TorchTrainer")
+        Traceback (most recent call last):
+        ValueError: TorchTrainer: timeout_s expects a number of seconds > 0; got 0
+    """
+    if not condition:
+        raise argument_error(name, expected, value, error, caller=caller, **how)
