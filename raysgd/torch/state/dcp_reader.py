@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from raysgd.base.checks import expect
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.state.dcp_blobs import ViewFile, as_metadata, layout_key
 
@@ -63,9 +64,8 @@ def as_source(fetch_or_source):
     """A source (``read(relative_path, ranges)``) as it is, a ``fetch(relative_path)`` callable as :class:`WholeFiles`."""
     if hasattr(fetch_or_source, "read"):
         return fetch_or_source
-    if not callable(fetch_or_source):
-        raise TypeError(f"load_parts expects fetch(relative_path) -> bytes or a source with read(relative_path, "
-                        f"ranges); got {fetch_or_source!r}")
+    expect(callable(fetch_or_source), "load_parts", "fetch(relative_path) -> bytes or a source with "
+           "read(relative_path, ranges)", fetch_or_source, TypeError)
     return WholeFiles(fetch_or_source)
 
 
