@@ -144,12 +144,11 @@ def latency(smoke, repeats):
 
 
 def _commit_stats():
-    from raysgd.torch.state import committer  # noqa: PLC0415 (in the worker)
+    from raysgd.torch.state.commit_stats import process_stats  # noqa: PLC0415 (in the worker)
 
-    deadline = time.monotonic() + 60
-    while committer.STATS["latency_s"] is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return dict(committer.STATS)
+    stats = process_stats()
+    stats.wait_stored(after=0, timeout_s=60)
+    return stats.snapshot()
 
 
 def bench_args(doc, repeats_help, cases=None, plot=None):

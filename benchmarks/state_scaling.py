@@ -16,7 +16,7 @@ For each size N: a model of N MB of float32 parameters (one square ``nn.Linear``
   ``call_ms`` the call's wall time, median (a snapshot serialised beside the call, longer than the call's first
   forward and backward, is waited for inside the worker's time: it leaves the overhead but not the call);
 - ``commit_ms``: commit latency on rank 0 (the rank that sends the state), from the host copy's start until the
-  store holds it (``raysgd.torch.state.committer.STATS``), median; ``in_loop_ms`` the part of it the training loop
+  store holds it (``raysgd.torch.state.commit_stats.process_stats()``), median; ``in_loop_ms`` the part of it the training loop
   waits for;
 - ``worker_peak_rss_mb``: rank 0's peak RSS in a call with a commit (``VmHWM``, reset at the call's start, read
   once its commit is stored), ``worker_start_anon_mb`` and ``worker_start_shm_mb`` its private and shared
@@ -117,23 +117,23 @@ class ScalingOperator(BenchOperator):
         return super().train_batch(batch, batch_info)
 
     def train_epoch(self, iterator, info=None):
-        from raysgd.torch.state import committer  # noqa: PLC0415 (in the worker)
+        from raysgd.torch.state.commit_stats import process_stats  # noqa: PLC0415 (in the worker)
 
-        count = committer.STATS["count"]
+        commits = process_stats()
+        count = commits.count
         reset_peak()
         sampler = Sampler()
         before = sampler.start["VmRSS"]
         stats = super().train_epoch(iterator, info)
-        deadline = time.monotonic() + DEADLINE_S
         committing = bool((info or {}).get("commits"))
-        while committing and committer.STATS["count"] == count and time.monotonic() < deadline:
-            time.sleep(0.005)
+        if committing:
+            commits.wait_stored(after=count, timeout_s=DEADLINE_S)
         self.calls.append({"rss_before_mb": before, "peak_mb": read_status()["VmHWM"], **sampler.stop(),
                            "start_anon_mb": sampler.start["RssAnon"], "start_shm_mb": sampler.start["RssShmem"],
                            "commits": committing,
-                           "commit_s": committer.STATS["latency_s"] if committing else None,
-                           "in_loop_s": committer.STATS["in_loop_s"] if committing else None,
-                           "bytes": committer.STATS["bytes"]})
+                           "commit_s": commits.latency_s if committing else None,
+                           "in_loop_s": commits.in_loop_s if committing else None,
+                           "bytes": commits.bytes})
         return stats
 
 

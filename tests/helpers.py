@@ -220,8 +220,7 @@ class CountingOperator(TrainingOperator):
             if fault.get("until_sigterm") or fault.get("until_resize"):  # finish this step once it arrived
                 from raysgd.torch.fault_tolerance import preemption
 
-                arrived = (lambda: preemption._STATE["resize"] is not None) if fault.get("until_resize") \
-                    else preemption.requested
+                arrived = preemption.resize_requested if fault.get("until_resize") else preemption.requested
                 deadline = time.monotonic() + fault.get("wait_s", 60)
                 while not arrived() and time.monotonic() < deadline:
                     time.sleep(0.01)

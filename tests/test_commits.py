@@ -71,7 +71,7 @@ def test_time_based_commits_follow_the_training_time_not_the_first_steps(trainer
     """About one commit per SGD_COMMIT_INTERVAL_S (1 s here) of training, over 24 steps: a slow warm-up (2.5 s)
     must not make every later fast step count as slow (the cadence agreed once from the first 5 steps committed
     every 2 steps to the end), and steps that slow down later (3.8 s) must still commit (it never did)."""
-    from raysgd.torch.state import committer
+    from raysgd.torch.state import commit_stats
 
     monkeypatch.setenv("SGD_COMMIT_INTERVAL_S", "1")
     trainer = trainers(commit_every_n_steps=None, config={"n": 96, "batch_size": 2, "step_sleeps": step_sleeps})
@@ -79,7 +79,7 @@ def test_time_based_commits_follow_the_training_time_not_the_first_steps(trainer
     assert trainer.train()["num_samples"] == 96
     elapsed = time.monotonic() - start
     # the commits taken, not those stored: the last one may still be on its way to the store as train() returns
-    taken = trainer.apply_all_workers(lambda: list(committer.STATS["taken"]))
+    taken = trainer.apply_all_workers(lambda: commit_stats.process_stats().taken())
     assert taken[0] == taken[1], taken  # every rank committed at the same steps
     assert trainer.latest_commit() is not None  # complete: every rank's record under one key
     # One per second of training time, which the call's wall time bounds (a loaded machine stretches both): 2 after

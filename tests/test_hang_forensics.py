@@ -64,9 +64,9 @@ def test_a_rank_that_cannot_answer_is_dumped_with_py_spy(trainer_factory):
     # The fallback when a worker's control thread does not answer (its process holds the interpreter lock).
     trainer = trainer_factory(training_operator_cls=FaultyOperator, num_workers=2, config={"data_size": 40})
     actor = trainer.worker_group.remote_workers[0]
-    if diagnostics._py_spy() is None:
+    if diagnostics.py_spy_path() is None:
         pytest.skip("py-spy is not installed")
-    text = diagnostics._without_answer(actor._actor_id.hex(), timeout_s=0)
+    text = diagnostics.stacks_without_answer(actor._actor_id.hex(), timeout_s=0)
     if "Permission denied" in text or "Operation not permitted" in text:
         pytest.skip(f"ptrace is not permitted here: {text}")
     assert text.startswith("py-spy dump:") and "main_loop" in text, text

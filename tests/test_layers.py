@@ -1,10 +1,12 @@
-"""The package's imports point down the layers of DESIGN.md, folder by folder, and every module says its job.
+"""The package's imports point down the layers of docs/architecture.md's tables, folder by folder, and every module
+says its job.
 
 A folder of ``raysgd/torch`` is one layer; a module at the root of ``raysgd/`` or ``raysgd/torch/`` is a unit of
 its own. A module may import the modules of its own unit and those of lower layers: never sideways (another unit
 of the same layer), never up. Package glue (the packages' public names and RaySGD 1.x's paths) may import anything.
 """
 import ast
+import importlib.util
 import pathlib
 import sys
 import warnings
@@ -12,46 +14,25 @@ import warnings
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "raysgd"
-GLUE = 7
 
-# unit (a folder or a root module) -> layer (DESIGN.md's table)
-LAYERS = {
-    # -1: the ground floor: the argument checker and the environment's table (the standard library only)
-    "raysgd.base": -1,
-    # 0: exceptions and failure text, keys and tunables, meters (and their reduction) and timers, optional imports
-    "raysgd.torch.errors": 0, "raysgd.torch.constants": 0, "raysgd.meters": 0, "raysgd.timers": 0,
-    "raysgd.optional": 0, "raysgd.callbacks": 0, "raysgd.logs": 0,
-    # 1: one rank's data order and shards, one rank's training helpers, the pure failure and sizing policies
-    "raysgd.torch.sharding": 1, "raysgd.torch.operator": 1, "raysgd.torch.fault_tolerance": 1,
-    # 2: the user's operator; the training state, checkpoint files, commits
-    "raysgd.torch.training_operator": 2, "raysgd.torch.state": 2,
-    # 3: durable storage of checkpoints
-    "raysgd.torch.storage": 3,
-    # 4: the run: the controller, the worker group and its workers; the options (the facade's and Tune's)
-    "raysgd.torch.execution": 4, "raysgd.torch.options": 4,
-    # 5: Tune, Ray Data, the progress bar, result logs: at the edge, never imported by the core
-    "raysgd.torch.integrations": 5,
-    "raysgd.plot": 5,  # plotting a result log: a tool at the edge
-    # 6: the facade
-    "raysgd.torch.torch_trainer": 6, "raysgd.torch.resnet": 1,
-    "raysgd.train": 6,  # the Ray Train function API: a facade of its own over execution/ (a function worker)
-    # the packages' public names, RaySGD 1.x's paths and the 1.x import mapping
-    "raysgd": GLUE, "raysgd.torch": GLUE, "raysgd.utils": GLUE, "raysgd.compat": GLUE, "raysgd.legacy": GLUE,
-    # the command line: above everything, it imports down and nothing imports it
-    "raysgd.cli": 8, "raysgd.__main__": GLUE,  # python -m raysgd: the command's other door
-    "raysgd.data": GLUE, "raysgd.loggers": GLUE, "raysgd.torch.lightning_operator": GLUE, "raysgd.torch.worker_group": GLUE,
-}
-# What each layer may import from outside the package (beyond the standard library).
-THIRD_PARTY = {-1: set(), 0: {"numpy", "torch", "matplotlib"}, 1: {"torch", "numpy", "apex", "filelock"},
-               2: {"torch", "numpy", "filelock", "ray"}, 3: {"torch", "numpy", "ray"}, 4: {"ray", "torch", "numpy"},
-               5: {"ray", "torch", "numpy", "tqdm", "tensorboardX", "mlflow", "wandb"},  # the last four optional, imported when used
-               6: {"ray", "torch", "numpy", "pytorch_lightning", "lightning"}, GLUE: None,
-               8: {"torch", "tabulate", "safetensors", "pyarrow"}}
-# Units that must stay lighter than their layer allows: the pure policies are tested without Ray or torch.
-PURE = {"raysgd.torch.fault_tolerance.recovery": set(), "raysgd.torch.fault_tolerance.watches": set(),
-        "raysgd.torch.fault_tolerance.reform": set(), "raysgd.torch.errors": {"torch"}, "raysgd.torch.constants": set(),
-        "raysgd.torch.storage.async_writer": set(), "raysgd.torch.storage.filesystem": {"torch", "pyarrow"}, "raysgd.torch.storage.durable": set(),
-        "raysgd.logs": set()}
+
+def _layer_table():
+    """``tools/layer_table.py``: the reader of docs/architecture.md's layer tables (shared with the drawing)."""
+    spec = importlib.util.spec_from_file_location("layer_table", ROOT.parent / "tools" / "layer_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_TABLE = _layer_table()
+GLUE = _TABLE.GLUE
+_TABLES = _TABLE.read()
+# unit (a folder or a root module) -> layer
+LAYERS = _TABLES.units
+# What each layer may import from outside the package (beyond the standard library); None: anything.
+THIRD_PARTY = _TABLES.allowed
+# Modules that must stay lighter than their layer allows: the pure policies are tested without Ray or torch.
+PURE = _TABLES.lighter
 
 
 def module_name(path):
@@ -72,6 +53,14 @@ def unit_of(name):
         if name == unit or (unit not in ("raysgd", "raysgd.torch") and name.startswith(unit + ".")):
             return unit, LAYERS[unit]
     return None, None
+
+
+def test_the_layer_table_names_every_unit_and_only_units_that_exist():
+    """docs/architecture.md's tables name real units and modules, and every layer a unit is in has its row."""
+    stale = [name for name in [*LAYERS, *PURE] if name not in MODULES]
+    assert not stale, f"docs/architecture.md names units that do not exist: {stale}"
+    assert set(LAYERS.values()) <= set(THIRD_PARTY), "a unit's layer has no row in the layers' table"
+    assert all(unit_of(name)[0] is not None for name in PURE)
 
 
 def imports(path):
@@ -201,6 +190,24 @@ def test_the_tests_use_the_trainers_public_surface():
     uses = [f"{path.name}:{number}" for path in sorted(tests.glob("*.py")) if path.name != "test_layers.py"
             for number, line in enumerate(path.read_text().splitlines(), 1) if "trainer._" in line]
     assert not uses, f"tests read a trainer's private state: {uses}"
+
+
+def test_tests_and_benchmarks_use_raysgds_modules_through_their_public_names():
+    """No ``module._name`` of a raysgd module in the tests and benchmarks: what they read or change (a process's
+    commit timings, its preemption state) is an object with a public API (``commit_stats.process_stats()``,
+    ``preemption.PreemptionState``), never a module's private global."""
+    repo = ROOT.parent
+    reaching = []
+    for path in sorted([*(repo / "tests").glob("*.py"), *(repo / "benchmarks").glob("*.py")]):
+        tree = ast.parse(path.read_text())
+        modules = {alias.asname or alias.name.split(".")[0] for node in ast.walk(tree)
+                   if isinstance(node, (ast.Import, ast.ImportFrom))
+                   and (getattr(node, "module", None) or "raysgd").startswith("raysgd") for alias in node.names
+                   if isinstance(node, ast.ImportFrom) or alias.name.startswith("raysgd")}
+        reaching += [f"{path.relative_to(repo)}:{node.lineno}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
+                     if isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
+                     and node.value.id in modules]
+    assert not reaching, "tests and benchmarks reach into raysgd modules' private names:\n" + "\n".join(reaching)
 
 
 def test_argument_errors_come_from_the_one_checker():

@@ -218,19 +218,17 @@ def test_an_agreement_left_by_an_aborted_call_is_never_read_by_the_next():
     """Rank 0 under use_local lives on in the driver: a call that ended with an error must not hand its
     in-flight agreement (on a process group that is gone) to the next call, whose first agreement would
     then re-raise the old call's gloo error (seen as a second, spurious failure after a recovery)."""
-    from raysgd.torch.fault_tolerance import preemption
+    from raysgd.torch.fault_tolerance.preemption import PreemptionState
 
     class DeadGroupWork:
         def wait(self):
             raise RuntimeError("Connection closed by peer (the old process group)")
 
-    preemption._STATE["pending"] = (DeadGroupWork(), torch.zeros(1, dtype=torch.int32))
-    try:
-        preemption.set_active(True)  # the next committing call starts
-        assert preemption._STATE["pending"] is None
-    finally:
-        preemption.set_active(False)
-        preemption._STATE["pending"] = None
+    state = PreemptionState()  # the driver's rank 0 (use_local) has one per process, as every worker
+    state.pending = (DeadGroupWork(), torch.zeros(1, dtype=torch.int32))
+    state.set_active(True)  # the next committing call starts
+    assert state.pending is None
+    state.set_active(False)
 
 
 def test_a_resize_request_applies_to_its_own_call_and_attempt_and_sigterm_outranks_it():
@@ -241,17 +239,15 @@ def test_a_resize_request_applies_to_its_own_call_and_attempt_and_sigterm_outran
     from raysgd.torch.fault_tolerance import preemption
     from raysgd.torch.errors import WorkerFailure
 
-    one_rank = SimpleNamespace(world_size=1)
-    try:
-        preemption.request_resize(4, 1)
-        assert preemption.resize_wanted(4, 1)
-        assert not preemption.resize_wanted(4, 0) and not preemption.resize_wanted(5, 1)
-        assert preemption.agree(one_rank, resize=preemption.resize_wanted(4, 1)) == preemption.RESIZE
-        assert preemption.agree(one_rank, resize=preemption.resize_wanted(4, 2)) == preemption.GO_ON
-        preemption._STATE["requested"] = True
-        assert preemption.agree(one_rank, resize=True) == preemption.PREEMPT
-    finally:
-        preemption._STATE.update(requested=False, resize=None)
+    one_rank, state = SimpleNamespace(world_size=1), preemption.PreemptionState()
+    state.request_resize(4, 1)
+    assert state.resize_wanted(4, 1)
+    assert not state.resize_wanted(4, 0) and not state.resize_wanted(5, 1)
+    assert state.agree(one_rank, resize=state.resize_wanted(4, 1)) == preemption.RESIZE
+    assert state.agree(one_rank, resize=state.resize_wanted(4, 2)) == preemption.GO_ON
+    state.requested = True  # as the SIGTERM handler sets it during a committing call
+    assert state.agree(one_rank, resize=True) == preemption.PREEMPT
+    assert not preemption.process_state().requested and not preemption.resize_requested()  # this process's: untouched
     resized = {0: f"{preemption.RESIZE_MARK}; committed at step 7", 1: f"{preemption.RESIZE_MARK}; committed at step 7"}
     assert preemption.was_resize(WorkerFailure("ended", resized))
     assert not preemption.was_resize(WorkerFailure("ended", {**resized, 1: "worker process died"}))

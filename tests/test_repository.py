@@ -138,6 +138,7 @@ DOCTESTED = ["raysgd.base", "raysgd.base.checks", "raysgd.base.environment", "ra
              "raysgd.torch.fault_tolerance.recovery", "raysgd.torch.fault_tolerance.watches",
              "raysgd.torch.fault_tolerance.reform", "raysgd.torch.state", "raysgd.torch.state.training_state",
              "raysgd.torch.state.checkpoint", "raysgd.torch.state.model_copy", "raysgd.torch.state.committer",
+             "raysgd.torch.state.commit_stats",
              "raysgd.torch.state.commit_policy", "raysgd.torch.state.sharded", "raysgd.torch.state.dcp_blobs",
              "raysgd.torch.storage", "raysgd.torch.storage.dcp_files", "raysgd.torch.execution",
              "raysgd.torch.execution.controller", "raysgd.torch.execution.restarts", "raysgd.torch.execution.calls",

@@ -10,8 +10,9 @@ names the class that does the job and the file it lives in, both read from the c
 it draws, so a class renamed or moved changes the picture, or stops the script with an error naming it.
 
 ``--layers`` (docs/images/layers.png): every unit of the package (a folder of ``raysgd/torch``, or a module) in its
-layer, as ``tests/test_layers.py`` assigns them, sized by its lines of code, with an arrow for each unit it imports
-(read from the source with ``ast``): every arrow points down.
+layer, as docs/architecture.md's layer table assigns them (``tests/test_layers.py`` checks the imports against it),
+sized by its lines of code, with an arrow for each unit it imports (read from the source with ``ast``): every arrow
+points down.
 
 Run from the repository root with raysgd importable (``pip install -e .`` or ``PYTHONPATH=$PWD``) and matplotlib.
 """
@@ -155,19 +156,14 @@ def runtime(path):
 
 
 def layer_table():
-    """``tests/test_layers.py``'s ``LAYERS`` (unit -> layer) and ``GLUE``, read from its source."""
-    tree = ast.parse((ROOT / "tests" / "test_layers.py").read_text())
-    values = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and \
-                node.targets[0].id in ("LAYERS", "GLUE"):
-            if node.targets[0].id == "GLUE":
-                values["GLUE"] = ast.literal_eval(node.value)
-            else:
-                keys = [ast.literal_eval(k) for k in node.value.keys]
-                vals = [values["GLUE"] if isinstance(v, ast.Name) else ast.literal_eval(v) for v in node.value.values]
-                values["LAYERS"] = dict(zip(keys, vals))
-    return values["LAYERS"], values["GLUE"]
+    """``({unit: layer}, the glue's layer)``: docs/architecture.md's layer table (read by ``tools/layer_table.py``,
+    as ``tests/test_layers.py`` reads it)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import layer_table as table  # noqa: PLC0415 (a script beside this one)
+    finally:
+        sys.path.pop(0)
+    return table.read().units, table.GLUE
 
 
 def _module(path):
@@ -247,7 +243,7 @@ def layers_picture(path):
     upward = sum(1 for (src, dst) in edges if where[dst][1] >= where[src][1])
     ax.set_title(f"raysgd's package: {len(units)} units in {len(rows)} layers, {len(edges)} import edges, "
                  f"{upward} pointing sideways or up", fontsize=11)
-    fig.text(0.01, 0.01, "drawn by tools/draw_architecture.py from the imports in raysgd/ (layers: tests/test_layers.py;"
+    fig.text(0.01, 0.01, "drawn by tools/draw_architecture.py from the imports in raysgd/ (layers: docs/architecture.md;"
              " package glue, which may import anything, left out)", fontsize=7, color="#555555")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -65,7 +65,13 @@ def format_stacks(only=None, skip_current=True):
     return "\n".join(parts) if parts else "no Python thread found"
 
 
-def _py_spy():
+def py_spy_path():
+    """The ``py-spy`` program this process can run, or None when it is not installed.
+
+    Example:
+        >>> py_spy_path() is None or os.path.exists(py_spy_path())
+        True
+    """
     candidates = [shutil.which("py-spy"), os.path.join(sysconfig.get_path("scripts"), "py-spy"),
                   os.path.join(os.path.dirname(sys.executable), "py-spy")]
     return next((path for path in candidates if path and os.path.exists(path)), None)
@@ -78,7 +84,7 @@ def py_spy_dump(pid, timeout_s=10.0):
         >>> "py-spy" in py_spy_dump(os.getpid()) or "Thread" in py_spy_dump(os.getpid())  # doctest: +SKIP
         True
     """
-    binary = _py_spy()
+    binary = py_spy_path()
     if binary is None:
         return f"no stack: py-spy is not installed ({optional.install_hint('py-spy')})"
     try:
@@ -125,7 +131,9 @@ def process_ended(pid):
         return False
 
 
-def _without_answer(actor_id, timeout_s):
+def stacks_without_answer(actor_id, timeout_s):
+    """The stacks of the worker actor ``actor_id`` (hex) that did not answer within ``timeout_s``: a ``py-spy``
+    dump of its process when it runs on this machine, or a sentence saying why there is none."""
     pid, ip = _actor_process(actor_id)
     if pid is None:
         return "no stack: the worker's process is unknown to Ray"
@@ -148,7 +156,7 @@ def gather_stacks(requests, timeout_s=STACK_TIMEOUT_S):
     ready = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)[0] if refs else []
     for ref, (rank, actor_id) in refs.items():
         if ref not in ready:
-            stacks[rank] = _without_answer(actor_id, timeout_s)
+            stacks[rank] = stacks_without_answer(actor_id, timeout_s)
             continue
         try:
             stacks[rank] = ray.get(ref)

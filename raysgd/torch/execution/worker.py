@@ -39,7 +39,7 @@ from raysgd.torch.operator.tracing import TraceRecorder
 from raysgd.torch.state import model_copy
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.state import training_state as _state
-from raysgd.torch.state.committer import STATS as COMMIT_STATS, Committer, serialise
+from raysgd.torch.state.committer import Committer, serialise
 from raysgd.timers import TimerCollection
 from raysgd.torch.constants import COMMIT_LATENCY, NUM_STEPS, USE_FP16
 from raysgd.torch.execution.epoch_iterators import CallBatches, PersistentIterator
@@ -246,7 +246,7 @@ class TorchWorker:
 
     def _train_epoch(self, num_steps, profile, info, iterator, progress, commit, trace):
         self._begin(profile)
-        commits_before = COMMIT_STATS["count"]
+        commits_before = self.committer.stats.count
         if iterator is not None and self.committer.resume is not None:
             raise ValueError("train(dataset=...) cannot run while a loaded state waits to resume an epoch of the "
                              f"registered train loader (cursor {self.committer.resume['cursor']}): call train() first")
@@ -269,8 +269,8 @@ class TorchWorker:
         result = {"epoch": self._epoch_now(), **stats}
         if profile:
             result["profile"] = self.timers.stats()
-        if COMMIT_STATS["count"] > commits_before:  # the latest one stored (one still being sent is not counted)
-            result[COMMIT_LATENCY] = COMMIT_STATS["latency_s"]
+        if self.committer.stats.count > commits_before:  # the latest one stored (one being sent is not counted)
+            result[COMMIT_LATENCY] = self.committer.stats.latency_s
         return result
 
     @guard_collectives

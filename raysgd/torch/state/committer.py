@@ -25,7 +25,6 @@ Example:
     >>> commit_due(every_n=None, epoch_steps=7, interval_s=30, trained_s=29.5)
     False
 """
-import collections
 import logging
 import threading
 import time
@@ -37,15 +36,10 @@ from raysgd.meters import merge_partial
 from raysgd.torch.sharding import loaders as _data
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.state import training_state as _state
+from raysgd.torch.state.commit_stats import process_stats
 
 logger = logging.getLogger(__name__)
 
-#: This process's latest commit timings (for benchmarks, and the worker's result: the driver's
-#: ``raysgd_commit_latency_s``): ``in_loop_s`` (the serialisation the loop waits for,
-#: including a wait for the previous commit), ``latency_s`` (from its start until the store holds it),
-#: ``bytes`` and ``count`` (commits stored), and ``taken``: the keys of the latest commits taken (at most 100; a
-#: commit is taken in the loop and stored in the background, so ``count`` may lag it while one is in flight).
-STATS = {"in_loop_s": None, "latency_s": None, "bytes": None, "count": 0, "taken": collections.deque(maxlen=100)}
 #: The key of rank 0's record holding a sharded commit's head: the rest of the state and the parts' DCP metadata.
 HEAD = "head"
 
@@ -150,9 +144,11 @@ def set_start(loader, consumed):
 
 
 class Committer:
-    """One worker's commit bookkeeping: step counters, the agreed cadence, the background sender, resume."""
+    """One worker's commit bookkeeping: step counters, the agreed cadence, the background sender, resume; its
+    timings go to ``stats`` (default: the process's, :func:`process_stats`)."""
 
-    def __init__(self):
+    def __init__(self, stats=None):
+        self.stats = process_stats() if stats is None else stats
         self.epoch_steps = 0  # batches of the running epoch (counting those before a resume)
         self.iter_batches = 0  # batches pulled from the running epoch's iterator
         self.call_steps = 0
@@ -334,8 +330,7 @@ class Committer:
         self._thread = threading.Thread(target=self._send, args=(plan.sink, key, worker.world_rank,
                                                                  worker.world_size, blob, state, started), daemon=True)
         self._thread.start()
-        STATS["in_loop_s"] = time.perf_counter() - started
-        STATS["taken"].append(key)
+        self.stats.record_taken(key, time.perf_counter() - started)
         return key
 
     def _send(self, sink, key, rank, world_size, blob, state, started):
@@ -343,7 +338,7 @@ class Committer:
             sink.put(key, rank, world_size, blob, state)
             self.sent += 1
             size = blob.nbytes + (state.nbytes if state is not None else 0)
-            STATS.update(latency_s=time.perf_counter() - started, bytes=size, count=STATS["count"] + 1)
+            self.stats.record_stored(time.perf_counter() - started, size)
         except Exception as err:  # noqa: BLE001 (a lost commit only costs recomputation)
             logger.warning("Commit %s of rank %d was not stored: %s", key, rank, err)
 
