@@ -29,13 +29,21 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysgd.torch.state import checkpoint, dcp_blobs, restart_point
-from raysgd.torch.storage import dcp_files, filesystem
+from raysgd.torch.state import checkpoint, restart_point
+from raysgd.torch.storage import filesystem
 
 logger = logging.getLogger(__name__)
 
 #: DCP's metadata file of a sharded checkpoint (the folder then loads with DCP's own ``FileSystemReader`` too).
 DCP_METADATA = ".metadata"
+
+
+def _dcp_files():
+    """:mod:`raysgd.torch.storage.dcp_files`, imported at first use: it brings torch's DCP (with DTensor and sympy,
+    ~0.65 s of a process start), which only sharded strategies need; the driver and DDP workers never import it."""
+    from raysgd.torch.storage import dcp_files  # noqa: PLC0415
+
+    return dcp_files
 
 
 def _write(refs, root, path, timeout_s, overlay=None):
@@ -125,6 +133,8 @@ class ShardedRemoteParts:
         writers = [RemotePart(part.refs, part.nodes[0], self.root, self.local, timeout_s=self.timeout_s)
                    for part in self.point.parts]
         calls = [writer.start(directory, file) for writer, file in zip(writers, names)]
+        from raysgd.torch.state import dcp_blobs  # noqa: PLC0415 (DCP: sharded strategies only, see _dcp_files)
+
         head = checkpoint.state_from_bytes(self.point.head)
         head["rest"].update(self.point.overlay or {})
         if generation:
@@ -135,7 +145,7 @@ class ShardedRemoteParts:
         deadline = time.monotonic() + self.timeout_s
         written = {file: list(ray.get(call, timeout=max(1.0, deadline - time.monotonic())))
                    for file, call in zip(names, calls)}
-        dcp_files.write_file(fs, f"{directory}/{DCP_METADATA}", head["metadata"])  # every part is written
+        _dcp_files().write_file(fs, f"{directory}/{DCP_METADATA}", head["metadata"])  # every part is written
         return size, crc32, {"parts": written, "file": head_file, "generation": generation}
 
     def after_marker(self, directory, marker):
@@ -211,7 +221,7 @@ class ShardedFiles:
 
     def source(self, timeout_s=600):
         """The files as a source of byte ranges, read on this node."""
-        return dcp_files.FileRanges(self.root, self.sizes, folder=self.directory)
+        return _dcp_files().FileRanges(self.root, self.sizes, folder=self.directory)
 
     def load_args(self, weights_only=False):
         """The arguments of a worker's ``load_restart_point``: ``(self, weights_only, None)``."""
