@@ -25,7 +25,7 @@ about 3x the parameters' bytes, sharded over the N ranks). Measured:
 
 The second table (``--reads``, default ``4:2,2:4``; the smoke test ``2:1``) is what each rank reads when a state of
 N ranks loads on M: for each path the bytes rank r pulled (``r<r>`` column: MB and the ratio to what it loads, its
-new shard and the replicated values, ``sharded.LOAD_STATS``) and the driver's peak RSS growth while it ran:
+new shard and the replicated values, ``sharded.process_load_stats()``) and the driver's peak RSS growth while it ran:
 
 - ``objects``: a restart point of the N trainer (each part in its node's object store) loaded by the M workers, as a
   restart after a failure or a resize loads it;
@@ -113,7 +113,7 @@ def _driver_rss_mb():
 
 def _reads(trainer):
     """``{"r<rank>": "MB pulled (ratio to needed)"}`` of every worker's latest sharded load, and the worst ratio."""
-    stats = trainer.apply_all_workers(lambda: dict(sharded.LOAD_STATS))
+    stats = trainer.apply_all_workers(lambda: sharded.process_load_stats().latest())
     columns = {f"r{rank}": f"{read['pulled'] / 1e6:.2f} ({read['pulled'] / max(read['needed'], 1):.3f}x)"
                for rank, read in enumerate(stats)}
     return columns, max(read["pulled"] / max(read["needed"], 1) for read in stats)

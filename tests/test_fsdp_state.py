@@ -136,7 +136,7 @@ def test_a_checkpoint_of_2_sharded_workers_resumes_the_epoch_on_3_exactly_once(t
     assert metadata.state_dict_metadata["models.0.p"].size == torch.Size([N])
 
     second = trainers(config=config, storage_path=storage, num_workers=3)
-    for read in second.apply_all_workers(lambda: dict(sharded.LOAD_STATS)):  # each rank: its rows, from the files
+    for read in second.apply_all_workers(lambda: sharded.process_load_stats().latest()):  # each rank: its rows, from the files
         assert 0 < read["pulled"] <= 1.1 * read["needed"] and read["files"] <= 2, read
     rest = second.train()  # the rest of epoch 1 on 3 workers
     assert rest["num_samples"] == N - 2 * 5 * BATCH  # the rest of the epoch

@@ -46,10 +46,44 @@ from raysgd.torch.state.dcp_blobs import as_metadata, file_sizes, renamed_files 
 
 logger = logging.getLogger(__name__)
 
-#: What this process's latest :func:`load_parts` read: ``read`` (bytes of the items' ranges), ``needed`` (bytes the
-#: loaded values take: this rank's new shard and the replicated values), ``pulled`` (bytes the source moved here),
-#: ``files`` (files read). Read by benchmarks and tests.
-LOAD_STATS = {}
+
+
+class LoadStats:
+    """What a process's latest :func:`load_parts` read (a worker process has one: :func:`process_load_stats`; tests
+    and benchmarks read it there): ``read`` (bytes of the items' ranges), ``needed`` (bytes the loaded values take:
+    this rank's new shard and the replicated values), ``pulled`` (bytes the source moved here), ``files`` (files
+    read).
+
+    Example:
+        >>> stats = LoadStats()
+        >>> stats.record({"read": 8, "needed": 8, "files": 1}, pulled=8)
+        >>> stats.latest()["pulled"], LoadStats().latest()
+        (8, {})
+    """
+
+    def __init__(self):
+        self._latest = {}
+
+    def record(self, counts, pulled):
+        """A load read ``counts`` (the reader's) and moved ``pulled`` bytes here."""
+        self._latest = {**counts, "pulled": pulled}
+
+    def latest(self):
+        """The latest load's counts (a copy); empty before the first."""
+        return dict(self._latest)
+
+
+_PROCESS_LOAD_STATS = LoadStats()
+
+
+def process_load_stats():
+    """This process's :class:`LoadStats`, which :func:`load_parts` records into.
+
+    Example:
+        >>> isinstance(process_load_stats().latest(), dict)
+        True
+    """
+    return _PROCESS_LOAD_STATS
 
 
 # ----------------------------------------------------------------- models and optimizers
@@ -262,9 +296,8 @@ def load_parts(state_dict, metadata, fetch, process_group=None, weights_only=Tru
     reader = dcp_reader.BlobReader(metadata, source, layout=layout, weights_only=weights_only)
     with _dcp_call(single, process_group):
         dcp.load(state_dict, storage_reader=reader, process_group=process_group, no_dist=single)
-    LOAD_STATS.clear()
-    LOAD_STATS.update(reader.stats, pulled=getattr(source, "pulled", reader.stats["read"]))
-    return dict(LOAD_STATS)
+    _PROCESS_LOAD_STATS.record(reader.stats, pulled=getattr(source, "pulled", reader.stats["read"]))
+    return _PROCESS_LOAD_STATS.latest()
 
 
 def files_needed(state_dict, metadata):
