@@ -62,15 +62,15 @@ class LoadStats:
     """
 
     def __init__(self):
-        self._latest = {}
+        self._last_load = {}
 
     def record(self, counts, pulled):
         """A load read ``counts`` (the reader's) and moved ``pulled`` bytes here."""
-        self._latest = {**counts, "pulled": pulled}
+        self._last_load = {**counts, "pulled": pulled}
 
     def latest(self):
         """The latest load's counts (a copy); empty before the first."""
-        return dict(self._latest)
+        return dict(self._last_load)
 
 
 _PROCESS_LOAD_STATS = LoadStats()
