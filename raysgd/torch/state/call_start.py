@@ -326,9 +326,11 @@ class PendingPoint:
     ``node``), the copies started to other nodes (``[(node, info_ref, data_ref)]``) and the call's ``token``.
     :meth:`settle` turns it into a :class:`~raysgd.torch.state.restart_point.RestartPoint`."""
 
-    def __init__(self, token, info_ref, data_ref, node, copies=()):
+    def __init__(self, token, info_ref, data_ref, node, copies=(), rank=None):
         self.token, self.info_ref, self.data_ref, self.node = token, info_ref, data_ref, node
         self.copies = list(copies)
+        self.rank = rank  # the rank whose part this is, named in errors (None: rank 0's whole state)
+        self.info = None  # the snapshot's answer, once settled
         self._point = None  # once settled
 
     def stored(self):
@@ -349,16 +351,17 @@ class PendingPoint:
         if self._point is not None:
             return self._point
         deadline = time.monotonic() + timeout_s
+        prefix = "" if self.rank is None else f"rank {self.rank}: "
         try:
-            info = ray.get(self.info_ref, timeout=timeout_s)
+            info = self.info = ray.get(self.info_ref, timeout=timeout_s)
         except ray_errors.RayTaskError as err:
-            text = f"{type(err.cause).__name__}: {err.cause}".splitlines()[0]
+            text = f"{prefix}{type(err.cause).__name__}: {err.cause}".splitlines()[0]
             if isinstance(err.cause, SnapshotNotTaken):
                 raise restart_point.RestartPointLost(text) from err
             raise SnapshotFailed(text) from err
         except ray_errors.RayError as err:
-            raise restart_point.RestartPointLost(f"rank 0 was lost before its call-start snapshot was stored "
-                                                 f"({type(err).__name__})") from err
+            raise restart_point.RestartPointLost(f"rank {self.rank or 0} was lost before its call-start snapshot "
+                                                 f"was stored ({type(err).__name__})") from err
         point = restart_point.RestartPoint([self.data_ref], nbytes=info["bytes"], nodes=[info["node"]])
         for node, info_ref, data_ref in self.copies:
             try:
@@ -411,19 +414,9 @@ class PendingShardedPoint(PendingPoint):
         deadline = time.monotonic() + timeout_s
         pieces, head = [], None
         for rank, (info_ref, data_ref, node, copies) in enumerate(self.parts):
-            single = PendingPoint(self.token, info_ref, data_ref, node, copies)
-            try:
-                info = ray.get(info_ref, timeout=max(1.0, deadline - time.monotonic()))
-            except ray_errors.RayTaskError as err:
-                text = f"rank {rank}: {type(err.cause).__name__}: {err.cause}".splitlines()[0]
-                if isinstance(err.cause, SnapshotNotTaken):
-                    raise restart_point.RestartPointLost(text) from err
-                raise SnapshotFailed(text) from err
-            except ray_errors.RayError as err:
-                raise restart_point.RestartPointLost(f"rank {rank} was lost before its call-start snapshot was "
-                                                     f"stored ({type(err).__name__})") from err
-            head = info.get("head", head)
+            single = PendingPoint(self.token, info_ref, data_ref, node, copies, rank=rank)
             pieces.append(single.settle(max(1.0, deadline - time.monotonic())))
+            head = single.info.get("head", head)
         self._point = restart_point.ShardedPoint(pieces, head=head)
         return self._point
 
