@@ -66,8 +66,8 @@ class TorchTrainer:
         self._results = results.open_result_log(options.logdir)
         self._callbacks = CallbackList(([results.ResultLogCallback(self._results)] if self._results else [])
                                        + options.callbacks)  # the result log first, then the user's, in order
-        run = durable.open_run(options.storage_path, options.num_to_keep, options.resume, self._results,  # checked
-                               callbacks=self._callbacks, on_written=self._on_checkpoint)
+        run = durable.open_run(options.storage_path, options.num_to_keep, options.resume,  # checked
+                               on_written=self._on_checkpoint)
         self._shards = ray_data.ShardCache()
         self._controller = None
         self._last_call_s = self._last_checkpoint_s = None
@@ -91,7 +91,8 @@ class TorchTrainer:
                 group, operator_cls=options.training_operator_cls, initialization_hook=options.initialization_hook,
                 config=options.config, split=batch_split.splitter(options.fixed_worker_batch, self.max_replicas),
                 worker_range=(self.min_replicas, self.max_replicas), is_range=isinstance(options.num_workers, tuple),
-                timeout_s=options.timeout_s, commits=commits, durable=run, on_event=self._on_event)
+                timeout_s=options.timeout_s, commits=commits, durable=run, on_event=self._on_event,
+                components=self._components())
             self._controller.start()
         except BaseException:
             if self._controller is None:  # what the controller would have closed
@@ -150,6 +151,13 @@ class TorchTrainer:
     def callbacks(self):
         """The :class:`~raysgd.callbacks.CallbackList` the trainer calls (``logdir``'s result log first)."""
         return self._callbacks
+
+    def _components(self):
+        """The driver-side :class:`~raysgd.base.stateful.Stateful` components every durable checkpoint keeps, by their
+        keys in its marker (the names earlier versions wrote): the result log, rewound first on resume, then the
+        callbacks."""
+        components = {"result_rows": self._results} if self._results is not None else {}
+        return {**components, "callback_state": self._callbacks}
 
     def _on_event(self, kind, *args):
         """The controller's events, as callback hooks: ``failure`` -> ``on_failure``, ``resize`` -> ``on_resize``."""

@@ -37,7 +37,7 @@ import logging
 import time
 import types
 
-from raysgd.base import environment
+from raysgd.base import environment, stateful
 from raysgd.base.checks import expect, is_int
 from raysgd.callbacks import Failure
 from raysgd.torch import constants
@@ -78,6 +78,10 @@ class RunController(StateAccess):
             met (a :class:`~raysgd.callbacks.Failure`, recovered from or not), ``("resize", old, new)`` whenever
             the group's size changes and ``("state", old, new, why)`` at every move of the run
             (:class:`~raysgd.torch.execution.run_states.RunState`). Its errors are logged, never raised.
+        components: the driver-side :class:`~raysgd.base.stateful.Stateful` components kept with every durable
+            checkpoint, by name (the trainer's callbacks and result log): their ``state_dict()`` goes into each
+            checkpoint's marker under its name when it is submitted, and a resume hands each its state back
+            (:meth:`start`); storage never calls into them.
         stateless: the workers' code keeps its state itself, so the run takes no restart points and a restart loads
             nothing (a training function: it reads its latest checkpoint, which ``commits`` hands it on each
             attempt); else the workers' state is snapshotted, committed and loaded (an operator).
@@ -87,8 +91,9 @@ class RunController(StateAccess):
     """
 
     def __init__(self, group, *, operator_cls, initialization_hook, config, split, worker_range, is_range, timeout_s,
-                 commits, durable, resize_cooldown_s=None, on_event=None, stateless=False):
+                 commits, durable, resize_cooldown_s=None, on_event=None, stateless=False, components=None):
         self.group, self.commits, self.durable = group, commits, durable
+        self.components = stateful.check_components(components, "RunController")
         self._operator_cls, self.initialization_hook = operator_cls, initialization_hook  # settable: later starts
         self._requested_config, self._config, self._split = dict(config or {}), dict(config or {}), split
         self.min_workers, self.max_workers = worker_range
@@ -130,12 +135,15 @@ class RunController(StateAccess):
             self._emit("state", old, state, why)
 
     def start(self):
-        """Start the first group, then load ``storage_path``'s newest checkpoint (if resuming). A worker death while
-        starting raises ``RuntimeError`` from the :class:`WorkerFailure`."""
+        """Start the first group, then load ``storage_path``'s newest checkpoint (if resuming) and hand the driver-side
+        ``components`` their states from its marker. A worker death while starting raises ``RuntimeError`` from the
+        :class:`WorkerFailure`."""
         try:
             restarts.start_first_group(self._start_workers, self.group.how_many_fit, self.min_workers,
                                        self.max_workers, self._is_range, environment.get("SGD_PLACEMENT_GROUP_TIMEOUT_S"))
-            self.durable.resume(self.load_checkpoint, self._timeout_s)  # storage_path's newest (checked, safe)
+            restored = self.durable.resume(self.load_checkpoint, self._timeout_s)  # storage_path's newest (checked)
+            if restored is not None:  # e.g. the result log drops the rows logged after it: they are redone
+                stateful.load_state_dicts(self.components, restored.marker)
         except WorkerFailure as err:
             self._enter(RunState.ERRORED, "a worker died while starting")
             raise RuntimeError("Worker startup failed: a worker died while starting (see the cause).") from err
@@ -422,7 +430,7 @@ class RunController(StateAccess):
             if size is None and resumed is not None:
                 epoch = resumed.overlay[training_state.CURSOR]["epoch"]
                 self.durable.on_recovery(failure, lambda: self._part_of(resumed), epoch=epoch,
-                                         preempted=self.commits.resumed_preemption)
+                                         preempted=self.commits.resumed_preemption, states=self.component_states())
             try:
                 self._restart(resumed if resumed is not None else state, target=size)
             except RestartPointLost as lost:

@@ -13,6 +13,7 @@ Example:
 """
 import os
 
+from raysgd.base import stateful
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.state import checkpoint
 from raysgd.torch.state.restart_point import RestartPoint, ShardedPoint
@@ -25,7 +26,12 @@ class StateAccess:
 
     def on_result(self, phase, reduced):
         """A call's reduced result: checkpoint to ``storage_path`` when the durable run asks for it."""
-        self.durable.on_result(phase, reduced, self._checkpoint_part)
+        self.durable.on_result(phase, reduced, self._checkpoint_part, states=self.component_states())
+
+    def component_states(self):
+        """``{name: state_dict()}`` of the controller's driver-side ``components``, taken now (what a durable checkpoint
+        submitted now keeps in its marker)."""
+        return stateful.state_dicts(self.components)
 
     def _checkpoint_part(self):
         """The state file of a durable checkpoint of the current state (see :meth:`_part_of`)."""
@@ -127,14 +133,16 @@ class StateAccess:
         point = self.take_snapshot()
         if isinstance(point, ShardedPoint) and not consolidated:
             epoch = checkpoint.state_from_bytes(point.head)["rest"]["epoch"]
-            self.durable.submit(lambda: self._part_of(point), reason="save", epoch=epoch)  # storage_path too
+            self.durable.submit(lambda: self._part_of(point), states=self.component_states(), reason="save",
+                                epoch=epoch)  # storage_path too
             filesystem_, directory = filesystem.resolve(path)
             part = parts.ShardedRemoteParts(point, os.fspath(path), local="://" not in os.fspath(path),
                                             timeout_s=self._timeout_s)
             filesystem.write_checkpoint_dir(filesystem_, directory, part, {"reason": "save", "epoch": epoch})
             return path
         stream = self._stream_of(point)
-        return checkpoint.save_state(self.durable.on_save(checkpoint.state_from_bytes(stream), stream), path)
+        state = checkpoint.state_from_bytes(stream)
+        return checkpoint.save_state(self.durable.on_save(state, stream, states=self.component_states()), path)
 
     def latest_commit(self):
         """The latest complete commit of the running (or last) ``train()`` call as a state dict, or None."""

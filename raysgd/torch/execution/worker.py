@@ -435,7 +435,7 @@ class TorchWorker:
         """This process's random streams (see :func:`raysgd.torch.state.training_state.rng_state`), or those of a loaded state
         still waiting for its epoch (they apply when it starts)."""
         pending = self.committer.pending_rng()
-        return pending if pending is not None else _state.rng_state()
+        return pending if pending is not None else _state.RANDOM_STREAMS.state_dict()
 
     def load_state_stream(self, stream, weights_only=False):
         """Load :meth:`state_stream` bytes onto this worker's own device. The default trusts them (this job's own

@@ -172,6 +172,34 @@ class ResultLogger:
         """How many ``train`` results are logged (the ``step`` of the last one)."""
         return self._train_steps
 
+    def state_dict(self):
+        """What a checkpoint keeps of the log (:class:`~raysgd.base.stateful.Stateful`): ``{"train_rows": n}``, the
+        ``train`` results logged when it was taken.
+
+        Example:
+            >>> import tempfile
+            >>> log = ResultLogger(tempfile.mkdtemp(), tensorboard=False)
+            >>> log.log("train", {"train_loss": 1}); log.state_dict()
+            {'train_rows': 1}
+        """
+        return {"train_rows": self._train_steps}
+
+    def load_state_dict(self, state):
+        """Go back to what :meth:`state_dict` returned (also its older form, the row count alone): the rows logged
+        after it are dropped (:meth:`rewind`), so a resumed run that redoes them logs each once.
+
+        Example:
+            >>> import tempfile
+            >>> log = ResultLogger(tempfile.mkdtemp(), tensorboard=False)
+            >>> log.log("train", {"train_loss": 1}); saved = log.state_dict(); log.log("train", {"train_loss": 2})
+            >>> log.load_state_dict(saved); len(read_results(log.logdir))
+            1
+        """
+        rows = state.get("train_rows") if isinstance(state, dict) else state
+        expect(isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0, "state",
+               'a dict {"train_rows": an int >= 0}', state, TypeError, caller="ResultLogger.load_state_dict", call=True)
+        self.rewind(rows)
+
     def rewind(self, train_rows):
         """Forget what was logged after the first ``train_rows`` train results (a resumed run redoes it).
 

@@ -188,7 +188,7 @@ class Committer:
         """Just after the epoch's iterator was made (it draws from torch's stream): restore the loaded streams and
         carry the loaded committed metrics into this call's."""
         if self.resume is not None:
-            _state.set_rng_state(self.resume["rng"])
+            _state.RANDOM_STREAMS.load_state_dict(self.resume["rng"])
             self.carried = self.resume["share"]
             self.resume = None
 
@@ -223,7 +223,7 @@ class Committer:
                        "share": _state.meters_share(meters, rank, world_size)} if cursor else None
         self.carried = None
         if cursor is None and rng is not None:
-            _state.set_rng_state(rng)
+            _state.RANDOM_STREAMS.load_state_dict(rng)
 
     # ----------------------------------------------------------------- the wrapped batches
     def batches(self, worker, batches, plan, loader_of):
@@ -300,7 +300,7 @@ class Committer:
         op = worker.operator
         partial = op.metrics_so_far()  # the epoch's metrics so far: a loaded committed part counts too
         meters = None if partial is None else merge_partial(self.carried, partial)
-        record = {"rng": _state.rng_state(), "meters": meters,
+        record = {"rng": _state.RANDOM_STREAMS.state_dict(), "meters": meters,
                   "cursor": {"epoch": worker.epochs, "consumed": int(consumed), "steps": self.epoch_steps,
                              "call_steps": self.call_steps, "attempt": plan.attempt, "call": plan.call_tag}}
         self.flush()  # at most one commit in flight: its buffer is gone before the next one is made

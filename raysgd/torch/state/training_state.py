@@ -126,6 +126,33 @@ def set_rng_state(state):
             torch.cuda.set_rng_state(_as_tensor(states[index]), index)
 
 
+class RandomStreams:
+    """This process's random streams as one :class:`~raysgd.base.stateful.Stateful` component: ``state_dict()`` is
+    :func:`rng_state`, ``load_state_dict`` is :func:`set_rng_state` (None: the streams go on as they are).
+
+    Example:
+        >>> import torch
+        >>> streams = RandomStreams()
+        >>> saved = streams.state_dict()
+        >>> a = torch.rand(1)
+        >>> streams.load_state_dict(saved)
+        >>> bool(torch.rand(1) == a)
+        True
+    """
+
+    def state_dict(self):
+        """Every random stream of this process now (see :func:`rng_state`)."""
+        return rng_state()
+
+    def load_state_dict(self, state):
+        """Put back what :meth:`state_dict` returned (also its older tensor form)."""
+        set_rng_state(state)
+
+
+#: The process's random streams (a process has one set: a single component serves every caller).
+RANDOM_STREAMS = RandomStreams()
+
+
 @contextlib.contextmanager
 def preserved_rng():
     """Leave every random stream of this process as it was on entry (e.g. around validation, whose data loader

@@ -7,6 +7,9 @@ newest one's state file read and loaded on the workers' side (:meth:`DurableRun.
 one when it is damaged), and writes the state the trainer hands it at the end of every ``train()``, at ``save()``
 and, after a worker's preemption, the commit it took (:meth:`DurableRun.on_recovery`), on a background thread
 (:class:`~raysgd.torch.storage.async_writer.AsyncWriter`: one upload in flight, the newest waiting one wins).
+With each state it writes the states its caller hands it (``states``: the driver-side components', such as the
+callbacks' and the result log's, :mod:`raysgd.base.stateful`) into the marker, and :meth:`DurableRun.resume` returns
+that marker: the caller restores its components from it. Storage writes what it is given and calls into nothing.
 After a ``train()`` that state is a part written by a task on the node holding it
 (:class:`~raysgd.torch.storage.parts.RemotePart`); this thread writes only the marker. The storage format is
 :mod:`raysgd.torch.storage.filesystem`'s.
@@ -44,13 +47,13 @@ class NoStorage:
     def submit(self, stream, **meta):
         pass
 
-    def on_result(self, phase, result, stream):
+    def on_result(self, phase, result, stream, states=None):
         pass
 
-    def on_save(self, state, stream):
+    def on_save(self, state, stream, states=None):
         return state
 
-    def on_recovery(self, failure, part, epoch=None, preempted=False):
+    def on_recovery(self, failure, part, epoch=None, preempted=False, states=None):
         pass
 
     def flush(self, timeout_s=None):
@@ -60,14 +63,11 @@ class NoStorage:
         pass
 
 
-def open_run(storage_path, num_to_keep=2, resume=True, result_log=None, callbacks=None, on_written=None):
+def open_run(storage_path, num_to_keep=2, resume=True, on_written=None):
     """``TorchTrainer(storage_path=...)``: a checked :class:`DurableRun`, or :class:`NoStorage` without a path.
 
-    ``result_log`` (the trainer's :class:`~raysgd.torch.integrations.results.ResultLogger`, if any) is rewound on resume;
-    ``callbacks`` (anything with ``state_dict()`` and ``load_state_dict(state)``, such as a
-    :class:`~raysgd.callbacks.CallbackList`) has its state kept in every marker (``callback_state``) and handed back on
-    resume; ``on_written(path, seconds)`` runs (on the writer thread) after each checkpoint is complete, with the
-    seconds its write took.
+    ``on_written(path, seconds)`` runs (on the writer thread) after each checkpoint is complete, with the seconds its
+    write took.
 
     Example:
         >>> open_run(None).resume(None) is None
@@ -81,7 +81,7 @@ def open_run(storage_path, num_to_keep=2, resume=True, result_log=None, callback
         return NoStorage()
     checkpoints = filesystem.CheckpointStorage(storage_path, num_to_keep)  # without pyarrow: says what to install
     checkpoints.check_writable()  # a real write and delete, before any actor starts
-    run = DurableRun(checkpoints, resume=resume, result_log=result_log, callbacks=callbacks, on_written=on_written)
+    run = DurableRun(checkpoints, resume=resume, on_written=on_written)
     run.start_restore()  # reads the newest checkpoint while Ray and the workers start
     return run
 
@@ -89,11 +89,10 @@ def open_run(storage_path, num_to_keep=2, resume=True, result_log=None, callback
 class DurableRun:
     """Automatic checkpoints of one trainer (see the module docstring)."""
 
-    def __init__(self, checkpoint_storage, resume=True, result_log=None, callbacks=None, on_written=None):
+    def __init__(self, checkpoint_storage, resume=True, on_written=None):
         self.storage = checkpoint_storage
         self.resume_enabled = resume
-        self.result_log = result_log
-        self.callbacks, self._on_written = callbacks, on_written
+        self._on_written = on_written
         self._writer = async_writer.AsyncWriter()
         self._reader = None
         self._restored = None
@@ -132,9 +131,10 @@ class DurableRun:
     def resume(self, load_checkpoint, timeout_s=None):
         """Load the newest complete checkpoint with ``load_checkpoint(directory, marker)``, which reads and checks its
         state file on the workers' side and raises :class:`~raysgd.torch.storage.filesystem.DamagedCheckpoint` when it
-        does not match its marker: the previous one is then tried (logged). Rewinds the result log and hands the
-        callbacks their state. Returns the :class:`~raysgd.torch.storage.filesystem.Restored` checkpoint (its
-        ``stream`` None), or None (nothing to resume from)."""
+        does not match its marker: the previous one is then tried (logged). Returns the
+        :class:`~raysgd.torch.storage.filesystem.Restored` checkpoint (its ``stream`` None; its ``marker`` holds the
+        ``states`` written with it, for the caller to restore its components from), or None (nothing to resume
+        from)."""
         for directory, marker in self._candidates(timeout_s):
             try:
                 load_checkpoint(directory, marker)
@@ -143,28 +143,23 @@ class DurableRun:
                 continue
             logger.info("Resuming from %s (epoch %s, written at the end of %s)", directory, marker.get("epoch"),
                         marker.get("reason", "?"))
-            rows = marker.get("result_rows")
-            if self.result_log is not None and rows is not None:
-                self.result_log.rewind(rows)  # rows logged after the checkpoint are redone: no duplicates
-            if self.callbacks is not None:
-                self.callbacks.load_state_dict(marker.get("callback_state"))
             return filesystem.Restored(None, marker, directory)
         if self._reader is not None:
             logger.info("No checkpoint in %s: starting a new run", self.storage.storage_path)
         return None
 
-    def submit(self, stream, raise_error=True, **meta):
+    def submit(self, stream, raise_error=True, states=None, **meta):
         """Write ``stream`` (trainer state bytes, or a function returning them) with ``meta`` in its marker.
 
         Asynchronous: see :class:`~raysgd.torch.storage.async_writer.AsyncWriter`; an earlier write's failure is raised
-        here (``raise_error=False``: later). The marker also records how many train rows the result log holds
-        and the callbacks' state (``callback_state``), for :meth:`resume`.
+        here (``raise_error=False``: later). ``states`` (``{name: JSON-able state}``, taken by the caller now, so
+        that they match the results logged so far) go into the marker too, each under its name, for :meth:`resume`.
         """
         stream = stream() if callable(stream) else stream
-        if self.result_log is not None:
-            meta["result_rows"] = self.result_log.train_rows
-        if self.callbacks is not None:
-            meta["callback_state"] = self.callbacks.state_dict()  # now: it matches the results logged so far
+        clash = sorted(set(states or {}) & set(meta))
+        expect(not clash, "states", "names apart from the marker's own keys", clash, caller="DurableRun.submit",
+               call=True)
+        meta.update(states or {})
         self._writer.submit(self._write, stream, meta, raise_error=raise_error,
                             description=f"checkpoint of epoch {meta.get('epoch')} to {self.storage.storage_path}")
 
@@ -179,17 +174,18 @@ class DurableRun:
                 logger.warning("on_written(%s) raised", path, exc_info=True)
         return path
 
-    def on_result(self, phase, result, stream):
-        """After a ``train()`` result was logged: checkpoint the state (``stream``: bytes or a function returning them)."""
+    def on_result(self, phase, result, stream, states=None):
+        """After a ``train()`` result was logged: checkpoint the state (``stream``: bytes or a function returning them)
+        with ``states`` in its marker (see :meth:`submit`)."""
         if phase == "train":
-            self.submit(stream, reason="train", epoch=result.get("epoch"))
+            self.submit(stream, states=states, reason="train", epoch=result.get("epoch"))
 
-    def on_save(self, state, stream):
+    def on_save(self, state, stream, states=None):
         """At ``save()``: checkpoint ``state`` (whose bytes ``stream`` gives) to storage too; returns ``state``."""
-        self.submit(stream, reason="save", epoch=state["epoch"])
+        self.submit(stream, states=states, reason="save", epoch=state["epoch"])
         return state
 
-    def on_recovery(self, failure, part, epoch=None, preempted=False):
+    def on_recovery(self, failure, part, epoch=None, preempted=False, states=None):
         """Recovering from ``failure``: checkpoint the commit resumed from (of ``epoch``; ``part``: a function
         returning its state bytes or a part written elsewhere) when it is a preemption commit: ``preempted`` (the
         ranks marked it so in the commit store before any exited) or a rank's error says so. A process's exit may
@@ -199,7 +195,7 @@ class DurableRun:
             if failed is not None:
                 logger.warning("An earlier checkpoint write failed (%s): recovering anyway; the error is raised at "
                                "the end of this call (or by save() or shutdown())", failed)
-            self.submit(part, raise_error=False, reason="preemption", epoch=epoch)
+            self.submit(part, raise_error=False, states=states, reason="preemption", epoch=epoch)
 
     def flush(self, timeout_s=None):
         """Wait until every submitted checkpoint is durable (raises a failed write's error)."""
