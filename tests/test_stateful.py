@@ -11,6 +11,7 @@ import torch
 from raysgd.base.stateful import Stateful, check_components, load_state_dicts, state_dicts
 from raysgd.callbacks import Callback, CallbackList
 from raysgd.torch.integrations.results import ResultLogger, read_results
+from raysgd.torch.sharding.cursor import DataCursor
 from raysgd.torch.state.checkpoint import state_to_bytes
 from raysgd.torch.state.training_state import RandomStreams
 from raysgd.torch.storage import durable
@@ -95,3 +96,15 @@ def test_durable_run_writes_the_states_it_is_handed_and_resume_returns_them(tmp_
     again.close()
     assert restored.marker["callback_state"] == {"0:Counter": {"n": 1}} and restored.marker["epoch"] == 1
     assert os.path.isdir(restored.path)
+
+
+def test_the_data_cursor_saves_and_checks_what_it_loads():
+    cursor = DataCursor(3, 24, 3, 5, attempt=1, call="run/7")
+    assert isinstance(cursor, Stateful)
+    state = cursor.state_dict()
+    assert state == {"epoch": 3, "consumed": 24, "steps": 3, "call_steps": 5, "attempt": 1, "call": "run/7"}
+    assert DataCursor.of(state).state_dict() == state
+    with pytest.raises(ValueError, match="DataCursor: steps expects an int >= 0; got None"):
+        DataCursor.of({"epoch": 3, "consumed": 24})
+    with pytest.raises(TypeError, match="DataCursor: state expects a dict"):
+        cursor.load_state_dict([3, 24, 3])

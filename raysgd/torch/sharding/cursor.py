@@ -112,6 +112,53 @@ def _check_shard_args(total, start, rank, world_size, batch_size):
         raise ValueError(f"shard_positions: the cursor start must be in [0, total={total}]; got {start}")
 
 
+class DataCursor:
+    """Where a training epoch stopped, as a :class:`~raysgd.base.stateful.Stateful` component: the ``epoch``, the
+    positions of its stream ``consumed`` by all ranks together, the ``steps`` (batches) trained in it and the
+    ``call_steps`` of the call that took it; ``tags`` (such as the commit's ``attempt`` and ``call``) are kept as
+    given. ``state_dict()`` is the training state's ``cursor``; ``load_state_dict`` checks one (a field that is not
+    an int >= 0 raises naming it; ``call_steps`` defaults to 0).
+
+    Example:
+        >>> cursor = DataCursor.of({"epoch": 2, "consumed": 16, "steps": 2})
+        >>> cursor.consumed, cursor.state_dict()
+        (16, {'epoch': 2, 'consumed': 16, 'steps': 2, 'call_steps': 0})
+        >>> DataCursor.of({"epoch": 2, "consumed": -1, "steps": 0})
+        Traceback (most recent call last):
+        ValueError: DataCursor: consumed expects an int >= 0; got -1
+    """
+
+    FIELDS = ("epoch", "consumed", "steps", "call_steps")
+
+    def __init__(self, epoch=0, consumed=0, steps=0, call_steps=0, **tags):
+        self.load_state_dict({"epoch": epoch, "consumed": consumed, "steps": steps, "call_steps": call_steps, **tags})
+
+    @classmethod
+    def of(cls, state):
+        """A cursor loaded from ``state`` (what :meth:`state_dict` returned)."""
+        cursor = cls.__new__(cls)
+        cursor.load_state_dict(state)
+        return cursor
+
+    def state_dict(self):
+        """``{"epoch", "consumed", "steps", "call_steps", **tags}``: plain ints (they may go into JSON markers)."""
+        return {"epoch": self.epoch, "consumed": self.consumed, "steps": self.steps, "call_steps": self.call_steps,
+                **self.tags}
+
+    def load_state_dict(self, state):
+        """Take the fields of ``state`` (checked; see the class docstring)."""
+        expect(isinstance(state, dict), "state", "a dict with epoch, consumed and steps", state, TypeError,
+               caller="DataCursor")
+        state = {"call_steps": 0, **state}
+        for name in self.FIELDS:
+            expect(_cursor_int(state.get(name)), name, "an int >= 0", state.get(name), caller="DataCursor")
+        self.epoch, self.consumed, self.steps, self.call_steps = (state[name] for name in self.FIELDS)
+        self.tags = {key: value for key, value in state.items() if key not in self.FIELDS}
+
+    def __repr__(self):
+        return f"DataCursor({self.state_dict()!r})"
+
+
 class ShardSampler(Sampler):
     """This rank's share of ``base``'s stream for the current epoch, from the cursor :attr:`start`.
 

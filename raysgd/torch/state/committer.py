@@ -34,6 +34,7 @@ import torch
 
 from raysgd.meters import merge_partial
 from raysgd.torch.sharding import loaders as _data
+from raysgd.torch.sharding.cursor import DataCursor
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.state import training_state as _state
 from raysgd.torch.state.commit_stats import process_stats
@@ -214,12 +215,12 @@ class Committer:
         consumed = _cursor_of(loader, self.iter_batches) if loader is not None else None
         if consumed is None:
             return None
-        return {"epoch": epochs, "consumed": int(consumed), "steps": self.epoch_steps, "call_steps": 0}
+        return DataCursor(epochs, int(consumed), self.epoch_steps).state_dict()
 
     def load(self, cursor, rng, meters=None, rank=0, world_size=1):
         """Remember a loaded commit: the next epoch starts at its cursor with its random streams, and the call that
         resumes it reports its committed metrics too (``meters``: per rank of the group that committed)."""
-        self.resume = {"cursor": dict(cursor), "rng": rng, "meters": list(meters) if meters else None,
+        self.resume = {"cursor": DataCursor.of(cursor).state_dict(), "rng": rng, "meters": list(meters) if meters else None,
                        "share": _state.meters_share(meters, rank, world_size)} if cursor else None
         self.carried = None
         if cursor is None and rng is not None:
@@ -301,8 +302,8 @@ class Committer:
         partial = op.metrics_so_far()  # the epoch's metrics so far: a loaded committed part counts too
         meters = None if partial is None else merge_partial(self.carried, partial)
         record = {"rng": _state.RANDOM_STREAMS.state_dict(), "meters": meters,
-                  "cursor": {"epoch": worker.epochs, "consumed": int(consumed), "steps": self.epoch_steps,
-                             "call_steps": self.call_steps, "attempt": plan.attempt, "call": plan.call_tag}}
+                  "cursor": DataCursor(worker.epochs, int(consumed), self.epoch_steps, self.call_steps,
+                                       attempt=plan.attempt, call=plan.call_tag).state_dict()}
         self.flush()  # at most one commit in flight: its buffer is gone before the next one is made
         key = (plan.call_id, plan.attempt, self.call_steps)  # records of one attempt only complete a commit
         try:
