@@ -4,6 +4,8 @@
   was given, before any actor starts.
 - :mod:`raysgd.base.environment`: every environment variable raysgd reads, in one table (name, default, check,
   doc), read through :func:`raysgd.base.environment.get`.
+- :mod:`raysgd.base.stateful`: the ``Stateful`` protocol (``state_dict``/``load_state_dict``) every component a
+  checkpoint holds follows, and the save and restore of a named mapping of them.
 
 Layer -1: below the exceptions, keys and meters of layer 0, so that every module may import it; it imports nothing
 of raysgd and nothing outside the standard library.

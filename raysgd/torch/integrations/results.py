@@ -12,6 +12,9 @@ its own. Files in ``logdir``:
 - TensorBoard event files (``tensorboardX``, ``pip install 'raysgd[logging]'``): every numeric
   metric as the scalar ``train/<name>`` or ``validate/<name>`` at ``step``.
 
+A :class:`ResultLogger` is :class:`~raysgd.base.stateful.Stateful`: a durable checkpoint keeps its
+``state_dict()`` (the train rows logged), and a resumed run's ``load_state_dict`` drops the rows logged after it.
+
 Example:
     >>> import os, tempfile
     >>> log = ResultLogger(tempfile.mkdtemp(), tensorboard=False)

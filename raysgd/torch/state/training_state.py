@@ -8,11 +8,13 @@ The state is a dict that ``torch.load(weights_only=True)`` accepts (tensors, num
 dicts; random states as bytes and lists, so two states compare with ``==`` where their tensors do)::
 
     {"epoch", "global_step", "operator", "models", "optimizers"[, "schedulers"][, "amp_*"],
-     "rng": [one dict per rank],                  # optional: torch CPU/CUDA, numpy, Python random
-     "cursor": {"epoch", "consumed", "steps", "call_steps"},  # optional: a commit inside an epoch
+     "rng": [one dict per rank],                  # optional: torch CPU/CUDA, numpy, Python random (RandomStreams)
+     "cursor": {"epoch", "consumed", "steps", "call_steps"},  # optional: a commit inside an epoch (DataCursor)
      "meters": [one partial summary per rank]}    # optional: the committed part of the epoch's metrics
 
-Old checkpoints without the optional keys still load.
+Old checkpoints without the optional keys still load. Each part is a component's own ``state_dict()`` (the
+:class:`~raysgd.base.stateful.Stateful` protocol): the operator's, its precision's, the process's
+:class:`RandomStreams`, the committer's :class:`~raysgd.torch.sharding.cursor.DataCursor`.
 
 Example:
     >>> import torch
