@@ -1,6 +1,7 @@
 """Shared fixtures: one real local Ray cluster per test module, multi-node clusters, and clean-up checks."""
 import contextlib
 import os
+import sys
 
 import pytest
 
@@ -15,11 +16,32 @@ for _key, _value in s3_server.CREDENTIALS.items():
 
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(TESTS_DIR)
+
+
+def _test_folders():
+    """tests/ (the shared support modules: helpers.py, train_functions.py, s3_server.py, ...) and every folder below
+    it holding test modules (tests/README.md maps them)."""
+    folders = [TESTS_DIR]
+    for area in ("unit", "cluster", "api", "repo"):
+        for folder, _, names in sorted(os.walk(os.path.join(TESTS_DIR, area))):
+            if any(name.startswith("test_") and name.endswith(".py") for name in names):
+                folders.append(folder)
+    return folders
+
+
+#: Pytest imports a test module by its basename, so a function or class defined in one is pickled by that name:
+#: Ray's workers import it from these folders (``worker_env``), and a test imports another's helpers
+#: (``from test_durable_driver import ...``) whichever folder pytest collected first.
+TEST_FOLDERS = _test_folders()
+for _folder in reversed(TEST_FOLDERS):
+    if _folder not in sys.path:
+        sys.path.insert(0, _folder)
 
 
 def worker_env(extra_paths=()):
-    """runtime_env letting workers import the test helpers (tests/helpers.py) by name."""
-    paths = [*extra_paths, TESTS_DIR, os.environ.get("PYTHONPATH", "")]
+    """runtime_env letting workers import the test helpers (tests/helpers.py) and test modules by name."""
+    paths = [*extra_paths, *TEST_FOLDERS, os.environ.get("PYTHONPATH", "")]
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}}
 
 
@@ -28,7 +50,7 @@ def start_ray(num_cpus, runtime_env=None, **kwargs):
 
     No dashboard (no test needs it; with ``ray[default]``, which the test extra brings, a cluster's head would start
     it: about 7 s more per multi-node cluster here); every node's metrics agent still runs and exports
-    ``ray.util.metrics`` (tests/test_ray_metrics.py)."""
+    ``ray.util.metrics`` (tests/cluster/integrations/test_ray_metrics.py)."""
     import ray
 
     if ray.is_initialized():
