@@ -19,7 +19,6 @@ import torch
 import raysgd.torch.errors
 import raysgd.train
 import s3_server
-from conftest import start_ray
 from helpers import LinearOperator
 from raysgd import TorchTrainer
 from raysgd.cli import export
@@ -39,26 +38,22 @@ def report_twice(config):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, ray_2cpus):
     root = tmp_path_factory.mktemp("runs")
-    ray = start_ray(2)
-    try:
-        ddp = TorchTrainer(training_operator_cls=LinearOperator, num_workers=2, storage_path=str(root / "ddp"),
-                           num_to_keep=2, config=CONFIG)
-        for _ in range(3):
-            ddp.train()
-        ddp.save(str(root / "ddp_saved.pt"))
-        ddp_model = {k: v.clone() for k, v in ddp.get_model().state_dict().items()}
-        ddp.shutdown()
-        fsdp = TorchTrainer(training_operator_cls=LinearOperator, num_workers=2, strategy="fsdp", config=CONFIG)
-        fsdp.train()
-        fsdp.save(str(root / "fsdp_saved"))
-        fsdp_model = {k: v.clone() for k, v in fsdp.get_model().state_dict().items()}
-        fsdp.shutdown()
-        FunctionTrainer(report_twice, scaling_config=ScalingConfig(num_workers=1),
-                        run_config=RunConfig(name="fn", storage_path=str(root / "train"))).fit()
-    finally:
-        ray.shutdown()
+    ddp = TorchTrainer(training_operator_cls=LinearOperator, num_workers=2, storage_path=str(root / "ddp"),
+                       num_to_keep=2, config=CONFIG)
+    for _ in range(3):
+        ddp.train()
+    ddp.save(str(root / "ddp_saved.pt"))
+    ddp_model = {k: v.clone() for k, v in ddp.get_model().state_dict().items()}
+    ddp.shutdown()
+    fsdp = TorchTrainer(training_operator_cls=LinearOperator, num_workers=2, strategy="fsdp", config=CONFIG)
+    fsdp.train()
+    fsdp.save(str(root / "fsdp_saved"))
+    fsdp_model = {k: v.clone() for k, v in fsdp.get_model().state_dict().items()}
+    fsdp.shutdown()
+    FunctionTrainer(report_twice, scaling_config=ScalingConfig(num_workers=1),
+                    run_config=RunConfig(name="fn", storage_path=str(root / "train"))).fit()
     return {"root": root, "ddp": root / "ddp", "file": root / "ddp_saved.pt", "fsdp": root / "fsdp_saved",
             "train": root / "train" / "fn", "ddp_model": ddp_model, "fsdp_model": fsdp_model}
 

@@ -20,7 +20,7 @@ import raysgd.train
 from raysgd.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
 from raysgd.train.torch import TorchConfig, TorchTrainer, prepare_data_loader, prepare_model
 
-from conftest import REPO_DIR, assert_released, start_ray
+from conftest import REPO_DIR, assert_released
 
 REPO = REPO_DIR
 N, BATCH, EPOCHS = 32, 4, 2  # 2 workers: 4 global steps per epoch
@@ -28,10 +28,8 @@ FAST = TorchConfig(timeout_s=30)
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray = start_ray(2)
-    yield ray
-    ray.shutdown()
+def cluster(ray_2cpus):
+    return ray_2cpus
 
 
 def counting_loop(config):

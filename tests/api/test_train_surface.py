@@ -406,12 +406,8 @@ def test_the_coming_from_ray_train_table_lists_every_public_ray_train_name_truly
 
 # ------------------------------------------------------------------------ in training functions, on a real cluster
 @pytest.fixture(scope="module")
-def cluster():
-    from conftest import start_ray
-
-    ray = start_ray(2)
-    yield ray
-    ray.shutdown()
+def cluster(ray_2cpus):
+    return ray_2cpus
 
 
 def collective_loop(config):
