@@ -1,4 +1,4 @@
-"""Shared fixtures: one real local Ray cluster per test module, multi-node clusters, and clean-up checks."""
+"""Shared fixtures: real local Ray clusters (one per size, shared by the modules that ask in turn), multi-node clusters, and clean-up checks."""
 import contextlib
 import logging
 import os
