@@ -1,4 +1,5 @@
-"""Shared fixtures: real local Ray clusters (one per size, shared by the modules that ask in turn), multi-node clusters, and clean-up checks."""
+"""Shared fixtures: real local Ray clusters (one per size, shared by the modules that ask for it in turn),
+multi-node clusters, and clean-up checks."""
 import contextlib
 import logging
 import os
