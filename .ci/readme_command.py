@@ -8,7 +8,7 @@ README's first command installs the checkout (``pip install -c constraints.txt .
 installs that, not an editable link). With ``--wheel`` the install target ``.`` is replaced by the wheel
 ``python -m build`` made, so CI checks the very file it would publish, and nothing else of the command changes.
 
-Standard library only (it runs before any virtual environment exists). tests/test_repository.py
+Standard library only (it runs before any virtual environment exists). tests/repo/test_repository.py
 checks that it finds README's commands and that .ci/run runs them.
 """
 import pathlib

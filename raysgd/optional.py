@@ -1,7 +1,7 @@
 """Optional dependencies: import one when a feature needs it, or raise an ImportError naming the extra to install.
 
 Layer 0: the standard library only. This is the one home of the extra names: :data:`EXTRAS` says which
-``pip install "raysgd[...]"`` extra brings each optional module (``tests/test_repository.py`` checks it
+``pip install "raysgd[...]"`` extra brings each optional module (``tests/repo/test_repository.py`` checks it
 against ``setup.py``). ``import raysgd`` and a plain training run need none of them; a module that uses
 one imports it through :func:`require` (inside the function that needs it) or :func:`lazy` (a module-level
 name that imports on first use), so a missing package fails only the feature that needs it, with a

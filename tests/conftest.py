@@ -1,6 +1,9 @@
-"""Shared fixtures: one real local Ray cluster per test module, multi-node clusters, and clean-up checks."""
+"""Shared fixtures: real local Ray clusters (one per size, shared by the modules that ask for it in turn),
+multi-node clusters, and clean-up checks."""
 import contextlib
+import logging
 import os
+import sys
 
 import pytest
 
@@ -14,28 +17,142 @@ for _key, _value in s3_server.CREDENTIALS.items():
     os.environ.setdefault(_key, _value)
 
 
+_log = logging.getLogger("tests.conftest")
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(TESTS_DIR)
+
+
+def _test_folders():
+    """tests/ (the shared support modules: helpers.py, train_functions.py, s3_server.py, ...) and every folder below
+    it holding test modules (tests/README.md maps them)."""
+    folders = [TESTS_DIR]
+    for area in ("unit", "cluster", "api", "repo"):
+        for folder, _, names in sorted(os.walk(os.path.join(TESTS_DIR, area))):
+            if any(name.startswith("test_") and name.endswith(".py") for name in names):
+                folders.append(folder)
+    return folders
+
+
+#: Pytest imports a test module by its basename, so a function or class defined in one is pickled by that name:
+#: Ray's workers import it from these folders (``worker_env``), and a test imports another's helpers
+#: (``from test_durable_driver import ...``) whichever folder pytest collected first.
+TEST_FOLDERS = _test_folders()
+for _folder in reversed(TEST_FOLDERS):
+    if _folder not in sys.path:
+        sys.path.insert(0, _folder)
 
 
 def worker_env(extra_paths=()):
-    """runtime_env letting workers import the test helpers (tests/helpers.py) by name."""
-    paths = [*extra_paths, TESTS_DIR, os.environ.get("PYTHONPATH", "")]
+    """runtime_env letting workers import the test helpers (tests/helpers.py) and test modules by name."""
+    paths = [*extra_paths, *TEST_FOLDERS, os.environ.get("PYTHONPATH", "")]
     return {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}}
 
 
 def start_ray(num_cpus, runtime_env=None, **kwargs):
-    """Start a fresh local cluster (never attach to another one).
+    """Start a fresh local cluster (never attach to another one), or reuse the shared one.
 
     No dashboard (no test needs it; with ``ray[default]``, which the test extra brings, a cluster's head would start
     it: about 7 s more per multi-node cluster here); every node's metrics agent still runs and exports
-    ``ray.util.metrics`` (tests/test_ray_metrics.py)."""
+    ``ray.util.metrics`` (tests/cluster/integrations/test_ray_metrics.py).
+
+    A plain cluster (``num_cpus`` only: the default runtime_env, no other argument) is shared by the modules that ask
+    for one of the same size, one after another: starting and stopping a cluster costs ~5 s, and ~30 modules ask.
+    It is reused only when it is the cluster this function started, still has its one node and its CPUs, and the
+    module before left nothing behind (no live actor or placement group, every CPU free, waited for as
+    ``assert_released`` does); otherwise a fresh one starts. Anything else (a runtime_env, GPUs, a system config)
+    gets a cluster of its own."""
     import ray
 
+    shareable = runtime_env is None and not kwargs
+    if shareable and _reusable(num_cpus):
+        _log.info("reusing the shared %d-CPU cluster", num_cpus)
+        return ray
+    _log.info("starting a %d-CPU cluster (%s)", num_cpus, "shared" if shareable else "its own")
+    _SHARED.clear()
     if ray.is_initialized():
         ray.shutdown()
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env or worker_env(),
              **kwargs)
+    if shareable:
+        _SHARED.update(num_cpus=num_cpus, node=ray.get_runtime_context().get_node_id())
     return ray
+
+
+#: The plain cluster start_ray left running for the next module of its size: its CPUs and its head node's id.
+_SHARED = {}
+
+
+def _reusable(num_cpus, settle_s=5.0):
+    """Whether the running cluster is the shared one of ``num_cpus`` CPUs, whole and left clean (see start_ray)."""
+    import time
+
+    import ray
+
+    if not ray.is_initialized() or _SHARED.get("num_cpus") != num_cpus:
+        return False
+    if ray.get_runtime_context().get_node_id() != _SHARED.get("node"):  # someone re-initialised Ray in between
+        return False
+    if sum(1 for node in ray.nodes() if node["Alive"]) != 1 or ray.cluster_resources().get("CPU") != num_cpus:
+        return False
+    deadline = time.monotonic() + settle_s  # Ray's view of a release lags it by up to ~0.25 s
+    while time.monotonic() < deadline:
+        if not live_actors() and not live_placement_groups() and ray.available_resources().get("CPU") == num_cpus:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+#: The shared clusters' fixtures, by their CPUs (see start_ray).
+SHARED_FIXTURES = {"ray_2cpus": 2, "ray_4cpus": 4}
+
+
+def _shared_size(items):
+    """The CPUs of the shared cluster a module's tests ask for (through ``ray_2cpus``/``ray_4cpus``), else 0."""
+    return max((SHARED_FIXTURES.get(name, 0) for item in items for name in getattr(item, "fixturenames", ())),
+               default=0)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Modules that share a cluster of one size run one after another (modules without a shared cluster first), so
+    each size starts once instead of once per module; within a module, and among modules of one size, the order
+    stays as collected."""
+    modules = {}
+    for item in items:
+        modules.setdefault(_module_name(item), []).append(item)
+    _MODULE_SIZES.update({name: _shared_size(module) for name, module in modules.items()})
+    order = sorted(modules.values(), key=_shared_size)  # stable: the collected order within a size
+    items[:] = [item for module in order for item in module]
+
+
+#: Each collected module's shared-cluster size (pytest_collection_modifyitems).
+_MODULE_SIZES = {}
+
+
+def _module_name(item):
+    module = getattr(item, "module", None)
+    return module.__name__ if module is not None else item.nodeid.split("::")[0]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_cluster_left_from_another_module(request):
+    """A module that asks for no shared cluster starts with none running, as when every module stopped its own:
+    the shared one left by the module before is stopped first."""
+    if _SHARED and not _MODULE_SIZES.get(request.module.__name__, 0):
+        import ray
+
+        _SHARED.clear()
+        ray.shutdown()
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_the_shared_cluster():
+    """The shared cluster (see start_ray) is stopped once, after the last module."""
+    yield
+    if _SHARED:
+        import ray
+
+        ray.shutdown()
 
 
 #: Node deaths noticed in about 2 s (Ray's default health check takes much longer).
@@ -71,16 +188,14 @@ def two_node_cluster():
 
 @pytest.fixture(scope="module")
 def ray_2cpus():
-    ray = start_ray(2)
-    yield ray
-    ray.shutdown()
+    """A local 2-CPU cluster, shared with the next module that asks for one when this module leaves it clean."""
+    return start_ray(2)
 
 
 @pytest.fixture(scope="module")
 def ray_4cpus():
-    ray = start_ray(4)
-    yield ray
-    ray.shutdown()
+    """A local 4-CPU cluster, shared like ``ray_2cpus``."""
+    return start_ray(4)
 
 
 @pytest.fixture(autouse=True)

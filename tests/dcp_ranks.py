@@ -1,4 +1,4 @@
-"""The ranks of tests/test_sharded_state.py: one spawned gloo world of 3 CPU processes runs every distributed check.
+"""The ranks of tests/unit/state/test_sharded_state.py: one spawned gloo world of 3 CPU processes runs every distributed check.
 
 FSDP2 (``fully_shard``) models on CPU device meshes built from sub-groups of the world: ranks 0 and 1 train and save
 (a 2-rank mesh), all 3 load (the world), rank 0 alone loads again (a 1-rank group). What each load gives is written

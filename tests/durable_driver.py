@@ -1,4 +1,4 @@
-"""A seeded driver script with a durable run, for the driver-crash tests (tests/test_durable_driver.py).
+"""A seeded driver script with a durable run, for the driver-crash tests (tests/cluster/storage/test_durable_driver.py).
 
     python tests/durable_driver.py STORAGE LOGDIR OUT [--pause-after N --marker PATH] [--counting] [--config JSON]
     python tests/durable_driver.py STORAGE LOGDIR OUT --and-counting OUT2

@@ -1,4 +1,4 @@
-"""LightningModules for tests/test_lightning.py (importable by workers: tests/ is on their path)."""
+"""LightningModules for tests/api/test_lightning.py (importable by workers: tests/ is on their path)."""
 import os
 
 import pytorch_lightning as pl

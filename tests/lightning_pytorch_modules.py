@@ -1,4 +1,4 @@
-"""A LightningModule under the ``lightning.pytorch`` import name, for tests/test_lightning.py.
+"""A LightningModule under the ``lightning.pytorch`` import name, for tests/api/test_lightning.py.
 
 Kept apart from lightning_modules.py so that workers loading those modules import one Lightning package only.
 """

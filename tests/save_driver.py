@@ -2,7 +2,7 @@
 
 ``python save_driver.py PATH STAGE SIGNAL``: 2 FSDP workers train CountingOperator's epoch (every ``p[i]`` becomes 1)
 and ``save(PATH)``; they train a second epoch (``p`` becomes 2) and ``save(PATH)`` again, which stops at ``STAGE``
-forever after writing SIGNAL, for tests/test_fsdp_state.py to SIGKILL the process (and its cluster) there:
+forever after writing SIGNAL, for tests/cluster/state/test_fsdp_state.py to SIGKILL the process (and its cluster) there:
 
 - ``head``: the new state file (``trainer.1.checkpoint``) written, the parts' tasks started (maybe still writing);
 - ``metadata``: the new DCP ``.metadata`` written too (DCP's readers see the new set), not yet the marker.

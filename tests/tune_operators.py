@@ -1,4 +1,4 @@
-"""Operators for tests/test_tune.py (workers import them by name: tests/ is on their PYTHONPATH)."""
+"""Operators for tests/api/test_tune.py (workers import them by name: tests/ is on their PYTHONPATH)."""
 import os
 
 import helpers

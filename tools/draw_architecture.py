@@ -10,7 +10,7 @@ names the class that does the job and the file it lives in, both read from the c
 it draws, so a class renamed or moved changes the picture, or stops the script with an error naming it.
 
 ``--layers`` (docs/images/layers.png): every unit of the package (a folder of ``raysgd/torch``, or a module) in its
-layer, as docs/architecture.md's layer table assigns them (``tests/test_layers.py`` checks the imports against it),
+layer, as docs/architecture.md's layer table assigns them (``tests/repo/test_layers.py`` checks the imports against it),
 sized by its lines of code, with an arrow for each unit it imports (read from the source with ``ast``): every arrow
 points down.
 
@@ -157,7 +157,7 @@ def runtime(path):
 
 def layer_table():
     """``({unit: layer}, the glue's layer)``: docs/architecture.md's layer table (read by ``tools/layer_table.py``,
-    as ``tests/test_layers.py`` reads it)."""
+    as ``tests/repo/test_layers.py`` reads it)."""
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import layer_table as table  # noqa: PLC0415 (a script beside this one)
@@ -196,7 +196,7 @@ def unit_graph():
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                # "from raysgd.torch import state" imports the module raysgd.torch.state, as tests/test_layers.py reads it
+                # "from raysgd.torch import state" imports the module raysgd.torch.state, as tests/repo/test_layers.py reads it
                 names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
                          for alias in node.names]
             for name in names:

@@ -1,6 +1,6 @@
 """The layer tables of docs/architecture.md, read: the one source of raysgd's layers.
 
-``tests/test_layers.py`` checks the package's imports against them and ``tools/draw_architecture.py`` draws them;
+``tests/repo/test_layers.py`` checks the package's imports against them and ``tools/draw_architecture.py`` draws them;
 the page shows them to the reader. Three tables, each found by its header row:
 
 - ``| layer | may import beyond the standard library | ... |``: what each layer's units may import (``anything``

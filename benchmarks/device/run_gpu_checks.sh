@@ -30,7 +30,7 @@ status=${PIPESTATUS[0]}
 
 if [ "$PART" = tests ] || [ "$PART" = all ]; then
   # -m cuda: the tests that need a GPU (they skip without one, so CI never runs them).
-  TESTS="${TESTS:-tests/test_cuda.py tests/test_sync.py tests/test_precision.py}"
+  TESTS="${TESTS:-tests/cluster/execution/test_cuda.py tests/unit/operator/test_sync.py tests/cluster/operator/test_precision.py}"
   # -v: a result line per test as it ends, so a run cut short by TEST_TIMEOUT still shows what passed
   timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -v -rA -m cuda -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/tests.log"
   status=$((status | PIPESTATUS[0]))

@@ -3,7 +3,7 @@
 Layer -1 (standard library only). Every module reads a variable through :func:`get`, at the moment it needs the
 value (so a test or a running job may change it); a value that fails its check raises a ``ValueError`` naming the
 variable, what it expects and what it holds. The docs' table of variables (docs/environment.md) is
-:func:`docs_table`, and ``tests/test_repository.py`` checks that no module reads the environment for one of
+:func:`docs_table`, and ``tests/repo/test_repository.py`` checks that no module reads the environment for one of
 raysgd's names (``SGD_*``, ``RAYSGD_*``) any other way, and that the docs give the table as it is.
 
 ``read by`` says which process reads a variable: the driver's (your script's), or the workers'. On a cluster that

@@ -1,6 +1,6 @@
 """A RaySGD 1.x program, unchanged: every raysgd name comes from ray.util.sgd.
 
-Run by tests/test_compat.py as ``python -m raysgd.legacy legacy_linear.py --num-workers 2 --out result.json``.
+Run by tests/api/test_compat.py as ``python -m raysgd.legacy legacy_linear.py --num-workers 2 --out result.json``.
 """
 import argparse
 import json

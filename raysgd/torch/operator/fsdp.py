@@ -62,9 +62,10 @@ logger = logging.getLogger(__name__)
 
 #: ``TorchTrainer(strategy=...)``: replicate (DistributedDataParallel) or shard (FSDP2's ``fully_shard``).
 STRATEGIES = ("ddp", "fsdp")
-#: The oldest torch accepted, the oldest tested: tests/test_fsdp.py, test_fsdp_state.py and test_sharded_state.py pass
-#: on 2.9.0 and 2.13.0 (CPU, gloo; see the README). ``fully_shard`` is public from 2.6, but on a gloo mesh 2.7.0 and
-#: 2.8.0 reduce gradients to twice their mean (measured: an SGD step differs from one process; Adam hides most of it).
+#: The oldest torch accepted, the oldest tested: tests/cluster/operator/test_fsdp.py,
+#: tests/cluster/state/test_fsdp_state.py and tests/unit/state/test_sharded_state.py pass on 2.9.0 and 2.13.0 (CPU,
+#: gloo; see the README). ``fully_shard`` is public from 2.6, but on a gloo mesh 2.7.0 and 2.8.0 reduce gradients
+#: to twice their mean (measured: an SGD step differs from one process; Adam hides most of it).
 MIN_TORCH = "2.9"
 #: The keys ``fsdp_args`` may hold (see :func:`check_fsdp_args`).
 FSDP_ARGS = ("reshard_after_forward", "mp_policy", "offload_policy", "shard_policy", "validation")

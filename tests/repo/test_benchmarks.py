@@ -1,0 +1,155 @@
+"""The benchmarks never rot: ``benchmark.py --smoke-test`` runs every side and section; the arithmetic is right.
+
+Speeds are never asserted (the machine is shared); the rows, their shape and the ratio logic are.
+"""
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_DIR
+
+ROOT = REPO_DIR
+BENCH_DIR = os.path.join(ROOT, "benchmarks")
+sys.path.insert(0, BENCH_DIR)
+
+import report  # noqa: E402 (benchmarks/ is not a package)
+import workloads  # noqa: E402
+
+
+def run_smoke(script, out, *options, timeout=300):
+    """Run ``benchmarks/<script> --smoke-test --json out`` (plus ``options``) with the repository importable; returns
+    its JSON and its standard output, after checking it exited cleanly."""
+    command = [sys.executable, os.path.join(BENCH_DIR, script), "--smoke-test", *options, "--json", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.slow
+def test_smoke_test_runs_every_side_and_section(tmp_path):
+    out, markdown, picture = tmp_path / "smoke.json", tmp_path / "smoke.md", tmp_path / "throughput.png"
+    command = [sys.executable, os.path.join(BENCH_DIR, "benchmark.py"), "--smoke-test", "--out", str(out),
+               "--markdown", str(markdown), "--plot", str(picture)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=560, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["meta"]["smoke"] and result["errors"] == []
+    threads = result["meta"]["threads"]
+    assert {(r["side"], r["workers"]) for r in result["runs"]} == {
+        ("plain", 1), ("torchrun", 1), ("torchrun", 2), ("raytrain", 1), ("raytrain", 2), ("raysgd", 1),
+        ("raysgd", 2)}
+    for run in result["runs"]:
+        assert run["model"] == "mlp" and run["threads"] == threads, run  # pinned equally on every side
+        assert run["samples_per_s"] > 0 and 0 < run["startup_s"] <= run["e2e_s"], run
+    ratios = {(r["measure"], r["versus"], r["workers"]) for r in result["ratios"]}
+    assert ratios >= {("samples_per_s", "torchrun", 2), ("samples_per_s", "plain", 1),
+                      ("samples_per_s", "raytrain", 2), ("e2e_s", "raytrain", 1), ("e2e_s", "raytrain", 2),
+                      ("startup_s", "torchrun", 2)}
+    costs = result["costs"]
+    assert {(r["workers"], r["batches"], r["max_retries"]) for r in costs["driver_overhead"]} == set(
+        itertools.product((1, 2), (10, 100), (3, 0)))
+    snapshot = {r["model"]: r for r in costs["snapshot"]}
+    assert set(snapshot) == {"tiny", "wide"} and 9 < snapshot["wide"]["state_mb"] < 11
+    recovery = costs["recovery"]
+    assert 0 < recovery["detect_s"] < recovery["recovery_s"] and len(recovery["attempts"]) == 1
+    assert result["gpu"]["status"] in ("cpu-check", "smoke") and len(result["gpu"]["rows"]) == 6
+    assert {r["side"] for r in result["gpu"]["rows"]} == {"plain", "raysgd", "raysgd-sync"}
+    assert {t["target"].split(":")[0] for t in result["targets"]} >= {"mlp", "recovery"}
+    assert "Targets" in proc.stdout and "| raysgd" in markdown.read_text()
+    assert picture.read_bytes().startswith(b"\x89PNG")  # --plot: the docs' throughput picture, drawn by the run
+
+
+def test_models_have_the_sizes_the_readme_states():
+    count = lambda model: sum(p.numel() for p in model.parameters())  # noqa: E731
+    assert count(workloads.make_model("mlp")) == 784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
+    assert 70_000 < count(workloads.make_model("resnet")) < 90_000
+    assert 25_000_000 < count(workloads.make_model("resnet50")) < 26_000_000
+    assert count(workloads.make_model("wide")) * 4 / 1e6 == pytest.approx(100, rel=0.01)
+    x, y = workloads.make_dataset("resnet", 4).tensors
+    assert workloads.make_model("resnet")(x).shape == (4, 10) and y.shape == (4,)
+    with pytest.raises(ValueError, match="model expects one of"):
+        workloads.make_model("vgg")
+
+
+def test_steady_rate_uses_only_the_timed_window():
+    stamps = [0.0, 10.0, 11.0, 12.0, 100.0]  # slow warm-up step, then 2 timed steps of 1 s, then a straggler
+    assert workloads.steady_rate(stamps, warmup=2, steps=2, global_batch=8) == 8.0
+    with pytest.raises(ValueError, match="at least warmup"):
+        workloads.steady_rate(stamps, warmup=4, steps=2, global_batch=8)
+
+
+def _run(side, workers, rate, e2e):
+    steps = 4
+    return dict(side=side, model="mlp", workers=workers, threads=1, batch_size=10, warmup=1, steps=steps, t0=0.0,
+                t_first_batch=1.0, t_model=e2e, tp_stamps=[0.0] + [i * 10 * workers / rate for i in range(1, 5)])
+
+
+def test_ratios_and_targets():
+    raw = (_run("plain", 1, 100, 5), _run("raysgd", 1, 98, 5), _run("torchrun", 2, 200, 6), _run("raysgd", 2, 199, 7),
+           _run("raytrain", 2, 150, 10))
+    runs = [report.derive_run(r) for r in raw]
+    ratios = report.ratios(runs)
+    by_key = {(r["measure"], r["versus"], r["workers"]): r["ratio"] for r in ratios}
+    assert by_key[("samples_per_s", "plain", 1)] == pytest.approx(0.98)
+    assert by_key[("samples_per_s", "torchrun", 2)] == pytest.approx(0.995)
+    assert by_key[("e2e_s", "raytrain", 2)] == pytest.approx(0.7)
+    targets = {t["target"]: t["met"] for t in report.targets(ratios, {"recovery": {"recovery_s": 5.5}})}
+    assert targets == {"mlp: raysgd 2 / torchrun 2, steady state": True,
+                       "mlp: raysgd 1 / plain loop, steady state": False,
+                       "mlp: 3-epoch job, raysgd 2 / Ray Train 2": True,
+                       "recovery: worker death to next batch trained (s)": False}
+
+
+@pytest.mark.slow
+def test_state_scaling_smoke_test_measures_every_column(tmp_path):
+    result, stdout = run_smoke("state_scaling.py", tmp_path / "state.json")
+    assert result["meta"]["smoke"] and len(result["meta"]["loadavg"]) == 3
+    (row,) = result["rows"]
+    assert row["size_mb"] == 1 and row["calls"] == 2 and 0.9 < row["state_mb"] < 1.1
+    for key in ("driver_peak_rss_mb", "worker_peak_rss_mb", "commit_ms", "call_s"):
+        assert row[key] > 0, (key, row)
+    assert row["driver_peak_rss_mb"] >= row["driver_growth_mb"] >= 0
+    assert row["commit_rise_mb"] >= 0 and row["base_rise_mb"] >= 0 and "commit_extra_x" in row
+    assert {"anon_extra_x", "shm_extra_x", "overhead_ms"} <= set(row)  # toy-size memory is allocator noise
+    assert row["recover_s"] > 0 and row["failures"] == 1  # the killed worker was replaced inside the call
+    assert "driver_peak_rss_mb" in stdout  # the table
+
+
+@pytest.mark.slow
+def test_fsdp_benchmark_smoke_test_measures_both_strategies(tmp_path):
+    result, stdout = run_smoke("fsdp.py", tmp_path / "fsdp.json", "--workers", "1,2", "--plot",
+                               str(tmp_path / "fsdp.png"), timeout=500)
+    assert (tmp_path / "fsdp.png").read_bytes().startswith(b"\x89PNG")  # --plot: the memory per rank, drawn
+    assert result["meta"]["smoke"]
+    rows = {(r["strategy"], r["workers"]): r for r in result["rows"]}
+    assert set(rows) == {("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2)}
+    assert [rows["fsdp", n]["sharded"] for n in (1, 2)] == [False, True]  # one worker: nothing to shard over
+    assert rows["fsdp", 2]["state_mb"] < rows["ddp", 2]["state_mb"] == rows["fsdp", 1]["state_mb"]
+    assert all(r["steps_per_s"] > 0 and r["peak_rise_mb"] >= 0 for r in rows.values())
+    assert [r["workers"] for r in result["ratios"]] == [1, 2] and "fsdp/ddp steps_per_s" in stdout
+
+
+@pytest.mark.slow
+def test_fsdp_state_benchmark_smoke_test_measures_every_column(tmp_path):
+    result, stdout = run_smoke("fsdp_state.py", tmp_path / "fsdp_state.json", timeout=500)
+    (row,) = result["rows"]
+    assert row["workers"] == 2 and row["commit_ms"] > 0 and row["checkpoint_s"] > 0, row
+    assert row["snapshot_ms"] is not None and "with_checkpoint_ms" in row and "resume_to_1_s" in row
+    assert "checkpoint_s" in stdout
+    assert [(read["path"], read["from"], read["to"]) for read in result["reads"]] == [
+        ("objects", 2, 1), ("load(path)", 2, 1), ("resume", 2, 1)]
+    assert all(read["worst_ratio"] <= 1.1 and "r0" in read for read in result["reads"]), result["reads"]
+
+
+def test_serialise_stall_smoke_test_measures_both_ways(tmp_path):
+    result, stdout = run_smoke("serialise_stall.py", tmp_path / "stall.json", timeout=120)
+    rows = result["rows"]
+    assert [(row["size_mb"], row["how"]) for row in rows] == [(1, "io.BytesIO"), (1, "serialise")]
+    for row in rows:
+        assert row["serialise_ms"] > 0 and row["worst_stall_ms"] >= 0 and row["loop_share"] > 0, row
+    assert "worst_stall_ms" in stdout  # the table
