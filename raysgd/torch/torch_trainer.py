@@ -406,7 +406,7 @@ class TorchTrainer:
         return make_trainable(cls, *args, override_tune_step=override_tune_step, **kwargs)
 
 
-TorchTrainer.__init__.__signature__ = TrainerOptions.signature()  # help() and inspect show every keyword option
+TorchTrainer.__init__.__signature__ = TrainerOptions.signature()  # type: ignore[attr-defined]  # help() and inspect show every keyword option
 
 
 def __getattr__(name):

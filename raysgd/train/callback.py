@@ -63,7 +63,7 @@ class TrainRunContext:
     """
 
     run_config: object = None
-    train_loop_config: dict = None
+    train_loop_config: dict | None = None
     scaling_config: object = None
     torch_config: object = None
     run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)

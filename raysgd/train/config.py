@@ -70,14 +70,14 @@ class ScalingConfig:
 
     num_workers: object = 1
     use_gpu: bool = False
-    resources_per_worker: dict = None
+    resources_per_worker: dict | None = None
     placement_strategy: str = "PACK"
     elastic_resize_monitor_interval_s: float = 60.0
-    trainer_resources: dict = None
+    trainer_resources: dict | None = None
     label_selector: object = None
-    accelerator_type: str = None
+    accelerator_type: str | None = None
     use_tpu: bool = False
-    topology: str = None
+    topology: str | None = None
     num_spares: int = 0
 
     def __post_init__(self):
@@ -229,8 +229,8 @@ class CheckpointConfig:
         2
     """
 
-    num_to_keep: int = None
-    checkpoint_score_attribute: str = None
+    num_to_keep: int | None = None
+    checkpoint_score_attribute: str | None = None
     checkpoint_score_order: str = "max"
     checkpoint_frequency: object = DEPRECATED
     checkpoint_at_end: object = DEPRECATED
@@ -264,7 +264,7 @@ class LoggingConfig:
         'DEBUG'
     """
 
-    log_level: str = None
+    log_level: str | None = None
 
     def __post_init__(self):
         if self.log_level is None:
@@ -302,14 +302,14 @@ class RunConfig:
         'exp'
     """
 
-    name: str = None
-    storage_path: str = None
+    name: str | None = None
+    storage_path: str | None = None
     storage_filesystem: object = None
-    failure_config: FailureConfig = None
-    checkpoint_config: CheckpointConfig = None
-    callbacks: list = None
-    worker_runtime_env: dict = None
-    logging_config: LoggingConfig = None
+    failure_config: FailureConfig | None = None
+    checkpoint_config: CheckpointConfig | None = None
+    callbacks: list | None = None
+    worker_runtime_env: dict | None = None
+    logging_config: LoggingConfig | None = None
     progress_bar: bool = False
     sync_config: object = DEPRECATED
     verbose: object = DEPRECATED
@@ -359,7 +359,7 @@ class TorchConfig:
         60
     """
 
-    backend: str = None
+    backend: str | None = None
     timeout_s: int = 1800
     init_method: str = "env"
 

@@ -32,7 +32,7 @@ FEATURE = "raysgd.train.lightning (Ray Train's Lightning names)"
 _CLASSES = ("RayDDPStrategy", "RayFSDPStrategy", "RayLightningEnvironment", "RayTrainReportCallback")
 #: The strategies that run a Trainer on the worker group's process group (``prepare_trainer`` accepts these).
 _STRATEGIES = ("RayDDPStrategy", "RayFSDPStrategy")
-_defined = {}
+_defined: dict[str, type] = {}
 
 
 def _lightning():

@@ -63,7 +63,7 @@ class Result:
     metrics: dict
     checkpoint: Checkpoint
     path: str
-    error: BaseException = None
+    error: BaseException | None = None
     best_checkpoints: list = dataclasses.field(default_factory=list)
     num_failures: int = 0
     return_value: object = None

@@ -27,7 +27,7 @@ from raysgd.train.reporting import Reporter
 
 logger = logging.getLogger(__name__)
 
-_current = []  # the running session (at most one per process)
+_current: list["Session"] = []  # the running session (at most one per process)
 
 
 class TrainContext:

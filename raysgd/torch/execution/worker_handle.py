@@ -26,7 +26,7 @@ from raysgd.torch.execution.calls import Done
 from raysgd.torch.execution.local_runner import LocalCall
 from raysgd.torch.execution.worker import TorchWorker
 
-_REMOTE_CLASSES = {}  # worker class -> its Ray actor class (made once per process)
+_REMOTE_CLASSES: dict[type, object] = {}  # worker class -> its Ray actor class (made once per process)
 
 
 def _remote_worker_cls(worker_cls=TorchWorker):

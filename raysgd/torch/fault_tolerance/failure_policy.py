@@ -44,7 +44,7 @@ class FailureLimits:
     """
 
     max_failures: int = 0
-    max_preemptions: int = None
+    max_preemptions: int | None = None
     retry_user_errors: bool = False
     base_s: float = 1.0
     cap_s: float = 60.0
