@@ -23,12 +23,18 @@ Example:
     >>> losses.seen
     [0.5]
 """
+from __future__ import annotations
+
 import dataclasses
 import logging
 import uuid
 
 from raysgd.base.checks import argument_error, expect
 from raysgd.callbacks import Callback
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from raysgd.train.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +50,12 @@ class UserCallback:
         ranks that raised: [1]
     """
 
-    def after_report(self, run_context, metrics, checkpoint):
+    def after_report(self, run_context: TrainRunContext, metrics: list[dict[str, Any]],
+                     checkpoint: Checkpoint | None) -> None:
         """Every rank called ``raysgd.train.report``: ``metrics[i]`` is rank ``i``'s dict, ``checkpoint`` the
         :class:`~raysgd.train.Checkpoint` written to storage (None when no rank reported one)."""
 
-    def after_exception(self, run_context, worker_exceptions):
+    def after_exception(self, run_context: TrainRunContext, worker_exceptions: dict[int, BaseException]) -> None:
         """One or more ranks raised: ``worker_exceptions`` is ``{world rank: exception}``."""
 
 
@@ -68,12 +75,12 @@ class TrainRunContext:
     torch_config: object = None
     run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
 
-    def get_run_config(self):
+    def get_run_config(self) -> Any:
         """The run's ``RunConfig``."""
         return self.run_config
 
 
-def check_callbacks(callbacks, owner="RunConfig"):
+def check_callbacks(callbacks: list | tuple | None, owner: str = "RunConfig") -> list:
     """``callbacks`` as a list: None, or a list/tuple of :class:`UserCallback` and :class:`raysgd.callbacks.Callback`
     instances; else a ``TypeError`` naming the item.
 
