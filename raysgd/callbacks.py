@@ -78,7 +78,7 @@ class Callback:
         """A JSON-able dict kept with every durable checkpoint (``storage_path``), or None (nothing to keep)."""
         return None
 
-    def load_state_dict(self, state: dict | None) -> None:
+    def load_state_dict(self, state: dict) -> None:
         """A resumed durable run hands back what :meth:`state_dict` returned when its checkpoint was written."""
 
 
