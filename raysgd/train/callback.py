@@ -31,7 +31,7 @@ import uuid
 
 from raysgd.base.checks import argument_error, expect
 from raysgd.callbacks import Callback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:
     from raysgd.train.checkpoint import Checkpoint
@@ -136,10 +136,10 @@ class UserCallbacks:
         >>> UserCallbacks([Broken()]).after_report(None, [{}], None)  # logged as a warning, not raised
     """
 
-    def __init__(self, callbacks=()):
+    def __init__(self, callbacks: Iterable[UserCallback] = ()) -> None:
         self.callbacks = [c for c in check_callbacks(list(callbacks)) if isinstance(c, UserCallback)]
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return bool(self.callbacks)
 
     def _call(self, hook, *args):
@@ -152,11 +152,12 @@ class UserCallbacks:
                 logger.warning("Callback %s.%s raised; training goes on without it for this event",
                                type(callback).__name__, hook, exc_info=True)
 
-    def after_report(self, run_context, metrics, checkpoint):
+    def after_report(self, run_context: TrainRunContext, metrics: Iterable[dict[str, Any]],
+                     checkpoint: Checkpoint | None) -> None:
         """Call every callback's ``after_report(run_context, metrics, checkpoint)`` (``metrics``: a list per rank)."""
         self._call("after_report", run_context, list(metrics), checkpoint)
 
-    def after_exception(self, run_context, worker_exceptions):
+    def after_exception(self, run_context: TrainRunContext, worker_exceptions: dict[int, BaseException]) -> None:
         """Call every callback's ``after_exception(run_context, {rank: exception})``."""
         self._call("after_exception", run_context, dict(worker_exceptions))
 

@@ -23,6 +23,7 @@ from raysgd import optional
 from raysgd.base.checks import expect
 from raysgd.train import session as _session
 from raysgd.train.checkpoint import Checkpoint
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ def _define(pl, LightningEnvironment):  # noqa: N803 (a class)
     return classes
 
 
-def prepare_trainer(trainer):
+def prepare_trainer(trainer: Any) -> Any:
     """Check that a Lightning ``Trainer`` runs on raysgd.train (``RayDDPStrategy`` or ``RayFSDPStrategy``, or a
     single worker, and ``RayLightningEnvironment``); returns it.
 

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from raysgd.base.checks import expect
 from raysgd.torch.sharding import loaders as _loaders
 from raysgd.train import session as _session
-from typing import Any
+from typing import Any, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class PreparedLoader:
                 logger.info("The restored data cursor (epoch %d) does not apply: this pass is epoch %d",
                             restored["epoch"], epoch)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         self._begin_pass()
         self._passes += 1
         self._taken, self._in_pass = 0, True
@@ -170,7 +170,7 @@ class PreparedLoader:
         if progress is not None:
             progress.end()
 
-    def cursor_state(self):
+    def cursor_state(self) -> dict[str, Any] | None:
         """``{"epoch", "consumed", "complete"}`` now (positions all ranks consumed in the current pass), or None."""
         if self._sampler is None or not self.exactly_once or self._pass_epoch is None:
             return None
@@ -180,7 +180,7 @@ class PreparedLoader:
             return None
         return {"epoch": self._pass_epoch, "consumed": int(consumed), "complete": consumed >= total}
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.loader)
 
     def __getattr__(self, name):

@@ -26,7 +26,7 @@ from raysgd.torch.storage import rank_files
 from raysgd.train.checkpoint import Checkpoint
 from raysgd.train.errors import context_deprecation
 from raysgd.train.reporting import Reporter
-from typing import Any
+from typing import Any, NoReturn
 
 logger = logging.getLogger(__name__)
 
@@ -76,27 +76,27 @@ class TrainContext:
         """Where the run's folder is (``RunConfig(storage_path=...)``)."""
         return self._values["storage_path"]
 
-    def get_trial_name(self):
+    def get_trial_name(self) -> NoReturn:
         """Deprecated in Ray Train 2.x (a Ray Tune trial's): raises its ``DeprecationWarning``."""
         raise context_deprecation("get_trial_name")
 
-    def get_trial_id(self):
+    def get_trial_id(self) -> NoReturn:
         """Deprecated in Ray Train 2.x: raises its ``DeprecationWarning``."""
         raise context_deprecation("get_trial_id")
 
-    def get_trial_resources(self):
+    def get_trial_resources(self) -> NoReturn:
         """Deprecated in Ray Train 2.x: raises its ``DeprecationWarning``."""
         raise context_deprecation("get_trial_resources")
 
-    def get_trial_dir(self):
+    def get_trial_dir(self) -> NoReturn:
         """Deprecated in Ray Train 2.x: raises its ``DeprecationWarning``."""
         raise context_deprecation("get_trial_dir")
 
-    def get_metadata(self):
+    def get_metadata(self) -> NoReturn:
         """Deprecated in Ray Train 2.x (``TorchTrainer(metadata=...)``'s): raises its ``DeprecationWarning``."""
         raise context_deprecation("get_metadata")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"TrainContext({self._values})"
 
 
