@@ -108,7 +108,8 @@ if __name__ == "__main__":
             "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "tqdm", "ray[tune]>=2.9", "tensorboardX",
                      "matplotlib", "pandas", "pyarrow", "moto[server]", "py-spy",
                      "pytorch-lightning>=2", "lightning>=2", "mlflow", "wandb", "safetensors",  # both of Lightning's import names are tested
-                     "ray[default]>=2.9"],  # the metrics agent: tests/cluster/integrations/test_ray_metrics.py reads its export (CHANGELOG: cost)
+                     "ray[default]>=2.9",  # the metrics agent: tests/cluster/integrations/test_ray_metrics.py reads its export (CHANGELOG: cost)
+                     "mypy>=1.10"],  # .ci/run type-checks raysgd/ (pyproject.toml's [tool.mypy])
         },
         entry_points={"console_scripts": ["raysgd = raysgd.cli:main"]},  # raysgd run | checkpoints | export
     )

@@ -14,6 +14,7 @@ from raysgd.callbacks import Callback
 from raysgd.torch import TorchTrainer, TrainingOperator
 from raysgd.logs import set_log_level
 from raysgd.torch.constants import LEGACY_IMPORTS_ENV, TRAIN_IMPORTS_ENV
+from typing import NoReturn
 
 __version__ = "0.5.0.dev0"
 __all__ = ["TorchTrainer", "TrainingOperator", "Callback", "PyTorchTrainer", "set_log_level", "__version__"]
@@ -27,6 +28,6 @@ if environment.get(LEGACY_IMPORTS_ENV) or environment.get(TRAIN_IMPORTS_ENV):  #
     _compat.install_if_requested()
 
 
-def PyTorchTrainer(**kwargs):  # noqa: N802 (the 1.x name)
+def PyTorchTrainer(**kwargs: object) -> NoReturn:  # noqa: N802 (the 1.x name)
     """Removed in RaySGD 1.x: always raises, pointing at :class:`TorchTrainer`."""
     raise DeprecationWarning("PyTorchTrainer was renamed TorchTrainer: use raysgd.TorchTrainer.")

@@ -19,11 +19,14 @@ Example:
     loss 0.5
     >>> trainer = TorchTrainer(training_operator_cls=MyOperator, callbacks=[PrintLoss()])  # doctest: +SKIP
 """
+from __future__ import annotations
+
 import collections
 import logging
 import threading
 
 from raysgd.base.checks import argument_error, expect
+from typing import Any, Iterable
 
 logger = logging.getLogger(__name__)
 
@@ -50,32 +53,32 @@ class Callback:
         1
     """
 
-    def on_train_result(self, trainer, result):
+    def on_train_result(self, trainer: Any, result: Any) -> None:
         """After ``train()``: ``result`` is the reduced result dict (``epoch``, ``train_loss``, ``num_samples``...)."""
 
-    def on_validate_result(self, trainer, result):
+    def on_validate_result(self, trainer: Any, result: Any) -> None:
         """After ``validate()``: the reduced result dict."""
 
-    def on_checkpoint(self, trainer, path):
+    def on_checkpoint(self, trainer: Any, path: str) -> None:
         """A durable checkpoint (``storage_path``) was written completely to ``path`` (its directory or URI).
 
         Called on the checkpoint writer's thread, never at the same time as another hook."""
 
-    def on_failure(self, trainer, failure):
+    def on_failure(self, trainer: Any, failure: Any) -> None:
         """The controller met a worker failure: ``failure`` is a :data:`Failure` (``gave_up`` says whether the call
         fails with it, else it restarts the workers)."""
 
-    def on_resize(self, trainer, old, new):
+    def on_resize(self, trainer: Any, old: int, new: int) -> None:
         """The worker group went from ``old`` to ``new`` workers (a failure, a grow, a move off a draining node)."""
 
-    def on_shutdown(self, trainer):
+    def on_shutdown(self, trainer: Any) -> None:
         """At ``trainer.shutdown()``, once the workers stopped and the last durable checkpoint is written."""
 
-    def state_dict(self):
+    def state_dict(self) -> dict | None:
         """A JSON-able dict kept with every durable checkpoint (``storage_path``), or None (nothing to keep)."""
         return None
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         """A resumed durable run hands back what :meth:`state_dict` returned when its checkpoint was written."""
 
 
@@ -89,21 +92,21 @@ class CallbackList:
         >>> CallbackList([Broken()]).call("on_shutdown", None)  # logged as a warning, not raised
     """
 
-    def __init__(self, callbacks=()):
+    def __init__(self, callbacks: Iterable[Callback] = ()) -> None:
         self.callbacks = list(callbacks)
         self._lock = threading.RLock()  # on_checkpoint comes from the writer thread: one hook at a time
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return bool(self.callbacks)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.callbacks)
 
-    def add(self, callback):
+    def add(self, callback: Callback) -> None:
         """Append ``callback`` (called after the others)."""
         self.callbacks.append(callback)
 
-    def call(self, hook, *args):
+    def call(self, hook: str, *args: Any) -> None:
         """Call ``hook(*args)`` on every callback that overrides it; a raising one is logged and the rest run."""
         if hook not in HOOKS:
             raise ValueError(f"CallbackList.call: unknown hook {hook!r}; the hooks are {HOOKS}")
@@ -118,7 +121,7 @@ class CallbackList:
                     logger.warning("Callback %s.%s raised; training goes on without it for this event",
                                    type(callback).__name__, hook, exc_info=True)
 
-    def state_dict(self):
+    def state_dict(self) -> dict | None:
         """``{key: state}`` of the callbacks with a state (key: position and class name), or None."""
         states = {}
         with self._lock:
@@ -133,7 +136,7 @@ class CallbackList:
                     states[f"{index}:{type(callback).__name__}"] = state
         return states or None
 
-    def load_state_dict(self, states):
+    def load_state_dict(self, states: dict | None) -> None:
         """Hand each callback its saved state (matched by position and class name); missing ones get nothing."""
         for index, callback in enumerate(self.callbacks):
             state = (states or {}).get(f"{index}:{type(callback).__name__}")
@@ -146,7 +149,7 @@ class CallbackList:
                                exc_info=True)
 
 
-def check_callbacks(callbacks, caller="TorchTrainer"):
+def check_callbacks(callbacks: list | tuple | None, caller: str = "TorchTrainer") -> list[Callback]:
     """``callbacks``: None or a list/tuple of :class:`Callback` instances; returns a list, else ``TypeError``.
 
     Example:

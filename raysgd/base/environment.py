@@ -116,7 +116,7 @@ class Variable:
     kind: Kind
     doc: str
     read_by: str = "driver"
-    shown: str = None
+    shown: str | None = None
 
 
 _BOTH = "driver and workers"

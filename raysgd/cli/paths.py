@@ -40,7 +40,7 @@ class Found:
     kind: str
     path: str
     fs: object = None
-    fs_path: str = None
+    fs_path: str | None = None
 
     def join(self, *names):
         """The path inside the filesystem of ``names`` under this folder."""

@@ -15,6 +15,8 @@ Example:
     ...
     TypeError: TorchTrainer: training_operator_cls expects a subclass of raysgd.TrainingOperator; got None
 """
+from __future__ import annotations
+
 import dataclasses
 import inspect
 import logging
@@ -29,6 +31,7 @@ from raysgd.torch.operator.precision import validate_fp16
 from raysgd.torch.sharding import batch_split
 from raysgd.torch.state.commit_policy import check_every_n
 from raysgd.torch.training_operator import TrainingOperator
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ _warned_serialize = False
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
-def check_deprecated(kwargs):
+def check_deprecated(kwargs: dict[str, Any]) -> None:
     """Raise the 1.x ``DeprecationWarning`` for a removed keyword; unknown keywords are a ``TypeError``."""
     global _warned_serialize
     for name, value in kwargs.items():
@@ -69,7 +72,7 @@ def check_deprecated(kwargs):
             raise TypeError(f"TorchTrainer got an unexpected keyword argument {name!r}")
 
 
-def worker_range(num_workers, caller="TorchTrainer"):
+def worker_range(num_workers: Any, caller: str = "TorchTrainer") -> tuple[int, int]:
     """``(min, max)`` workers: an int ``N`` means ``(1, N)`` (1.x: up to N, down to 1); a tuple is checked.
 
     Example:
@@ -90,7 +93,7 @@ def worker_range(num_workers, caller="TorchTrainer"):
     return 1, num_workers
 
 
-def auto_backend(use_gpu, num_gpus_per_worker=1):
+def auto_backend(use_gpu: bool, num_gpus_per_worker: float = 1) -> str:
     """The process-group backend ``backend="auto"`` means: nccl for whole GPUs, else gloo.
 
     Workers holding a fraction of a GPU may share one device, which nccl refuses (one rank per GPU).
@@ -102,7 +105,7 @@ def auto_backend(use_gpu, num_gpus_per_worker=1):
     return "nccl" if use_gpu and num_gpus_per_worker >= 1 else "gloo"
 
 
-def check_num_steps(num_steps):
+def check_num_steps(num_steps: Any) -> int | None:
     """``train()``/``validate()``'s ``num_steps`` as an int, or None (the rest of the epoch); 0 runs no batch.
 
     Example:
@@ -371,14 +374,14 @@ class TrainerOptions:
              "strategy", "fsdp_args", "commit_every_n_steps", "callbacks", "ray_metrics", "num_spares")
 
     @classmethod
-    def from_kwargs(cls, kwargs):
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> TrainerOptions:
         """The checked options of ``TorchTrainer(**kwargs)``: 1.x's removed keywords raise their ``DeprecationWarning``
         and unknown ones a ``TypeError``, then every option is checked (:meth:`checked`)."""
         names = {f.name for f in dataclasses.fields(cls)}
         check_deprecated({k: v for k, v in kwargs.items() if k not in names})
         return cls(**{k: v for k, v in kwargs.items() if k in names}).checked()
 
-    def checked(self):
+    def checked(self) -> TrainerOptions:
         """These options checked in :data:`ORDER`, with ``"auto"`` resolved; then ``config[BATCH_SIZE]`` against the
         largest size (a worker's batch must hold a sample; an uneven split warns, naming ``BATCH_SIZE``)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -390,29 +393,29 @@ class TrainerOptions:
         return dataclasses.replace(self, **values)
 
     @classmethod
-    def field(cls, name):
+    def field(cls, name: str) -> dataclasses.Field:
         """The dataclass field of option ``name``."""
         return next(f for f in dataclasses.fields(cls) if f.name == name)
 
     @classmethod
-    def default(cls, name):
+    def default(cls, name: str) -> Any:
         """The default of option ``name``."""
         return cls.field(name).default
 
-    def worker_range(self):
+    def worker_range(self) -> tuple[int, int]:
         """``(min, max)`` workers (see :func:`worker_range`)."""
         return worker_range(self.num_workers)
 
-    def attributes(self):
+    def attributes(self) -> dict[str, Any]:
         """``{name: value}`` of the options a ``TorchTrainer`` shows as attributes."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["attribute"]}
 
-    def worker_options(self):
+    def worker_options(self) -> dict[str, Any]:
         """``{name: value}`` of the options every worker gets (``TorchWorker``'s keyword arguments)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["worker"]}
 
     @classmethod
-    def signature(cls, first="self"):
+    def signature(cls, first: str = "self") -> inspect.Signature:
         """The constructor's signature: ``first``, every option keyword-only with its default, then ``**deprecated``
         (1.x's removed keywords, refused with their messages)."""
         kind = inspect.Parameter.KEYWORD_ONLY
@@ -421,7 +424,7 @@ class TrainerOptions:
                                  + [inspect.Parameter("deprecated", inspect.Parameter.VAR_KEYWORD)])
 
     @classmethod
-    def readme_table(cls):
+    def readme_table(cls) -> str:
         """The TorchTrainer table of docs/trainer.md (Markdown): one row per option, its default and its doc line."""
         rows = ["| argument | default | meaning |", "|---|---|---|"]
         for f in dataclasses.fields(cls):
@@ -430,8 +433,8 @@ class TrainerOptions:
         return "\n".join(rows)
 
 
-def check_resources(num_workers, num_cpus_per_worker, use_gpu, use_local, caller="TorchTrainer",
-                    num_gpus_per_worker=1):
+def check_resources(num_workers: Any, num_cpus_per_worker: float, use_gpu: bool | str,
+                    use_local: bool, caller: str = "TorchTrainer", num_gpus_per_worker: float = 1) -> None:
     """Check the options that size the workers, with :class:`TrainerOptions`' checks (shared with the Tune resource
     request: ``caller="as_trainable"``). ``num_gpus_per_worker`` is a fraction in (0, 1) (several workers share one
     GPU) or a whole number >= 1.

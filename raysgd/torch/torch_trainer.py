@@ -16,6 +16,8 @@ Example:
     >>> model = trainer.get_model()  # doctest: +SKIP
     >>> trainer.shutdown()  # doctest: +SKIP
 """
+from __future__ import annotations
+
 import logging
 import os
 import time
@@ -36,6 +38,11 @@ from raysgd.torch.sharding import batch_split
 from raysgd.torch.state import checkpoint
 from raysgd.torch.state.commit_policy import CommitPolicy
 from raysgd.torch.storage import durable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:
+    from raysgd.torch.integrations.progress import ProgressBar
+    from raysgd.torch.training_operator import TrainingOperator
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +63,10 @@ class TorchTrainer:
         >>> stats = trainer.train()  # doctest: +SKIP
     """
 
-    def __init__(self, **options):
+    if TYPE_CHECKING:  # every TrainerOptions field is an attribute (set in __init__ from options.attributes())
+        def __getattr__(self, name: str) -> Any: ...
+
+    def __init__(self, **options):  # its signature: TrainerOptions.signature() (set below)
         options = TrainerOptions.from_kwargs(options)  # every check, before anything starts
         for name, value in options.attributes().items():
             setattr(self, name, value)
@@ -103,52 +113,52 @@ class TorchTrainer:
 
     # ----------------------------------------------------------------- the run
     @property
-    def controller(self):
+    def controller(self) -> RunController:
         """The run's :class:`~raysgd.torch.execution.controller.RunController`."""
         return self._controller
 
     @property
-    def initialization_hook(self):
+    def initialization_hook(self) -> Callable[[], Any] | None:
         """The function every worker runs before its process group is set up; setting it changes what the workers
         started later (a restart, a resize) run."""
         return self._controller.initialization_hook
 
     @initialization_hook.setter
-    def initialization_hook(self, hook):
+    def initialization_hook(self, hook: Callable[[], Any] | None) -> None:
         self._controller.initialization_hook = hook
 
     @property
-    def worker_group(self):
+    def worker_group(self) -> WorkerGroup:
         """The :class:`~raysgd.torch.execution.worker_group.WorkerGroup` (``num_workers``, ``remote_workers``...)."""
         return self._controller.group
 
     @property
-    def last_call_s(self):
+    def last_call_s(self) -> float | None:
         """How many seconds the last ``train()``/``validate()`` call took (None before any)."""
         return self._last_call_s
 
     @property
-    def last_commit_latency_s(self):
+    def last_commit_latency_s(self) -> float | None:
         """Seconds the latest commit inside a ``train()`` call took until the store held every rank's record (the
         slowest rank's), of the last call that stored one; None before any."""
         controller = self.__dict__.get("_controller")
         return controller.last_commit_latency_s if controller is not None else None
 
     @property
-    def holder_replacements(self):
+    def holder_replacements(self) -> int:
         """How many commit part holders (one per node, keeping the committed state parts) lost their process and were
         replaced on their node so far (Ray restarts them; the next commit is kept by the new one)."""
         controller = self.__dict__.get("_controller")
         return controller.commits.holder_replacements if controller is not None else 0
 
     @property
-    def last_checkpoint_s(self):
+    def last_checkpoint_s(self) -> float | None:
         """Seconds the latest durable checkpoint (``storage_path``) took to write, state and marker; None before any.
         Set on the checkpoint writer's thread just before ``on_checkpoint`` is called."""
         return self._last_checkpoint_s
 
     @property
-    def callbacks(self):
+    def callbacks(self) -> CallbackList:
         """The :class:`~raysgd.callbacks.CallbackList` the trainer calls (``logdir``'s result log first)."""
         return self._callbacks
 
@@ -170,23 +180,23 @@ class TorchTrainer:
         self._callbacks.call("on_checkpoint", self, path)
 
     @property
-    def progress_bar(self):
+    def progress_bar(self) -> ProgressBar | None:
         """The driver's :class:`~raysgd.torch.integrations.progress.ProgressBar` with ``use_tqdm=True`` (its
         ``last_state`` is what the bar showed last), else None."""
         return self._progress
 
     @property
-    def config(self):
+    def config(self) -> Mapping[str, Any]:
         """The trainer config, read-only, with ``BATCH_SIZE`` as it is divided among the current workers."""
         return self._controller.config
 
     @property
-    def num_failures(self):
+    def num_failures(self) -> int:
         """How many worker failures ``train()`` has recovered from (or met) so far."""
         return self._controller.num_failures
 
     @property
-    def num_spares_ready(self):
+    def num_spares_ready(self) -> int:
         """How many warm spares (``num_spares``) are ready now, checked without waiting. A ready spare takes a lost
         worker's rank in well under a second; until the spares are ready (their first seconds, and again for a
         moment after one took a rank) a lost rank waits for a new process, which takes seconds. The log says
@@ -201,7 +211,8 @@ class TorchTrainer:
         return self.worker_group.spares.available()
 
     # ----------------------------------------------------------------- train / validate
-    def train(self, num_steps=None, profile=False, reduce_results=True, max_retries=3, info=None, dataset=None):
+    def train(self, num_steps: int | None = None, profile: bool = False, reduce_results: bool = True,
+              max_retries: int = 3, info: dict | None = None, dataset: Any = None) -> Any:
         """Train one epoch (or ``num_steps`` batches per worker) on every worker; returns the metrics.
 
         A worker that dies or stops answering ends the attempt; the call goes on from its latest commit
@@ -242,7 +253,8 @@ class TorchTrainer:
         self._controller.on_result(phase, reduced)
         return reduced if reduce_results else stats
 
-    def profile(self, num_steps, logdir, max_retries=3, info=None):
+    def profile(self, num_steps: int | None, logdir: str | os.PathLike, max_retries: int = 3,
+                info: dict | None = None) -> dict:
         """Train ``num_steps`` batches per worker (as ``train(num_steps=...)``) under ``torch.profiler`` on every
         rank, and write one Chrome trace per rank to ``logdir`` (``rank_<r>.pt.trace.json``: Perfetto,
         ``chrome://tracing`` and TensorBoard's PyTorch profiler plugin open them). Returns ``train()``'s reduced
@@ -266,7 +278,8 @@ class TorchTrainer:
         logger.info("profile: %d trace(s) written to %s", len(paths), folder)
         return dict(self._log_result("train", stats, True), traces=paths)
 
-    def validate(self, num_steps=None, profile=False, reduce_results=True, info=None, max_retries=3):
+    def validate(self, num_steps: int | None = None, profile: bool = False, reduce_results: bool = True,
+                 info: dict | None = None, max_retries: int = 3) -> Any:
         """Validate on every worker's shard of the validation set; returns the metrics.
 
         Example:
@@ -280,21 +293,21 @@ class TorchTrainer:
         return self._log_result("validate", stats, reduce_results)
 
     # ----------------------------------------------------------------- operators and models
-    def apply_all_workers(self, fn):
+    def apply_all_workers(self, fn: Callable[[], Any]) -> list:
         """Call ``fn()`` on every worker; returns the results in rank order."""
         shipping.install()  # fn may be sent by value (see raysgd.torch.execution.shipping)
         return self._controller.run("apply", fn)
 
-    def apply_all_operators(self, fn):
+    def apply_all_operators(self, fn: Callable[[Any], Any]) -> list:
         """Call ``fn(operator)`` on every worker's operator; returns the results in rank order."""
         shipping.install()
         return self._controller.run("apply_operator", fn)
 
-    def update_scheduler(self, metric):
+    def update_scheduler(self, metric: Any) -> None:
         """Call ``scheduler.step(metric)`` on every worker (for ``scheduler_step_freq="manual"``)."""
         self._controller.run("update_scheduler", metric)
 
-    def get_model(self, to_cpu=False):
+    def get_model(self, to_cpu: bool = False) -> Any:
         """The trained model(s) of rank 0, unwrapped (no DDP): one model, or a list for several.
 
         With ``to_cpu=True`` they are CPU copies; the workers' own models never move. Under ``strategy="fsdp"`` every
@@ -303,7 +316,7 @@ class TorchTrainer:
         models = self._controller.full_models() if self.strategy == "fsdp" else self._controller.models(to_cpu)
         return models[0] if len(models) == 1 else models
 
-    def stack_traces(self, timeout_s=5.0):
+    def stack_traces(self, timeout_s: float = 5.0) -> dict:
         """``{rank: text}``: where every rank is now (its Python stacks); callable from another thread.
 
         Example:
@@ -312,7 +325,7 @@ class TorchTrainer:
         """
         return self.worker_group.stack_traces(timeout_s)
 
-    def get_local_operator(self):
+    def get_local_operator(self) -> TrainingOperator:
         """The rank-0 operator living in this process (needs ``use_local=True``)."""
         operator = self._controller.local_operator()
         if operator is None:
@@ -320,11 +333,11 @@ class TorchTrainer:
         return operator
 
     # ----------------------------------------------------------------- state
-    def state_dict(self):
+    def state_dict(self) -> dict:
         """Rank 0's state: ``{epoch, global_step, operator, models, optimizers[, schedulers][, amp_*]}`` on CPU."""
         return self._controller.state_dict()
 
-    def latest_commit(self):
+    def latest_commit(self) -> dict | None:
         """The latest complete commit of the running (or last) ``train()`` call as a state dict, or None.
 
         Its ``cursor`` and per-rank ``rng`` let :meth:`load_state_dict` resume that epoch exactly there. Commits
@@ -333,7 +346,7 @@ class TorchTrainer:
         """
         return self._controller.latest_commit()
 
-    def load_state_dict(self, state_dict, blocking=False, weights_only=True):
+    def load_state_dict(self, state_dict: dict | bytes, blocking: bool = False, weights_only: bool = True) -> None:
         """Load ``state_dict`` (or its ``torch.save`` bytes) on every worker (each onto its own device).
 
         Bytes are loaded safely (``weights_only=True``, as :meth:`load`): checked in the driver, then on every
@@ -346,7 +359,7 @@ class TorchTrainer:
         """
         self._controller.load_stream(*checkpoint.checked_stream(state_dict, weights_only), blocking=blocking)
 
-    def save(self, checkpoint_path, consolidated=False):
+    def save(self, checkpoint_path: str | os.PathLike, consolidated: bool = False) -> str:
         """Write the trainer state to ``checkpoint_path`` atomically (and to ``storage_path``); returns the path.
 
         Under ``strategy="fsdp"`` the path becomes a checkpoint directory (a DCP folder: one part per rank, written
@@ -358,18 +371,18 @@ class TorchTrainer:
         """
         return self._controller.save(checkpoint_path, consolidated=consolidated)
 
-    def load(self, checkpoint_path, weights_only=True, blocking=False):
+    def load(self, checkpoint_path: str | os.PathLike, weights_only: bool = True, blocking: bool = False) -> None:
         """Load a file written by :meth:`save` (``weights_only=False`` only for trusted files; see
         docs/trainer.md), or a checkpoint directory of ``storage_path`` or Tune (a local path or a URI such as ``s3://bucket/run/...``).
         Anything else (a text file, another pickle, a model's weights) raises
         :class:`~raysgd.torch.errors.CheckpointError` naming it, before anything is sent to the workers."""
         self._controller.load_path(checkpoint_path, weights_only=weights_only, blocking=blocking)
 
-    def restore(self, *args):
+    def restore(self, *args: Any) -> None:
         """Removed in 1.x: always raises ``DeprecationWarning`` pointing at :meth:`load`."""
         raise DeprecationWarning("TorchTrainer.restore() is deprecated: use TorchTrainer.load(checkpoint).")
 
-    def shutdown(self, force=False):
+    def shutdown(self, force: bool = False) -> None:
         """Stop the workers and release their resources; the trainer cannot be used afterwards. Waits for the last
         ``storage_path`` upload (at most ``SGD_CHECKPOINT_FLUSH_S``) and then raises its failure, if any."""
         controller = self.__dict__.get("_controller")
@@ -406,7 +419,7 @@ class TorchTrainer:
             logger.warning("Closing the trainer after a failed start: %s", err)
 
     @classmethod
-    def as_trainable(cls, *args, override_tune_step=None, **kwargs):
+    def as_trainable(cls, *args: Any, override_tune_step: Callable | None = None, **kwargs: Any) -> type:
         """A Ray Tune ``Trainable`` class training with ``TorchTrainer(**kwargs)`` (see
         :mod:`raysgd.torch.integrations.tune`)."""
         from raysgd.torch.integrations.tune import make_trainable  # noqa: PLC0415 (Tune stays optional)
@@ -414,7 +427,7 @@ class TorchTrainer:
         return make_trainable(cls, *args, override_tune_step=override_tune_step, **kwargs)
 
 
-TorchTrainer.__init__.__signature__ = TrainerOptions.signature()  # help() and inspect show every keyword option
+TorchTrainer.__init__.__signature__ = TrainerOptions.signature()  # type: ignore[attr-defined]  # help() and inspect show every keyword option
 
 
 def __getattr__(name):

@@ -18,6 +18,8 @@ Example:
     ...         self.register_data(train_loader=DataLoader(LinearDataset(2, 5), batch_size=32),
     ...                            validation_loader=DataLoader(LinearDataset(2, 5, size=100), batch_size=32))
 """
+from __future__ import annotations
+
 import functools
 import logging
 
@@ -36,6 +38,7 @@ from raysgd.torch.operator.fsdp import Sharding, ShardingHelpers
 from raysgd.torch.operator.creators import get_test_metrics_operator, get_test_operator  # noqa: F401 (1.x's names)
 from raysgd.torch.operator.precision import LegacyAmp, Precision, PrecisionHelpers
 from raysgd.torch.sharding import loaders as _data
+from typing import Any, Callable, Iterable
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +58,15 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
         ...         ...  # self.register(...) and self.register_data(...)
     """
 
-    def __init__(self, config, world_rank=0, local_rank=0, is_distributed=False, use_gpu=False, device=None,
-                 use_fp16=False, use_tqdm=False, wrap_ddp=False, add_dist_sampler=False,
-                 scheduler_step_freq=None, world_size=1, strategy="ddp", fsdp_args=None):
+    _train_loader: Iterable | None  # set in __init__ and register_data
+    _validation_loader: Iterable | None
+    _running_meters: AverageMeterCollection | None
+
+    def __init__(self, config: dict, world_rank: int = 0, local_rank: int = 0, is_distributed: bool = False,
+                 use_gpu: bool = False, device: torch.device | str | None = None, use_fp16: bool | str = False,
+                 use_tqdm: bool = False, wrap_ddp: bool = False, add_dist_sampler: bool = False,
+                 scheduler_step_freq: str | None = None, world_size: int = 1, strategy: str = "ddp",
+                 fsdp_args: dict | None = None) -> None:
         self._config = config
         self._world_rank = world_rank
         self._local_rank = local_rank
@@ -81,12 +90,13 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
         self._check_models_registered()
 
     # ----------------------------------------------------------------- user hooks
-    def setup(self, config):
+    def setup(self, config: dict) -> None:
         """Create models, optimizers, criterion, schedulers and loaders, and register them. Override this."""
         raise NotImplementedError("Subclass TrainingOperator and implement setup(self, config), calling "
                                   "self.register(...) and self.register_data(...) in it.")
 
-    def register(self, *, models, optimizers, criterion=None, schedulers=None, ddp_args=None, apex_args=None):
+    def register(self, *, models: Any, optimizers: Any, criterion: Any = None, schedulers: Any = None,
+                 ddp_args: dict | None = None, apex_args: dict | None = None) -> Any:
         """Register the training components; returns them moved, patched and (when distributed) DDP-wrapped, or
         sharded in place with ``TorchTrainer(strategy="fsdp")`` (see :mod:`raysgd.torch.operator.fsdp`).
 
@@ -125,7 +135,7 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
             returns.append(schedulers if not isinstance(schedulers, (list, tuple)) else type(schedulers)(sched_list))
         return tuple(returns)
 
-    def register_data(self, *, train_loader=None, validation_loader=None):
+    def register_data(self, *, train_loader: Iterable | None = None, validation_loader: Iterable | None = None) -> None:
         """Register the loaders (any iterables); map-style DataLoaders are sharded by their own samplers."""
         if self._add_dist_sampler:  # seeded by config[DATA_SEED]: see raysgd.torch.sharding.loaders.resolve_seed
             shard = functools.partial(_data.shard_loader, rank=self._world_rank, world_size=self._world_size,
@@ -135,7 +145,8 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
         self._train_loader = train_loader
         self._validation_loader = validation_loader
 
-    def train_epoch(self, iterator, info=None, num_steps=None, epoch_idx=0):
+    def train_epoch(self, iterator: Iterable, info: dict | None = None, num_steps: int | None = None,
+                    epoch_idx: int = 0) -> dict[str, Any]:
         """Run :meth:`train_batch` over ``iterator`` and return the batch-averaged metrics.
 
         Steps the registered schedulers per batch or per epoch as ``scheduler_step_freq`` says.
@@ -159,7 +170,7 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
         self._running_meters = None
         return meters.summary()
 
-    def train_batch(self, batch, batch_info):
+    def train_batch(self, batch: Any, batch_info: dict) -> dict[str, Any]:
         """One optimization step on ``batch`` (``*features, target``); returns ``train_loss`` and ``num_samples``.
 
         ``train_loss`` stays a 0-d tensor on the device (no sync per step); the epoch's meters read it once."""
@@ -181,7 +192,7 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
                 self.step(optimizer)
         return {"train_loss": loss.detach(), NUM_SAMPLES: target.size(0)}
 
-    def validate(self, val_iterator, info=None):
+    def validate(self, val_iterator: Iterable, info: dict | None = None) -> dict[str, Any]:
         """Run :meth:`validate_batch` over ``val_iterator`` without gradients; returns averaged metrics."""
         info = dict(info or {})
         self._set_mode(training=False)
@@ -192,7 +203,7 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
                 meters.update(metrics, n=metrics.pop(NUM_SAMPLES, 1))
         return meters.summary()
 
-    def validate_batch(self, batch, batch_info):
+    def validate_batch(self, batch: Any, batch_info: dict) -> dict[str, Any]:
         """Loss and argmax accuracy of one batch: ``val_loss``, ``val_accuracy`` (0-d tensors), ``num_samples``."""
         model = self._component("model", "_models")
         criterion = self._component("criterion", "_criterion")
@@ -207,11 +218,11 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
             accuracy = correct.double() / max(num_samples, 1)  # stays on the device: no sync per batch
         return {"val_loss": loss.detach(), "val_accuracy": accuracy, NUM_SAMPLES: num_samples}
 
-    def state_dict(self):
+    def state_dict(self) -> Any:
         """Extra state of your own to checkpoint (stored under ``"operator"``). Override it; default None."""
         return None
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: Any) -> None:
         """Restore what :meth:`state_dict` returned. Override it; the default does nothing."""
 
     # ----------------------------------------------------------------- internals
@@ -266,16 +277,16 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
         return dict(models=self._original_models, optimizers=self._optimizers, precision=self._precision,
                     schedulers=self._schedulers)
 
-    def metrics_so_far(self):
+    def metrics_so_far(self) -> dict[str, Any] | None:
         """The default loop's metrics of the running epoch so far (what a commit stores), else None."""
         return self._running_meters.summary() if self._running_meters is not None else None
 
-    def registered_models(self):
+    def registered_models(self) -> list[torch.nn.Module]:
         """The registered models, unwrapped (no DDP, no ``torch.compile`` wrapper): what checkpoints hold."""
         self._require_registered()
         return self._original_models
 
-    def registered_loader(self, kind="train", required=True):
+    def registered_loader(self, kind: str = "train", required: bool = True) -> Any:
         """The registered ``"train"`` or ``"validation"`` loader (as sharded); None when there is none and not
         ``required``, else a ``RuntimeError`` saying how to register one."""
         loader = self._train_loader if kind == "train" else self._validation_loader
@@ -303,52 +314,52 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
 
     # ----------------------------------------------------------------- properties
     @property
-    def config(self):
+    def config(self) -> dict:
         """This worker's copy of the trainer config (``BATCH_SIZE`` already divided)."""
         return self._config
 
     @property
-    def world_rank(self):
+    def world_rank(self) -> int:
         """This worker's rank among all workers (0 .. world size - 1)."""
         return self._world_rank
 
     @property
-    def local_rank(self):
+    def local_rank(self) -> int:
         """This worker's rank among the workers of its node."""
         return self._local_rank
 
     @property
-    def device(self):
+    def device(self) -> torch.device:
         """The worker's ``torch.device`` (``cpu``, or ``cuda:<index>`` with ``use_gpu``)."""
         return self._device
 
     @property
-    def device_ids(self):
+    def device_ids(self) -> list[int] | None:
         """``[cuda index]`` with ``use_gpu`` (DistributedDataParallel's ``device_ids``), else None."""
         return [self._device.index or 0] if self._use_gpu else None
 
     @property
-    def use_gpu(self):
+    def use_gpu(self) -> bool:
         """True when this worker trains on a GPU."""
         return self._use_gpu
 
     @property
-    def use_fp16(self):
+    def use_fp16(self) -> bool | str:
         """The requested ``use_fp16`` value (truthy when mixed precision was asked for)."""
         return self._precision.requested
 
     @property
-    def use_fp16_native(self):
+    def use_fp16_native(self) -> bool:
         """True when ``use_fp16`` asks for ``torch.amp`` (``True`` or ``"bf16"``)."""
         return bool(self._precision.requested) and self._precision.requested != "apex"
 
     @property
-    def use_fp16_apex(self):
+    def use_fp16_apex(self) -> bool:
         """True when ``use_fp16="apex"`` (NVIDIA apex)."""
         return self._precision.requested == "apex"
 
     @property
-    def precision(self):
+    def precision(self) -> Precision:
         """The :class:`~raysgd.torch.operator.precision.Precision` object behind the fp16 helpers."""
         return self._precision
 
@@ -361,18 +372,19 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
         return self._precision.scaler
 
     @property
-    def use_tqdm(self):
+    def use_tqdm(self) -> bool:
         """True when the trainer draws a progress bar (``use_tqdm=True``)."""
         return self._use_tqdm
 
     @property
-    def scheduler_step_freq(self):
+    def scheduler_step_freq(self) -> str | None:
         """``"batch"``, ``"epoch"``, ``"manual"`` or None: when the registered schedulers step."""
         return self._scheduler_step_freq
 
     @classmethod
-    def from_creators(cls, model_creator, optimizer_creator, data_creator=None, loss_creator=None,
-                      scheduler_creator=None, serialize_data_creation=True):
+    def from_creators(cls, model_creator: Callable, optimizer_creator: Callable, data_creator: Callable | None = None,
+                      loss_creator: Callable | type | None = None, scheduler_creator: Callable | None = None,
+                      serialize_data_creation: bool = True) -> type[CreatorOperator]:
         """Build an operator class from 1.x creator functions: a :class:`CreatorOperator` (this class, when it is not
         one yet, with the creator loop mixed in; see :mod:`raysgd.torch.operator.creators`)."""
         base = cls if issubclass(cls, CreatorOperator) else type("CreatorOperator", (CreatorOperator, cls), {})
@@ -380,7 +392,8 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
                                                scheduler_creator, serialize_data_creation)
 
     @classmethod
-    def from_ptl(cls, lightning_module_cls, train_dataloader=None, val_dataloader=None, **options):
+    def from_ptl(cls, lightning_module_cls: type, train_dataloader: Any = None, val_dataloader: Any = None,
+                 **options: Any) -> type[LightningOperator]:
         """An operator class training a LightningModule: a :class:`LightningOperator` (see
         :mod:`raysgd.torch.operator.lightning`; Lightning is imported only here)."""
         return _lightning.make_lightning_operator(LightningOperator, lightning_module_cls, train_dataloader,

@@ -23,12 +23,18 @@ Example:
     >>> losses.seen
     [0.5]
 """
+from __future__ import annotations
+
 import dataclasses
 import logging
 import uuid
 
 from raysgd.base.checks import argument_error, expect
 from raysgd.callbacks import Callback
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from raysgd.train.checkpoint import Checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +50,12 @@ class UserCallback:
         ranks that raised: [1]
     """
 
-    def after_report(self, run_context, metrics, checkpoint):
+    def after_report(self, run_context: TrainRunContext, metrics: list[dict[str, Any]],
+                     checkpoint: Checkpoint | None) -> None:
         """Every rank called ``raysgd.train.report``: ``metrics[i]`` is rank ``i``'s dict, ``checkpoint`` the
         :class:`~raysgd.train.Checkpoint` written to storage (None when no rank reported one)."""
 
-    def after_exception(self, run_context, worker_exceptions):
+    def after_exception(self, run_context: TrainRunContext, worker_exceptions: dict[int, BaseException]) -> None:
         """One or more ranks raised: ``worker_exceptions`` is ``{world rank: exception}``."""
 
 
@@ -63,17 +70,17 @@ class TrainRunContext:
     """
 
     run_config: object = None
-    train_loop_config: dict = None
+    train_loop_config: dict | None = None
     scaling_config: object = None
     torch_config: object = None
     run_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
 
-    def get_run_config(self):
+    def get_run_config(self) -> Any:
         """The run's ``RunConfig``."""
         return self.run_config
 
 
-def check_callbacks(callbacks, owner="RunConfig"):
+def check_callbacks(callbacks: list | tuple | None, owner: str = "RunConfig") -> list:
     """``callbacks`` as a list: None, or a list/tuple of :class:`UserCallback` and :class:`raysgd.callbacks.Callback`
     instances; else a ``TypeError`` naming the item.
 
@@ -129,10 +136,10 @@ class UserCallbacks:
         >>> UserCallbacks([Broken()]).after_report(None, [{}], None)  # logged as a warning, not raised
     """
 
-    def __init__(self, callbacks=()):
+    def __init__(self, callbacks: Iterable[UserCallback] = ()) -> None:
         self.callbacks = [c for c in check_callbacks(list(callbacks)) if isinstance(c, UserCallback)]
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return bool(self.callbacks)
 
     def _call(self, hook, *args):
@@ -145,11 +152,12 @@ class UserCallbacks:
                 logger.warning("Callback %s.%s raised; training goes on without it for this event",
                                type(callback).__name__, hook, exc_info=True)
 
-    def after_report(self, run_context, metrics, checkpoint):
+    def after_report(self, run_context: TrainRunContext, metrics: Iterable[dict[str, Any]],
+                     checkpoint: Checkpoint | None) -> None:
         """Call every callback's ``after_report(run_context, metrics, checkpoint)`` (``metrics``: a list per rank)."""
         self._call("after_report", run_context, list(metrics), checkpoint)
 
-    def after_exception(self, run_context, worker_exceptions):
+    def after_exception(self, run_context: TrainRunContext, worker_exceptions: dict[int, BaseException]) -> None:
         """Call every callback's ``after_exception(run_context, {rank: exception})``."""
         self._call("after_exception", run_context, dict(worker_exceptions))
 

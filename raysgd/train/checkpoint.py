@@ -20,6 +20,8 @@ Example:
     >>> checkpoint.get_metadata()
     {'epoch': 3}
 """
+from __future__ import annotations
+
 import contextlib
 import dataclasses
 import json
@@ -30,6 +32,7 @@ import tempfile
 from raysgd import optional
 from raysgd.base.checks import argument_error, expect
 from raysgd.torch.storage import filesystem as _fs
+from typing import Any, Iterator
 
 #: The file in a checkpoint's directory that holds its metadata (Ray Train's name).
 METADATA_FILE = ".metadata.json"
@@ -50,7 +53,7 @@ def _local_path(path):
     return None if "://" in text else os.path.abspath(os.path.expanduser(text))
 
 
-def copy_tree(source, destination):
+def copy_tree(source: str, destination: str) -> None:
     """Copy the directory ``source`` to ``destination`` (each a local path or a pyarrow.fs URI)."""
     local_source, local_destination = _local_path(source), _local_path(destination)
     if local_source is not None and local_destination is not None:
@@ -82,7 +85,7 @@ class Checkpoint:
         'bucket/run/checkpoint_000001'
     """
 
-    def __init__(self, path, filesystem=None):
+    def __init__(self, path: str | os.PathLike, filesystem: object = None) -> None:
         expect(_is_path(path), "path", "a directory path or URI (str)", path, TypeError, **_CHECKPOINT)
         text = os.fspath(path)
         self._filesystem, self._uri = None, None
@@ -111,7 +114,7 @@ class Checkpoint:
         self._uri, self._local = text, isinstance(self._filesystem, _fs.pafs.LocalFileSystem)
 
     @classmethod
-    def from_directory(cls, path):
+    def from_directory(cls, path: str | os.PathLike) -> Checkpoint:
         """A checkpoint of the existing local directory ``path`` (its files are copied when it is reported).
 
         Example:
@@ -132,19 +135,19 @@ class Checkpoint:
         return cls(local)
 
     @property
-    def filesystem(self):
+    def filesystem(self) -> Any:
         """The ``pyarrow.fs`` filesystem holding the directory."""
         if self._filesystem is None:
             self._filesystem = _fs.resolve(self.path)[0]
         return self._filesystem
 
     @property
-    def is_local(self):
+    def is_local(self) -> bool:
         """Whether the directory is on this machine's filesystem (raysgd's addition)."""
         return self._local
 
     @property
-    def uri(self):
+    def uri(self) -> str | None:
         """What ``Checkpoint(uri)`` resolves back to this directory: the local path, or the URI it was made from
         (query options kept); None when it was made from a path inside a remote ``filesystem`` (raysgd's addition).
 
@@ -163,7 +166,7 @@ class Checkpoint:
                             destination_filesystem=_fs.pafs.LocalFileSystem())
 
     @contextlib.contextmanager
-    def as_directory(self):
+    def as_directory(self) -> Iterator[str]:
         """A local directory holding the checkpoint's files: itself when local, else a temporary download (removed
         when the block ends); treat it as read-only."""
         if self.is_local:
@@ -173,7 +176,7 @@ class Checkpoint:
             self._download(folder)
             yield folder
 
-    def to_directory(self, path=None):
+    def to_directory(self, path: str | os.PathLike | None = None) -> str:
         """Copy the checkpoint's files to the local directory ``path`` (default: a new temporary one); returns it."""
         path = os.path.abspath(os.path.expanduser(os.fspath(path))) if path is not None else \
             tempfile.mkdtemp(prefix="raysgd-checkpoint-")
@@ -183,7 +186,7 @@ class Checkpoint:
             self._download(path)
         return path
 
-    def get_metadata(self):
+    def get_metadata(self) -> dict[str, Any]:
         """The metadata dict kept with the checkpoint (``.metadata.json``), or ``{}`` when none was set."""
         if self.is_local:
             try:
@@ -196,7 +199,7 @@ class Checkpoint:
         with self.filesystem.open_input_stream(self._file(METADATA_FILE)) as handle:
             return json.loads(handle.readall().decode())
 
-    def set_metadata(self, metadata):
+    def set_metadata(self, metadata: dict[str, Any]) -> None:
         """Keep ``metadata`` (a dict JSON can write) with the checkpoint, replacing what was there.
 
         Example:
@@ -225,7 +228,7 @@ class Checkpoint:
         with self.filesystem.open_output_stream(self._file(METADATA_FILE)) as handle:
             handle.write(data)
 
-    def update_metadata(self, metadata):
+    def update_metadata(self, metadata: dict[str, Any]) -> None:
         """Add ``metadata``'s keys to the checkpoint's metadata (replacing those it had)."""
         expect(isinstance(metadata, dict), "metadata", "a dict", metadata, TypeError, "Checkpoint.update_metadata",
                call=True, typed=True)

@@ -22,11 +22,14 @@ Example:
     ...
     RuntimeError: raysgd.train.collective.barrier() works only inside the training function that TorchTrainer runs on its workers
 """
+from __future__ import annotations
+
 import torch
 import torch.distributed as dist
 from ray import cloudpickle
 
 from raysgd.train import session as _session
+from typing import Any
 
 #: The most bytes (pickled) ``broadcast_from_rank_zero`` sends, Ray Train's limit.
 MAX_BROADCAST_BYTES = 1000
@@ -41,7 +44,7 @@ def _group_device(session):
     return dist.get_world_size(), device
 
 
-def barrier():
+def barrier() -> None:
     """Wait until every rank has called ``barrier()`` (bounded by the process group's timeout).
 
     Example:
@@ -56,7 +59,7 @@ def barrier():
         dist.all_reduce(torch.zeros(1, device=device))  # a barrier on any backend, on this rank's device
 
 
-def broadcast_from_rank_zero(data):
+def broadcast_from_rank_zero(data: Any) -> Any:
     """Rank 0's ``data`` on every rank (the others' ``data`` is ignored); a barrier too: every rank must call it.
 
     Raises ``ValueError`` when rank 0's data pickles to more than 1000 bytes (on every rank), and pickle's error
@@ -76,7 +79,7 @@ def broadcast_from_rank_zero(data):
             payload = cloudpickle.dumps(data)
         except Exception as err:  # noqa: BLE001 (re-raised below, after the other ranks are told)
             pickle_error = err
-    length = torch.tensor([_UNPICKLABLE if pickle_error else len(payload)], dtype=torch.int64, device=device)
+    length: Any = torch.tensor([_UNPICKLABLE if pickle_error else len(payload)], dtype=torch.int64, device=device)
     if size > 1:
         dist.broadcast(length, src=0)
     length = int(length.item())

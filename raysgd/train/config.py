@@ -22,6 +22,7 @@ import time
 
 from raysgd.base.checks import expect, is_int, is_number
 from raysgd.train.callback import check_callbacks
+from typing import Any
 
 #: The default of a deprecated field: any other value, None included, is refused (as in Ray Train 2.58).
 DEPRECATED = "DEPRECATED"
@@ -68,16 +69,16 @@ class ScalingConfig:
         ValueError: ScalingConfig: `use_gpu` is False but `GPU` was found in `resources_per_worker`. Either set `use_gpu` to True or remove `GPU` from `resources_per_worker`.
     """
 
-    num_workers: object = 1
+    num_workers: Any = 1  # an int, or an elastic range (min, max): __post_init__ checks which
     use_gpu: bool = False
-    resources_per_worker: dict = None
+    resources_per_worker: dict | None = None
     placement_strategy: str = "PACK"
     elastic_resize_monitor_interval_s: float = 60.0
-    trainer_resources: dict = None
+    trainer_resources: dict | None = None
     label_selector: object = None
-    accelerator_type: str = None
+    accelerator_type: str | None = None
     use_tpu: bool = False
-    topology: str = None
+    topology: str | None = None
     num_spares: int = 0
 
     def __post_init__(self):
@@ -131,44 +132,44 @@ class ScalingConfig:
                    **_AS_CALL)
 
     @property
-    def worker_range(self):
+    def worker_range(self) -> tuple[int, int]:
         """``(min, max)`` workers."""
         return self.min_workers, self.max_workers
 
     @property
-    def min_workers(self):
+    def min_workers(self) -> int:
         """The fewest workers the run trains with (``num_workers``, or a range's minimum)."""
         return self.num_workers if is_int(self.num_workers) else int(self.num_workers[0])
 
     @property
-    def max_workers(self):
+    def max_workers(self) -> int:
         """The most workers the run trains with (``num_workers``, or a range's maximum)."""
         return self.num_workers if is_int(self.num_workers) else int(self.num_workers[1])
 
     @property
-    def is_range(self):
+    def is_range(self) -> bool:
         """Whether ``num_workers`` is an elastic range ``(min, max)``."""
         return not is_int(self.num_workers)
 
     @property
-    def elasticity_enabled(self):
+    def elasticity_enabled(self) -> bool:
         """Whether ``num_workers`` is a range (Ray Train's name)."""
         return self.is_range
 
     @property
-    def num_cpus_per_worker(self):
+    def num_cpus_per_worker(self) -> float:
         """CPUs each worker reserves (``resources_per_worker["CPU"]``, default 1)."""
         cpus = (self.resources_per_worker or {}).get("CPU")
         return 1 if cpus is None else cpus
 
     @property
-    def num_gpus_per_worker(self):
+    def num_gpus_per_worker(self) -> float:
         """GPUs each worker reserves (``resources_per_worker["GPU"]``, default 1 with ``use_gpu``, else 0)."""
         gpus = (self.resources_per_worker or {}).get("GPU")
         return (1 if self.use_gpu else 0) if gpus is None else gpus
 
     @property
-    def total_resources(self):
+    def total_resources(self) -> dict[str, float]:
         """What the workers reserve in all, ``{"CPU": n, "GPU": g}`` (zeros left out); for a range, the upper bound
         (``max`` workers), as in Ray Train 2.58.
 
@@ -229,8 +230,8 @@ class CheckpointConfig:
         2
     """
 
-    num_to_keep: int = None
-    checkpoint_score_attribute: str = None
+    num_to_keep: int | None = None
+    checkpoint_score_attribute: str | None = None
     checkpoint_score_order: str = "max"
     checkpoint_frequency: object = DEPRECATED
     checkpoint_at_end: object = DEPRECATED
@@ -264,7 +265,7 @@ class LoggingConfig:
         'DEBUG'
     """
 
-    log_level: str = None
+    log_level: str | None = None
 
     def __post_init__(self):
         if self.log_level is None:
@@ -302,14 +303,14 @@ class RunConfig:
         'exp'
     """
 
-    name: str = None
-    storage_path: str = None
+    name: str = None  # type: ignore[assignment]  # None: __post_init__ sets it
+    storage_path: str = None  # type: ignore[assignment]  # None: __post_init__ sets it
     storage_filesystem: object = None
-    failure_config: FailureConfig = None
-    checkpoint_config: CheckpointConfig = None
-    callbacks: list = None
-    worker_runtime_env: dict = None
-    logging_config: LoggingConfig = None
+    failure_config: FailureConfig = None  # type: ignore[assignment]  # None: __post_init__ sets it
+    checkpoint_config: CheckpointConfig = None  # type: ignore[assignment]  # None: __post_init__ sets it
+    callbacks: list = None  # type: ignore[assignment]  # None: __post_init__ sets it
+    worker_runtime_env: dict = None  # type: ignore[assignment]  # None: __post_init__ sets it
+    logging_config: LoggingConfig = None  # type: ignore[assignment]  # None: __post_init__ sets it
     progress_bar: bool = False
     sync_config: object = DEPRECATED
     verbose: object = DEPRECATED
@@ -359,7 +360,7 @@ class TorchConfig:
         60
     """
 
-    backend: str = None
+    backend: str | None = None
     timeout_s: int = 1800
     init_method: str = "env"
 

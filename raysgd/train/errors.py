@@ -14,7 +14,13 @@ Example:
     >>> copy.worker_failures
     {1: ValueError('bad batch')}
 """
+from __future__ import annotations
+
 from raysgd.base.checks import expect
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raysgd.train.result import Result
 
 
 class TrainingFailedError(RuntimeError):
@@ -29,7 +35,7 @@ class TrainingFailedError(RuntimeError):
         ...     result = failed.result  # result.checkpoint: the latest reported one, result.error: the cause
     """
 
-    def __init__(self, message, result=None):
+    def __init__(self, message: str, result: Result | None = None) -> None:
         super().__init__(message)
         self.result = result  # pickled with the exception's __dict__
 
@@ -49,7 +55,8 @@ class WorkerGroupError(TrainingFailedError):
         ({0: MemoryError()}, 'rank 0 ran out of memory')
     """
 
-    def __init__(self, error_message, worker_failures, result=None):
+    def __init__(self, error_message: str, worker_failures: dict[int, BaseException],
+                 result: Result | None = None) -> None:
         expect(isinstance(worker_failures, dict) and all(
             isinstance(rank, int) and isinstance(error, BaseException) for rank, error in worker_failures.items()),
             "worker_failures", "a dict {world rank: exception}", worker_failures, TypeError, "WorkerGroupError",

@@ -23,6 +23,7 @@ from raysgd import optional
 from raysgd.base.checks import expect
 from raysgd.train import session as _session
 from raysgd.train.checkpoint import Checkpoint
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ FEATURE = "raysgd.train.lightning (Ray Train's Lightning names)"
 _CLASSES = ("RayDDPStrategy", "RayFSDPStrategy", "RayLightningEnvironment", "RayTrainReportCallback")
 #: The strategies that run a Trainer on the worker group's process group (``prepare_trainer`` accepts these).
 _STRATEGIES = ("RayDDPStrategy", "RayFSDPStrategy")
-_defined = {}
+_defined: dict[str, type] = {}
 
 
 def _lightning():
@@ -163,7 +164,7 @@ def _define(pl, LightningEnvironment):  # noqa: N803 (a class)
     return classes
 
 
-def prepare_trainer(trainer):
+def prepare_trainer(trainer: Any) -> Any:
     """Check that a Lightning ``Trainer`` runs on raysgd.train (``RayDDPStrategy`` or ``RayFSDPStrategy``, or a
     single worker, and ``RayLightningEnvironment``); returns it.
 

@@ -22,6 +22,8 @@ Example:
     >>> loader.cursor_state()
     {'epoch': 0, 'consumed': 6, 'complete': True}
 """
+from __future__ import annotations
+
 import logging
 
 import torch
@@ -31,11 +33,12 @@ from torch.utils.data import DataLoader
 from raysgd.base.checks import expect
 from raysgd.torch.sharding import loaders as _loaders
 from raysgd.train import session as _session
+from typing import Any, Iterator
 
 logger = logging.getLogger(__name__)
 
 
-def get_device():
+def get_device() -> torch.device:
     """This worker's device: ``cuda:<index>`` with ``ScalingConfig(use_gpu=True)``, else ``cpu``.
 
     Example:
@@ -45,7 +48,8 @@ def get_device():
     return _session.current("torch.get_device()").device
 
 
-def prepare_model(model, move_to_device=True, parallel_strategy="ddp", parallel_strategy_kwargs=None):
+def prepare_model(model: torch.nn.Module, move_to_device: bool | torch.device = True, parallel_strategy: str | None = "ddp",
+                  parallel_strategy_kwargs: dict[str, Any] | None = None) -> torch.nn.Module:
     """Move ``model`` to this worker's device and wrap it in ``DistributedDataParallel`` when there are several
     workers (``parallel_strategy=None``: no wrap). FSDP is not supported here (``NotImplementedError``).
 
@@ -68,8 +72,8 @@ def prepare_model(model, move_to_device=True, parallel_strategy="ddp", parallel_
     return model
 
 
-def prepare_data_loader(data_loader, add_dist_sampler=True, move_to_device=True, auto_transfer=True,
-                        exactly_once=True):
+def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True, move_to_device: bool = True,
+                        auto_transfer: bool = True, exactly_once: bool = True) -> PreparedLoader | DataLoader:
     """Shard ``data_loader`` for this worker (raysgd's sampler and data cursor) and move its batches to the device.
 
     ``exactly_once``: save the loader's data cursor with every checkpoint reported, and continue a restored
@@ -116,13 +120,13 @@ class PreparedLoader:
         self._progress = progress  # rank 0's progress bar feed (RunConfig(progress_bar=True)), or None
         self.restore(restored)
 
-    def restore(self, cursor):
+    def restore(self, cursor: dict | None) -> None:
         """Continue from ``cursor`` (a :meth:`cursor_state` from a checkpoint) at the first pass of its epoch."""
         if cursor is None or self._sampler is None or not self.exactly_once:
             return
         self._restored = dict(cursor)
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch: int) -> None:
         """The epoch of the next pass (as ``loader.sampler.set_epoch``)."""
         _loaders.set_sampler_epoch(self.loader, epoch)
 
@@ -149,7 +153,7 @@ class PreparedLoader:
                 logger.info("The restored data cursor (epoch %d) does not apply: this pass is epoch %d",
                             restored["epoch"], epoch)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         self._begin_pass()
         self._passes += 1
         self._taken, self._in_pass = 0, True
@@ -166,7 +170,7 @@ class PreparedLoader:
         if progress is not None:
             progress.end()
 
-    def cursor_state(self):
+    def cursor_state(self) -> dict[str, Any] | None:
         """``{"epoch", "consumed", "complete"}`` now (positions all ranks consumed in the current pass), or None."""
         if self._sampler is None or not self.exactly_once or self._pass_epoch is None:
             return None
@@ -176,7 +180,7 @@ class PreparedLoader:
             return None
         return {"epoch": self._pass_epoch, "consumed": int(consumed), "complete": consumed >= total}
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.loader)
 
     def __getattr__(self, name):

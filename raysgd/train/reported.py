@@ -17,6 +17,8 @@ Example:
     ...
     RuntimeError: raysgd.train.get_all_reported_checkpoints() works only inside the training function that TorchTrainer runs on its workers
 """
+from __future__ import annotations
+
 from raysgd.base.checks import expect, is_number
 from raysgd.train import collective
 from raysgd.train import session as _session
@@ -26,7 +28,8 @@ from raysgd.train.checkpoint import Checkpoint, ReportedCheckpoint
 CONSISTENCY_MODES = ("COMMITTED", "VALIDATED")
 
 
-def get_all_reported_checkpoints(consistency_mode="VALIDATED", timeout_s=None):
+def get_all_reported_checkpoints(consistency_mode: object = "VALIDATED",
+                                 timeout_s: float | None = None) -> list[ReportedCheckpoint]:
     """``[ReportedCheckpoint(checkpoint, metrics)]`` of the checkpoints the run keeps, oldest first.
 
     Args:

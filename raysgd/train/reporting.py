@@ -64,9 +64,9 @@ class ReportPlan:
     call_id: int
     attempt: int
     first_index: int
-    resume: tuple = None
+    resume: tuple | None = None
     reported: list = dataclasses.field(default_factory=list)
-    score_attribute: str = None
+    score_attribute: str | None = None
 
     def directory_name(self, name, reported):
         """The directory of the attempt's checkpoint after ``reported`` earlier ones: ``name`` when given, else

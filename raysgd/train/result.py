@@ -22,6 +22,8 @@ Example:
     >>> result.get_best_checkpoint("loss", "min").path
     '/tmp/r/exp/checkpoint_000002'
 """
+from __future__ import annotations
+
 import dataclasses
 import os
 
@@ -31,6 +33,10 @@ from raysgd.torch.storage import filesystem as _fs
 from raysgd.train import retention
 from raysgd.train.checkpoint import Checkpoint
 from raysgd.train.commits import complete_checkpoints
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from raysgd.train.config import CheckpointConfig
 
 #: Metric keys Ray Train's ``repr(Result)`` leaves out (Ray Tune's automatic keys); ``Result.metrics`` keeps them.
 REPR_HIDDEN_KEYS = frozenset({
@@ -60,10 +66,10 @@ class Result:
         0.1
     """
 
-    metrics: dict
-    checkpoint: Checkpoint
-    path: str
-    error: BaseException = None
+    metrics: dict | None
+    checkpoint: Checkpoint | None
+    path: str | None
+    error: BaseException | None = None
     best_checkpoints: list = dataclasses.field(default_factory=list)
     num_failures: int = 0
     return_value: object = None
@@ -76,14 +82,14 @@ class Result:
         self.path = text
 
     @property
-    def filesystem(self):
+    def filesystem(self) -> Any:
         """The ``pyarrow.fs`` filesystem holding :attr:`path` (the local one unless the run was stored remotely)."""
         if self._storage_filesystem is None:
             self._storage_filesystem = _fs.resolve(self.path or os.sep)[0]
         return self._storage_filesystem
 
     @property
-    def metrics_dataframe(self):
+    def metrics_dataframe(self) -> Any:
         """A pandas DataFrame of the metrics of :attr:`best_checkpoints`, one row per checkpoint in their order;
         None when there is none. Needs pandas (``pip install "raysgd[data]"``)."""
         if not self.best_checkpoints:
@@ -91,7 +97,7 @@ class Result:
         pandas = optional.require("pandas", "Result.metrics_dataframe", extra="data")
         return pandas.DataFrame([metrics for _, metrics in self.best_checkpoints])
 
-    def get_best_checkpoint(self, metric, mode):
+    def get_best_checkpoint(self, metric: str, mode: str) -> Checkpoint:
         """The checkpoint of :attr:`best_checkpoints` with the highest (``mode="max"``) or lowest (``"min"``)
         ``metric`` (a nested one as ``"a/b"``); checkpoints without it are left out.
 
@@ -116,8 +122,10 @@ class Result:
         return (max if mode == "max" else min)(scored, key=lambda pair: pair[1])[0]
 
     @classmethod
-    def from_checkpoints(cls, checkpoints, *, path, checkpoint_config=None, metrics=None, error=None,
-                         return_value=None, num_failures=0, storage_filesystem=None):
+    def from_checkpoints(cls, checkpoints: Iterable[tuple[Checkpoint, dict]], *, path: str | None,
+                         checkpoint_config: CheckpointConfig | None = None, metrics: dict | None = None,
+                         error: BaseException | None = None, return_value: object = None, num_failures: int = 0,
+                         storage_filesystem: object = None) -> Result:
         """A Result of a run whose kept checkpoints are ``checkpoints`` (``[(Checkpoint, metrics)]``, oldest first).
 
         ``metrics`` defaults to the latest checkpoint's; ``best_checkpoints`` are ranked by ``checkpoint_config``
@@ -140,7 +148,8 @@ class Result:
                    _storage_filesystem=storage_filesystem)
 
     @classmethod
-    def from_path(cls, path, storage_filesystem=None, checkpoint_config=None):
+    def from_path(cls, path: str | os.PathLike, storage_filesystem: object = None,
+                  checkpoint_config: CheckpointConfig | None = None) -> Result:
         """The Result of the run folder ``path`` (``storage_path/name``, local or a URI): its complete checkpoints,
         the latest one's metrics. ``best_checkpoints`` are ordered by ``checkpoint_config`` (raysgd's addition;
         default: by age). The run's error, if any, is not stored: ``error`` is None.

@@ -13,6 +13,8 @@ Example:
     ...
     RuntimeError: raysgd.train.get_context() works only inside the training function that TorchTrainer runs on its workers
 """
+from __future__ import annotations
+
 import contextlib
 import logging
 import os
@@ -24,10 +26,11 @@ from raysgd.torch.storage import rank_files
 from raysgd.train.checkpoint import Checkpoint
 from raysgd.train.errors import context_deprecation
 from raysgd.train.reporting import Reporter
+from typing import Any, NoReturn
 
 logger = logging.getLogger(__name__)
 
-_current = []  # the running session (at most one per process)
+_current: list["Session"] = []  # the running session (at most one per process)
 
 
 class TrainContext:
@@ -39,61 +42,61 @@ class TrainContext:
         1
     """
 
-    def __init__(self, world_size, world_rank, local_rank, local_world_size, node_rank, experiment_name,
-                 storage_path):
-        self._values = dict(world_size=world_size, world_rank=world_rank, local_rank=local_rank,
+    def __init__(self, world_size: int, world_rank: int, local_rank: int, local_world_size: int, node_rank: int,
+                 experiment_name: str, storage_path: str) -> None:
+        self._values: dict[str, Any] = dict(world_size=world_size, world_rank=world_rank, local_rank=local_rank,
                             local_world_size=local_world_size, node_rank=node_rank, experiment_name=experiment_name,
                             storage_path=storage_path)
 
-    def get_world_size(self):
+    def get_world_size(self) -> int:
         """The number of workers (ranks) in the group now."""
         return self._values["world_size"]
 
-    def get_world_rank(self):
+    def get_world_rank(self) -> int:
         """This worker's rank in the group (0 to world size - 1)."""
         return self._values["world_rank"]
 
-    def get_local_rank(self):
+    def get_local_rank(self) -> int:
         """This worker's rank among the workers of its node."""
         return self._values["local_rank"]
 
-    def get_local_world_size(self):
+    def get_local_world_size(self) -> int:
         """The number of workers on this worker's node."""
         return self._values["local_world_size"]
 
-    def get_node_rank(self):
+    def get_node_rank(self) -> int:
         """The rank of this worker's node among the group's nodes."""
         return self._values["node_rank"]
 
-    def get_experiment_name(self):
+    def get_experiment_name(self) -> str:
         """The run's name (``RunConfig(name=...)``)."""
         return self._values["experiment_name"]
 
-    def get_storage_path(self):
+    def get_storage_path(self) -> str:
         """Where the run's folder is (``RunConfig(storage_path=...)``)."""
         return self._values["storage_path"]
 
-    def get_trial_name(self):
+    def get_trial_name(self) -> NoReturn:
         """Deprecated in Ray Train 2.x (a Ray Tune trial's): raises its ``DeprecationWarning``."""
         raise context_deprecation("get_trial_name")
 
-    def get_trial_id(self):
+    def get_trial_id(self) -> NoReturn:
         """Deprecated in Ray Train 2.x: raises its ``DeprecationWarning``."""
         raise context_deprecation("get_trial_id")
 
-    def get_trial_resources(self):
+    def get_trial_resources(self) -> NoReturn:
         """Deprecated in Ray Train 2.x: raises its ``DeprecationWarning``."""
         raise context_deprecation("get_trial_resources")
 
-    def get_trial_dir(self):
+    def get_trial_dir(self) -> NoReturn:
         """Deprecated in Ray Train 2.x: raises its ``DeprecationWarning``."""
         raise context_deprecation("get_trial_dir")
 
-    def get_metadata(self):
+    def get_metadata(self) -> NoReturn:
         """Deprecated in Ray Train 2.x (``TorchTrainer(metadata=...)``'s): raises its ``DeprecationWarning``."""
         raise context_deprecation("get_metadata")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"TrainContext({self._values})"
 
 
@@ -181,14 +184,14 @@ def running(session):
         _current.remove(session)
 
 
-def last_metrics():
+def last_metrics() -> dict[str, Any]:
     """The metrics this rank reported last in the running attempt (``{}`` before any, or outside a function)."""
     if not _current or _current[-1].reporter is None:
         return {}
     return _current[-1].reporter.last_metrics or {}
 
 
-def is_running():
+def is_running() -> bool:
     """Whether a training function runs in this process (a :class:`Session` is open).
 
     Example:
@@ -198,7 +201,7 @@ def is_running():
     return bool(_current)
 
 
-def current(what="this function"):
+def current(what: str = "this function") -> Session:
     """The running :class:`Session`; a clear error outside the training function."""
     if not _current:
         raise RuntimeError(f"raysgd.train.{what} works only inside the training function that TorchTrainer runs on "
@@ -206,7 +209,8 @@ def current(what="this function"):
     return _current[-1]
 
 
-def report(metrics, checkpoint=None, checkpoint_dir_name=None):
+def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None,
+           checkpoint_dir_name: str | None = None) -> None:
     """Report ``metrics`` (a dict) and optionally a :class:`Checkpoint` of a local directory. A collective: every rank
     calls it the same number of times, and it returns once the checkpoint is durable. Every rank's directory is merged
     into ``storage_path/name/<checkpoint_dir_name or checkpoint_NNNNNN>`` (a file several ranks report is written
@@ -222,7 +226,7 @@ def report(metrics, checkpoint=None, checkpoint_dir_name=None):
     current("report()").report(metrics, checkpoint, checkpoint_dir_name)
 
 
-def get_checkpoint():
+def get_checkpoint() -> Checkpoint | None:
     """The latest reported checkpoint when this run of the training function started (after a failure, or when a
     script re-runs with the same ``name`` and ``storage_path``), or None.
 
@@ -236,7 +240,7 @@ def get_checkpoint():
     return current("get_checkpoint()").checkpoint()
 
 
-def get_context():
+def get_context() -> TrainContext:
     """This worker's :class:`TrainContext`.
 
     Example:
@@ -246,7 +250,7 @@ def get_context():
     return current("get_context()").context
 
 
-def get_dataset_shard(name="train"):
+def get_dataset_shard(name: str = "train") -> Any:
     """This worker's shard of ``TorchTrainer(datasets={name: ray_dataset})``: a Ray Data ``DataIterator``
     (``iter_torch_batches(batch_size=...)``). Ray Data shards have no data cursor: a restart re-reads the epoch.
 

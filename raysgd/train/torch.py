@@ -9,6 +9,8 @@ Example:
     >>> TorchTrainer.__name__
     'TorchTrainer'
 """
+from __future__ import annotations
+
 import os
 import tempfile
 
@@ -19,6 +21,7 @@ from raysgd.train.checkpoint import Checkpoint
 from raysgd.train.config import TorchConfig
 from raysgd.train.prepare import PreparedLoader, get_device, prepare_data_loader, prepare_model
 from raysgd.train.trainer import TorchTrainer
+from typing import Any
 
 _AMP_DEPRECATED = ("The `accelerate`, `backward`, and `prepare_optimizer` utility methods in the `ray.train.torch` "
                    "module are deprecated (as in Ray Train 2.x): use PyTorch's mixed precision API directly "
@@ -26,7 +29,7 @@ _AMP_DEPRECATED = ("The `accelerate`, `backward`, and `prepare_optimizer` utilit
                    "https://github.com/ray-project/ray/issues/49454")
 
 
-def get_devices():
+def get_devices() -> list[torch.device]:
     """This worker's devices (one): ``[get_device()]``.
 
     Example:
@@ -36,7 +39,7 @@ def get_devices():
     return [get_device()]
 
 
-def enable_reproducibility(seed=0):
+def enable_reproducibility(seed: int = 0) -> None:
     """Seed torch, numpy and random, and make torch's algorithms deterministic where it can.
 
     Example:
@@ -52,17 +55,17 @@ def enable_reproducibility(seed=0):
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def accelerate(amp=False):
+def accelerate(amp: bool = False) -> None:
     """Deprecated in Ray Train 2.x: raises its ``DeprecationWarning``."""
     raise DeprecationWarning(_AMP_DEPRECATED)
 
 
-def backward(tensor):
+def backward(tensor: torch.Tensor) -> None:
     """Deprecated in Ray Train 2.x: raises its ``DeprecationWarning``."""
     raise DeprecationWarning(_AMP_DEPRECATED)
 
 
-def prepare_optimizer(optimizer):
+def prepare_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Deprecated in Ray Train 2.x: raises its ``DeprecationWarning``."""
     raise DeprecationWarning(_AMP_DEPRECATED)
 
@@ -90,7 +93,7 @@ class TorchCheckpoint(Checkpoint):
         return cls.from_directory(folder)
 
     @classmethod
-    def from_state_dict(cls, state_dict, *, preprocessor=None):
+    def from_state_dict(cls, state_dict: dict[str, Any], *, preprocessor: object = None) -> TorchCheckpoint:
         """A checkpoint of ``state_dict`` (a DDP ``module.`` prefix is taken off), in a new temporary directory."""
         expect(isinstance(state_dict, dict), "state_dict", "a dict", state_dict, TypeError,
                "TorchCheckpoint.from_state_dict", call=True, got=type(state_dict).__name__)
@@ -99,13 +102,13 @@ class TorchCheckpoint(Checkpoint):
         return cls._write(state_dict, preprocessor)
 
     @classmethod
-    def from_model(cls, model, *, preprocessor=None):
+    def from_model(cls, model: torch.nn.Module, *, preprocessor: object = None) -> TorchCheckpoint:
         """A checkpoint of the whole ``model`` (pickled: :meth:`get_model` needs ``weights_only=False``)."""
         expect(isinstance(model, torch.nn.Module), "model", "a torch.nn.Module", model, TypeError,
                "TorchCheckpoint.from_model", call=True, got=type(model).__name__)
         return cls._write(model, preprocessor)
 
-    def get_model(self, model=None, *, weights_only=True):
+    def get_model(self, model: torch.nn.Module | None = None, *, weights_only: bool = True) -> torch.nn.Module:
         """The model of the checkpoint: ``model`` with the state dict loaded, or the whole model it holds.
 
         ``weights_only=True`` (raysgd's default) loads tensors and containers only, safe from any source; a whole

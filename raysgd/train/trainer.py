@@ -20,6 +20,8 @@ Example:
     ...
     TypeError: TorchTrainer(scaling_config=...) expects a raysgd.train.ScalingConfig (ScalingConfig(num_workers=2)); got dict {'num_workers': 2}
 """
+from __future__ import annotations
+
 import dataclasses
 import logging
 import os
@@ -47,6 +49,7 @@ from raysgd.train.config import RunConfig, ScalingConfig, TorchConfig
 from raysgd.train.errors import ResourcesError, WorkerGroupError
 from raysgd.train.function_worker import FunctionWorker
 from raysgd.train.result import Result
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +81,11 @@ class TorchTrainer:
         >>> result = TorchTrainer(train_func, scaling_config=ScalingConfig(num_workers=2)).fit()  # doctest: +SKIP
     """
 
-    def __init__(self, train_loop_per_worker, *, train_loop_config=None, scaling_config=None, run_config=None,
-                 datasets=None, torch_config=None, resume_from_checkpoint=None, dataset_config=None, metadata=None):
+    def __init__(self, train_loop_per_worker: Callable[..., Any], *, train_loop_config: dict | None = None,
+                 scaling_config: ScalingConfig | None = None, run_config: RunConfig | None = None,
+                 datasets: dict[str, Any] | None = None, torch_config: TorchConfig | None = None,
+                 resume_from_checkpoint: Checkpoint | None = None, dataset_config: object = None,
+                 metadata: dict | None = None) -> None:
         expect(callable(train_loop_per_worker), "train_loop_per_worker", "a function fn(config) or fn()",
                train_loop_per_worker, **_ARGUMENT)
         expect(train_loop_config is None or isinstance(train_loop_config, dict), "train_loop_config", "None or a dict",
@@ -106,7 +112,7 @@ class TorchTrainer:
         self.datasets = dict(datasets or {})
         self.resume_from_checkpoint = resume_from_checkpoint
         self.metadata = metadata
-        self._controller = None
+        self._controller: RunController | None = None
         self._last_report_at = None
         self.last_call_s = None  # seconds between the last two reports (what Ray metrics' rates read)
         self.last_commit_latency_s = None  # the last checkpointed report's seconds, as rank 0 measured them
@@ -114,7 +120,7 @@ class TorchTrainer:
 
     # ----------------------------------------------------------------- restoring a run
     @classmethod
-    def can_restore(cls, path):
+    def can_restore(cls, path: str | os.PathLike) -> bool:
         """Whether the run folder ``path`` (``storage_path/name``, a folder or URI) holds a complete checkpoint a
         training function reported, so :meth:`restore` would resume from it.
 
@@ -129,7 +135,8 @@ class TorchTrainer:
         return bool(complete_checkpoints(storage))
 
     @classmethod
-    def restore(cls, path, train_loop_per_worker, **kwargs):
+    def restore(cls, path: str | os.PathLike, train_loop_per_worker: Callable[..., Any],
+                **kwargs: Any) -> TorchTrainer:
         """A trainer resuming the run folder ``path`` (``storage_path/name``): ``fit()`` starts from its newest good
         checkpoint. ``train_loop_per_worker`` and the other arguments are as for :class:`TorchTrainer` (raysgd keeps
         no pickled trainer in the folder); a ``run_config`` given keeps its other fields, its name and storage path
@@ -153,12 +160,12 @@ class TorchTrainer:
 
     # ----------------------------------------------------------------- what callbacks read
     @property
-    def config(self):
+    def config(self) -> dict | None:
         """The training function's config (``train_loop_config``), as loggers log it."""
         return self.train_loop_config
 
     @property
-    def worker_group(self):
+    def worker_group(self) -> WorkerGroup | None:
         """The running :class:`~raysgd.torch.execution.worker_group.WorkerGroup` (None outside ``fit()``)."""
         return self._controller.group if self._controller is not None else None
 
@@ -238,7 +245,7 @@ class TorchTrainer:
 
         return per_rank
 
-    def fit(self):
+    def fit(self) -> Result:
         """Run the training function on the workers until it returns; returns a :class:`~raysgd.train.result.Result`.
         Raises :class:`~raysgd.train.errors.WorkerGroupError` (a ``TrainingFailedError``, its ``result`` attached)
         when the function raised or the workers failed more often than ``FailureConfig`` allows."""
@@ -365,7 +372,7 @@ def _cause(error):
     return error.__cause__ if isinstance(error, RuntimeError) and isinstance(error.__cause__, WorkerFailure) else error
 
 
-def worker_failures(error):
+def worker_failures(error: BaseException) -> dict[int, BaseException]:
     """``{world rank: exception}`` of a failure (Ray Train's ``WorkerGroupError.worker_failures``): a worker failure's
     ranks, each with what happened to it, or the rank whose training function raised ``error``.
 

@@ -68,8 +68,8 @@ class Outcome:
     """
 
     kind: str
-    results: list = None
-    error: BaseException = None
+    results: list | None = None
+    error: BaseException | None = None
     stuck: bool = False
     failures: dict = dataclasses.field(default_factory=dict)
     unanswered: list = dataclasses.field(default_factory=list)

@@ -32,6 +32,8 @@ Example:
     ...
     ValueError: max_retries expects an int >= 0; got -1
 """
+from __future__ import annotations
+
 import dataclasses
 import logging
 import time
@@ -51,6 +53,10 @@ from raysgd.torch.fault_tolerance.watches import DrainWatch, GrowWatch
 from raysgd.torch.state import checkpoint, training_state
 from raysgd.torch.state.call_start import PendingPoint
 from raysgd.torch.state.restart_point import RestartPoint, RestartPointLost, ShardedPoint
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+if TYPE_CHECKING:
+    from raysgd.torch.execution.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +96,11 @@ class RunController(StateAccess):
     rank's record, the slowest rank's) stored during the last ``train()`` call that stored one; None before.
     """
 
-    def __init__(self, group, *, operator_cls, initialization_hook, config, split, worker_range, is_range, timeout_s,
-                 commits, durable, resize_cooldown_s=None, on_event=None, stateless=False, components=None):
+    def __init__(self, group: WorkerGroup, *, operator_cls: type | Callable, initialization_hook: Callable | None,
+                 config: dict | None, split: Callable, worker_range: tuple[int, int], is_range: bool,
+                 timeout_s: float, commits: Any, durable: Any, resize_cooldown_s: float | None = None,
+                 on_event: Callable[..., Any] | None = None, stateless: bool = False,
+                 components: Mapping[str, Any] | None = None) -> None:
         self.group, self.commits, self.durable = group, commits, durable
         self.components = stateful.check_components(components, "RunController")
         self._operator_cls, self.initialization_hook = operator_cls, initialization_hook  # settable: later starts
@@ -110,17 +119,17 @@ class RunController(StateAccess):
 
     # ----------------------------------------------------------------- the group
     @property
-    def config(self):
+    def config(self) -> Mapping[str, Any]:
         """The trainer config, read-only, with ``BATCH_SIZE`` as it is divided among the current workers."""
         return types.MappingProxyType(self._config)
 
     @property
-    def num_failures(self):
+    def num_failures(self) -> int:
         """How many worker failures the calls have recovered from (or met) so far."""
         return self.status.failures
 
     @property
-    def state(self):
+    def state(self) -> RunState:
         """The run's :class:`~raysgd.torch.execution.run_states.RunState` now."""
         return self.status.state
 
@@ -134,7 +143,7 @@ class RunController(StateAccess):
             logger.debug("run: %s -> %s (%s)", old.value, state.value, why)
             self._emit("state", old, state, why)
 
-    def start(self):
+    def start(self) -> None:
         """Start the first group, then load ``storage_path``'s newest checkpoint (if resuming) and hand the driver-side
         ``components`` their states from its marker. A worker death while starting raises ``RuntimeError`` from the
         :class:`WorkerFailure`."""
@@ -152,7 +161,7 @@ class RunController(StateAccess):
             raise
         self._enter(RunState.IDLE, f"started {self.group.num_workers} worker(s)", size=self.group.num_workers)
 
-    def worker_config(self, num_workers):
+    def worker_config(self, num_workers: int) -> dict:
         """The config each of ``num_workers`` workers gets (the batch size divided among them)."""
         worker_config, effective = self._split(self._requested_config, num_workers,
                                                warn=num_workers not in self._split_warned)
@@ -197,7 +206,7 @@ class RunController(StateAccess):
         self.status = dataclasses.replace(self.status, failures=self.status.failures + 1)
         self._emit("failure", Failure(failure, method, retry, max_retries, gave_up))
 
-    def ensure_workers(self):
+    def ensure_workers(self) -> None:
         """Restart a group torn down by a failure (from the last snapshot) before using it."""
         group = self.group  # raises after shutdown()
         if group.broken or group.num_workers == 0:
@@ -210,7 +219,7 @@ class RunController(StateAccess):
                         f"restarted with {self.group.num_workers} worker(s)")
 
     @staticmethod
-    def as_point(state):
+    def as_point(state: RestartPoint | dict | bytes) -> RestartPoint:
         """``state`` (a :class:`RestartPoint`, a state dict or its bytes) as a :class:`RestartPoint` (state the driver
         holds is put into the object store once)."""
         if isinstance(state, (RestartPoint, ShardedPoint)):
@@ -231,11 +240,11 @@ class RunController(StateAccess):
             self.ensure_workers()
             return ask()
 
-    def first_answer(self, method, *args):
+    def first_answer(self, method: str, *args: Any) -> Any:
         """The group's ``first_answer`` (see :meth:`_first`)."""
         return self._first(lambda: self.group.first_answer(method, *args, deadline_s=self._timeout_s), method)
 
-    def take_snapshot(self):
+    def take_snapshot(self) -> Any:
         """The current restart point, taken now when the state moved on (:meth:`RestartPoints.take`)."""
         return self.points.take(self.group)
 
@@ -292,11 +301,12 @@ class RunController(StateAccess):
 
     # ----------------------------------------------------------------- calls
     @staticmethod
-    def check_max_retries(max_retries):
+    def check_max_retries(max_retries: Any) -> None:
         """``max_retries`` of ``train()``/``validate()``: an int >= 0, else ``ValueError``."""
         expect(is_int(max_retries, 0), "max_retries", "an int >= 0", max_retries)
 
-    def run_call(self, method, max_retries, kwargs, replay=False, on_tick=None, limits=None):
+    def run_call(self, method: str, max_retries: Any, kwargs: dict, replay: bool = False,
+                 on_tick: Callable | None = None, limits: Any = None) -> list:
         """Run ``method`` on every worker through its attempts (see the module docstring); returns per-worker stats.
 
         ``kwargs`` go to the group's ``run`` (and the workers' method); ``replay``: the call's input has no data
@@ -319,6 +329,7 @@ class RunController(StateAccess):
         counts = failure_policy.Counts()
         self._enter(RunState.RUNNING, method)
         while True:
+            requests: list
             watches, requests = self._watches(), []
             try:
                 results = self.group.run(method, on_tick=self._ticks(watches, requests, on_tick, state),
@@ -453,7 +464,7 @@ class RunController(StateAccess):
         except Exception as err:  # noqa: BLE001 (the user's error is the one to raise)
             logger.warning("Could not restore the state after a failed call: %s", err)
 
-    def run(self, method, *args, **kwargs):
+    def run(self, method: str, *args: Any, **kwargs: Any) -> list:
         """Run ``method`` everywhere (outside train/validate); a lost worker restarts from the last snapshot at the
         next call."""
         self.ensure_workers()
@@ -466,23 +477,23 @@ class RunController(StateAccess):
             self._failed(failure, method, gave_up=True)
             raise RuntimeError(f"{method} failed: a worker was lost (it restarts at the next call).") from failure
 
-    def take_traces(self):
+    def take_traces(self) -> dict[int, bytes]:
         """``{rank: trace bytes}`` of the last call recorded with ``trace=True``, from every rank that has one (a
         rank replaced during the call has none)."""
         answers = self.group.answers("take_trace", deadline_s=self._timeout_s)
         return {rank: trace for rank, trace in answers.items() if trace is not None}
 
     # ----------------------------------------------------------------- the end
-    def shutdown(self, force=False):
+    def shutdown(self, force: bool = False) -> None:
         """Stop the workers (their resources are free when it returns, bounded); the group is gone afterwards."""
-        group, self.group = self.group, ShutDownGroup()
+        group, self.group = self.group, ShutDownGroup()  # type: ignore[assignment]  # a stand-in: each use raises
         if not isinstance(group, ShutDownGroup):
             try:
                 group.shutdown(force=force)
             finally:
                 self._enter(RunState.FINISHED, "shut down")
 
-    def close(self):
+    def close(self) -> None:
         """Close the durable run (waiting for its last upload, at most ``SGD_CHECKPOINT_FLUSH_S``) and the commit
         store; the durable run's failure, if any, is raised once both are closed."""
         upload_error = None

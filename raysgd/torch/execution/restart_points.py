@@ -16,11 +16,18 @@ Example:
     >>> points.current is None, points.stale
     (None, True)
 """
+from __future__ import annotations
+
 import itertools
 import logging
 
 from raysgd.torch.state.call_start import PendingPoint, PendingShardedPoint, SnapshotFailed
 from raysgd.torch.state.restart_point import RestartPointLost, ShardedPoint, copy_all, start_copy, this_node
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from raysgd.torch.execution.worker_group import WorkerGroup
+    from raysgd.torch.state.restart_point import RestartPoint
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +41,10 @@ class RestartPoints:
         timeout_s: the deadline of each answer waited for.
     """
 
-    def __init__(self, first, timeout_s):
+    current: RestartPoint | ShardedPoint | None  # (set in __init__: typed here)
+    _early: Any
+
+    def __init__(self, first: Callable[[Callable[[], Any], str], Any], timeout_s: float) -> None:
         self._first, self._timeout_s = first, timeout_s
         self.current = None  # the restart point (kept until a fresher one)
         self.stale = True  # the state may have moved on since ``current`` was taken
@@ -42,7 +52,7 @@ class RestartPoints:
         self._overlap, self._tokens = True, itertools.count(1)  # call-start snapshots beside the call (until torn)
         self._early = None  # the pending point :meth:`settle_if_stored` last tried
 
-    def take(self, group):
+    def take(self, group: WorkerGroup) -> RestartPoint | ShardedPoint | None:
         """The current restart point, taken now when the state moved on: rank 0's state (any live rank's if rank 0
         is gone: DDP replicas hold the same state) with every rank's random streams, so a retry from it puts each
         rank's streams back (dropout draws the same). Rank 0 writes it into its node's object store and a copy goes
@@ -80,7 +90,7 @@ class RestartPoints:
             targets.append(others[(turn + index) % len(others)] if others else None)
         return targets
 
-    def begin(self, group):
+    def begin(self, group: WorkerGroup) -> Any:
         """The call's restart point: taken beside the call (a :class:`PendingPoint`, its copy started too) when the
         state moved on since the last one and the group can (see :mod:`raysgd.torch.state.call_start`), else now."""
         if self.current is None or not self.stale or not self._overlap:
@@ -97,7 +107,7 @@ class RestartPoints:
         copies = [(target, *start_copy(data, target, node)) for target in self._copy_targets(group, [node]) if target]
         return PendingPoint(token, info, data, node, copies)
 
-    def settle_if_stored(self, state):
+    def settle_if_stored(self, state: Any) -> None:
         """While the call runs (its watch's tick): ``state``, the call's :class:`PendingPoint`, becomes the current
         point once it and its copies are stored, so the previous point is dropped (its bytes freed) now rather than at
         the call's end. One that failed is left to :meth:`settle`, where its error is handled; never waits."""
@@ -109,7 +119,7 @@ class RestartPoints:
         except (SnapshotFailed, RestartPointLost):
             return
 
-    def settle(self, group, state, fallback=True):
+    def settle(self, group: WorkerGroup, state: Any, fallback: bool = True) -> Any:
         """``state`` stored: a :class:`PendingPoint` waited for, and made the restart point. Not stored (rank 0 lost
         first; or it raised: later calls then take theirs before they start, where its error is raised), the
         previous restart point stays and is returned (what was trained since it was taken is lost: logged), or

@@ -30,9 +30,9 @@ import sys
 try:
     from torch.utils._config_module import ConfigModule
 except ImportError:  # a torch without config modules: nothing to register
-    ConfigModule = None
+    ConfigModule = None  # type: ignore[misc,assignment]  # the name stays bound: install() tests it for None
 
-_registered = set()
+_registered: set[type] = set()
 
 
 def install():

@@ -12,6 +12,8 @@ Example:
     >>> # group = WorkerGroup(worker_options, num_cpus_per_worker=1, num_gpus=0, use_local=False, timeout_s=60)
     >>> # group.start(2, operator_cls, config); group.run("train_epoch"); group.shutdown()
 """
+from __future__ import annotations
+
 import logging
 
 import ray
@@ -29,6 +31,7 @@ from raysgd.torch.execution.worker import TorchWorker
 from raysgd.torch.execution.worker_handle import Handle, start_actor
 from raysgd.torch.fault_tolerance import recovery, reform
 from raysgd.torch.state.restart_point import RestartPoint, ShardedPoint
+from typing import Any, Callable, Iterable
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +51,13 @@ class WorkerGroup(Regrouping):
             :mod:`raysgd.torch.execution.spares`); none inside a Tune trial (logged).
     """
 
-    def __init__(self, worker_options, *, num_cpus_per_worker=1, num_gpus=0, use_local=False, timeout_s=1800,
-                 placement_strategy="SPREAD", worker_cls=TorchWorker, num_spares=0):
+    _extra: list[tuple[Any, int]]  # (set in __init__: typed here)
+    _nodes: list[str]
+    _submitted: dict[int, Any] | None
+
+    def __init__(self, worker_options: dict[str, Any], *, num_cpus_per_worker: float = 1, num_gpus: float = 0,
+                 use_local: bool = False, timeout_s: float = 1800, placement_strategy: str = "SPREAD",
+                 worker_cls: type = TorchWorker, num_spares: int = 0) -> None:
         self._worker_cls = worker_cls
         self._worker_options, self._cpus, self._gpus = worker_options, num_cpus_per_worker, num_gpus
         self._use_local, self._timeout_s = use_local, timeout_s
@@ -68,25 +76,25 @@ class WorkerGroup(Regrouping):
         self._rank_bundles = []  # each rank's bundle, in rank order (a spare that took a rank keeps its own)
 
     @property
-    def num_workers(self):
+    def num_workers(self) -> int:
         return len(self._handles)
 
     @property
-    def remote_workers(self):
+    def remote_workers(self) -> list:
         """The actor handles (1.x name)."""
         return [h.actor for h in self._handles if h.actor is not None]
 
     @property
-    def local_worker(self):
+    def local_worker(self) -> TorchWorker | None:
         """The :class:`TorchWorker` living in the driver (``use_local``), else None."""
         return self._handles[0].local if self._handles and self._handles[0].local is not None else None
 
     @property
-    def spares(self):
+    def spares(self) -> SparePool:
         """The :class:`~raysgd.torch.execution.spares.SparePool` of the running group (empty without spares)."""
         return self._spares
 
-    def how_many_fit(self, limit, settle_s=0.0):
+    def how_many_fit(self, limit: int, settle_s: float = 0.0) -> int:
         """How many workers fit now, at most ``limit`` (:meth:`Placement.how_many_fit`), plus the group's own
         placed bundles no worker or spare uses (a lost node's, placed again): growing frees them."""
         used = {h.bundle for h in self._handles} | self._spares.bundles
@@ -94,15 +102,15 @@ class WorkerGroup(Regrouping):
         own = self._bundles() if self._own_pg and not self.broken else None
         return min(limit, spare + self._placement.how_many_fit(max(0, limit - spare), settle_s, own_pg=own))
 
-    def rank_nodes(self):
+    def rank_nodes(self) -> list[str]:
         """The node id of each rank of the running group, in rank order (empty before it started)."""
         return list(self._nodes) if not self.broken else []
 
-    def spare_nodes(self):
+    def spare_nodes(self) -> list[str]:
         """The node ids of the ready warm spares (none while the group is broken)."""
         return self._spares.nodes() if not self.broken else []
 
-    def placed_on(self):
+    def placed_on(self) -> dict[int, str]:
         """``{rank: node id}`` of the remote workers a restart could place elsewhere (none inside a Tune trial)."""
         return placement.nodes_of(self._bundles(), self._handles) if self._own_pg and not self.broken else {}
 
@@ -118,7 +126,8 @@ class WorkerGroup(Regrouping):
         return handle
 
     # ----------------------------------------------------------------- start-up
-    def start(self, n, operator_cls, config, pg_timeout_s=None, initialization_hook=None):
+    def start(self, n: int, operator_cls: type | Callable, config: dict, pg_timeout_s: float | None = None,
+              initialization_hook: Callable | None = None) -> int:
         """Start ``n`` workers running ``operator_cls(config)``; raises WorkerFailure if one dies meanwhile.
 
         ``initialization_hook`` runs on every worker before the process group is set up.
@@ -189,7 +198,9 @@ class WorkerGroup(Regrouping):
         self._collect({h.rank: h.call("setup_operator", local_ranks[h.rank]) for h in self._ordered()})
 
     # ----------------------------------------------------------------- calls
-    def run(self, method, *args, deadline_s=None, on_tick=None, lockstep=False, rank_kwargs=None, **kwargs):
+    def run(self, method: str, *args: Any, deadline_s: float | None = None, on_tick: Callable | None = None,
+            lockstep: bool = False, rank_kwargs: Callable[[int], dict[int, dict]] | None = None,
+            **kwargs: Any) -> list:
         """Call ``method`` on every worker and return the results in rank order.
 
         Remote calls are sent first, then the local worker's (in its own thread when remote ranks run
@@ -213,12 +224,12 @@ class WorkerGroup(Regrouping):
         except Exception as err:  # noqa: BLE001 (the spares are a help, never a reason to fail)
             logger.warning("Tending the spares failed: %s: %s", type(err).__name__, err)
 
-    def submit(self, method, *args, **kwargs):
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> None:
         """Call ``method`` on every worker without waiting; errors surface at the next :meth:`run`."""
         self._drain_submitted()
         self._submitted = {h.rank: h.call(method, *args, **kwargs) for h in self._ordered()}
 
-    def first_answer(self, method, *args, deadline_s=None, **kwargs):
+    def first_answer(self, method: str, *args: Any, deadline_s: float | None = None, **kwargs: Any) -> Any:
         """Call ``method`` on rank 0, or the next rank while the ones before are dead; returns one result.
 
         Dead workers are skipped here and not torn down (the next :meth:`run` finds them).
@@ -233,7 +244,7 @@ class WorkerGroup(Regrouping):
         self.broken = True  # every rank is gone: the next call restarts the group
         raise WorkerFailure(f"no worker answered {method}", {r: _calls.describe(e) for r, e in lost.items()})
 
-    def snapshot(self, rngs=None, deadline_s=None):
+    def snapshot(self, rngs: Any = None, deadline_s: float | None = None) -> RestartPoint | ShardedPoint:
         """A :class:`~raysgd.torch.state.restart_point.RestartPoint` of rank 0's state (the next live rank's while
         the ones before are dead, as :meth:`first_answer`): serialised by that worker into its node's object store,
         never fetched here. ``rngs`` (``{rank: rng_state}``) go into it. Raises :class:`WorkerFailure` when no rank
@@ -251,7 +262,7 @@ class WorkerGroup(Regrouping):
         self.broken = True
         raise WorkerFailure("no worker answered state_snapshot", {r: _calls.describe(e) for r, e in lost.items()})
 
-    def begin_snapshot(self, token, timeout_s):
+    def begin_snapshot(self, token: Any, timeout_s: float) -> Any:
         """Ask rank 0 for the call-start snapshot of the call ``token`` without waiting: it serialises the state that
         call captures, in its ``"snapshot"`` concurrency group beside the call (see
         :mod:`raysgd.torch.state.call_start`). Returns ``(info ref, data ref, rank 0's node)``, or None where the
@@ -273,7 +284,7 @@ class WorkerGroup(Regrouping):
         self._snapshot_answer = info
         return info, data, (self._nodes[0] if self._nodes else None)
 
-    def survivor_snapshot(self, token, deadline_s):
+    def survivor_snapshot(self, token: Any, deadline_s: float) -> RestartPoint | None:
         """After a failure in which rank 0 was lost before storing the call-start snapshot of call ``token`` (no rank
         has stepped since: see :mod:`raysgd.torch.state.call_start`): a :class:`RestartPoint` of the state a survivor
         kept for :meth:`reform` captured at that call's start, or None when no survivor has it."""
@@ -305,7 +316,7 @@ class WorkerGroup(Regrouping):
                  for rank, info in enumerate(infos)]
         return ShardedPoint(parts, head=infos[0]["head"])
 
-    def answers(self, method, *args, deadline_s=None, **kwargs):
+    def answers(self, method: str, *args: Any, deadline_s: float | None = None, **kwargs: Any) -> dict[int, Any]:
         """``{rank: result}`` of ``method`` from every rank that answers (sent to all at once); like
         :meth:`first_answer`, dead or silent ranks are left out, not torn down."""
         self._drain_submitted()
@@ -368,12 +379,12 @@ class WorkerGroup(Regrouping):
                    "Ending the attempt: %s", failure)
         raise failure from (cause if isinstance(cause, BaseException) else None)  # a timeout's cause is text
 
-    def request_resize(self, call_id, attempt, ranks=None):
+    def request_resize(self, call_id: Any, attempt: int, ranks: Iterable[int] | None = None) -> dict[int, Any]:
         """Ask every rank (or ``ranks``) to end the call at its next agreed commit point; ``{rank: call}``, unread."""
         return {h.rank: h.control("request_resize", call_id, attempt) for h in list(self._handles)
                 if ranks is None or h.rank in ranks}
 
-    def poll_first(self, method, pending=None):
+    def poll_first(self, method: str, pending: Any = None) -> tuple[Any, Any]:
         """Ask rank 0 ``method`` beside its running call (its ``"control"`` concurrency group), never waiting:
         ``(value, pending)`` where ``value`` is the answer to ``pending`` (the previous ask) once it arrived, else
         None, and ``pending`` the ask now outstanding (a new one once the previous was answered or lost); ``(None,
@@ -389,7 +400,7 @@ class WorkerGroup(Regrouping):
             return value, self._handles[0].control(method)
         return None, self._handles[0].control(method)
 
-    def stack_traces(self, timeout_s=diagnostics.STACK_TIMEOUT_S):
+    def stack_traces(self, timeout_s: float = diagnostics.STACK_TIMEOUT_S) -> dict[int, str]:
         """``{rank: text}``: every rank's Python stacks now (callable from another thread while a call runs);
         remote ranks answer from their ``"control"`` concurrency group, or py-spy dumps them (same machine)."""
         return diagnostics.gather_stacks({h.rank: h.stacks_request() for h in list(self._handles)}, timeout_s)
@@ -420,7 +431,7 @@ class WorkerGroup(Regrouping):
             if pg is not None and self._own_pg:
                 Placement.remove(pg)
 
-    def shutdown(self, force=False):
+    def shutdown(self, force: bool = False) -> None:
         """Stop every worker (gracefully unless ``force``) and release the placement group.
 
         Whatever fails on the way (a pending non-blocking call that raised, a dead worker), every actor

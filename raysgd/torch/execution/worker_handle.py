@@ -11,6 +11,8 @@ Example:
     >>> done.value, type(done.error).__name__
     (None, 'ZeroDivisionError')
 """
+from __future__ import annotations
+
 import threading
 
 import ray
@@ -25,8 +27,9 @@ from raysgd.torch.execution import shipping
 from raysgd.torch.execution.calls import Done
 from raysgd.torch.execution.local_runner import LocalCall
 from raysgd.torch.execution.worker import TorchWorker
+from typing import Any, Callable
 
-_REMOTE_CLASSES = {}  # worker class -> its Ray actor class (made once per process)
+_REMOTE_CLASSES: dict[type, object] = {}  # worker class -> its Ray actor class (made once per process)
 
 
 def _remote_worker_cls(worker_cls=TorchWorker):
@@ -47,18 +50,19 @@ class Handle:
     """A worker as the group sees it: ``call`` returns an ObjectRef (actor), or for the local rank a
     :class:`LocalCall` running in its thread (beside remote ranks) or a finished :class:`Done` (alone)."""
 
-    def __init__(self, rank, actor=None, local=None, runner=None, bundle=None):
+    def __init__(self, rank: int, actor: Any = None, local: TorchWorker | None = None, runner: Any = None,
+                 bundle: int | None = None) -> None:
         self.rank, self.actor, self.local, self.runner = rank, actor, local, runner
         self.bundle = rank if bundle is None else bundle  # its bundle of the placement group (kept when re-ranked)
 
-    def call(self, method, *args, **kwargs):
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.local is not None:  # resolve ObjectRef arguments as Ray does for actors
-            args = [ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args]
+            args = tuple(ray.get(a) if isinstance(a, ray.ObjectRef) else a for a in args)
             run = lambda: getattr(self.local, method)(*args, **kwargs)  # noqa: E731
             return self.runner.submit(run) if self.runner is not None else Done(run)
         return getattr(self.actor, method).remote(*args, **kwargs)
 
-    def call_with_data(self, method, *args, group=None):
+    def call_with_data(self, method: str, *args: Any, group: str | None = None) -> tuple[Any, Any]:
         """``(call, data ref)`` of ``method`` returning ``(answer, data)``: ``call`` gives the small answer (see
         :meth:`answer`); the data stays in the object store of this worker's node, owned by the driver, unfetched
         (the local rank's is put into the driver's node's store). ``group``: the actor's concurrency group to run
@@ -72,7 +76,7 @@ class Handle:
         options = {"concurrency_group": group} if group is not None else {}
         return getattr(self.actor, method).options(num_returns=2, **options).remote(*args)
 
-    def answer(self, call, deadline_s):
+    def answer(self, call: Any, deadline_s: float | None) -> tuple[Any, BaseException | None]:
         """``(value, None)`` of a ``call`` of this worker, or ``(None, error)`` when it is dead or silent past
         ``deadline_s``; an error raised by the method itself (user code) is raised here."""
         if isinstance(call, LocalCall) and not call.wait(deadline_s):
@@ -86,13 +90,13 @@ class Handle:
         except (RayActorError, GetTimeoutError) as err:
             return None, err
 
-    def control(self, method, *args):
+    def control(self, method: str, *args: Any) -> Any:
         """Call ``method`` beside a running call: in the actor's ``"control"`` group, or at once for the local rank."""
         if self.local is not None:
             return Done(lambda: getattr(self.local, method)(*args))
         return getattr(self.actor, method).options(concurrency_group=diagnostics.CONTROL_GROUP).remote(*args)
 
-    def stacks_request(self):
+    def stacks_request(self) -> str | tuple[Any, str]:
         """Text (the local rank's thread) or ``(ObjectRef, actor id)`` of the stacks its control thread takes."""
         if self.local is not None:
             ident = self.runner.ident if self.runner is not None else None
@@ -100,7 +104,7 @@ class Handle:
         ref = self.actor.apply.options(concurrency_group=diagnostics.CONTROL_GROUP).remote(diagnostics.format_stacks)
         return ref, self.actor._actor_id.hex()
 
-    def kill(self):
+    def kill(self) -> None:
         if self.local is not None:
             self.local.shutdown()
         else:
@@ -108,7 +112,7 @@ class Handle:
 
 
 
-def answered(call):
+def answered(call: Any) -> bool | None:
     """Whether a :meth:`Handle.control` call was answered: True, False (it failed: a lost or refused request),
     or None (no answer yet). Never waits.
 
@@ -127,7 +131,8 @@ def answered(call):
     return True
 
 
-def start_actor(rank, pg, bundle_index, cpus, gpus, operator_cls, config, options, worker_cls=TorchWorker):
+def start_actor(rank: int, pg: Any, bundle_index: int, cpus: float, gpus: float, operator_cls: type | Callable,
+                config: dict, options: dict[str, Any], worker_cls: type = TorchWorker) -> Handle:
     """A :class:`Handle` of a new worker actor (a ``worker_cls``, :class:`TorchWorker` or a subclass such as
     raysgd.train's function worker) in bundle ``bundle_index`` of ``pg``."""
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index)

@@ -23,6 +23,8 @@ Example:
     >>> decide(USER_ERROR, Counts(), limits).action  # the operator API never retries the user's own errors
     'raise'
 """
+from __future__ import annotations
+
 import dataclasses
 
 FAILURE, PREEMPTION, RESIZE, USER_ERROR = "failure", "preemption", "resize", "user error"
@@ -44,7 +46,7 @@ class FailureLimits:
     """
 
     max_failures: int = 0
-    max_preemptions: int = None
+    max_preemptions: int | None = None
     retry_user_errors: bool = False
     base_s: float = 1.0
     cap_s: float = 60.0
@@ -74,11 +76,11 @@ class FailureDecision:
     counts: Counts
 
     @property
-    def gave_up(self):
+    def gave_up(self) -> bool:
         """Whether the run fails with this event."""
         return self.action == RAISE
 
-    def describe(self):
+    def describe(self) -> str:
         """One line for the log.
 
         Example:
@@ -96,7 +98,7 @@ class FailureDecision:
         return f"restart ({self.kind} {self.retry} of {limit}{delay})"
 
 
-def backoff_s(in_a_row, base_s=1.0, cap_s=60.0):
+def backoff_s(in_a_row: int, base_s: float = 1.0, cap_s: float = 60.0) -> float:
     """The wait before a restart after ``in_a_row`` failures without progress: none after the first, then ``base_s``,
     doubling, at most ``cap_s``.
 
@@ -113,7 +115,7 @@ def _exceeded(used, limit):
     return limit != UNLIMITED and used > limit
 
 
-def decide(kind, counts, limits, progressed=False):
+def decide(kind: str, counts: Counts, limits: FailureLimits, progressed: bool = False) -> FailureDecision:
     """The :class:`FailureDecision` after an event of ``kind`` when the run has met ``counts`` so far (see the module
     docstring); ``progressed``: the failed attempt stored a commit or a report (the backoff starts again)."""
     if kind == RESIZE:

@@ -36,6 +36,8 @@ Example:
     ...
     TypeError: MLflowLogger: tracking_uri expects None, a URI or a local folder; got ''
 """
+from __future__ import annotations
+
 import itertools
 import logging
 import os
@@ -45,6 +47,7 @@ import time
 from raysgd import optional
 from raysgd.base.checks import expect
 from raysgd.torch.integrations.tracker import BackgroundWriter, EpochLogger, is_number
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +121,10 @@ class MLflowLogger(EpochLogger):
         TypeError: MLflowLogger: tags expects None or a dict with str keys; got ['a']
     """
 
-    def __init__(self, tracking_uri=None, experiment_name="raysgd", run_name=None, tags=None, log_checkpoints=False):
+    _resumed_from: int | None  # (set in __init__: typed here)
+
+    def __init__(self, tracking_uri: str | None = None, experiment_name: str = "raysgd", run_name: str | None = None,
+                 tags: dict[str, str] | None = None, log_checkpoints: bool = False) -> None:
         check_arguments(tracking_uri, experiment_name, run_name, tags, log_checkpoints)
         self._mlflow = optional.require("mlflow", "raysgd.loggers.MLflowLogger")  # before any actor starts
         self.tracking_uri, self._artifacts = resolve_tracking_uri(tracking_uri)
@@ -153,7 +159,7 @@ class MLflowLogger(EpochLogger):
         self._make_writer()
 
     @property
-    def client(self):
+    def client(self) -> Any:
         """The ``mlflow.MlflowClient`` this logger uses (made on first use)."""
         if self._client is None:
             self._client = self._mlflow.MlflowClient(tracking_uri=self.tracking_uri)
@@ -236,7 +242,7 @@ class MLflowLogger(EpochLogger):
         for start in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
-    def flush(self, timeout_s=None):
+    def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every queued write is in MLflow (at most ``timeout_s``, default ``TIMEOUT_S``: then
         ``TimeoutError``); raises a failed write's error.
 
@@ -257,7 +263,7 @@ class MLflowLogger(EpochLogger):
                             f"logging checkpoint {name} as artifacts")
         self._writer.flush()
 
-    def on_shutdown(self, trainer):
+    def on_shutdown(self, trainer: Any) -> None:
         """End the run (``FINISHED``) once every queued write is done; raises a failed write's error."""
         if self.started():
             self._writer.submit(lambda: self.client.set_terminated(self.run_id, "FINISHED"),
@@ -265,7 +271,7 @@ class MLflowLogger(EpochLogger):
         self._writer.close()
 
     # ----------------------------------------------------------------- a durable run's state
-    def state_dict(self):
+    def state_dict(self) -> dict | None:
         """``{"run_id", "step", "params_logged", "unwritten"}``: kept in every durable checkpoint's marker
         (``unwritten``: the results queued and not yet written, written on resume where the run lacks them).
         Waits (at most ``TIMEOUT_S``) only while the run is being started: its id must be in the marker."""
@@ -282,7 +288,7 @@ class MLflowLogger(EpochLogger):
         return {"run_id": self.run_id, "step": self.epoch, "params_logged": self._params_logged,
                 "unwritten": unwritten}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         """Continue the run a durable checkpoint names, from its step; write its unwritten results the run lacks."""
         self.run_id = state.get("run_id")
         self.epoch = int(state.get("step") or 0)

@@ -40,7 +40,7 @@ try:
     TUNE_INSTALLED = True
     _TUNE_IMPORT_ERROR = None
 except ImportError as _err:  # Tune is optional: only as_trainable needs it
-    Trainable, PlacementGroupFactory = object, None
+    Trainable, PlacementGroupFactory = object, None  # type: ignore[misc,assignment]  # stand-ins without Tune
     TUNE_INSTALLED = False
     _TUNE_IMPORT_ERROR = _err
 

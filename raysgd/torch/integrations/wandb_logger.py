@@ -29,6 +29,8 @@ Example:
     ...
     TypeError: WandbLogger: mode expects None, 'online', 'offline' or 'disabled'; got 'online-ish'
 """
+from __future__ import annotations
+
 import glob
 import json
 import logging
@@ -38,6 +40,7 @@ import struct
 from raysgd import optional
 from raysgd.base.checks import expect
 from raysgd.torch.integrations.tracker import EpochLogger, is_number, numbers
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -141,8 +144,9 @@ class WandbLogger(EpochLogger):
         TypeError: WandbLogger: tags expects None or a list of str; got 'a'
     """
 
-    def __init__(self, project="raysgd", name=None, mode=None, dir=None, tags=None, group=None,  # noqa: A002
-                 log_checkpoints=False):
+    def __init__(self, project: str = "raysgd", name: str | None = None, mode: str | None = None,
+                 dir: str | None = None, tags: list[str] | None = None, group: str | None = None,  # noqa: A002
+                 log_checkpoints: bool = False) -> None:
         check_arguments(project, name, mode, dir, tags, group, log_checkpoints)
         self._wandb = optional.require("wandb", "raysgd.loggers.WandbLogger")  # before any actor starts
         self.project, self.name, self.mode, self.group = project, name, mode, group
@@ -164,7 +168,7 @@ class WandbLogger(EpochLogger):
         self._wandb = optional.require("wandb", "raysgd.loggers.WandbLogger")
 
     @property
-    def run(self):
+    def run(self) -> Any:
         """The ``wandb`` Run this logger logs to (None before the first result and after shutdown)."""
         return self._wandb_run
 
@@ -243,19 +247,19 @@ class WandbLogger(EpochLogger):
         artifact.add_dir(folder)
         self._wandb_run.log_artifact(artifact, aliases=[os.path.basename(folder), "latest"])
 
-    def on_shutdown(self, trainer):
+    def on_shutdown(self, trainer: Any) -> None:
         if self._wandb_run is not None:
             run, self._wandb_run = self._wandb_run, None
             run.finish()
 
     # ----------------------------------------------------------------- a durable run's state
-    def state_dict(self):
+    def state_dict(self) -> dict | None:
         """``{"run_id", "step"}``: kept in every durable checkpoint's marker."""
         if self.run_id is None:
             return None
         return {"run_id": self.run_id, "step": self.epoch}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: dict) -> None:
         """Continue the run a durable checkpoint names, from its step (the run is resumed at the next result)."""
         self.run_id = state.get("run_id")
         self.epoch = int(state.get("step") or 0)

@@ -171,11 +171,11 @@ class SchedulerConfig:
     """One scheduler and how to step it: Lightning's ``lr_scheduler`` dict (``self.lr_schedulers()`` reads it)."""
 
     scheduler: object
-    name: str = None
+    name: str | None = None
     interval: str = "epoch"
     frequency: int = 1
     reduce_on_plateau: bool = False
-    monitor: str = None
+    monitor: str | None = None
     strict: bool = True
 
 

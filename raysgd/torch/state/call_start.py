@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 #: ``(event, token)`` of this process's latest call-start snapshots, in order: ``"captured"``, ``"serialising"``,
 #: ``"stored_wait"`` (a rank's first step waits), ``"serialised"``, ``"gate_open"``. Read by tests and diagnostics.
-EVENTS = collections.deque(maxlen=256)
+EVENTS: collections.deque[tuple[str, object]] = collections.deque(maxlen=256)
 
 _IMMUTABLE = (bool, int, float, complex, str, bytes, torch.dtype, torch.device, type(None))
 

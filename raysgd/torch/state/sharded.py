@@ -211,8 +211,8 @@ class Part:
     rank: int
     file_name: str
     blob: bytearray
-    metadata: bytes = None
-    layout: dict = None
+    metadata: bytes | None = None
+    layout: dict | None = None
 
     @property
     def nbytes(self):

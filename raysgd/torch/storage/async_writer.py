@@ -36,7 +36,7 @@ from raysgd.torch.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-_OPEN = weakref.WeakSet()
+_OPEN: "weakref.WeakSet[AsyncWriter]" = weakref.WeakSet()
 #: How long the ``atexit`` hook waits for unfinished writes.
 EXIT_FLUSH_TIMEOUT_S = 600
 #: The exit status of a process whose exit flush found a failed or unfinished write.
@@ -184,9 +184,9 @@ def _flush_at_exit():
             failures.append(err)
     if not failures:
         return
-    for err in failures:
+    for failure in failures:
         _log_visibly(f"A checkpoint was not written: the program ended without TorchTrainer.shutdown() while an "
-                     f"upload to storage_path had failed or was unfinished ({type(err).__name__}: {err}). "
+                     f"upload to storage_path had failed or was unfinished ({type(failure).__name__}: {failure}). "
                      f"Exiting with status {EXIT_STATUS_ON_FAILURE}.")
     atexit.unregister(_flush_at_exit)
     run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)

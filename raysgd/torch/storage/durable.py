@@ -26,6 +26,8 @@ Example:
     1
     >>> again.close()
 """
+from __future__ import annotations
+
 import logging
 import threading
 import time
@@ -34,6 +36,7 @@ from raysgd.base import environment
 from raysgd.base.checks import expect
 from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.storage import async_writer, filesystem
+from typing import Any, Callable, Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -41,29 +44,32 @@ logger = logging.getLogger(__name__)
 class NoStorage:
     """What ``open_run`` returns without a ``storage_path``: every method does nothing, so callers need no ``if``."""
 
-    def resume(self, load_checkpoint, timeout_s=None):
+    def resume(self, load_checkpoint: Callable[[str, dict], Any], timeout_s: float | None = None) -> None:
         return None
 
-    def submit(self, stream, **meta):
+    def submit(self, stream: bytes | Callable[[], bytes], **meta: Any) -> None:
         pass
 
-    def on_result(self, phase, result, stream, states=None):
+    def on_result(self, phase: str, result: Any, stream: bytes | Callable[[], bytes],
+                  states: Mapping[str, Any] | None = None) -> None:
         pass
 
-    def on_save(self, state, stream, states=None):
+    def on_save(self, state: Any, stream: bytes | Callable[[], bytes], states: Mapping[str, Any] | None = None) -> Any:
         return state
 
-    def on_recovery(self, failure, part, epoch=None, preempted=False, states=None):
+    def on_recovery(self, failure: Any, part: Any, epoch: int | None = None, preempted: bool = False,
+                    states: Mapping[str, Any] | None = None) -> None:
         pass
 
-    def flush(self, timeout_s=None):
+    def flush(self, timeout_s: float | None = None) -> None:
         pass
 
-    def close(self, timeout_s=None):
+    def close(self, timeout_s: float | None = None) -> None:
         pass
 
 
-def open_run(storage_path, num_to_keep=2, resume=True, on_written=None):
+def open_run(storage_path: str | None, num_to_keep: int = 2, resume: bool = True,
+             on_written: Callable[[str, float], Any] | None = None) -> DurableRun | NoStorage:
     """``TorchTrainer(storage_path=...)``: a checked :class:`DurableRun`, or :class:`NoStorage` without a path.
 
     ``on_written(path, seconds)`` runs (on the writer thread) after each checkpoint is complete, with the seconds its
@@ -89,7 +95,10 @@ def open_run(storage_path, num_to_keep=2, resume=True, on_written=None):
 class DurableRun:
     """Automatic checkpoints of one trainer (see the module docstring)."""
 
-    def __init__(self, checkpoint_storage, resume=True, on_written=None):
+    _reader: threading.Thread | None  # (set in __init__: typed here)
+
+    def __init__(self, checkpoint_storage: filesystem.CheckpointStorage, resume: bool = True,
+                 on_written: Callable[[str, float], Any] | None = None) -> None:
         self.storage = checkpoint_storage
         self.resume_enabled = resume
         self._on_written = on_written
@@ -98,7 +107,7 @@ class DurableRun:
         self._restored = None
         self._read_error = None
 
-    def start_restore(self):
+    def start_restore(self) -> None:
         """Begin reading the newest complete checkpoint on a thread (nothing when ``resume=False``)."""
         if not self.resume_enabled or self._reader is not None:
             return
@@ -122,13 +131,14 @@ class DurableRun:
             raise self._read_error
         return self._restored
 
-    def restore(self, timeout_s=None):
+    def restore(self, timeout_s: float | None = None) -> filesystem.Restored | None:
         """The newest complete checkpoint (by its marker) as a :class:`~raysgd.torch.storage.filesystem.Restored`
         without its state bytes (``stream`` is None: :meth:`resume` has them read where they load), or None."""
         found = self._candidates(timeout_s)
         return filesystem.Restored(None, found[0][1], found[0][0]) if found else None
 
-    def resume(self, load_checkpoint, timeout_s=None):
+    def resume(self, load_checkpoint: Callable[[str, dict], Any],
+               timeout_s: float | None = None) -> filesystem.Restored | None:
         """Load the newest complete checkpoint with ``load_checkpoint(directory, marker)``, which reads and checks its
         state file on the workers' side and raises :class:`~raysgd.torch.storage.filesystem.DamagedCheckpoint` when it
         does not match its marker: the previous one is then tried (logged). Returns the
@@ -148,7 +158,8 @@ class DurableRun:
             logger.info("No checkpoint in %s: starting a new run", self.storage.storage_path)
         return None
 
-    def submit(self, stream, raise_error=True, states=None, **meta):
+    def submit(self, stream: bytes | Callable[[], bytes], raise_error: bool = True,
+               states: Mapping[str, Any] | None = None, **meta: Any) -> None:
         """Write ``stream`` (trainer state bytes, or a function returning them) with ``meta`` in its marker.
 
         Asynchronous: see :class:`~raysgd.torch.storage.async_writer.AsyncWriter`; an earlier write's failure is raised
@@ -174,18 +185,20 @@ class DurableRun:
                 logger.warning("on_written(%s) raised", path, exc_info=True)
         return path
 
-    def on_result(self, phase, result, stream, states=None):
+    def on_result(self, phase: str, result: Any, stream: bytes | Callable[[], bytes],
+                  states: Mapping[str, Any] | None = None) -> None:
         """After a ``train()`` result was logged: checkpoint the state (``stream``: bytes or a function returning them)
         with ``states`` in its marker (see :meth:`submit`)."""
         if phase == "train":
             self.submit(stream, states=states, reason="train", epoch=result.get("epoch"))
 
-    def on_save(self, state, stream, states=None):
+    def on_save(self, state: Any, stream: bytes | Callable[[], bytes], states: Mapping[str, Any] | None = None) -> Any:
         """At ``save()``: checkpoint ``state`` (whose bytes ``stream`` gives) to storage too; returns ``state``."""
         self.submit(stream, states=states, reason="save", epoch=state["epoch"])
         return state
 
-    def on_recovery(self, failure, part, epoch=None, preempted=False, states=None):
+    def on_recovery(self, failure: Any, part: Any, epoch: int | None = None, preempted: bool = False,
+                    states: Mapping[str, Any] | None = None) -> None:
         """Recovering from ``failure``: checkpoint the commit resumed from (of ``epoch``; ``part``: a function
         returning its state bytes or a part written elsewhere) when it is a preemption commit: ``preempted`` (the
         ranks marked it so in the commit store before any exited) or a rank's error says so. A process's exit may
@@ -197,11 +210,11 @@ class DurableRun:
                                "the end of this call (or by save() or shutdown())", failed)
             self.submit(part, raise_error=False, states=states, reason="preemption", epoch=epoch)
 
-    def flush(self, timeout_s=None):
+    def flush(self, timeout_s: float | None = None) -> None:
         """Wait until every submitted checkpoint is durable (raises a failed write's error)."""
         self._writer.flush(timeout_s)
 
-    def close(self, timeout_s=None):
+    def close(self, timeout_s: float | None = None) -> None:
         """Flush (waiting at most ``timeout_s``, default ``SGD_CHECKPOINT_FLUSH_S``), then stop the writer thread.
         A write still running then raises ``TimeoutError`` naming it; a failed one its ``CheckpointError``."""
         self._writer.close(environment.get("SGD_CHECKPOINT_FLUSH_S")

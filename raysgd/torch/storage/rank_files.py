@@ -147,7 +147,7 @@ def _state_of(directory, marker_name):
     return "absent"
 
 
-_tasks = {}
+_tasks: dict = {}
 
 
 def _on_home(function, home, *args, timeout_s):
