@@ -27,7 +27,7 @@ from raysgd.torch.constants import BATCH_SIZE, DATA_SEED, VALID_SCHEDULER_STEP
 from raysgd.torch.operator import fsdp
 from raysgd.torch.operator.precision import validate_fp16
 from raysgd.torch.sharding import batch_split
-from raysgd.torch.state.commit_policy import check_every_n
+from raysgd.torch.commits.commit_policy import check_every_n
 from raysgd.torch.training_operator import TrainingOperator
 
 logger = logging.getLogger(__name__)

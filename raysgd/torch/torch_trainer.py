@@ -34,7 +34,7 @@ from raysgd.torch.operator import tracing
 from raysgd.torch.options import TrainerOptions, check_num_steps
 from raysgd.torch.sharding import batch_split
 from raysgd.torch.state import checkpoint
-from raysgd.torch.state.commit_policy import CommitPolicy
+from raysgd.torch.commits.commit_policy import CommitPolicy
 from raysgd.torch.storage import durable
 
 logger = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from raysgd.torch.execution.worker_group import WorkerGroup
 from raysgd.torch.fault_tolerance import failure_policy, recovery
 from raysgd.torch.integrations import progress
 from raysgd.torch.integrations.ray_metrics import RayMetrics
-from raysgd.torch.state.restart_point import this_node
+from raysgd.torch.restart_points.restart_point import this_node
 from raysgd.torch.storage import durable, filesystem
 from raysgd.train import retention
 from raysgd.train.callback import TrainRunContext, UserCallbacks, split_callbacks

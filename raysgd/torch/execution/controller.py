@@ -49,8 +49,8 @@ from raysgd.torch.execution.state_access import StateAccess
 from raysgd.torch.fault_tolerance import failure_policy, preemption, recovery
 from raysgd.torch.fault_tolerance.watches import DrainWatch, GrowWatch
 from raysgd.torch.state import checkpoint, training_state
-from raysgd.torch.state.call_start import PendingPoint
-from raysgd.torch.state.restart_point import RestartPoint, RestartPointLost, ShardedPoint
+from raysgd.torch.restart_points.call_start import PendingPoint
+from raysgd.torch.restart_points.restart_point import RestartPoint, RestartPointLost, ShardedPoint
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class RunController(StateAccess):
             and the effective global batch size (:mod:`raysgd.torch.sharding.batch_split`).
         worker_range: ``(min, max)`` workers; ``is_range``: ``num_workers`` was given as a range.
         timeout_s: the process-group timeout, also the deadline of a call's single answers.
-        commits: the :class:`~raysgd.torch.state.commit_policy.CommitPolicy`; ``durable``: the durable run
+        commits: the :class:`~raysgd.torch.commits.commit_policy.CommitPolicy`; ``durable``: the durable run
             (:func:`raysgd.torch.storage.durable.open_run`).
         on_event: ``on_event(kind, *args)`` hears the run's events: ``("failure", Failure)`` for every worker failure
             met (a :class:`~raysgd.callbacks.Failure`, recovered from or not), ``("resize", old, new)`` whenever

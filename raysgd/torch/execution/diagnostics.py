@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 #: The actor's concurrency group that answers while the default group trains.
 CONTROL_GROUP = "control"
 #: The actor's concurrency group that serialises the call-start snapshot beside the call
-#: (:mod:`raysgd.torch.state.call_start`).
+#: (:mod:`raysgd.torch.restart_points.call_start`).
 SNAPSHOT_GROUP = "snapshot"
 CONCURRENCY_GROUPS = {CONTROL_GROUP: 1, SNAPSHOT_GROUP: 1}
 #: Seconds to wait for one rank's stack before giving up on it.

@@ -1,12 +1,12 @@
 """The run's restart point: the state a call starts from, where its bytes are kept, and when they are stored.
 
 Layer 4 (ray, layers 0-3). The :class:`~raysgd.torch.execution.controller.RunController` keeps one
-:class:`RestartPoints`: its ``current`` point (a :class:`~raysgd.torch.state.restart_point.RestartPoint`, or a
-:class:`~raysgd.torch.state.restart_point.ShardedPoint` of every rank's part, held in the object store of the node
+:class:`RestartPoints`: its ``current`` point (a :class:`~raysgd.torch.restart_points.restart_point.RestartPoint`, or a
+:class:`~raysgd.torch.restart_points.restart_point.ShardedPoint` of every rank's part, held in the object store of the node
 that wrote it with a copy on another node, never by the driver) and whether the workers may have moved on since
 (``stale``). A point is taken before anything can change the state (:meth:`RestartPoints.take`) or, for a
 ``train()``/``validate()`` call, beside the call (:meth:`RestartPoints.begin`, see
-:mod:`raysgd.torch.state.call_start`): the call's :class:`~raysgd.torch.state.call_start.PendingPoint` becomes the
+:mod:`raysgd.torch.restart_points.call_start`): the call's :class:`~raysgd.torch.restart_points.call_start.PendingPoint` becomes the
 current point once stored, as soon as the call's watch sees it stored (:meth:`RestartPoints.settle_if_stored`: the
 previous point's bytes are freed then, not at the call's end) or when the call ends or fails
 (:meth:`RestartPoints.settle`).
@@ -19,8 +19,8 @@ Example:
 import itertools
 import logging
 
-from raysgd.torch.state.call_start import PendingPoint, PendingShardedPoint, SnapshotFailed
-from raysgd.torch.state.restart_point import RestartPointLost, ShardedPoint, copy_all, start_copy, this_node
+from raysgd.torch.restart_points.call_start import PendingPoint, PendingShardedPoint, SnapshotFailed
+from raysgd.torch.restart_points.restart_point import RestartPointLost, ShardedPoint, copy_all, start_copy, this_node
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class RestartPoints:
         """The current restart point, taken now when the state moved on: rank 0's state (any live rank's if rank 0
         is gone: DDP replicas hold the same state) with every rank's random streams, so a retry from it puts each
         rank's streams back (dropout draws the same). Rank 0 writes it into its node's object store and a copy goes
-        to another node; the driver never fetches it (see :mod:`raysgd.torch.state.restart_point`)."""
+        to another node; the driver never fetches it (see :mod:`raysgd.torch.restart_points.restart_point`)."""
         if self.current is None or self.stale:
             rngs = group.answers("rng_state", deadline_s=self._timeout_s) if group.num_workers > 1 else None
             point = self._first(lambda: group.snapshot(rngs, deadline_s=self._timeout_s), "state_snapshot")
@@ -82,7 +82,7 @@ class RestartPoints:
 
     def begin(self, group):
         """The call's restart point: taken beside the call (a :class:`PendingPoint`, its copy started too) when the
-        state moved on since the last one and the group can (see :mod:`raysgd.torch.state.call_start`), else now."""
+        state moved on since the last one and the group can (see :mod:`raysgd.torch.restart_points.call_start`), else now."""
         if self.current is None or not self.stale or not self._overlap:
             return self.take(group)  # the first one is taken now: a fallback exists from then on
         token = next(self._tokens)

@@ -15,7 +15,7 @@ import os
 
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.state import checkpoint
-from raysgd.torch.state.restart_point import RestartPoint, ShardedPoint
+from raysgd.torch.restart_points.restart_point import RestartPoint, ShardedPoint
 from raysgd.torch.storage import filesystem, parts
 
 

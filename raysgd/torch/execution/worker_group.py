@@ -28,7 +28,7 @@ from raysgd.torch.execution.spares import SparePool
 from raysgd.torch.execution.worker import TorchWorker
 from raysgd.torch.execution.worker_handle import Handle, start_actor
 from raysgd.torch.fault_tolerance import recovery, reform
-from raysgd.torch.state.restart_point import RestartPoint, ShardedPoint
+from raysgd.torch.restart_points.restart_point import RestartPoint, ShardedPoint
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class WorkerGroup(Regrouping):
         raise WorkerFailure(f"no worker answered {method}", {r: _calls.describe(e) for r, e in lost.items()})
 
     def snapshot(self, rngs=None, deadline_s=None):
-        """A :class:`~raysgd.torch.state.restart_point.RestartPoint` of rank 0's state (the next live rank's while
+        """A :class:`~raysgd.torch.restart_points.restart_point.RestartPoint` of rank 0's state (the next live rank's while
         the ones before are dead, as :meth:`first_answer`): serialised by that worker into its node's object store,
         never fetched here. ``rngs`` (``{rank: rng_state}``) go into it. Raises :class:`WorkerFailure` when no rank
         answers (the group is then broken)."""
@@ -254,7 +254,7 @@ class WorkerGroup(Regrouping):
     def begin_snapshot(self, token, timeout_s):
         """Ask rank 0 for the call-start snapshot of the call ``token`` without waiting: it serialises the state that
         call captures, in its ``"snapshot"`` concurrency group beside the call (see
-        :mod:`raysgd.torch.state.call_start`). Returns ``(info ref, data ref, rank 0's node)``, or None where the
+        :mod:`raysgd.torch.restart_points.call_start`). Returns ``(info ref, data ref, rank 0's node)``, or None where the
         snapshot cannot overlap a call: a local rank 0 (it runs in the driver), a worker class that does not take
         part (``overlaps_snapshots``), or a broken group. A sharded state (``strategy="fsdp"``): every rank is asked
         for its part, and ``[(info ref, data ref, node), ...]`` in rank order is returned."""
@@ -275,7 +275,7 @@ class WorkerGroup(Regrouping):
 
     def survivor_snapshot(self, token, deadline_s):
         """After a failure in which rank 0 was lost before storing the call-start snapshot of call ``token`` (no rank
-        has stepped since: see :mod:`raysgd.torch.state.call_start`): a :class:`RestartPoint` of the state a survivor
+        has stepped since: see :mod:`raysgd.torch.restart_points.call_start`): a :class:`RestartPoint` of the state a survivor
         kept for :meth:`reform` captured at that call's start, or None when no survivor has it."""
         for handle in self._kept:
             call, data = handle.call_with_data("call_start_snapshot", token, min(deadline_s, 60.0))
@@ -297,7 +297,7 @@ class WorkerGroup(Regrouping):
             ray.wait([answer], timeout=environment.get("SGD_SNAPSHOT_FINISH_S"))
 
     def _sharded_snapshot(self, rngs, deadline_s):
-        """A :class:`~raysgd.torch.state.restart_point.ShardedPoint`: every rank saves its part at once (a collective)
+        """A :class:`~raysgd.torch.restart_points.restart_point.ShardedPoint`: every rank saves its part at once (a collective)
         into its node's object store; rank 0's answer holds the head. A lost rank ends it as :meth:`run` does."""
         calls = {h.rank: h.call_with_data("state_snapshot", rngs) for h in self._ordered()}
         infos = self._collect({rank: call for rank, (call, _) in calls.items()}, deadline_s=deadline_s)

@@ -2,7 +2,7 @@
 
 A SIGTERM to a worker process becomes a commit at a step every rank agrees on, then an exit.
 
-Layer 3 helper of :mod:`raysgd.torch.state.committer` (torch, no Ray). :func:`install` runs in the actor's
+Layer 3 helper of :mod:`raysgd.torch.commits.committer` (torch, no Ray). :func:`install` runs in the actor's
 ``__init__``, which Ray runs on the process's main thread (the only thread where Python can set a
 signal handler; training calls run in another thread because of the ``"control"`` concurrency group).
 The handler only sets a flag. At each step boundary of a committing ``train()`` call the ranks agree

@@ -9,7 +9,7 @@ Example:
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysgd.torch.state.part_holders import by_value
+from raysgd.torch.restart_points.transport import by_value
 
 
 class _MailboxActor:
