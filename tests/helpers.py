@@ -218,7 +218,7 @@ class CountingOperator(TrainingOperator):
             if fault.get("exit"):
                 os._exit(1)
             if fault.get("until_sigterm") or fault.get("until_resize"):  # finish this step once it arrived
-                from raysgd.torch.fault_tolerance import preemption
+                from raysgd.torch.commits import preemption
 
                 arrived = preemption.resize_requested if fault.get("until_resize") else preemption.requested
                 deadline = time.monotonic() + fault.get("wait_s", 60)
@@ -308,7 +308,7 @@ class SlowToSave:
         self.seconds = seconds
 
     def __reduce__(self):
-        from raysgd.torch.fault_tolerance import preemption
+        from raysgd.torch.commits import preemption
 
         if preemption.requested():
             time.sleep(self.seconds)

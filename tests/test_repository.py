@@ -136,7 +136,7 @@ DOCTESTED = ["raysgd.base", "raysgd.base.checks", "raysgd.base.environment", "ra
              "raysgd.torch.operator.evaluation", "raysgd.torch.operator.registration",
              "raysgd.torch.operator.creators", "raysgd.torch.fault_tolerance",
              "raysgd.torch.fault_tolerance.recovery", "raysgd.torch.fault_tolerance.watches",
-             "raysgd.torch.fault_tolerance.reform", "raysgd.torch.state", "raysgd.torch.state.training_state",
+             "raysgd.torch.fault_tolerance.reform", "raysgd.torch.fault_tolerance.stops", "raysgd.torch.state", "raysgd.torch.state.training_state",
              "raysgd.torch.state.checkpoint", "raysgd.torch.state.model_copy", "raysgd.torch.commits.committer",
              "raysgd.torch.commits.commit_stats", "raysgd.torch.commits", "raysgd.torch.restart_points",
              "raysgd.torch.restart_points.transport",

@@ -20,7 +20,7 @@ from ray.exceptions import RayActorError
 
 from raysgd.base import environment
 from raysgd.base.checks import expect
-from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.fault_tolerance import stops
 from raysgd.torch.state import checkpoint
 from raysgd.torch.state import training_state as _state
 from raysgd.torch.commits.commit_store import CommitStore
@@ -173,7 +173,7 @@ class CommitPolicy:
             logger.info("No commit in this call yet: it goes on from its start")
             return None
         key, records, found_parts = found
-        if key != self._preemption_seen and self._ask(lambda store: store.reason(key)) == preemption.PREEMPTION:
+        if key != self._preemption_seen and self._ask(lambda store: store.reason(key)) == stops.PREEMPTION:
             self.resumed_preemption, self._preemption_seen = True, key  # the ranks marked it before any exited
         overlay = _state.commit_overlay(records)
         made_in = overlay[_state.CURSOR].get("attempt", 0)

@@ -10,7 +10,7 @@ one serialised copy of the state besides the live one (and the transport's, in R
 When to commit: every ``every_n`` steps of the epoch, or, for a time interval, once the training time since
 the call's start or its last commit reaches ``interval_s``. That time is counted from what every rank
 measured in its steps, exchanged at every step boundary with the preemption agreement (its ``all_reduce``
-also takes the maximum of each rank's time: :func:`raysgd.torch.fault_tolerance.preemption.exchange`), so every rank adds the
+also takes the maximum of each rank's time: :func:`raysgd.torch.commits.preemption.exchange`), so every rank adds the
 same numbers and commits at the same step: the commit is one global point. Nothing is extrapolated from
 the first steps, so a slow warm-up (compilation, autotuning) only makes the first commit come after fewer
 steps, and a later change of speed is followed at once.
@@ -31,7 +31,7 @@ import time
 
 from raysgd.meters import merge_partial
 from raysgd.torch.sharding import loaders as _data
-from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.commits import preemption
 from raysgd.torch.state import training_state as _state
 from raysgd.torch.state.checkpoint import serialise
 from raysgd.torch.commits.commit_stats import process_stats
@@ -171,7 +171,7 @@ class Committer:
         self.call_steps = cursor.get("call_steps", 0) if continues else 0
         if continues:  # a retry inside its own call: the driver merges the committed metrics (raysgd.torch.commits.commit_policy)
             self.resume.update(meters=None, share=None)
-        preemption.set_active(plan is not None)  # a SIGTERM now commits at the next step (raysgd.torch.fault_tolerance.preemption)
+        preemption.set_active(plan is not None)  # a SIGTERM now commits at the next step (raysgd.torch.commits.preemption)
         check_every = preemption.check_every()
         self._trained_s = self._unsent_s = 0.0  # the call's start is a restart point
         try:
@@ -213,9 +213,9 @@ class Committer:
 
     def _maybe_stop(self, worker, plan, loader, level):
         """A rank got SIGTERM, or the driver asked to stop (grow, leave a draining node): every rank commits here
-        (a preemption commit marked so in the store first: :func:`raysgd.torch.fault_tolerance.preemption.stopping`), waits until
+        (a preemption commit marked so in the store first: :func:`raysgd.torch.commits.preemption.stopping`), waits until
         the store holds the whole commit (at most ``SGD_PREEMPT_COMMIT_S``; no grace timer cuts the send short),
-        and ends the call (:func:`raysgd.torch.fault_tolerance.preemption.leave`)."""
+        and ends the call (:func:`raysgd.torch.commits.preemption.leave`)."""
         if level == preemption.GO_ON:
             return
         deadline = preemption.stopping(level, plan.sink, (plan.call_id, plan.attempt, self.call_steps))

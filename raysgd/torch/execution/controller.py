@@ -46,7 +46,7 @@ from raysgd.torch.execution import restarts
 from raysgd.torch.execution.restart_points import NoRestartPoints, RestartPoints
 from raysgd.torch.execution.run_states import RunState, RunStatus, advance
 from raysgd.torch.execution.state_access import StateAccess
-from raysgd.torch.fault_tolerance import failure_policy, preemption, recovery
+from raysgd.torch.fault_tolerance import failure_policy, recovery, stops
 from raysgd.torch.fault_tolerance.watches import DrainWatch, GrowWatch
 from raysgd.torch.state import checkpoint, training_state
 from raysgd.torch.restart_points.call_start import PendingPoint
@@ -325,13 +325,13 @@ class RunController(StateAccess):
             except WorkerFailure as failure:
                 state, first = self._settle(state), kwargs
                 stop = next((w for w in watches if w.requested), None)
-                if stop is not None and preemption.was_resize(failure):
+                if stop is not None and stops.was_resize(failure):
                     self._enter(RunState.RESIZING, f"stopped at a commit point {stop.reason}")
                     logger.debug("Restarting at %d workers from the commit point (%s)", stop.size, stop.reason)
                     self._restart_in_call(state, kwargs, failure, stop.size)
                     self._enter(RunState.RUNNING, f"{method} goes on at {self.group.num_workers} worker(s)")
                     continue
-                kind = failure_policy.PREEMPTION if preemption.was_preempted(failure) else failure_policy.FAILURE
+                kind = failure_policy.PREEMPTION if stops.was_preempted(failure) else failure_policy.FAILURE
                 decision = self._decide(kind, counts, limits, failure, method)
                 if decision.gave_up:
                     self._enter(RunState.ERRORED, f"{method}: {decision.describe()}")

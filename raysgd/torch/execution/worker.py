@@ -39,7 +39,7 @@ from raysgd.torch.sharding import loaders as _data
 from raysgd.torch.operator import evaluation
 from raysgd.torch.operator.tracing import TraceRecorder
 from raysgd.torch.state import model_copy
-from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.commits import preemption
 from raysgd.torch.state import training_state as _state
 from raysgd.torch.commits.committer import Committer
 from raysgd.torch.state.checkpoint import serialise
@@ -468,7 +468,7 @@ class TorchWorker:
     def request_resize(self, call_id, attempt):
         """The driver asks the running call to stop at the next agreed commit point (to grow the group).
 
-        Answered from the ``"control"`` concurrency group while a call trains (see :mod:`raysgd.torch.fault_tolerance.preemption`).
+        Answered from the ``"control"`` concurrency group while a call trains (see :mod:`raysgd.torch.commits.preemption`).
         """
         preemption.request_resize(call_id, attempt)
 

@@ -29,7 +29,7 @@ import time
 
 from raysgd.base import environment
 from raysgd.base.checks import expect
-from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.fault_tolerance import stops
 from raysgd.torch.storage import async_writer, filesystem
 
 logger = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ class DurableRun:
         returning its state bytes or a part written elsewhere) when it is a preemption commit: ``preempted`` (the
         ranks marked it so in the commit store before any exited) or a rank's error says so. A process's exit may
         reach the driver before the marked errors; the store's mark does not race."""
-        if part is not None and (preempted or preemption.was_preempted(failure)):
+        if part is not None and (preempted or stops.was_preempted(failure)):
             failed = self._writer.failed  # raising it here would abort the recovery and leave the group broken
             if failed is not None:
                 logger.warning("An earlier checkpoint write failed (%s): recovering anyway; the error is raised at "
