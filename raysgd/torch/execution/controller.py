@@ -98,7 +98,7 @@ class RunController(StateAccess):
         self.status = RunStatus()  # the run's state, size, failures and last resize (raysgd.torch.execution.run_states)
         self.history = [(self.status.state, self.status.why)]  # every state the run went through, and why
         self.stateless = stateless  # the workers' code keeps its state itself (a training function's checkpoints)
-        self.points = NoRestartPoints() if stateless else RestartPoints(self._first, timeout_s)  # and whether stale
+        self.points = NoRestartPoints() if stateless else RestartPoints(self.ask_restarting, timeout_s)  # and whether stale
         self.last_commit_latency_s = None  # the slowest rank's latest stored commit of the last train() call
         self._resize_cooldown_s = environment.get("SGD_RESIZE_COOLDOWN_S") \
             if resize_cooldown_s is None else resize_cooldown_s
@@ -209,7 +209,7 @@ class RunController(StateAccess):
             return state
         return RestartPoint.of_bytes(checkpoint.state_to_bytes(state) if isinstance(state, dict) else state)
 
-    def _first(self, ask, method):
+    def ask_restarting(self, ask, method):
         """``ask()`` (one rank's answer); when every worker was lost between calls, they restart from the last
         restart point (what they trained since is lost: logged, counted as a failure) and are asked again."""
         try:
@@ -224,8 +224,8 @@ class RunController(StateAccess):
             return ask()
 
     def first_answer(self, method, *args):
-        """The group's ``first_answer`` (see :meth:`_first`)."""
-        return self._first(lambda: self.group.first_answer(method, *args, deadline_s=self._timeout_s), method)
+        """The group's ``first_answer`` (see :meth:`ask_restarting`)."""
+        return self.ask_restarting(lambda: self.group.first_answer(method, *args, deadline_s=self._timeout_s), method)
 
     def take_snapshot(self):
         """The current restart point, taken now when the state moved on (:meth:`RestartPoints.take`)."""

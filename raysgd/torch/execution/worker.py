@@ -14,7 +14,8 @@ Example:
     ...     def train_epoch(self, iterator, info=None):
     ...         return {"seen": len(list(iterator))}
     >>> worker = TorchWorker(Counting, {}, is_local=True)
-    >>> worker.setup_operator()
+    >>> worker.setup_operator()  # what the strategy tells the group
+    {'sharded_state': False}
     >>> worker.train_epoch(num_steps=2), worker.train_epoch(num_steps=2)
     ({'epoch': 1, 'seen': 2}, {'epoch': 2, 'seen': 2})
 """
@@ -198,11 +199,14 @@ class TorchWorker:
 
     @guard_collectives
     def setup_operator(self, local_rank=0):
-        """Build the user's operator (its ``setup`` registers models and data)."""
+        """Build the user's operator (its ``setup`` registers models and data); returns what its strategy tells the
+        group (:attr:`~raysgd.torch.execution.worker_group.WorkerGroup.setup_report`): ``sharded_state``, whether the
+        state is one part per rank (``strategy="fsdp"``), so a restart point asks every rank for its part at once."""
         self.operator = self.operator_cls(
             self.config, world_rank=self.world_rank, local_rank=local_rank, is_distributed=self.world_size > 1,
             use_gpu=self.use_gpu, device=self._device(local_rank), world_size=self.world_size, **self._options)
         self.operator.timers = self.timers
+        return {"sharded_state": _state.is_sharded(self.operator)}
 
     # ----------------------------------------------------------------- epochs
     def _train_loader(self):
