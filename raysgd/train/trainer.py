@@ -1,6 +1,6 @@
 """Ray Train's ``TorchTrainer``: a facade that checks its configs and runs the training function on raysgd's runtime.
 
-Part of :mod:`raysgd.train` (layer 6, beside :mod:`raysgd.torch.torch_trainer`). ``fit()`` hands the run to the
+Part of :mod:`raysgd.train` (layer 7, beside :mod:`raysgd.torch.torch_trainer`). ``fit()`` hands the run to the
 same :class:`~raysgd.torch.execution.controller.RunController` and worker group as the operator API, with
 :class:`~raysgd.train.function_worker.FunctionWorker` workers: one call, ``run_loop``, runs
 ``train_loop_per_worker`` on every rank. What the operator API gets, the function gets: its ``report()`` is the

@@ -1,6 +1,6 @@
 """The run controller: the one owner of a trainer's run, from the first worker group to the last call's restart point.
 
-Layer 4 (ray, layers 0-3). ``TorchTrainer`` (the facade) checks its options and hands every call here. The
+Layer 5 (ray, layers 0-4). ``TorchTrainer`` (the facade) checks its options and hands every call here. The
 :class:`RunController` owns the run's state: the worker group, the restart point (rank 0's state bytes, the
 *snapshot*, and whether the workers may have moved on since: :mod:`raysgd.torch.execution.restart_points`), the
 failures counted, the time of the last resize, the commit policy and the durable run's hooks. A ``train()`` or

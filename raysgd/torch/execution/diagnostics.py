@@ -1,6 +1,6 @@
 """Hang forensics: the Python stack of every rank, taken while it is stuck.
 
-Layer 4 helper of :mod:`raysgd.torch.execution.worker_group` (which sends the requests). Each worker actor has a second Ray concurrency
+Layer 5 helper of :mod:`raysgd.torch.execution.worker_group` (which sends the requests). Each worker actor has a second Ray concurrency
 group, ``"control"``, whose one thread answers while the default group is busy training (or stuck):
 the group sends :func:`format_stacks` there. A rank living in the driver (``use_local``) is read
 in-process from its runner thread. When a worker does not answer within the deadline (its process

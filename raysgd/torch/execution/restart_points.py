@@ -1,6 +1,6 @@
 """The run's restart point: the state a call starts from, where its bytes are kept, and when they are stored.
 
-Layer 4 (ray, layers 0-3). The :class:`~raysgd.torch.execution.controller.RunController` keeps one
+Layer 5 (ray, layers 0-4). The :class:`~raysgd.torch.execution.controller.RunController` keeps one
 :class:`RestartPoints`: its ``current`` point (a :class:`~raysgd.torch.restart_points.restart_point.RestartPoint`, or a
 :class:`~raysgd.torch.restart_points.restart_point.ShardedPoint` of every rank's part, held in the object store of the node
 that wrote it with a copy on another node, never by the driver) and whether the workers may have moved on since

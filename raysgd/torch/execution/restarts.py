@@ -1,6 +1,6 @@
 """Starting, restarting and moving a run's worker group, and asking its ranks to stop at a commit point.
 
-Layer 4 helper of :mod:`raysgd.torch.execution.controller`, which alone calls it and owns what changes: every
+Layer 5 helper of :mod:`raysgd.torch.execution.controller`, which alone calls it and owns what changes: every
 function here takes the group and what it needs as arguments and returns what it did. The sizes come from the
 pure policies of :mod:`raysgd.torch.fault_tolerance.recovery`.
 

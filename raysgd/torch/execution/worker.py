@@ -1,6 +1,6 @@
 """One worker: joins the process group, builds the operator, keeps the persistent iterators, runs an epoch.
 
-Layer 3: imports torch.distributed and layers 0-2, never Ray's actor API. The same class runs as a
+Layer 5: imports torch.distributed and layers 0-4, never Ray's actor API. The same class runs as a
 Ray actor or, with ``use_local=True``, as a plain object inside the driver process.
 
 Example:

@@ -1,6 +1,6 @@
 """The worker pool: placement group, actors, rendezvous, fan-out under deadlines, failure detection, shutdown.
 
-Layer 4: with :mod:`~raysgd.torch.execution.worker_handle`, the only module that touches Ray actor handles. Each
+Layer 5: with :mod:`~raysgd.torch.execution.worker_handle`, the only module that touches Ray actor handles. Each
 round of calls is collected by :func:`raysgd.torch.execution.calls.collect`, whose outcome the group acts on: a
 dead actor, a lost node or a collective that timed out ends the attempt at once as
 :class:`~raysgd.torch.errors.WorkerFailure`: ranks still stuck are killed, those whose call ended are kept for a

@@ -1,6 +1,6 @@
 """Durable runs: the trainer's automatic checkpoints in ``storage_path`` and the resume from them.
 
-Helper of layer 5 (:mod:`raysgd.torch.torch_trainer`). ``TorchTrainer(storage_path=..., num_to_keep=2,
+Helper of layer 7 (:mod:`raysgd.torch.torch_trainer`). ``TorchTrainer(storage_path=..., num_to_keep=2,
 resume=True)`` opens a :class:`DurableRun`; it checks the arguments before any actor starts, starts
 reading the markers of the complete checkpoints while the workers start (:meth:`DurableRun.restore`), has the
 newest one's state file read and loaded on the workers' side (:meth:`DurableRun.resume`, falling back to an older

@@ -1,7 +1,7 @@
 """Checkpoint parts written where the state is: a 0-CPU Ray task on the node holding a restart point writes the
 state file to ``storage_path``, so a durable checkpoint's bytes never pass through the driver.
 
-Layer 3 (ray, and :mod:`~raysgd.torch.storage.filesystem`). The driver's checkpoint writer
+Layer 4 (ray, and :mod:`~raysgd.torch.storage.filesystem`). The driver's checkpoint writer
 (:class:`~raysgd.torch.storage.durable.DurableRun`, on its background thread) hands a :class:`RemotePart` to
 :func:`~raysgd.torch.storage.filesystem.write_checkpoint_dir`, which calls :meth:`RemotePart.write_to`: the task
 fetches the first available copy of the state (:func:`raysgd.torch.restart_points.restart_point.first_available`: on the

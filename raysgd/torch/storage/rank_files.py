@@ -1,6 +1,6 @@
 """A rank's files in a checkpoint directory: written from the node the rank runs on, read back onto any node.
 
-Layer 3 (ray, and :mod:`~raysgd.torch.storage.filesystem`). A training function reports a local directory on each
+Layer 4 (ray, and :mod:`~raysgd.torch.storage.filesystem`). A training function reports a local directory on each
 rank (``raysgd.train.report(metrics, checkpoint)``); every rank's files land in one checkpoint directory of the run's
 folder (:class:`~raysgd.torch.storage.filesystem.CheckpointStorage`), whose marker, written last, lists every file
 with its size and CRC-32. No file passes through the driver's process:
