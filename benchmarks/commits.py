@@ -144,7 +144,7 @@ def latency(smoke, repeats):
 
 
 def _commit_stats():
-    from raysgd.torch.state.commit_stats import process_stats  # noqa: PLC0415 (in the worker)
+    from raysgd.torch.commits.commit_stats import process_stats  # noqa: PLC0415 (in the worker)
 
     stats = process_stats()
     stats.wait_stored(after=0, timeout_s=60)

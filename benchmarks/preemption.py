@@ -1,5 +1,5 @@
 """What preemption costs per step: the all_reduce (max) of one CPU int that every step boundary of a committing
-``train()`` call adds (``raysgd.torch.fault_tolerance.preemption.agree``), against a training step.
+``train()`` call adds (``raysgd.torch.commits.preemption.agree``), against a training step.
 
 Run from the repository root (two gloo processes on this machine, no Ray)::
 
@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from raysgd.torch.fault_tolerance import preemption  # noqa: E402
+from raysgd.torch.commits import preemption  # noqa: E402
 
 
 class _Worker:

@@ -7,7 +7,7 @@ Run from the repository root::
     PYTHONPATH=$PWD python benchmarks/serialise_stall.py --smoke-test     # 1 MB (the tests run it)
 
 For each size: a state of that many MB of float32 is serialised in a second thread, once by ``torch.save`` into an
-``io.BytesIO`` (before) and once by :func:`raysgd.torch.state.committer.serialise` (raysgd's commits and call-start
+``io.BytesIO`` (before) and once by :func:`raysgd.torch.state.checkpoint.serialise` (raysgd's commits and call-start
 snapshots), while the main thread runs a Python loop (the training thread's Python work: the data loader, hooks,
 the optimizer's Python code). Columns: ``serialise_ms`` the serialisation's wall time; ``worst_stall_ms`` the longest
 gap between two iterations of the main thread's loop while it ran (the longest the training thread waited for the
@@ -24,7 +24,7 @@ import time
 import torch
 from tabulate import tabulate
 
-from raysgd.torch.state.committer import serialise
+from raysgd.torch.state.checkpoint import serialise
 
 
 def _loop(stop, out, running=None):

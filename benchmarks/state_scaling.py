@@ -16,7 +16,7 @@ For each size N: a model of N MB of float32 parameters (one square ``nn.Linear``
   ``call_ms`` the call's wall time, median (a snapshot serialised beside the call, longer than the call's first
   forward and backward, is waited for inside the worker's time: it leaves the overhead but not the call);
 - ``commit_ms``: commit latency on rank 0 (the rank that sends the state), from the host copy's start until the
-  store holds it (``raysgd.torch.state.commit_stats.process_stats()``), median; ``in_loop_ms`` the part of it the training loop
+  store holds it (``raysgd.torch.commits.commit_stats.process_stats()``), median; ``in_loop_ms`` the part of it the training loop
   waits for;
 - ``worker_peak_rss_mb``: rank 0's peak RSS in a call with a commit (``VmHWM``, reset at the call's start, read
   once its commit is stored), ``worker_start_anon_mb`` and ``worker_start_shm_mb`` its private and shared
@@ -117,7 +117,7 @@ class ScalingOperator(BenchOperator):
         return super().train_batch(batch, batch_info)
 
     def train_epoch(self, iterator, info=None):
-        from raysgd.torch.state.commit_stats import process_stats  # noqa: PLC0415 (in the worker)
+        from raysgd.torch.commits.commit_stats import process_stats  # noqa: PLC0415 (in the worker)
 
         commits = process_stats()
         count = commits.count

@@ -218,7 +218,7 @@ class CountingOperator(TrainingOperator):
             if fault.get("exit"):
                 os._exit(1)
             if fault.get("until_sigterm") or fault.get("until_resize"):  # finish this step once it arrived
-                from raysgd.torch.fault_tolerance import preemption
+                from raysgd.torch.commits import preemption
 
                 arrived = preemption.resize_requested if fault.get("until_resize") else preemption.requested
                 deadline = time.monotonic() + fault.get("wait_s", 60)
@@ -308,7 +308,7 @@ class SlowToSave:
         self.seconds = seconds
 
     def __reduce__(self):
-        from raysgd.torch.fault_tolerance import preemption
+        from raysgd.torch.commits import preemption
 
         if preemption.requested():
             time.sleep(self.seconds)
@@ -469,7 +469,7 @@ def holders_started():
 
 class SnapshotProbe:
     """Operator state whose serialisation, in a call-start snapshot serialised beside the call
-    (:mod:`raysgd.torch.state.call_start`), waits until this process's call has started its first batch (a
+    (:mod:`raysgd.torch.restart_points.call_start`), waits until this process's call has started its first batch (a
     ``"batch_start"`` event after the latest ``"captured"`` one), at most 30 s: a call that waited for its snapshot
     before training would never get there."""
 
@@ -477,7 +477,7 @@ class SnapshotProbe:
         return SnapshotProbe()
 
     def __reduce__(self):
-        from raysgd.torch.state import call_start
+        from raysgd.torch.restart_points import call_start
 
         def overlapping():
             events = list(call_start.EVENTS)
@@ -510,7 +510,7 @@ class SnapshotProbeOperator(CountingOperator):
         pass
 
     def train_batch(self, batch, batch_info):
-        from raysgd.torch.state import call_start
+        from raysgd.torch.restart_points import call_start
 
         faults = self.config.get("fault") or []  # before the batch starts: a rank 0 that dies here never releases
         for fault in faults if isinstance(faults, list) else [faults]:  # the probe (its snapshot is never stored)

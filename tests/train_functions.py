@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import raysgd.train
-from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.commits import preemption
 from raysgd.train import Checkpoint
 from raysgd.train.torch import prepare_data_loader, prepare_model
 

@@ -24,7 +24,7 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "architecture.md"
 #: The layer of the package glue (above the facades, below the command line, which nothing imports).
-GLUE = 7
+GLUE = 8
 
 #: ``units``: {unit: layer}; ``allowed``: {layer: the third-party packages it may import, or None for anything};
 #: ``lighter``: {module: the third-party packages it may import}.

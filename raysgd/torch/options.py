@@ -1,6 +1,6 @@
 """Every ``TorchTrainer`` option in one place: its default, its check and its doc line (:class:`TrainerOptions`).
 
-Layer 4 (a root module: torch, layers 0-3; never the execution layer). ``TorchTrainer``'s constructor signature
+Layer 5 (a root module: torch, layers 0-4; never the execution layer). ``TorchTrainer``'s constructor signature
 (keyword-only), its checks, the trainer's attributes, the workers' options and the docs' TorchTrainer table
 all come from the dataclass; ``TorchTrainer.as_trainable`` checks its resource arguments through it. Every error
 names the argument, the expected form and the value given, before any actor starts. ``storage_path``,
@@ -29,7 +29,7 @@ from raysgd.torch.constants import BATCH_SIZE, DATA_SEED, VALID_SCHEDULER_STEP
 from raysgd.torch.operator import fsdp
 from raysgd.torch.operator.precision import validate_fp16
 from raysgd.torch.sharding import batch_split
-from raysgd.torch.state.commit_policy import check_every_n
+from raysgd.torch.commits.commit_policy import check_every_n
 from raysgd.torch.training_operator import TrainingOperator
 from typing import Any
 

@@ -1,6 +1,6 @@
 """TorchTrainer: the driver-side API, a thin facade that checks its options and hands every call to the controller.
 
-Layer 6 (the top of the core): imports layers 0-5. The options, their defaults and checks are
+Layer 7 (the top of the core): imports layers 0-6. The options, their defaults and checks are
 :class:`~raysgd.torch.options.TrainerOptions`; the run itself (the worker group, the restart point, failures,
 resizes, commits, the durable run) belongs to :class:`~raysgd.torch.execution.controller.RunController`; the
 integrations (the progress bar, result logs, Ray Data input, Tune) are wired in here and nowhere below. The
@@ -36,7 +36,7 @@ from raysgd.torch.operator import tracing
 from raysgd.torch.options import TrainerOptions, check_num_steps
 from raysgd.torch.sharding import batch_split
 from raysgd.torch.state import checkpoint
-from raysgd.torch.state.commit_policy import CommitPolicy
+from raysgd.torch.commits.commit_policy import CommitPolicy
 from raysgd.torch.storage import durable
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 

@@ -1,6 +1,6 @@
 """raysgd.train: the function API of the Ray Train guides (``ray.train``), run on raysgd's worker group.
 
-Layer 6, beside :mod:`raysgd.torch.torch_trainer`, over :mod:`raysgd.torch.execution`: a training function runs on
+Layer 7, beside :mod:`raysgd.torch.torch_trainer`, over :mod:`raysgd.torch.execution`: a training function runs on
 every worker (:mod:`~raysgd.train.function_worker`, a ``TorchWorker`` beside the operator one) on the operator API's
 run controller, reports metrics and checkpoints (:mod:`~raysgd.train.session`; ``report()`` is the run's commit
 point, :mod:`~raysgd.train.reporting`) to ``storage_path/name``, and a failure restarts the group from the newest

@@ -2,7 +2,7 @@
 and the reports rank 0 makes while it runs.
 
 Part of :mod:`raysgd.train`. :class:`ReportCommits` is to a training function what
-:class:`~raysgd.torch.state.commit_policy.CommitPolicy` is to an operator: the
+:class:`~raysgd.torch.commits.commit_policy.CommitPolicy` is to an operator: the
 :class:`~raysgd.torch.execution.controller.RunController` calls the same methods on it (``begin_call``,
 ``with_plan``, ``restart_state``, ``committed_this_attempt``, ``running_attempt``, ``finish``...). A function's
 commits are the checkpoints it reports (:mod:`raysgd.train.reporting`), durable in the run's folder

@@ -1,6 +1,6 @@
 """Ray Train's configuration objects: ScalingConfig, RunConfig, FailureConfig, CheckpointConfig, checked early.
 
-Part of :mod:`raysgd.train` (layer 6, over :mod:`raysgd.torch.execution`). Every field is checked when the object
+Part of :mod:`raysgd.train` (layer 7, over :mod:`raysgd.torch.execution`). Every field is checked when the object
 is made and again by ``TorchTrainer`` (which argument, what was expected, what was given), so bad input fails
 before any actor starts. The fields Ray Train 2.58 deprecated raise its ``DeprecationWarning`` (as an exception,
 as Ray Train does), and the fields it has that raysgd does not support raise ``NotImplementedError`` saying so.

@@ -5,7 +5,7 @@ rendezvous and gloo/NCCL process group, the same failure detection, warm spares 
 processes): only the work differs. Instead of an operator, :meth:`FunctionWorker.setup_operator` picks the device,
 and :meth:`FunctionWorker.run_loop` runs ``train_loop_per_worker(config)`` inside a
 :class:`~raysgd.train.session.Session` whose ``report()`` is the run's commit point (:mod:`raysgd.train.reporting`).
-While it runs, a SIGTERM waits for the next ``report()`` (:mod:`raysgd.torch.fault_tolerance.preemption`), and the
+While it runs, a SIGTERM waits for the next ``report()`` (:mod:`raysgd.torch.commits.preemption`), and the
 driver reads rank 0's reports from the actor's ``"control"`` concurrency group (:meth:`FunctionWorker.take_reports`).
 A torch.distributed timeout or lost peer becomes :class:`~raysgd.torch.errors.CollectiveError` (a worker failure);
 any other exception is the user's (retried under ``FailureConfig(max_failures)`` as in Ray Train).
@@ -31,7 +31,7 @@ import threading
 import torch
 
 from raysgd.torch.execution.worker import TorchWorker, guard_collectives
-from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.commits import preemption
 from raysgd.train import session as _session
 
 logger = logging.getLogger(__name__)

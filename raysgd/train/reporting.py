@@ -7,7 +7,7 @@ Ray Train (every rank calls it the same number of times):
 
 1. The ranks exchange what they report (:func:`exchange`: one ``all_gather_object`` on a CPU group): their metrics,
    the names of their checkpoint's files, a directory name, and whether any of them must stop here (a SIGTERM, or the
-   driver's request to grow or move: :mod:`raysgd.torch.fault_tolerance.preemption`).
+   driver's request to grow or move: :mod:`raysgd.torch.commits.preemption`).
 2. When any rank reported a checkpoint, rank 0 clears the directory of a failed attempt's leftovers, every rank then
    writes its own files into it from its own node (a file several ranks report is written once, by the lowest
    rank: DDP replicas hold the same bytes; :mod:`raysgd.torch.storage.rank_files`), and rank 0 writes the marker last:
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from raysgd.torch.errors import CheckpointError
-from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.commits import preemption
 from raysgd.torch.storage import filesystem, rank_files
 from raysgd.train import retention
 
@@ -142,7 +142,7 @@ class Reporter:
     def report(self, metrics, source=None, name=None):
         """Report ``metrics`` with the files of the local folder ``source`` (None: no checkpoint) under the
         directory ``name`` (None: numbered); returns the checkpoint's uri when any rank reported one, else None.
-        Ends the attempt (:func:`~raysgd.torch.fault_tolerance.preemption.leave`) when the ranks must stop here."""
+        Ends the attempt (:func:`~raysgd.torch.commits.preemption.leave`) when the ranks must stop here."""
         started = time.monotonic()
         files = rank_files.local_files(source) if source is not None else None
         level = preemption.PREEMPT if preemption.requested() else \
@@ -228,7 +228,7 @@ class Reporter:
 
 
 class _Rank:
-    """What :func:`~raysgd.torch.fault_tolerance.preemption.leave` reads of a worker: its rank."""
+    """What :func:`~raysgd.torch.commits.preemption.leave` reads of a worker: its rank."""
 
     def __init__(self, rank):
         self.world_rank = rank

@@ -21,7 +21,7 @@ import os
 import shutil
 
 from raysgd.base.checks import expect
-from raysgd.torch.state import restart_point
+from raysgd.torch.restart_points import restart_point
 from raysgd.torch.storage import rank_files
 from raysgd.train.checkpoint import Checkpoint
 from raysgd.train.errors import context_deprecation

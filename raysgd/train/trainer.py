@@ -1,6 +1,6 @@
 """Ray Train's ``TorchTrainer``: a facade that checks its configs and runs the training function on raysgd's runtime.
 
-Part of :mod:`raysgd.train` (layer 6, beside :mod:`raysgd.torch.torch_trainer`). ``fit()`` hands the run to the
+Part of :mod:`raysgd.train` (layer 7, beside :mod:`raysgd.torch.torch_trainer`). ``fit()`` hands the run to the
 same :class:`~raysgd.torch.execution.controller.RunController` and worker group as the operator API, with
 :class:`~raysgd.train.function_worker.FunctionWorker` workers: one call, ``run_loop``, runs
 ``train_loop_per_worker`` on every rank. What the operator API gets, the function gets: its ``report()`` is the
@@ -39,7 +39,7 @@ from raysgd.torch.execution.worker_group import WorkerGroup
 from raysgd.torch.fault_tolerance import failure_policy, recovery
 from raysgd.torch.integrations import progress
 from raysgd.torch.integrations.ray_metrics import RayMetrics
-from raysgd.torch.state.restart_point import this_node
+from raysgd.torch.restart_points.restart_point import this_node
 from raysgd.torch.storage import durable, filesystem
 from raysgd.train import retention
 from raysgd.train.callback import TrainRunContext, UserCallbacks, split_callbacks

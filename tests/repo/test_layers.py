@@ -141,8 +141,8 @@ def test_modules_say_their_job_and_stay_readable(path):
 def test_only_the_worker_group_touches_actor_handles():
     for path in library_modules():
         if module_name(path) in ("raysgd.torch.execution.worker_group", "raysgd.torch.execution.worker_handle", "raysgd.torch.integrations.mailbox",
-                                 "raysgd.torch.state.commit_store", "raysgd.torch.state.part_holders",
-                                 "raysgd.torch.state.restart_point",
+                                 "raysgd.torch.commits.commit_store", "raysgd.torch.commits.part_holders",
+                                 "raysgd.torch.restart_points.restart_point",
                                  "raysgd.torch.storage.parts", "raysgd.torch.storage.rank_files"):
             continue
         assert ".remote(" not in path.read_text(), f"{path.name} calls actors directly"

@@ -1,6 +1,6 @@
 """The run: one controller that owns it, the worker group it drives, and the workers.
 
-Layer 4 (Ray; layers 0-3). :class:`~raysgd.torch.execution.controller.RunController` owns a trainer's run (the
+Layer 5 (Ray; layers 0-4). :class:`~raysgd.torch.execution.controller.RunController` owns a trainer's run (the
 group, the restart point, failures, resizes, the commit policy and the durable run's hooks) and runs each call
 through its attempts, starting and restarting the group with :mod:`~raysgd.torch.execution.restarts`. The
 :class:`~raysgd.torch.execution.worker_group.WorkerGroup` places the workers (:mod:`~raysgd.torch.execution.placement`,

@@ -1,6 +1,6 @@
 """Waiting for one round of worker calls under deadlines, and reading how each ended: the group's call collection.
 
-Layer 4 helper of :mod:`raysgd.torch.execution.worker_group` (ray, layers 0-1). :func:`collect` waits for every
+Layer 5 helper of :mod:`raysgd.torch.execution.worker_group` (ray, layers 0-1). :func:`collect` waits for every
 call of a round (ObjectRefs of actors, a local rank 0's call in its thread, or calls already done), files each
 answer as a result, a user error or a failure (:func:`classify`), and returns an :class:`Outcome` the group acts
 on: the results in rank order (``DONE``), a user error to raise with its own type (``USER_ERROR``; the group kills

@@ -1,6 +1,6 @@
 """Waiting, under deadlines, for Ray's view of the cluster to catch up: released resources and dead nodes.
 
-Layer 4 helper of :mod:`raysgd.torch.execution.worker_group`: imports ray only. Ray reports a change a moment
+Layer 5 helper of :mod:`raysgd.torch.execution.worker_group`: imports ray only. Ray reports a change a moment
 after it happened: a killed actor's CPUs come back in ``ray.available_resources()`` a little later,
 and a node whose raylet is gone stays listed as alive until its health checks fail (seconds). The
 worker group waits here so that what it reads next is true:

@@ -1,6 +1,6 @@
 """The run controller: the one owner of a trainer's run, from the first worker group to the last call's restart point.
 
-Layer 4 (ray, layers 0-3). ``TorchTrainer`` (the facade) checks its options and hands every call here. The
+Layer 5 (ray, layers 0-4). ``TorchTrainer`` (the facade) checks its options and hands every call here. The
 :class:`RunController` owns the run's state: the worker group, the restart point (rank 0's state bytes, the
 *snapshot*, and whether the workers may have moved on since: :mod:`raysgd.torch.execution.restart_points`), the
 failures counted, the time of the last resize, the commit policy and the durable run's hooks. A ``train()`` or
@@ -48,11 +48,11 @@ from raysgd.torch.execution import restarts
 from raysgd.torch.execution.restart_points import NoRestartPoints, RestartPoints
 from raysgd.torch.execution.run_states import RunState, RunStatus, advance
 from raysgd.torch.execution.state_access import StateAccess
-from raysgd.torch.fault_tolerance import failure_policy, preemption, recovery
+from raysgd.torch.fault_tolerance import failure_policy, recovery, stops
 from raysgd.torch.fault_tolerance.watches import DrainWatch, GrowWatch
 from raysgd.torch.state import checkpoint, training_state
-from raysgd.torch.state.call_start import PendingPoint
-from raysgd.torch.state.restart_point import RestartPoint, RestartPointLost, ShardedPoint
+from raysgd.torch.restart_points.call_start import PendingPoint
+from raysgd.torch.restart_points.restart_point import RestartPoint, RestartPointLost, ShardedPoint
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:
@@ -78,7 +78,7 @@ class RunController(StateAccess):
             and the effective global batch size (:mod:`raysgd.torch.sharding.batch_split`).
         worker_range: ``(min, max)`` workers; ``is_range``: ``num_workers`` was given as a range.
         timeout_s: the process-group timeout, also the deadline of a call's single answers.
-        commits: the :class:`~raysgd.torch.state.commit_policy.CommitPolicy`; ``durable``: the durable run
+        commits: the :class:`~raysgd.torch.commits.commit_policy.CommitPolicy`; ``durable``: the durable run
             (:func:`raysgd.torch.storage.durable.open_run`).
         on_event: ``on_event(kind, *args)`` hears the run's events: ``("failure", Failure)`` for every worker failure
             met (a :class:`~raysgd.callbacks.Failure`, recovered from or not), ``("resize", old, new)`` whenever
@@ -112,7 +112,7 @@ class RunController(StateAccess):
         self.status = RunStatus()  # the run's state, size, failures and last resize (raysgd.torch.execution.run_states)
         self.history = [(self.status.state, self.status.why)]  # every state the run went through, and why
         self.stateless = stateless  # the workers' code keeps its state itself (a training function's checkpoints)
-        self.points = NoRestartPoints() if stateless else RestartPoints(self._first, timeout_s)  # and whether stale
+        self.points = NoRestartPoints() if stateless else RestartPoints(self.ask_restarting, timeout_s)  # and whether stale
         self.last_commit_latency_s = None  # the slowest rank's latest stored commit of the last train() call
         self._resize_cooldown_s = environment.get("SGD_RESIZE_COOLDOWN_S") \
             if resize_cooldown_s is None else resize_cooldown_s
@@ -226,7 +226,7 @@ class RunController(StateAccess):
             return state
         return RestartPoint.of_bytes(checkpoint.state_to_bytes(state) if isinstance(state, dict) else state)
 
-    def _first(self, ask, method):
+    def ask_restarting(self, ask, method):
         """``ask()`` (one rank's answer); when every worker was lost between calls, they restart from the last
         restart point (what they trained since is lost: logged, counted as a failure) and are asked again."""
         try:
@@ -241,8 +241,8 @@ class RunController(StateAccess):
             return ask()
 
     def first_answer(self, method: str, *args: Any) -> Any:
-        """The group's ``first_answer`` (see :meth:`_first`)."""
-        return self._first(lambda: self.group.first_answer(method, *args, deadline_s=self._timeout_s), method)
+        """The group's ``first_answer`` (see :meth:`ask_restarting`)."""
+        return self.ask_restarting(lambda: self.group.first_answer(method, *args, deadline_s=self._timeout_s), method)
 
     def take_snapshot(self) -> Any:
         """The current restart point, taken now when the state moved on (:meth:`RestartPoints.take`)."""
@@ -344,13 +344,13 @@ class RunController(StateAccess):
             except WorkerFailure as failure:
                 state, first = self._settle(state), kwargs
                 stop = next((w for w in watches if w.requested), None)
-                if stop is not None and preemption.was_resize(failure):
+                if stop is not None and stops.was_resize(failure):
                     self._enter(RunState.RESIZING, f"stopped at a commit point {stop.reason}")
                     logger.debug("Restarting at %d workers from the commit point (%s)", stop.size, stop.reason)
                     self._restart_in_call(state, kwargs, failure, stop.size)
                     self._enter(RunState.RUNNING, f"{method} goes on at {self.group.num_workers} worker(s)")
                     continue
-                kind = failure_policy.PREEMPTION if preemption.was_preempted(failure) else failure_policy.FAILURE
+                kind = failure_policy.PREEMPTION if stops.was_preempted(failure) else failure_policy.FAILURE
                 decision = self._decide(kind, counts, limits, failure, method)
                 if decision.gave_up:
                     self._enter(RunState.ERRORED, f"{method}: {decision.describe()}")

@@ -1,6 +1,6 @@
 """Hang forensics: the Python stack of every rank, taken while it is stuck.
 
-Layer 4 helper of :mod:`raysgd.torch.execution.worker_group` (which sends the requests). Each worker actor has a second Ray concurrency
+Layer 5 helper of :mod:`raysgd.torch.execution.worker_group` (which sends the requests). Each worker actor has a second Ray concurrency
 group, ``"control"``, whose one thread answers while the default group is busy training (or stuck):
 the group sends :func:`format_stacks` there. A rank living in the driver (``use_local``) is read
 in-process from its runner thread. When a worker does not answer within the deadline (its process
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 #: The actor's concurrency group that answers while the default group trains.
 CONTROL_GROUP = "control"
 #: The actor's concurrency group that serialises the call-start snapshot beside the call
-#: (:mod:`raysgd.torch.state.call_start`).
+#: (:mod:`raysgd.torch.restart_points.call_start`).
 SNAPSHOT_GROUP = "snapshot"
 CONCURRENCY_GROUPS = {CONTROL_GROUP: 1, SNAPSHOT_GROUP: 1}
 #: Seconds to wait for one rank's stack before giving up on it.

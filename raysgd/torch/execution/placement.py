@@ -1,7 +1,7 @@
 """Where the workers go: their bundles, the placement group (the group's own or a Tune trial's), how many fit,
 which nodes hold them.
 
-Layer 4 helper of :mod:`raysgd.torch.execution.worker_group`: imports ray and layers 0-3. The strategy is
+Layer 5 helper of :mod:`raysgd.torch.execution.worker_group`: imports ray and layers 0-4. The strategy is
 ``TorchTrainer(placement_strategy=...)`` (1.x's ``"SPREAD"`` by default); inside a Tune trial the
 trial's own placement group is used instead, watched by :class:`TrialPlacementWatch`: when a node holding some
 of the trial's bundles is lost, Ray marks the group RESCHEDULING, and if nothing can take those bundles, actors

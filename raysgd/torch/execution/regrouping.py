@@ -1,6 +1,6 @@
 """Re-forming a worker group from the processes it has: after a failure (the survivors), and at a planned resize.
 
-Layer 4, a part of :class:`~raysgd.torch.execution.worker_group.WorkerGroup` (a mixin, in a module of its own: the
+Layer 5, a part of :class:`~raysgd.torch.execution.worker_group.WorkerGroup` (a mixin, in a module of its own: the
 group's start-up, fan-out and teardown are there, its re-forming here). After a failure, :meth:`Regrouping.reform`
 keeps the survivors in their processes (they join the new group, build the operator again), warm spares take
 the vacant ranks first, new processes only for what is left (:func:`raysgd.torch.fault_tolerance.reform`'s plans).

@@ -1,6 +1,6 @@
 """Starting, restarting and moving a run's worker group, and asking its ranks to stop at a commit point.
 
-Layer 4 helper of :mod:`raysgd.torch.execution.controller`, which alone calls it and owns what changes: every
+Layer 5 helper of :mod:`raysgd.torch.execution.controller`, which alone calls it and owns what changes: every
 function here takes the group and what it needs as arguments and returns what it did. The sizes come from the
 pure policies of :mod:`raysgd.torch.fault_tolerance.recovery`.
 
@@ -56,7 +56,7 @@ def start_first_group(start, how_many_fit, low, high, is_range, timeout_s):
 
 def _keep_ranks(group, state, form, what, timeout_s):
     """``form()`` (a re-form keeping ranks in their processes; the size, or a falsy value when it cannot) and load
-    ``state`` (a :class:`~raysgd.torch.state.restart_point.RestartPoint`) on every rank (a kept rank rebuilt its
+    ``state`` (a :class:`~raysgd.torch.restart_points.restart_point.RestartPoint`) on every rank (a kept rank rebuilt its
     operator; None: nothing to load, the workers' code reads its own checkpoint); the size, or None (restart all).
     ``what`` names the attempt in the log."""
     try:
@@ -71,7 +71,7 @@ def _keep_ranks(group, state, form, what, timeout_s):
 
 def restart_group(group, state, *, start, config_for, operator_cls, initialization_hook, low, high, timeout_s,
                   target=None, max_retries=None):
-    """Restart ``group`` loading ``state`` (a :class:`~raysgd.torch.state.restart_point.RestartPoint`, or None: nothing
+    """Restart ``group`` loading ``state`` (a :class:`~raysgd.torch.restart_points.restart_point.RestartPoint`, or None: nothing
     to load): after a failure (no ``target``) re-formed from its survivors
     when it can be, else torn down and started with ``start(n, pg_timeout_s)`` as many workers as fit (up to
     ``target``, by default ``high``; never below ``low``; capped exponential backoff while none fit, at most

@@ -1,6 +1,6 @@
 """The run's states and the moves between them: what the controller is doing now, as a value to log and test.
 
-Layer 4 by its folder, pure by its code (the standard library only): the
+Layer 5 by its folder, pure by its code (the standard library only): the
 :class:`~raysgd.torch.execution.controller.RunController` holds one :class:`RunStatus` and changes it only through
 :func:`advance`, which refuses a move the table does not allow (a bug, never a user's error). The states:
 

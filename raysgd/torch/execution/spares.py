@@ -1,6 +1,6 @@
 """Warm spares: idle worker processes, ready to take the rank of a worker that died (``TorchTrainer(num_spares=k)``).
 
-Layer 4 helper of :mod:`raysgd.torch.execution.worker_group`, which owns the pool (the spares live in bundles of the
+Layer 5 helper of :mod:`raysgd.torch.execution.worker_group`, which owns the pool (the spares live in bundles of the
 group's placement group) and alone asks it for a spare. A spare is a worker actor that has imported torch,
 ``torch._dynamo`` and DDP's module (all that made the first DDP wrap slow) and run the trainer's
 ``initialization_hook`` (:meth:`~raysgd.torch.execution.worker.TorchWorker.warm_up`); it holds no

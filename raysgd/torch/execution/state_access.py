@@ -1,6 +1,6 @@
 """The run's training state as the facade reads and writes it, through the controller that owns the run.
 
-Layer 4 (ray, layers 0-3). :class:`StateAccess` is the part of :class:`~raysgd.torch.execution.controller.RunController`
+Layer 5 (ray, layers 0-4). :class:`StateAccess` is the part of :class:`~raysgd.torch.execution.controller.RunController`
 that moves the workers' state in and out: rank 0's state (``state_dict``, ``models``, ``full_models``), loads
 (``load_stream``, ``load_path``, ``load_checkpoint``: checked, and made the restart point), ``save`` (atomic; a
 sharded state written as a checkpoint directory of parts, each by a task on the node holding it) and the durable
@@ -16,7 +16,7 @@ import os
 from raysgd.base import stateful
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.state import checkpoint
-from raysgd.torch.state.restart_point import RestartPoint, ShardedPoint
+from raysgd.torch.restart_points.restart_point import RestartPoint, ShardedPoint
 from raysgd.torch.storage import filesystem, parts
 
 

@@ -1,6 +1,6 @@
 """One worker: joins the process group, builds the operator, keeps the persistent iterators, runs an epoch.
 
-Layer 3: imports torch.distributed and layers 0-2, never Ray's actor API. The same class runs as a
+Layer 5: imports torch.distributed and layers 0-4, never Ray's actor API. The same class runs as a
 Ray actor or, with ``use_local=True``, as a plain object inside the driver process.
 
 Example:
@@ -14,7 +14,8 @@ Example:
     ...     def train_epoch(self, iterator, info=None):
     ...         return {"seen": len(list(iterator))}
     >>> worker = TorchWorker(Counting, {}, is_local=True)
-    >>> worker.setup_operator()
+    >>> worker.setup_operator()  # what the strategy tells the group
+    {'sharded_state': False}
     >>> worker.train_epoch(num_steps=2), worker.train_epoch(num_steps=2)
     ({'epoch': 1, 'seen': 2}, {'epoch': 2, 'seen': 2})
 """
@@ -32,14 +33,17 @@ import torch
 import torch.distributed as dist
 
 from raysgd import logs
-from raysgd.torch.state import call_start, checkpoint, part_holders, restart_point
+from raysgd.torch.restart_points import call_start, restart_point
+from raysgd.torch.restart_points.transport import out_of_band
+from raysgd.torch.state import checkpoint
 from raysgd.torch.sharding import loaders as _data
 from raysgd.torch.operator import evaluation
 from raysgd.torch.operator.tracing import TraceRecorder
 from raysgd.torch.state import model_copy
-from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.commits import preemption
 from raysgd.torch.state import training_state as _state
-from raysgd.torch.state.committer import Committer, serialise
+from raysgd.torch.commits.committer import Committer
+from raysgd.torch.state.checkpoint import serialise
 from raysgd.timers import TimerCollection
 from raysgd.torch.constants import COMMIT_LATENCY, NUM_STEPS, USE_FP16
 from raysgd.torch.execution.epoch_iterators import CallBatches, PersistentIterator
@@ -195,11 +199,14 @@ class TorchWorker:
 
     @guard_collectives
     def setup_operator(self, local_rank=0):
-        """Build the user's operator (its ``setup`` registers models and data)."""
+        """Build the user's operator (its ``setup`` registers models and data); returns what its strategy tells the
+        group (:attr:`~raysgd.torch.execution.worker_group.WorkerGroup.setup_report`): ``sharded_state``, whether the
+        state is one part per rank (``strategy="fsdp"``), so a restart point asks every rank for its part at once."""
         self.operator = self.operator_cls(
             self.config, world_rank=self.world_rank, local_rank=local_rank, is_distributed=self.world_size > 1,
             use_gpu=self.use_gpu, device=self._device(local_rank), world_size=self.world_size, **self._options)
         self.operator.timers = self.timers
+        return {"sharded_state": _state.is_sharded(self.operator)}
 
     # ----------------------------------------------------------------- epochs
     def _train_loader(self):
@@ -234,12 +241,12 @@ class TorchWorker:
         ``iterator`` (e.g. a Ray Data shard) replaces the registered loader for this call and
         counts as one epoch. ``progress`` (rank 0 with ``use_tqdm``) is a
         :class:`~raysgd.torch.integrations.progress.ProgressReporter` fed by the operator's per-batch hook.
-        ``commit`` (a :class:`~raysgd.torch.state.committer.CommitPlan`) commits between batches.
+        ``commit`` (a :class:`~raysgd.torch.commits.committer.CommitPlan`) commits between batches.
         The operator's iterator has ``end_epoch()``: the epoch ends with this call (Lightning's ``-1``).
         ``trace``: record the call with ``torch.profiler`` (:meth:`take_trace` hands the trace out).
         When a commit of this rank was stored during the call, the result also holds its latency
         (``COMMIT_LATENCY``: the driver takes it out). ``snapshot`` (a
-        :class:`~raysgd.torch.state.call_start.SnapshotPlan`): the call-start snapshot is taken beside the call.
+        :class:`~raysgd.torch.restart_points.call_start.SnapshotPlan`): the call-start snapshot is taken beside the call.
         """
         with self._call_start(snapshot):
             return self._train_epoch(num_steps, profile, info, iterator, progress, commit, trace)
@@ -293,7 +300,7 @@ class TorchWorker:
 
     # ----------------------------------------------------------------- state
     def _call_start(self, plan):
-        """The call-start snapshot beside the call (see :mod:`raysgd.torch.state.call_start`); nothing when ``plan``
+        """The call-start snapshot beside the call (see :mod:`raysgd.torch.restart_points.call_start`); nothing when ``plan``
         is None."""
         if plan is None:
             return contextlib.nullcontext()
@@ -330,9 +337,9 @@ class TorchWorker:
         if _state.is_sharded(self.operator):
             part, head = call_start.snapshot_bytes(self._handoff, token, timeout_s, write=self._write_sharded)
             info = {"bytes": part.nbytes, "node": restart_point.this_node(), **({"head": head} if head else {})}
-            return info, part_holders.out_of_band(part.blob)
+            return info, out_of_band(part.blob)
         view = call_start.snapshot_bytes(self._handoff, token, timeout_s)
-        return {"bytes": view.nbytes, "node": restart_point.this_node()}, part_holders.out_of_band(view)
+        return {"bytes": view.nbytes, "node": restart_point.this_node()}, out_of_band(view)
 
     def _epoch_now(self):
         """The epoch count a state holds: a loaded cursor still waiting for its epoch counts that epoch (as the
@@ -392,9 +399,9 @@ class TorchWorker:
         if _state.is_sharded(self.operator):
             part, head = self.sharded_state(rngs)
             info = {"bytes": part.nbytes, "node": restart_point.this_node(), "head": head}
-            return info, part_holders.out_of_band(part.blob)
+            return info, out_of_band(part.blob)
         view = serialise(self.state_dict(rngs))
-        return {"bytes": view.nbytes, "node": restart_point.this_node()}, part_holders.out_of_band(view)
+        return {"bytes": view.nbytes, "node": restart_point.this_node()}, out_of_band(view)
 
     def sharded_state(self, rngs=None):
         """``(part, head)`` of a sharded state, a collective of every rank: ``part`` this rank's shards of the models
@@ -410,9 +417,9 @@ class TorchWorker:
 
     def load_restart_point(self, refs, weights_only=False, overlay=None, timeout_s=600):
         """Load the first still available copy of a restart point (``refs``: the
-        :class:`~raysgd.torch.state.restart_point.RestartPoint`'s refs, fetched here from their nodes), updated with
+        :class:`~raysgd.torch.restart_points.restart_point.RestartPoint`'s refs, fetched here from their nodes), updated with
         its ``overlay`` (a commit's random streams, metrics and cursor). A sharded one (``refs`` a
-        :class:`~raysgd.torch.state.restart_point.ShardedRefs`, or a checkpoint's
+        :class:`~raysgd.torch.restart_points.restart_point.ShardedRefs`, or a checkpoint's
         :class:`~raysgd.torch.storage.parts.ShardedFiles`) is a collective of every rank, at any number of ranks:
         each reads, of the parts its new shard overlaps, only the rows it takes and the replicated values."""
         location = self.operator.device if self.operator.use_gpu else "cpu"
@@ -465,7 +472,7 @@ class TorchWorker:
     def request_resize(self, call_id, attempt):
         """The driver asks the running call to stop at the next agreed commit point (to grow the group).
 
-        Answered from the ``"control"`` concurrency group while a call trains (see :mod:`raysgd.torch.fault_tolerance.preemption`).
+        Answered from the ``"control"`` concurrency group while a call trains (see :mod:`raysgd.torch.commits.preemption`).
         """
         preemption.request_resize(call_id, attempt)
 

@@ -1,6 +1,6 @@
 """The worker pool: placement group, actors, rendezvous, fan-out under deadlines, failure detection, shutdown.
 
-Layer 4: with :mod:`~raysgd.torch.execution.worker_handle`, the only module that touches Ray actor handles. Each
+Layer 5: with :mod:`~raysgd.torch.execution.worker_handle`, the only module that touches Ray actor handles. Each
 round of calls is collected by :func:`raysgd.torch.execution.calls.collect`, whose outcome the group acts on: a
 dead actor, a lost node or a collective that timed out ends the attempt at once as
 :class:`~raysgd.torch.errors.WorkerFailure`: ranks still stuck are killed, those whose call ended are kept for a
@@ -30,7 +30,6 @@ from raysgd.torch.execution.spares import SparePool
 from raysgd.torch.execution.worker import TorchWorker
 from raysgd.torch.execution.worker_handle import Handle, start_actor
 from raysgd.torch.fault_tolerance import recovery, reform
-from raysgd.torch.state.restart_point import RestartPoint, ShardedPoint
 from typing import Any, Callable, Iterable
 
 logger = logging.getLogger(__name__)
@@ -71,7 +70,8 @@ class WorkerGroup(Regrouping):
         self.broken = False
         self.generation = 0  # counts start(): per-rank inputs built for one generation die with it
         self._nodes = []  # each rank's node id, learnt at the rendezvous
-        self._snapshot_answer = None  # the small answer of the latest call-start snapshot taken beside a call
+        self._beside_answer = None  # rank 0's answer of the latest call beside a call (the call-start snapshot)
+        self._setup_report: dict[str, Any] = {}  # what rank 0 told when its operator was set up
         self._num_spares, self._spares = num_spares, SparePool(start=None, hook=None)
         self._rank_bundles = []  # each rank's bundle, in rank order (a spare that took a rank keeps its own)
 
@@ -88,6 +88,17 @@ class WorkerGroup(Regrouping):
     def local_worker(self) -> TorchWorker | None:
         """The :class:`TorchWorker` living in the driver (``use_local``), else None."""
         return self._handles[0].local if self._handles and self._handles[0].local is not None else None
+
+    @property
+    def worker_cls(self) -> type:
+        """The class each worker is (:class:`TorchWorker`, or a subclass such as a training function's worker)."""
+        return self._worker_cls
+
+    @property
+    def setup_report(self) -> dict:
+        """What rank 0 told when its operator was set up: its strategy's word on the state (a :class:`TorchWorker`:
+        ``{"sharded_state": bool}``); empty before the group started, or for a worker class that tells nothing."""
+        return dict(self._setup_report)
 
     @property
     def spares(self) -> SparePool:
@@ -195,7 +206,8 @@ class WorkerGroup(Regrouping):
         places = self.run("place", deadline_s=deadline)
         ips, self._nodes = [ip for ip, _ in places], [node for _, node in places]
         local_ranks = [ips[:rank].count(ip) for rank, ip in enumerate(ips)]
-        self._collect({h.rank: h.call("setup_operator", local_ranks[h.rank]) for h in self._ordered()})
+        reports = self._collect({h.rank: h.call("setup_operator", local_ranks[h.rank]) for h in self._ordered()})
+        self._setup_report = dict(reports[0] or {}) if reports else {}
 
     # ----------------------------------------------------------------- calls
     def run(self, method: str, *args: Any, deadline_s: float | None = None, on_tick: Callable | None = None,
@@ -229,92 +241,72 @@ class WorkerGroup(Regrouping):
         self._drain_submitted()
         self._submitted = {h.rank: h.call(method, *args, **kwargs) for h in self._ordered()}
 
-    def first_answer(self, method: str, *args: Any, deadline_s: float | None = None, **kwargs: Any) -> Any:
-        """Call ``method`` on rank 0, or the next rank while the ones before are dead; returns one result.
+    def first_answer(self, method: str, *args: Any, deadline_s: float | None = None, with_data: bool = False,
+                     **kwargs: Any) -> Any:
+        """Call ``method`` on rank 0, or the next rank while the ones before are dead; returns one result, or with
+        ``with_data`` (``method`` returning ``(answer, data)``) ``(answer, data ref)`` (:meth:`Handle.call_with_data`:
+        the data stays in that worker's node's object store, unfetched).
 
-        Dead workers are skipped here and not torn down (the next :meth:`run` finds them).
+        Dead workers are skipped here and not torn down (the next :meth:`run` finds them). Raises
+        :class:`WorkerFailure` when no rank answers (the group is then broken).
         """
         self._drain_submitted()
         lost = {}
         for handle in self._handles:
-            value, error = handle.answer(handle.call(method, *args, **kwargs), deadline_s)
+            call, data = handle.call_with_data(method, *args, **kwargs) if with_data else \
+                (handle.call(method, *args, **kwargs), None)
+            value, error = handle.answer(call, deadline_s)
             if error is None:
-                return value
+                return (value, data) if with_data else value
             lost[handle.rank] = error
         self.broken = True  # every rank is gone: the next call restarts the group
         raise WorkerFailure(f"no worker answered {method}", {r: _calls.describe(e) for r, e in lost.items()})
 
-    def snapshot(self, rngs: Any = None, deadline_s: float | None = None) -> RestartPoint | ShardedPoint:
-        """A :class:`~raysgd.torch.state.restart_point.RestartPoint` of rank 0's state (the next live rank's while
-        the ones before are dead, as :meth:`first_answer`): serialised by that worker into its node's object store,
-        never fetched here. ``rngs`` (``{rank: rng_state}``) go into it. Raises :class:`WorkerFailure` when no rank
-        answers (the group is then broken)."""
+    def run_with_data(self, method: str, *args: Any, deadline_s: float | None = None) -> list[tuple[Any, Any]]:
+        """``[(answer, data ref)]`` in rank order of ``method`` called on every rank at once (a collective), each
+        returning ``(answer, data)`` (:meth:`Handle.call_with_data`: the data stays in its worker's node's object
+        store, unfetched). A lost rank ends it as :meth:`run` does."""
         self._drain_submitted()
-        if self._worker_options.get("strategy") == "fsdp":
-            return self._sharded_snapshot(rngs, deadline_s)
-        lost = {}
-        for handle in self._handles:
-            call, data = handle.call_with_data("state_snapshot", rngs)
-            info, error = handle.answer(call, deadline_s)
-            if error is None:
-                return RestartPoint([data], nbytes=info["bytes"], nodes=[info["node"]])
-            lost[handle.rank] = error
-        self.broken = True
-        raise WorkerFailure("no worker answered state_snapshot", {r: _calls.describe(e) for r, e in lost.items()})
+        calls = {h.rank: h.call_with_data(method, *args) for h in self._ordered()}
+        answers = self._collect({rank: call for rank, (call, _) in calls.items()}, deadline_s=deadline_s)
+        return [(answer, calls[rank][1]) for rank, answer in enumerate(answers)]
 
-    def begin_snapshot(self, token: Any, timeout_s: float) -> Any:
-        """Ask rank 0 for the call-start snapshot of the call ``token`` without waiting: it serialises the state that
-        call captures, in its ``"snapshot"`` concurrency group beside the call (see
-        :mod:`raysgd.torch.state.call_start`). Returns ``(info ref, data ref, rank 0's node)``, or None where the
-        snapshot cannot overlap a call: a local rank 0 (it runs in the driver), a worker class that does not take
-        part (``overlaps_snapshots``), or a broken group. A sharded state (``strategy="fsdp"``): every rank is asked
-        for its part, and ``[(info ref, data ref, node), ...]`` in rank order is returned."""
-        if self.broken or not self._handles or self._handles[0].local is not None \
-                or not getattr(self._worker_cls, "overlaps_snapshots", False):
+    def call_beside(self, method: str, *args: Any, every_rank: bool = False) -> list[tuple[Any, Any, Any]] | None:
+        """Start ``method`` (returning ``(answer, data)``) on rank 0, or on every rank, in the workers'
+        ``"snapshot"`` concurrency group beside the running call, without waiting: ``[(answer ref, data ref, node)]``
+        in rank order, or None where nothing can run beside a call: a local rank 0 (it runs in the driver), or a
+        broken or empty group. Before a failed call's workers are killed, rank 0's answer is given
+        ``SGD_SNAPSHOT_FINISH_S`` (default 120 s) to arrive (:meth:`_let_beside_finish`)."""
+        if self.broken or not self._handles or self._handles[0].local is not None:
             return None
         self._drain_submitted()
-        if self._worker_options.get("strategy") == "fsdp":  # every rank's part (call_start's sharded snapshot)
-            calls = [handle.call_with_data("call_start_snapshot", token, timeout_s, group=diagnostics.SNAPSHOT_GROUP)
-                     for handle in self._handles]
-            self._snapshot_answer = calls[0][0]
-            return [(info, data, self._nodes[rank] if rank < len(self._nodes) else None)
-                    for rank, (info, data) in enumerate(calls)]
-        info, data = self._handles[0].call_with_data("call_start_snapshot", token, timeout_s,
-                                                     group=diagnostics.SNAPSHOT_GROUP)
-        self._snapshot_answer = info
-        return info, data, (self._nodes[0] if self._nodes else None)
+        handles = self._handles if every_rank else self._handles[:1]
+        calls = [handle.call_with_data(method, *args, group=diagnostics.SNAPSHOT_GROUP) for handle in handles]
+        self._beside_answer = calls[0][0]
+        return [(answer, data, self._nodes[rank] if rank < len(self._nodes) else None)
+                for rank, (answer, data) in enumerate(calls)]
 
-    def survivor_snapshot(self, token: Any, deadline_s: float) -> RestartPoint | None:
-        """After a failure in which rank 0 was lost before storing the call-start snapshot of call ``token`` (no rank
-        has stepped since: see :mod:`raysgd.torch.state.call_start`): a :class:`RestartPoint` of the state a survivor
-        kept for :meth:`reform` captured at that call's start, or None when no survivor has it."""
+    def survivor_answer(self, method: str, *args: Any, deadline_s: float | None = None) -> tuple[Any, Any] | None:
+        """``(answer, data ref)`` of ``method`` (as :meth:`run_with_data`'s) from the first survivor of a failure, kept
+        for :meth:`reform`, that answers it; None when none does."""
         for handle in self._kept:
-            call, data = handle.call_with_data("call_start_snapshot", token, min(deadline_s, 60.0))
+            call, data = handle.call_with_data(method, *args)
             try:
-                info, error = handle.answer(call, deadline_s)
-            except Exception as err:  # noqa: BLE001 (this survivor has none: try the next)
-                logger.debug("rank %d has no call-start state: %s", handle.rank, err)
+                answer, error = handle.answer(call, deadline_s)
+            except Exception as err:  # noqa: BLE001 (this survivor cannot answer: try the next)
+                logger.debug("rank %d did not answer %s: %s", handle.rank, method, err)
                 continue
             if error is None:
-                return RestartPoint([data], nbytes=info["bytes"], nodes=[info["node"]])
+                return answer, data
         return None
 
-    def _let_snapshot_finish(self):
-        """Before a failed call's workers are killed (a failure, or a user error leaving the others stuck): give rank 0
-        time to store the call-start snapshot it serialises beside the call (the restart point; at most
+    def _let_beside_finish(self):
+        """Before a failed call's workers are killed (a failure, or a user error leaving the others stuck): give rank
+        0's call beside it (:meth:`call_beside`: the call-start snapshot, the restart point) time to finish (at most
         ``SGD_SNAPSHOT_FINISH_S``, default 120 s)."""
-        answer, self._snapshot_answer = self._snapshot_answer, None
+        answer, self._beside_answer = self._beside_answer, None
         if answer is not None:
             ray.wait([answer], timeout=environment.get("SGD_SNAPSHOT_FINISH_S"))
-
-    def _sharded_snapshot(self, rngs, deadline_s):
-        """A :class:`~raysgd.torch.state.restart_point.ShardedPoint`: every rank saves its part at once (a collective)
-        into its node's object store; rank 0's answer holds the head. A lost rank ends it as :meth:`run` does."""
-        calls = {h.rank: h.call_with_data("state_snapshot", rngs) for h in self._ordered()}
-        infos = self._collect({rank: call for rank, (call, _) in calls.items()}, deadline_s=deadline_s)
-        parts = [RestartPoint([calls[rank][1]], nbytes=info["bytes"], nodes=[info["node"]])
-                 for rank, info in enumerate(infos)]
-        return ShardedPoint(parts, head=infos[0]["head"])
 
     def answers(self, method: str, *args: Any, deadline_s: float | None = None, **kwargs: Any) -> dict[int, Any]:
         """``{rank: result}`` of ``method`` from every rank that answers (sent to all at once); like
@@ -351,7 +343,7 @@ class WorkerGroup(Regrouping):
             return outcome.results
         if outcome.kind == _calls.USER_ERROR:
             if outcome.stuck:  # the others are stuck waiting for the failed rank
-                self._let_snapshot_finish()
+                self._let_beside_finish()
                 self._kill_all()
             raise outcome.error
         return self._fail(outcome.failures, outcome.unanswered, outcome.cause, outcome.message, outcome.keep)
@@ -370,7 +362,7 @@ class WorkerGroup(Regrouping):
                 stacks = {rank: f"no stack: {type(err).__name__}: {err}" for rank in unresponsive}
         dead = [rank for rank in unresponsive if stacks.get(rank) == diagnostics.DEAD]  # reported meanwhile
         unresponsive = [rank for rank in unresponsive if rank not in dead]
-        self._let_snapshot_finish()
+        self._let_beside_finish()
         self._kill_all(keep, spares_stay=self._can_keep() and self._spares.available() > 0)
         descriptions = {rank: _calls.describe(err) for rank, err in failures.items()}
         descriptions.update({rank: "worker process died (found while the stacks were taken)" for rank in dead})

@@ -1,6 +1,6 @@
 """A worker as the worker group sees it: a Ray actor, or rank 0 in the driver (``use_local``), behind one ``call``.
 
-Layer 4 helper of :mod:`raysgd.torch.execution.worker_group`, which alone uses it: with the group, the only
+Layer 5 helper of :mod:`raysgd.torch.execution.worker_group`, which alone uses it: with the group, the only
 code that touches actor handles. ``call`` returns an ObjectRef for an actor, a
 :class:`~raysgd.torch.execution.local_runner.LocalCall` for a local rank 0 running in its thread beside
 remote ranks, or a finished :class:`Done` for a local rank 0 alone. Actors get a second Ray

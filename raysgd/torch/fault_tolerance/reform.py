@@ -41,7 +41,7 @@ bundle, else a new placement group's (docs/fault-tolerance/spares.md, "Partial m
 """
 from raysgd.base import environment
 from raysgd.torch.errors import CollectiveError
-from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.fault_tolerance import stops
 
 #: In a :func:`plan`, the rank a warm spare takes (instead of a handle, or None for a new process).
 SPARE = "spare"
@@ -65,7 +65,7 @@ def can_stay(error):
     """
     if error is None:
         return True
-    return isinstance(error, CollectiveError) and not error.message.startswith(preemption.MARK)
+    return isinstance(error, CollectiveError) and not error.message.startswith(stops.MARK)
 
 
 def plan(bundles_to_node, alive_nodes, kept, min_size, fit_elsewhere, size=None, order=None, spares=0):

@@ -1,6 +1,6 @@
 """At the edge: Ray Tune, Ray Data input, the driver's progress bar and result logs.
 
-Layer 5: nothing in the core (layers 0-4) imports these; the facade (:mod:`raysgd.torch.torch_trainer`) wires
+Layer 6: nothing in the core (layers 0-5) imports these; the facade (:mod:`raysgd.torch.torch_trainer`) wires
 them in, and what a worker needs of them arrives as an object (a Ray Data shard to iterate, a progress reporter
 to call). :mod:`~raysgd.torch.integrations.tune` (``TorchTrainer.as_trainable``, ``BaseTorchTrainable``; imports
 Ray Tune, so it is imported on first use), :mod:`~raysgd.torch.integrations.ray_data` (``train(dataset=...)``),

@@ -1,6 +1,6 @@
 """A side channel from one worker to the driver: a 0-CPU actor next to the driver holding the latest post.
 
-Layer 4, beside :mod:`raysgd.torch.execution.worker_group` (the only other module touching actor handles).
+Layer 6, like :mod:`raysgd.torch.execution.worker_group` (the only other module touching actor handles).
 Rank 0's progress bar updates travel through it (:mod:`raysgd.torch.integrations.progress`).
 
 Example:
@@ -9,7 +9,7 @@ Example:
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysgd.torch.state.part_holders import by_value
+from raysgd.torch.restart_points.transport import by_value
 
 
 class _MailboxActor:

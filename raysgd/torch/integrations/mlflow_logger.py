@@ -1,6 +1,6 @@
 """MLflow as a callback: the trainer's config as params, every result as metrics at ``step=epoch``, checkpoints.
 
-Layer 5 (the edge): mlflow is optional (``pip install "raysgd[mlflow]"``), imported when a logger is made.
+Layer 6 (the edge): mlflow is optional (``pip install "raysgd[mlflow]"``), imported when a logger is made.
 :class:`MLflowLogger` talks to MLflow through an ``MlflowClient`` of its own (never the global ``mlflow`` run),
 so several trainers in one process log to their own runs:
 

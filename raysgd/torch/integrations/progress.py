@@ -1,6 +1,6 @@
 """The driver's progress bar (``use_tqdm=True``): rank 0 reports, rate-limited, and one tqdm bar on stderr shows it.
 
-Helper of layer 5 (:mod:`raysgd.torch.torch_trainer`): imports ray, and tqdm once a bar is shown.
+Helper of layer 7 (:mod:`raysgd.torch.torch_trainer`): imports ray, and tqdm once a bar is shown.
 The worker never imports this module. Rank 0 alone receives a :class:`ProgressReporter` as an
 argument of ``train_epoch``; the operator's per-batch hook calls it (``operator.progress_reporter``). The
 reporter keeps the epoch's running losses and forwards a small state dict at most every

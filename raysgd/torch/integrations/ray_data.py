@@ -1,6 +1,6 @@
 """Ray Data input for ``train(dataset=...)``: one streaming-split shard per worker, read as torch batches.
 
-Helper of layer 5 (:mod:`raysgd.torch.torch_trainer`): imports ray, and ``ray.data`` only when a
+Helper of layer 7 (:mod:`raysgd.torch.torch_trainer`): imports ray, and ``ray.data`` only when a
 dataset is given. It replaces RaySGD 1.12's MLDataset input, which Ray removed.
 
 ``trainer.train(dataset=ds)`` splits ``ds`` with ``ds.streaming_split(num_workers, equal=True)``:

@@ -1,7 +1,7 @@
 """Ray metrics: a trainer's speed, failures, resizes and size as ``ray.util.metrics``, for Ray's dashboard and
 Prometheus.
 
-Layer 5 (the edge): Ray only. ``TorchTrainer(ray_metrics=True)`` (the default) adds a :class:`RayMetrics` callback
+Layer 6 (the edge): Ray only. ``TorchTrainer(ray_metrics=True)`` (the default) adds a :class:`RayMetrics` callback
 that records, on the driver, tagged ``run=<name>``:
 
 ==================================  =======  =========================================================

@@ -1,6 +1,6 @@
 """Result logs without Tune: every ``train()``/``validate()`` result appended to CSV and, optionally, TensorBoard.
 
-Helper of layer 5 (:mod:`raysgd.torch.torch_trainer`): standard library; tensorboardX when installed.
+Helper of layer 7 (:mod:`raysgd.torch.torch_trainer`): standard library; tensorboardX when installed.
 ``TorchTrainer(..., logdir="runs/exp1")`` opens a :class:`ResultLogger` there; it can also be used on
 its own. Files in ``logdir``:
 

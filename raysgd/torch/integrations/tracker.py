@@ -1,6 +1,6 @@
 """What every experiment-tracker logger shares: a step per epoch, numbers only, local checkpoints as artifacts.
 
-Layer 5 (the edge; the standard library and :mod:`raysgd.callbacks`). :class:`EpochLogger` is the base of
+Layer 6 (the edge; the standard library and :mod:`raysgd.callbacks`). :class:`EpochLogger` is the base of
 :class:`~raysgd.torch.integrations.mlflow_logger.MLflowLogger` and
 :class:`~raysgd.torch.integrations.wandb_logger.WandbLogger`: a ``train()`` result is logged at
 ``step=result["epoch"]`` (the previous step + 1 when it has none), a ``validate()`` result at the epoch of the last

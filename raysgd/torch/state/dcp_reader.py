@@ -4,7 +4,7 @@ size, reading only the bytes that share needs, from memory, an object store or f
 Layer 2 (torch only: no Ray, no files). :class:`BlobReader` is a ``torch.distributed.checkpoint`` (DCP)
 ``StorageReader`` (DCP's public reader interface) over a *source*: an object whose ``read(relative_path, [(offset,
 length), ...])`` returns those byte ranges of a file (:class:`WholeFiles` over whole buffers;
-:class:`~raysgd.torch.state.restart_point.PartRanges` over an object store;
+:class:`~raysgd.torch.restart_points.restart_point.PartRanges` over an object store;
 :class:`~raysgd.torch.storage.dcp_files.FileRanges` over files). It reads DCP's metadata and the planner's
 ``ReadItem``\\ s (public) and, of each stored item, only the rows the plan asks for, using the writer's layout
 (:attr:`~raysgd.torch.state.dcp_blobs.BlobWriter.layout`): a rank of a resharded load reads its new shard and the

@@ -1,7 +1,7 @@
 """Sharded checkpoints as DCP checkpoint folders on any filesystem pyarrow opens: each rank writes its own file, rank 0
 the metadata last; any number of ranks loads them back, each reading only the files its new shard needs.
 
-Layer 3 (torch, pyarrow through :mod:`~raysgd.torch.storage.filesystem`). The folder is what DCP's own
+Layer 4 (torch, pyarrow through :mod:`~raysgd.torch.storage.filesystem`). The folder is what DCP's own
 ``FileSystemWriter`` writes (``__{rank}_0.distcp`` per rank and ``.metadata``), so ``torch.distributed.checkpoint``
 loads a local one as it is, and :func:`load` loads one that ``FileSystemWriter`` wrote. A folder counts once its
 ``.metadata`` exists: it is written after every rank's file is durable (a local file is written to a temporary

@@ -1,6 +1,6 @@
 """Durable runs: the trainer's automatic checkpoints in ``storage_path`` and the resume from them.
 
-Helper of layer 5 (:mod:`raysgd.torch.torch_trainer`). ``TorchTrainer(storage_path=..., num_to_keep=2,
+Helper of layer 7 (:mod:`raysgd.torch.torch_trainer`). ``TorchTrainer(storage_path=..., num_to_keep=2,
 resume=True)`` opens a :class:`DurableRun`; it checks the arguments before any actor starts, starts
 reading the markers of the complete checkpoints while the workers start (:meth:`DurableRun.restore`), has the
 newest one's state file read and loaded on the workers' side (:meth:`DurableRun.resume`, falling back to an older
@@ -34,7 +34,7 @@ import time
 
 from raysgd.base import environment
 from raysgd.base.checks import expect
-from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.fault_tolerance import stops
 from raysgd.torch.storage import async_writer, filesystem
 from typing import Any, Callable, Mapping
 
@@ -203,7 +203,7 @@ class DurableRun:
         returning its state bytes or a part written elsewhere) when it is a preemption commit: ``preempted`` (the
         ranks marked it so in the commit store before any exited) or a rank's error says so. A process's exit may
         reach the driver before the marked errors; the store's mark does not race."""
-        if part is not None and (preempted or preemption.was_preempted(failure)):
+        if part is not None and (preempted or stops.was_preempted(failure)):
             failed = self._writer.failed  # raising it here would abort the recovery and leave the group broken
             if failed is not None:
                 logger.warning("An earlier checkpoint write failed (%s): recovering anyway; the error is raised at "

@@ -1,10 +1,10 @@
 """Checkpoint parts written where the state is: a 0-CPU Ray task on the node holding a restart point writes the
 state file to ``storage_path``, so a durable checkpoint's bytes never pass through the driver.
 
-Layer 3 (ray, and :mod:`~raysgd.torch.storage.filesystem`). The driver's checkpoint writer
+Layer 4 (ray, and :mod:`~raysgd.torch.storage.filesystem`). The driver's checkpoint writer
 (:class:`~raysgd.torch.storage.durable.DurableRun`, on its background thread) hands a :class:`RemotePart` to
 :func:`~raysgd.torch.storage.filesystem.write_checkpoint_dir`, which calls :meth:`RemotePart.write_to`: the task
-fetches the first available copy of the state (:func:`raysgd.torch.state.restart_point.first_available`: on the
+fetches the first available copy of the state (:func:`raysgd.torch.restart_points.restart_point.first_available`: on the
 node holding it this is a read of the local object store), writes it, ``fsync``s a local file and answers
 ``(size, crc32)``; the driver then writes the small marker, last, as before. The task runs on the node of the
 state's first copy for an object store or other URI (``s3://``), and on the driver's node for a local path (a
@@ -29,7 +29,8 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysgd.torch.state import checkpoint, restart_point
+from raysgd.torch.restart_points import restart_point
+from raysgd.torch.state import checkpoint
 from raysgd.torch.storage import filesystem
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class RemotePart:
 
 
 class ShardedRemoteParts:
-    """The files of a sharded state's checkpoint (a :class:`~raysgd.torch.state.restart_point.ShardedPoint`): each
+    """The files of a sharded state's checkpoint (a :class:`~raysgd.torch.restart_points.restart_point.ShardedPoint`): each
     rank's part written by a task on the node holding it (in parallel), then, from this process, the small head
     (the rest of the state, updated with the overlay, the DCP metadata and the layout) as the state file and the DCP
     ``.metadata``: the folder is a DCP checkpoint of the models and optimizers too. The marker lists every part's
@@ -279,7 +280,7 @@ _read_task = None
 
 
 def read_part(root, directory, marker, node, local, timeout_s=600):
-    """A :class:`~raysgd.torch.state.restart_point.RestartPoint` of a checkpoint's state file, read by a task on
+    """A :class:`~raysgd.torch.restart_points.restart_point.RestartPoint` of a checkpoint's state file, read by a task on
     ``node`` (the driver's for a ``local`` root) into that node's object store, checked against ``marker`` (size,
     CRC-32), never through this process; :class:`~raysgd.torch.storage.filesystem.DamagedCheckpoint` when it does
     not match. The workers then load it safely (``weights_only=True``). A sharded state's checkpoint (its marker

@@ -1,6 +1,6 @@
 """A rank's files in a checkpoint directory: written from the node the rank runs on, read back onto any node.
 
-Layer 3 (ray, and :mod:`~raysgd.torch.storage.filesystem`). A training function reports a local directory on each
+Layer 4 (ray, and :mod:`~raysgd.torch.storage.filesystem`). A training function reports a local directory on each
 rank (``raysgd.train.report(metrics, checkpoint)``); every rank's files land in one checkpoint directory of the run's
 folder (:class:`~raysgd.torch.storage.filesystem.CheckpointStorage`), whose marker, written last, lists every file
 with its size and CRC-32. No file passes through the driver's process:
@@ -14,7 +14,7 @@ with its size and CRC-32. No file passes through the driver's process:
 a rank of another node than the driver's), and :func:`verify` checks the files against the marker (sizes always;
 CRC-32 where reading is local), so a truncated file is found before the training function reads it.
 
-The tasks' functions are sent by value (:func:`~raysgd.torch.state.part_holders.by_value`) and use the standard
+The tasks' functions are sent by value (:func:`~raysgd.torch.restart_points.transport.by_value`) and use the standard
 library only: the driver's node starts them without importing torch.
 
 Example:
@@ -37,8 +37,8 @@ import zlib
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysgd.torch.state import restart_point
-from raysgd.torch.state.part_holders import by_value, out_of_band
+from raysgd.torch.restart_points import restart_point
+from raysgd.torch.restart_points.transport import by_value, out_of_band
 from raysgd.torch.storage import filesystem
 
 logger = logging.getLogger(__name__)

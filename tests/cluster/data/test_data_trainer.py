@@ -146,7 +146,7 @@ def test_a_rank_without_validation_batches_hangs_nobody(make_trainer, val_size, 
 def test_an_endless_sampler_trains_num_steps_lazily_sharded(make_trainer, caplog):
     stream = list(itertools.islice(iter(Endless(60)), 80))
     trainer = make_trainer({"endless": True, "val_size": 8}, num_workers=2, use_local=True, commit_every_n_steps=2)
-    with caplog.at_level(logging.WARNING, logger="raysgd.torch.state.committer"):
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.commits.committer"):
         stats = trainer.train(num_steps=5)
     assert stats["num_samples"] == 40 and trainer.num_failures == 0
     assert "no data cursor" in caplog.text  # commits inside such an epoch are skipped, with a warning

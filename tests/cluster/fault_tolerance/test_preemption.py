@@ -218,7 +218,7 @@ def test_an_agreement_left_by_an_aborted_call_is_never_read_by_the_next():
     """Rank 0 under use_local lives on in the driver: a call that ended with an error must not hand its
     in-flight agreement (on a process group that is gone) to the next call, whose first agreement would
     then re-raise the old call's gloo error (seen as a second, spurious failure after a recovery)."""
-    from raysgd.torch.fault_tolerance.preemption import PreemptionState
+    from raysgd.torch.commits.preemption import PreemptionState
 
     class DeadGroupWork:
         def wait(self):
@@ -236,7 +236,8 @@ def test_a_resize_request_applies_to_its_own_call_and_attempt_and_sigterm_outran
     attempt) is never acted on; a call ended for a resize is told apart from a failure or a preemption."""
     from types import SimpleNamespace
 
-    from raysgd.torch.fault_tolerance import preemption
+    from raysgd.torch.commits import preemption
+    from raysgd.torch.fault_tolerance import stops
     from raysgd.torch.errors import WorkerFailure
 
     one_rank, state = SimpleNamespace(world_size=1), preemption.PreemptionState()
@@ -248,11 +249,11 @@ def test_a_resize_request_applies_to_its_own_call_and_attempt_and_sigterm_outran
     state.requested = True  # as the SIGTERM handler sets it during a committing call
     assert state.agree(one_rank, resize=True) == preemption.PREEMPT
     assert not preemption.process_state().requested and not preemption.resize_requested()  # this process's: untouched
-    resized = {0: f"{preemption.RESIZE_MARK}; committed at step 7", 1: f"{preemption.RESIZE_MARK}; committed at step 7"}
-    assert preemption.was_resize(WorkerFailure("ended", resized))
-    assert not preemption.was_resize(WorkerFailure("ended", {**resized, 1: "worker process died"}))
-    assert not preemption.was_resize(WorkerFailure("ended", {}))
-    assert not preemption.was_preempted(WorkerFailure("ended", resized))
+    resized = {0: f"{stops.RESIZE_MARK}; committed at step 7", 1: f"{stops.RESIZE_MARK}; committed at step 7"}
+    assert stops.was_resize(WorkerFailure("ended", resized))
+    assert not stops.was_resize(WorkerFailure("ended", {**resized, 1: "worker process died"}))
+    assert not stops.was_resize(WorkerFailure("ended", {}))
+    assert not stops.was_preempted(WorkerFailure("ended", resized))
 
 
 def test_a_commit_on_the_last_step_of_a_call_stays_the_restart_point_after_it(trainer_factory, tmp_path):

@@ -19,7 +19,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from conftest import local_cluster
 from helpers import CountingOperator, FaultyOperator, holders_started, remove_node_after_commit
 from raysgd import TorchTrainer
-from raysgd.torch.state import part_holders, restart_point
+from raysgd.torch.commits import part_holders
+from raysgd.torch.restart_points import restart_point
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The call-start snapshot is taken beside the call (raysgd/torch/state/call_start.py): the call trains while rank 0
+"""The call-start snapshot is taken beside the call (raysgd/torch/restart_points/call_start.py): the call trains while rank 0
 serialises its starting state, no rank steps before it is stored, and a failure in the call's first steps restarts
 from it bit-exact, every sample once.
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers import CountingOperator, SnapshotProbeOperator, counts, seeding_hook
-from raysgd.torch.state import call_start
+from raysgd.torch.restart_points import call_start
 
 pytestmark = pytest.mark.usefixtures("ray_4cpus")
 
@@ -156,7 +156,7 @@ def test_the_gate_opens_without_a_slow_copy_but_not_without_rank0s_bytes(caplog)
     slow = ray.remote(num_cpus=0)(_sleep).remote(5)  # a copy still on its way
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with caplog.at_level(logging.WARNING, logger="raysgd.torch.state.call_start"):
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.restart_points.call_start"):
         gate = call_start.Gate(call_start.SnapshotPlan(1, [ray.put({"bytes": 8}), slow], timeout_s=0.5), [optimizer],
                                rank=1)
         model(torch.ones(1, 2)).sum().backward()

@@ -71,7 +71,7 @@ def test_time_based_commits_follow_the_training_time_not_the_first_steps(trainer
     """About one commit per SGD_COMMIT_INTERVAL_S (1 s here) of training, over 24 steps: a slow warm-up (2.5 s)
     must not make every later fast step count as slow (the cadence agreed once from the first 5 steps committed
     every 2 steps to the end), and steps that slow down later (3.8 s) must still commit (it never did)."""
-    from raysgd.torch.state import commit_stats
+    from raysgd.torch.commits import commit_stats
 
     monkeypatch.setenv("SGD_COMMIT_INTERVAL_S", "1")
     trainer = trainers(commit_every_n_steps=None, config={"n": 96, "batch_size": 2, "step_sleeps": step_sleeps})
@@ -148,7 +148,7 @@ def test_a_commit_store_lost_between_calls_is_replaced_during_the_next_call(trai
     (store_pid,) = store_processes()
     os.kill(store_pid, signal.SIGKILL)
     wait_for_stores(lambda pids: store_pid not in pids, "Ray knows the killed store is dead")
-    with caplog.at_level(logging.WARNING, logger="raysgd.torch.state.commit_policy"):
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.commits.commit_policy"):
         assert trainer.train()["num_samples"] == N
     assert "The commit store was lost" in caplog.text
     assert trainer.num_failures == 0 and torch.equal(counts(trainer), 2 * torch.ones(N))
@@ -159,7 +159,7 @@ def test_a_commit_store_lost_between_calls_is_replaced_during_the_next_call(trai
 
 
 def test_the_store_and_holder_processes_import_neither_raysgd_nor_torch(trainers):
-    """They are sent by value (``part_holders.by_value``), with the functions of raysgd they call: their processes
+    """They are sent by value (``transport.by_value``), with the functions of raysgd they call: their processes
     import only what their code uses (a by-reference function would bring raysgd and torch back: ~1 CPU s each)."""
     trainer = trainers(config={"n": N, "batch_size": BATCH})
     trainer.train()

@@ -251,7 +251,7 @@ def test_the_sharded_call_start_snapshot_is_taken_beside_the_call_and_a_failure_
     the call (in its snapshot thread, over a process group of their own) and no rank steps before every part is
     stored: rank 1 ends its process at step 3, inside the second call, and the call restarts from the snapshot taken
     at its start (step 2): bit-exact, every sample once."""
-    from raysgd.torch.state import call_start  # noqa: PLC0415
+    from raysgd.torch.restart_points import call_start  # noqa: PLC0415
 
     config = {"n": N, "batch_size": BATCH}
     clean = trainers(config=config, commit_every_n_steps=0)

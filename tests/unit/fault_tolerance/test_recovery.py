@@ -228,13 +228,13 @@ def test_a_group_moves_off_draining_nodes_only_when_enough_workers_fit_elsewhere
 
 def test_which_ranks_may_join_a_re_formed_group():
     from raysgd.torch.fault_tolerance import reform
-    from raysgd.torch.fault_tolerance import preemption
+    from raysgd.torch.fault_tolerance import stops
     from raysgd.torch.errors import CollectiveError
 
     assert reform.can_stay(None)  # its call finished
     assert reform.can_stay(CollectiveError(0, "RuntimeError: Connection closed by peer"))  # its peer vanished
-    assert reform.can_stay(CollectiveError(0, f"a peer was {preemption.MARK}; committed at step 3 of the call"))
-    assert not reform.can_stay(CollectiveError(1, f"{preemption.MARK}; committed at step 3 of the call"))  # leaving
+    assert reform.can_stay(CollectiveError(0, f"a peer was {stops.MARK}; committed at step 3 of the call"))
+    assert not reform.can_stay(CollectiveError(1, f"{stops.MARK}; committed at step 3 of the call"))  # leaving
     assert not reform.can_stay(RuntimeError("worker process died"))
 
 

@@ -7,7 +7,7 @@ from helpers import CountingOperator
 from raysgd.meters import merge_partial
 from raysgd.torch.state import checkpoint
 from raysgd.torch.state import training_state as state
-from raysgd.torch.state.committer import CommitPlan
+from raysgd.torch.commits.committer import CommitPlan
 from raysgd.torch.execution.worker import TorchWorker
 
 N, BATCH = 12, 2  # one worker: 6 batches an epoch
@@ -92,7 +92,7 @@ class _Sink:
 def test_committed_metrics_are_merged_once_on_the_worker_or_by_the_driver(same_call):
     """A commit of another call (``load_state_dict``, a durable resume) is merged by the worker, into the call's
     result and into its commits; a retry inside the commit's own call is merged by the driver
-    (:class:`raysgd.torch.state.commit_policy.CommitPolicy`), so the worker must not add it a second time."""
+    (:class:`raysgd.torch.commits.commit_policy.CommitPolicy`), so the worker must not add it a second time."""
     plan = CommitPlan(_Sink(), every_n=1, interval_s=30, call_id=1, attempt=1, run_id="this-run")
     worker = make()
     worker.load_state_dict(a_commit(call=plan.call_tag if same_call else "another-run/1"))

@@ -135,7 +135,7 @@ def test_a_loaded_commit_continues_the_step_count_only_of_its_own_call(same_call
     step count at 0, so a retry of ``train(num_steps=k)`` still trains all k steps; a retry inside the same call
     goes on counting. Commit keys carry the attempt, so records of two attempts never complete one commit."""
     from helpers import CountingOperator
-    from raysgd.torch.state.committer import CommitPlan
+    from raysgd.torch.commits.committer import CommitPlan
 
     worker = TorchWorker(CountingOperator, {"n": 24, "batch_size": 2}, is_local=True)
     worker.setup_operator()
@@ -153,7 +153,7 @@ def test_a_loaded_commit_continues_the_step_count_only_of_its_own_call(same_call
 
 
 def test_the_commit_store_completes_a_commit_from_one_attempt_only():
-    from raysgd.torch.state.commit_store import _StoreActor
+    from raysgd.torch.commits.commit_store import _StoreActor
 
     store = _StoreActor()
     store.begin(1)
@@ -229,7 +229,7 @@ class _Holder:
 
 
 def test_serialise_writes_every_tensor_once_and_grows_its_buffer_past_its_estimate():
-    from raysgd.torch.state.committer import serialise  # noqa: PLC0415
+    from raysgd.torch.state.checkpoint import serialise  # noqa: PLC0415
 
     weight = torch.randn(512, 512)
     record = {"w": weight, "again": weight, "hidden": _Holder(torch.randn(256, 1024)), "meta": [1, "a", (2.5,)]}
@@ -248,7 +248,7 @@ def test_a_buffer_sent_out_of_band_survives_a_reference_cycle_and_every_buffer_g
     import subprocess
     import sys
 
-    cycle = ("import gc, pickle; from raysgd.torch.state.part_holders import out_of_band\n"
+    cycle = ("import gc, pickle; from raysgd.torch.restart_points.transport import out_of_band\n"
              "view = memoryview(bytearray(1 << 16)).toreadonly()\n"
              "wrapped = {wrap}(view)\n"
              "cycle = [view, wrapped]; cycle.append(cycle); del view, wrapped, cycle\n"
@@ -264,7 +264,7 @@ def test_a_buffer_sent_out_of_band_survives_a_reference_cycle_and_every_buffer_g
             if name.endswith(".py"):
                 with open(os.path.join(folder, name), encoding="utf-8") as handle:
                     makers += [f"{name}:{number}" for number, line in enumerate(handle, 1) if "PickleBuffer(" in line]
-    assert makers and {maker.split(":")[0] for maker in makers} == {"part_holders.py"}, makers  # out_of_band
+    assert makers and {maker.split(":")[0] for maker in makers} == {"transport.py"}, makers  # out_of_band
 
     raw = subprocess.run([sys.executable, "-c", cycle.format(wrap="pickle.PickleBuffer")], capture_output=True,
                          text=True, timeout=120)

@@ -1,10 +1,10 @@
 """Where commits are recorded: a 0-CPU actor on the driver's node holding each rank's small record of the call's
 latest complete commit, and where its state parts are (never the parts themselves).
 
-Layer 2 (ray), beside :mod:`~raysgd.torch.state.part_holders` (the modules of this layer that call actors). A
+Layer 4 (ray), beside :mod:`~raysgd.torch.commits.part_holders` (the modules of this layer that call actors). A
 committing rank sends through the plan's :class:`CommitSink`: its state part, if it has one (rank 0's state under
 DDP), goes to the holder on its own node, which keeps it there with a copy on a buddy node
-(:func:`~raysgd.torch.state.part_holders.keep_part`); then its small record (random streams, metrics, cursor) and
+(:func:`~raysgd.torch.commits.part_holders.keep_part`); then its small record (random streams, metrics, cursor) and
 the part's copies (``(node, [ref])``: refs the store only borrows) go to the store. ``put`` returns once the store
 holds them, so a commit never depends on an object owned by a worker that may die. A commit is complete once every
 rank of the attempt has put its record under the same key. After a failure the driver reads the latest complete
@@ -25,7 +25,8 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysgd.torch.state import part_holders
+from raysgd.torch.commits import part_holders
+from raysgd.torch.restart_points.transport import by_value, out_of_band
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class CommitSink:
         part = None
         if state is not None:
             part = part_holders.keep_part(self.holders, self.buddy_of, state, timeout_s)
-        blob = blob if isinstance(blob, bytes) else part_holders.out_of_band(blob)
+        blob = blob if isinstance(blob, bytes) else out_of_band(blob)
         left = max(1.0, timeout_s - (time.monotonic() - started))
         return ray.get(self._actor.put.remote(tuple(key), rank, world_size, blob, part), timeout=left)
 
@@ -131,7 +132,7 @@ class CommitStore:
 
     def __init__(self):
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self._actor = ray.remote(num_cpus=0)(part_holders.by_value(_StoreActor)).options(  # its process: no torch
+        self._actor = ray.remote(num_cpus=0)(by_value(_StoreActor)).options(  # its process: no torch
             scheduling_strategy=here).remote()
 
     def sink(self, holders=None, buddy_of=None):

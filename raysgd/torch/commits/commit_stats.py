@@ -1,11 +1,11 @@
 """A process's commit timings: what its committer took and stored, and when (:class:`CommitStats`).
 
-Layer 2 (the standard library only). The worker's :class:`~raysgd.torch.state.committer.Committer` records into
+Layer 4 (the standard library only). The worker's :class:`~raysgd.torch.commits.committer.Committer` records into
 its process's :class:`CommitStats` (:func:`process_stats`); the worker reads it for its result (the driver's
 ``raysgd_commit_latency_s``), tests and benchmarks read it in the worker process (``apply_all_workers``).
 
 Example:
-    >>> from raysgd.torch.state import commit_stats
+    >>> from raysgd.torch.commits import commit_stats
     >>> trainer.apply_all_workers(lambda: commit_stats.process_stats().taken())  # doctest: +SKIP
     [[(1, 0, 4), (1, 0, 8)], [(1, 0, 4), (1, 0, 8)]]
 """
@@ -14,7 +14,7 @@ import threading
 
 
 class CommitStats:
-    """A process's latest commit timings, which its :class:`~raysgd.torch.state.committer.Committer` records: for the worker's result (the
+    """A process's latest commit timings, which its :class:`~raysgd.torch.commits.committer.Committer` records: for the worker's result (the
     driver's ``raysgd_commit_latency_s``), tests and benchmarks. A commit is taken in the training loop and stored
     in the background, so :attr:`count` may lag :meth:`taken` while one is in flight.
 

@@ -1,8 +1,8 @@
 """The trainer's side of commits: one store per trainer, a plan per attempt, the restart point after a failure.
 
-Used by the run's controller. Commits are taken by the workers (:mod:`raysgd.torch.state.committer`); their small
-records are kept in a store next to the driver (:mod:`raysgd.torch.state.commit_store`), their state parts by a
-holder on each worker's node with a copy on a buddy node (:mod:`raysgd.torch.state.part_holders`), never in the
+Layer 4 (ray, layers 0-3), used by the run's controller. Commits are taken by the workers (:mod:`raysgd.torch.commits.committer`); their small
+records are kept in a store next to the driver (:mod:`raysgd.torch.commits.commit_store`), their state parts by a
+holder on each worker's node with a copy on a buddy node (:mod:`raysgd.torch.commits.part_holders`), never in the
 driver. After a failure the call resumes from the latest complete commit, on however many workers fit; the
 metrics of the committed part are merged with those of the rest, so the call reports the whole epoch.
 
@@ -20,13 +20,13 @@ from ray.exceptions import RayActorError
 
 from raysgd.base import environment
 from raysgd.base.checks import expect
-from raysgd.torch.fault_tolerance import preemption
+from raysgd.torch.fault_tolerance import stops
 from raysgd.torch.state import checkpoint
 from raysgd.torch.state import training_state as _state
-from raysgd.torch.state.commit_store import CommitStore
-from raysgd.torch.state.part_holders import Holders, buddies
-from raysgd.torch.state.restart_point import RestartPoint, ShardedPoint
-from raysgd.torch.state.committer import HEAD, CommitPlan
+from raysgd.torch.commits.commit_store import CommitStore
+from raysgd.torch.commits.part_holders import Holders, buddies
+from raysgd.torch.restart_points.restart_point import RestartPoint, ShardedPoint
+from raysgd.torch.commits.committer import HEAD, CommitPlan
 from raysgd.meters import merge_partials
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class CommitPolicy:
                           run_id=self._run_id)
 
     def restart_state(self, kwargs):
-        """The call's latest complete commit as a :class:`~raysgd.torch.state.restart_point.RestartPoint` (rank 0's
+        """The call's latest complete commit as a :class:`~raysgd.torch.restart_points.restart_point.RestartPoint` (rank 0's
         state on the part holders' nodes, the small per-rank records as its overlay, with the ``cursor``), or None
         when there is none. The state itself never comes to this process.
 
@@ -173,7 +173,7 @@ class CommitPolicy:
             logger.info("No commit in this call yet: it goes on from its start")
             return None
         key, records, found_parts = found
-        if key != self._preemption_seen and self._ask(lambda store: store.reason(key)) == preemption.PREEMPTION:
+        if key != self._preemption_seen and self._ask(lambda store: store.reason(key)) == stops.PREEMPTION:
             self.resumed_preemption, self._preemption_seen = True, key  # the ranks marked it before any exited
         overlay = _state.commit_overlay(records)
         made_in = overlay[_state.CURSOR].get("attempt", 0)

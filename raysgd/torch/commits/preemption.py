@@ -2,7 +2,9 @@
 
 A SIGTERM to a worker process becomes a commit at a step every rank agrees on, then an exit.
 
-Layer 3 helper of :mod:`raysgd.torch.state.committer` (torch, no Ray). :func:`install` runs in the actor's
+Layer 4, the workers' side of the commits (torch.distributed, signals; no Ray), called by
+:mod:`raysgd.torch.commits.committer` at every step boundary and by the worker. What a stopped call's errors say
+(the marks, and whether a failure was a preemption or a resize) is a pure policy's: :mod:`raysgd.torch.fault_tolerance.stops`. :func:`install` runs in the actor's
 ``__init__``, which Ray runs on the process's main thread (the only thread where Python can set a
 signal handler; training calls run in another thread because of the ``"control"`` concurrency group).
 The handler only sets a flag. At each step boundary of a committing ``train()`` call the ranks agree
@@ -28,17 +30,12 @@ which the ranks end the call anyway. The platform's own grace period (its SIGKIL
 
 The driver's request to grow (:func:`request_resize`, sent while the call trains, when more workers
 fit) rides on the same agreement at a lower level: every rank commits at the agreed step and raises
-:class:`~raysgd.torch.errors.CollectiveError` marked :data:`RESIZE_MARK`; no process exits, and the
-trainer restarts at the larger size from that commit (:func:`was_resize`). SIGTERM wins over a resize.
+:class:`~raysgd.torch.errors.CollectiveError` marked ``RESIZE_MARK``; no process exits, and the
+trainer restarts at the larger size from that commit (:func:`~raysgd.torch.fault_tolerance.stops.was_resize`). SIGTERM wins over a resize.
 
 Example:
-    >>> requested()
-    False
-    >>> from raysgd.torch.errors import WorkerFailure
-    >>> was_preempted(WorkerFailure("ended", {1: f"{MARK}; committed at step 6 of the call"}))
-    True
-    >>> was_resize(WorkerFailure("ended", {0: f"{RESIZE_MARK}; committed at step 9 of the call"}))
-    True
+    >>> requested(), resize_requested()
+    (False, False)
 """
 import logging
 import os
@@ -52,17 +49,12 @@ import torch.distributed as dist
 
 from raysgd.base import environment
 from raysgd.torch.errors import CollectiveError
+from raysgd.torch.fault_tolerance.stops import MARK, PREEMPTION, RESIZE_MARK
 
 logger = logging.getLogger(__name__)
 
-#: In the message of each rank's error after a preemption commit (see :func:`was_preempted`).
-MARK = "preempted (SIGTERM)"
-#: In the message of each rank's error after a commit the driver asked for to grow (see :func:`was_resize`).
-RESIZE_MARK = "stopped at a commit point to grow the group"
 #: Agreement levels (the all-reduce takes the maximum): go on, stop to resize, stop for a SIGTERM.
 GO_ON, RESIZE, PREEMPT = 0, 1, 2
-#: What the ranks mark a preemption commit with in the commit store (see :func:`stopping`).
-PREEMPTION = "preemption"
 
 
 def check_every():
@@ -340,17 +332,6 @@ def drop_pending():
 def leave(worker, step, level=PREEMPT, sink=None, key=None, deadline=None):
     """:meth:`PreemptionState.leave` of this process."""
     _PROCESS.leave(worker, step, level, sink, key, deadline)
-
-
-def was_preempted(failure):
-    """Whether a :class:`~raysgd.torch.errors.WorkerFailure` ended a call at a preemption commit."""
-    return any(MARK in str(cause) for cause in getattr(failure, "causes", {}).values())
-
-
-def was_resize(failure):
-    """Whether a :class:`~raysgd.torch.errors.WorkerFailure` ended a call at a commit the driver asked for."""
-    causes = getattr(failure, "causes", {}).values()
-    return bool(causes) and all(RESIZE_MARK in str(cause) for cause in causes)
 
 
 def _settle(sink, key, deadline):

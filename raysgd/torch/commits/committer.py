@@ -1,6 +1,6 @@
 """Taking commits inside an epoch: count the batches a worker pulls, commit between two of them, resume.
 
-Layer 3 (torch and layers 0-2, no Ray). The worker wraps the batches it hands to the operator with
+Layer 4 (layers 0-3, no Ray). The worker wraps the batches it hands to the operator with
 :meth:`Committer.batches`; the operator's loop (the default one or a custom one) finishes a batch
 before it pulls the next, so a commit taken at the pull holds a consistent state. The training loop
 pays one serialisation of the state (``torch.save`` of the live tensors into a buffer: no separate host copy);
@@ -10,7 +10,7 @@ one serialised copy of the state besides the live one (and the transport's, in R
 When to commit: every ``every_n`` steps of the epoch, or, for a time interval, once the training time since
 the call's start or its last commit reaches ``interval_s``. That time is counted from what every rank
 measured in its steps, exchanged at every step boundary with the preemption agreement (its ``all_reduce``
-also takes the maximum of each rank's time: :func:`raysgd.torch.fault_tolerance.preemption.exchange`), so every rank adds the
+also takes the maximum of each rank's time: :func:`raysgd.torch.commits.preemption.exchange`), so every rank adds the
 same numbers and commits at the same step: the commit is one global point. Nothing is extrapolated from
 the first steps, so a slow warm-up (compilation, autotuning) only makes the first commit come after fewer
 steps, and a later change of speed is followed at once.
@@ -29,15 +29,13 @@ import logging
 import threading
 import time
 
-import numpy
-import torch
-
 from raysgd.meters import merge_partial
 from raysgd.torch.sharding import loaders as _data
+from raysgd.torch.commits import preemption
 from raysgd.torch.sharding.cursor import DataCursor
-from raysgd.torch.fault_tolerance import preemption
 from raysgd.torch.state import training_state as _state
-from raysgd.torch.state.commit_stats import process_stats
+from raysgd.torch.state.checkpoint import serialise
+from raysgd.torch.commits.commit_stats import process_stats
 
 logger = logging.getLogger(__name__)
 
@@ -51,66 +49,6 @@ def commit_due(every_n, epoch_steps, interval_s, trained_s):
     if every_n:
         return epoch_steps % int(every_n) == 0
     return trained_s >= interval_s
-
-
-def serialise(record):
-    """``record`` serialised once with ``torch.save``, as a read-only ``memoryview`` of the buffer it was written to
-    (no ``getvalue()`` copy); ``torch.load(io.BytesIO(view))`` reads it back. The buffer is sized for the record's
-    tensors up front and large writes are copied by numpy, which lets go of the interpreter lock meanwhile: a thread
-    serialising a large state (the call-start snapshot) leaves the training thread running (an ``io.BytesIO`` held
-    the lock for each tensor's whole copy: a 256 MB state stalled the other thread for ~200 ms at a time, ~40 ms
-    with this buffer).
-
-    Example:
-        >>> import io
-        >>> view = serialise({"x": torch.arange(3)})
-        >>> torch.load(io.BytesIO(view))["x"].tolist(), view.readonly
-        ([0, 1, 2], True)
-    """
-    buffer = _GrowingBuffer(_tensor_bytes(record) + (1 << 16))
-    torch.save(record, buffer)
-    return buffer.view()
-
-
-def _tensor_bytes(value, seen=None):
-    """The bytes of the distinct tensor storages in ``value`` (nested dicts, lists and tuples)."""
-    seen = set() if seen is None else seen
-    if isinstance(value, torch.Tensor):
-        storage = value.untyped_storage()
-        if storage.data_ptr() in seen:
-            return 0
-        seen.add(storage.data_ptr())
-        return storage.nbytes()
-    if isinstance(value, dict):
-        value = value.values()
-    elif not isinstance(value, (list, tuple)):
-        return 0
-    return sum(_tensor_bytes(item, seen) for item in value)
-
-
-class _GrowingBuffer:
-    """A writable file for ``torch.save``: one byte array, grown (doubled) when a write does not fit."""
-
-    def __init__(self, capacity):
-        self._array, self._size = numpy.empty(capacity, dtype=numpy.uint8), 0
-
-    def write(self, data):
-        source = numpy.frombuffer(memoryview(data).cast("B"), dtype=numpy.uint8)
-        end = self._size + source.size
-        if end > self._array.size:
-            grown = numpy.empty(max(end, 2 * self._array.size), dtype=numpy.uint8)
-            numpy.copyto(grown[:self._size], self._array[:self._size])
-            self._array = grown
-        numpy.copyto(self._array[self._size:end], source)
-        self._size = end
-        return source.size
-
-    def flush(self):
-        """Nothing to flush (``torch.save`` may ask)."""
-
-    def view(self):
-        """What was written, read-only."""
-        return memoryview(self._array)[:self._size].toreadonly()
 
 
 class CommitPlan:
@@ -232,9 +170,9 @@ class Committer:
         cursor = self.resume["cursor"] if self.resume else None
         continues = plan is not None and plan.continues(cursor)
         self.call_steps = cursor.get("call_steps", 0) if continues else 0
-        if continues:  # a retry inside its own call: the driver merges the committed metrics (raysgd.torch.state.commit_policy)
+        if continues:  # a retry inside its own call: the driver merges the committed metrics (raysgd.torch.commits.commit_policy)
             self.resume.update(meters=None, share=None)
-        preemption.set_active(plan is not None)  # a SIGTERM now commits at the next step (raysgd.torch.fault_tolerance.preemption)
+        preemption.set_active(plan is not None)  # a SIGTERM now commits at the next step (raysgd.torch.commits.preemption)
         check_every = preemption.check_every()
         self._trained_s = self._unsent_s = 0.0  # the call's start is a restart point
         try:
@@ -276,9 +214,9 @@ class Committer:
 
     def _maybe_stop(self, worker, plan, loader, level):
         """A rank got SIGTERM, or the driver asked to stop (grow, leave a draining node): every rank commits here
-        (a preemption commit marked so in the store first: :func:`raysgd.torch.fault_tolerance.preemption.stopping`), waits until
+        (a preemption commit marked so in the store first: :func:`raysgd.torch.commits.preemption.stopping`), waits until
         the store holds the whole commit (at most ``SGD_PREEMPT_COMMIT_S``; no grace timer cuts the send short),
-        and ends the call (:func:`raysgd.torch.fault_tolerance.preemption.leave`)."""
+        and ends the call (:func:`raysgd.torch.commits.preemption.leave`)."""
         if level == preemption.GO_ON:
             return
         deadline = preemption.stopping(level, plan.sink, (plan.call_id, plan.attempt, self.call_steps))

@@ -1,7 +1,7 @@
 """Restart points: the state a worker group restarts from, kept in Ray's object store near the workers, never in the
 driver process.
 
-Layer 2 (ray, torch). A :class:`RestartPoint` is a list of ObjectRefs to the same state bytes
+Layer 3 (ray, torch, layer 2's state format). A :class:`RestartPoint` is a list of ObjectRefs to the same state bytes
 (:func:`raysgd.torch.state.checkpoint.state_to_bytes` format), each held by a different node:
 
 - the *primary* is the return value of rank 0's ``state_snapshot`` call: rank 0 serialises its state straight into
@@ -14,7 +14,7 @@ Layer 2 (ray, torch). A :class:`RestartPoint` is a list of ObjectRefs to the sam
   makes (and that is released once the copy is stored), never from the primary itself: a pull leaves a secondary
   copy of what it pulled on the puller's node, which Ray lists as a location of the primary until it declares that
   node dead, and a restart after that node's loss could then wait Ray's pull timeout (10 s by default) on it (see
-  :mod:`raysgd.torch.state.part_holders`).
+  :mod:`raysgd.torch.commits.part_holders`).
 
 A restart sends the refs (inside a list, so Ray does not resolve them) to every new worker, which loads the first
 one still available (:func:`first_available`): the bytes move from the holder's node to each worker's node, never
@@ -34,7 +34,7 @@ import ray
 from ray import exceptions as ray_errors
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysgd.torch.state.part_holders import by_value, out_of_band
+from raysgd.torch.restart_points.transport import by_value, out_of_band
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def first_available(refs, timeout_s=600):
         >>> first_available([], timeout_s=1)
         Traceback (most recent call last):
         ...
-        raysgd.torch.state.restart_point.RestartPointLost: no copy of the restart point is left ()
+        raysgd.torch.restart_points.restart_point.RestartPointLost: no copy of the restart point is left ()
     """
     deadline = time.monotonic() + timeout_s
     errors, waiting = {}, list(enumerate(refs))

@@ -1,7 +1,7 @@
 """The call-start snapshot taken beside the call: rank 0 serialises the state a ``train()``/``validate()`` call starts
 from while the call's first forward and backward run, and no rank changes its parameters until it is stored.
 
-Layer 2 (ray, torch, layers 0-1). Both ends of it:
+Layer 3 (ray, torch, layers 0-2). Both ends of it:
 
 - the driver (:class:`PendingPoint`) asks rank 0 for the snapshot in the actor's ``"snapshot"`` concurrency group
   and, without waiting, sends the call to every rank with a :class:`SnapshotPlan`; the copy to another node is
@@ -51,9 +51,9 @@ import torch.distributed as dist
 from ray import exceptions as ray_errors
 
 from raysgd.torch.errors import CollectiveError
-from raysgd.torch.state import restart_point
+from raysgd.torch.restart_points import restart_point
 from raysgd.torch.state import training_state as _state
-from raysgd.torch.state.committer import serialise
+from raysgd.torch.state.checkpoint import serialise
 
 logger = logging.getLogger(__name__)
 
@@ -324,7 +324,7 @@ def overlapped(plan, handoff, *, rank, world_size, own_rng, capture_state, parts
 class PendingPoint:
     """The call-start snapshot while rank 0 serialises it: rank 0's snapshot call (``info_ref``, ``data_ref``, its
     ``node``), the copies started to other nodes (``[(node, info_ref, data_ref)]``) and the call's ``token``.
-    :meth:`settle` turns it into a :class:`~raysgd.torch.state.restart_point.RestartPoint`."""
+    :meth:`settle` turns it into a :class:`~raysgd.torch.restart_points.restart_point.RestartPoint`."""
 
     def __init__(self, token, info_ref, data_ref, node, copies=(), rank=None):
         self.token, self.info_ref, self.data_ref, self.node = token, info_ref, data_ref, node
@@ -345,7 +345,7 @@ class PendingPoint:
     def settle(self, timeout_s):
         """The stored point with its copies (a copy that failed is logged and left out). Raises
         :class:`SnapshotFailed` when rank 0's snapshot raised (torn bytes, state that cannot be serialised),
-        :class:`~raysgd.torch.state.restart_point.RestartPointLost` when rank 0 was lost before storing them, the
+        :class:`~raysgd.torch.restart_points.restart_point.RestartPointLost` when rank 0 was lost before storing them, the
         call failed before its state was captured, or nothing came within ``timeout_s``. Settled again, the same
         point."""
         if self._point is not None:
@@ -381,7 +381,7 @@ class PendingPoint:
 class PendingShardedPoint(PendingPoint):
     """The call-start snapshot of a sharded state while every rank writes its part: ``parts`` (``[(info ref, data
     ref, node, [(node, info ref, data ref), ...copies])]`` in rank order, rank 0's info holding the head) and the
-    call's ``token``; :meth:`settle` turns it into a :class:`~raysgd.torch.state.restart_point.ShardedPoint`. No
+    call's ``token``; :meth:`settle` turns it into a :class:`~raysgd.torch.restart_points.restart_point.ShardedPoint`. No
     survivor can stand in for a lost rank's part (it holds its own shard only). A :class:`PendingPoint` wherever the
     run handles one."""
 
@@ -407,7 +407,7 @@ class PendingShardedPoint(PendingPoint):
                             required=len(self.parts))
 
     def settle(self, timeout_s):
-        """The stored :class:`~raysgd.torch.state.restart_point.ShardedPoint` with its copies (see
+        """The stored :class:`~raysgd.torch.restart_points.restart_point.ShardedPoint` with its copies (see
         :meth:`PendingPoint.settle`: the same errors, for any rank's part)."""
         if self._point is not None:
             return self._point
