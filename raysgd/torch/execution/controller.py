@@ -441,7 +441,7 @@ class RunController(StateAccess):
             if size is None and resumed is not None:
                 epoch = resumed.overlay[training_state.CURSOR]["epoch"]
                 self.durable.on_recovery(failure, lambda: self._part_of(resumed), epoch=epoch,
-                                         preempted=self.commits.resumed_preemption, states=self.component_states())
+                                         preempted=self.commits.resumed_preemption, states=self.component_states)
             try:
                 self._restart(resumed if resumed is not None else state, target=size)
             except RestartPointLost as lost:

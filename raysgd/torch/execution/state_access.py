@@ -26,7 +26,7 @@ class StateAccess:
 
     def on_result(self, phase, reduced):
         """A call's reduced result: checkpoint to ``storage_path`` when the durable run asks for it."""
-        self.durable.on_result(phase, reduced, self._checkpoint_part, states=self.component_states())
+        self.durable.on_result(phase, reduced, self._checkpoint_part, states=self.component_states)
 
     def component_states(self):
         """``{name: state_dict()}`` of the controller's driver-side ``components``, taken now (what a durable checkpoint
@@ -133,7 +133,7 @@ class StateAccess:
         point = self.take_snapshot()
         if isinstance(point, ShardedPoint) and not consolidated:
             epoch = checkpoint.state_from_bytes(point.head)["rest"]["epoch"]
-            self.durable.submit(lambda: self._part_of(point), states=self.component_states(), reason="save",
+            self.durable.submit(lambda: self._part_of(point), states=self.component_states, reason="save",
                                 epoch=epoch)  # storage_path too
             filesystem_, directory = filesystem.resolve(path)
             part = parts.ShardedRemoteParts(point, os.fspath(path), local="://" not in os.fspath(path),
@@ -142,7 +142,7 @@ class StateAccess:
             return path
         stream = self._stream_of(point)
         state = checkpoint.state_from_bytes(stream)
-        return checkpoint.save_state(self.durable.on_save(state, stream, states=self.component_states()), path)
+        return checkpoint.save_state(self.durable.on_save(state, stream, states=self.component_states), path)
 
     def latest_commit(self):
         """The latest complete commit of the running (or last) ``train()`` call as a state dict, or None."""

@@ -8,7 +8,8 @@ one when it is damaged), and writes the state the trainer hands it at the end of
 and, after a worker's preemption, the commit it took (:meth:`DurableRun.on_recovery`), on a background thread
 (:class:`~raysgd.torch.storage.async_writer.AsyncWriter`: one upload in flight, the newest waiting one wins).
 With each state it writes the states its caller hands it (``states``: the driver-side components', such as the
-callbacks' and the result log's, :mod:`raysgd.base.stateful`) into the marker, and :meth:`DurableRun.resume` returns
+callbacks' and the result log's, :mod:`raysgd.base.stateful`, or a function returning them that is called only when a
+checkpoint is written) into the marker, and :meth:`DurableRun.resume` returns
 that marker: the caller restores its components from it. Storage writes what it is given and calls into nothing.
 After a ``train()`` that state is a part written by a task on the node holding it
 (:class:`~raysgd.torch.storage.parts.RemotePart`); this thread writes only the marker. The storage format is
@@ -40,6 +41,10 @@ from typing import Any, Callable, Mapping
 
 logger = logging.getLogger(__name__)
 
+States = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None
+"""The driver-side components' states for a checkpoint's marker: the mapping, or a function returning it (asked only
+when a checkpoint is written: a component such as an MLflow logger may wait to answer)."""
+
 
 class NoStorage:
     """What ``open_run`` returns without a ``storage_path``: every method does nothing, so callers need no ``if``."""
@@ -51,14 +56,14 @@ class NoStorage:
         pass
 
     def on_result(self, phase: str, result: Any, stream: bytes | Callable[[], bytes],
-                  states: Mapping[str, Any] | None = None) -> None:
+                  states: States = None) -> None:
         pass
 
-    def on_save(self, state: Any, stream: bytes | Callable[[], bytes], states: Mapping[str, Any] | None = None) -> Any:
+    def on_save(self, state: Any, stream: bytes | Callable[[], bytes], states: States = None) -> Any:
         return state
 
     def on_recovery(self, failure: Any, part: Any, epoch: int | None = None, preempted: bool = False,
-                    states: Mapping[str, Any] | None = None) -> None:
+                    states: States = None) -> None:
         pass
 
     def flush(self, timeout_s: float | None = None) -> None:
@@ -159,14 +164,16 @@ class DurableRun:
         return None
 
     def submit(self, stream: bytes | Callable[[], bytes], raise_error: bool = True,
-               states: Mapping[str, Any] | None = None, **meta: Any) -> None:
+               states: States = None, **meta: Any) -> None:
         """Write ``stream`` (trainer state bytes, or a function returning them) with ``meta`` in its marker.
 
         Asynchronous: see :class:`~raysgd.torch.storage.async_writer.AsyncWriter`; an earlier write's failure is raised
-        here (``raise_error=False``: later). ``states`` (``{name: JSON-able state}``, taken by the caller now, so
-        that they match the results logged so far) go into the marker too, each under its name, for :meth:`resume`.
+        here (``raise_error=False``: later). ``states`` (``{name: JSON-able state}``, or a function returning them,
+        called here and only when a checkpoint is written, so that they match the results logged so far and a run
+        without storage never asks its components) go into the marker too, each under its name, for :meth:`resume`.
         """
         stream = stream() if callable(stream) else stream
+        states = states() if callable(states) else states
         clash = sorted(set(states or {}) & set(meta))
         expect(not clash, "states", "names apart from the marker's own keys", clash, caller="DurableRun.submit",
                call=True)
@@ -186,19 +193,19 @@ class DurableRun:
         return path
 
     def on_result(self, phase: str, result: Any, stream: bytes | Callable[[], bytes],
-                  states: Mapping[str, Any] | None = None) -> None:
+                  states: States = None) -> None:
         """After a ``train()`` result was logged: checkpoint the state (``stream``: bytes or a function returning them)
         with ``states`` in its marker (see :meth:`submit`)."""
         if phase == "train":
             self.submit(stream, states=states, reason="train", epoch=result.get("epoch"))
 
-    def on_save(self, state: Any, stream: bytes | Callable[[], bytes], states: Mapping[str, Any] | None = None) -> Any:
+    def on_save(self, state: Any, stream: bytes | Callable[[], bytes], states: States = None) -> Any:
         """At ``save()``: checkpoint ``state`` (whose bytes ``stream`` gives) to storage too; returns ``state``."""
         self.submit(stream, states=states, reason="save", epoch=state["epoch"])
         return state
 
     def on_recovery(self, failure: Any, part: Any, epoch: int | None = None, preempted: bool = False,
-                    states: Mapping[str, Any] | None = None) -> None:
+                    states: States = None) -> None:
         """Recovering from ``failure``: checkpoint the commit resumed from (of ``epoch``; ``part``: a function
         returning its state bytes or a part written elsewhere) when it is a preemption commit: ``preempted`` (the
         ranks marked it so in the commit store before any exited) or a rank's error says so. A process's exit may

@@ -184,6 +184,30 @@ def test_result_log_rewind_keeps_one_row_per_epoch(tmp_path):
     assert [row["step"] for row in read_results(tmp_path, "validate")] == [1, 2]
 
 
+def test_component_states_are_asked_only_when_a_checkpoint_is_written(tmp_path):
+    """A run without storage never asks its components (an MLflow logger's answer can wait on its server); one
+    with storage asks once per checkpoint, at submit, and writes what it answered into the marker."""
+    asked = []
+
+    def states():
+        asked.append(len(asked) + 1)
+        return {"logger": {"asked": len(asked)}}
+
+    none = durable.open_run(None)
+    none.on_result("train", {"epoch": 1}, b"x", states=states)
+    none.on_save(state(1), b"x", states=states)
+    none.on_recovery(RuntimeError("preempted"), b"x", epoch=1, preempted=True, states=states)
+    assert asked == []
+    run = durable.open_run(str(tmp_path / "run"))
+    run.on_result("validate", {"epoch": 1}, b"x", states=states)  # no checkpoint after a validate()
+    assert asked == []
+    run.on_result("train", {"epoch": 1}, state_to_bytes(state(1)), states=states)
+    run.flush(timeout_s=60)
+    run.close(timeout_s=60)
+    assert asked == [1]
+    assert durable.open_run(str(tmp_path / "run")).restore(timeout_s=60).marker["logger"] == {"asked": 1}
+
+
 def test_s3_round_trip_through_moto_server():
     with moto_s3() as (bucket, query):
         uri = f"{bucket}/runs/exp1{query}"
