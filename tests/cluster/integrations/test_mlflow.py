@@ -42,7 +42,10 @@ def mlflow_server(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
                              f"sqlite:///{folder}/mlflow.db", "--artifacts-destination", str(folder / "artifacts"),
                              "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            # no job runner: raysgd runs no MLflow server jobs, and its eight polling processes
+                            # (huey consumers) would take about half a core for as long as the server lives
+                            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + SERVER_START_S
     try:
