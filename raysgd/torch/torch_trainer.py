@@ -27,7 +27,7 @@ import ray
 from raysgd.base.checks import expect
 from raysgd.callbacks import CallbackList
 from raysgd.meters import reduce_worker_stats
-from raysgd.torch.execution import shipping
+from raysgd.torch.execution import cluster_state, shipping
 from raysgd.torch.execution.controller import RunController
 from raysgd.torch.execution.worker_group import WorkerGroup
 from raysgd.torch.integrations import progress, ray_data, results
@@ -83,9 +83,7 @@ class TorchTrainer:
         self._last_call_s = self._last_checkpoint_s = None
         shipping.install()  # before any class is shipped: see raysgd.torch.execution.shipping
         if not ray.is_initialized():
-            address = os.environ.get("RAY_ADDRESS", "local")
-            logger.debug("Ray is not initialized: starting it (address=%r)", address)
-            ray.init(address=address)
+            cluster_state.start_ray(os.environ.get("RAY_ADDRESS") or "local")
         if options.ray_metrics:
             self._callbacks.add(RayMetrics())  # after Ray starts: its metrics need a connected driver
         commits = CommitPolicy(options.commit_every_n_steps)

@@ -251,7 +251,7 @@ class TorchTrainer:
         when the function raised or the workers failed more often than ``FailureConfig`` allows."""
         storage = self._storage()
         if not ray.is_initialized():
-            ray.init()  # as Ray Train does: a local cluster, or RAY_ADDRESS's
+            cluster_state.start_ray(None)  # as Ray Train does: a local cluster, or RAY_ADDRESS's
         self._check_resources()
         shipping.install()  # the training function and its config may go by value
         user, ours = split_callbacks(self.run_config.callbacks)

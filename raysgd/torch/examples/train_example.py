@@ -101,5 +101,5 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
     import ray
 
-    ray.init(address=args.address or "local")
+    ray.init(address=args.address or "local", include_dashboard=False)
     train_example(num_workers=args.num_workers, use_gpu=args.use_gpu)

@@ -119,7 +119,8 @@ def main(argv=None):
     import ray  # noqa: PLC0415
 
     if not ray.is_initialized():
-        ray.init(address=args.address or "local", num_cpus=4 if args.smoke_test and not args.address else None)
+        ray.init(address=args.address or "local", num_cpus=4 if args.smoke_test and not args.address else None,
+                 include_dashboard=False)
     operator_cls = get_custom_training_operator(lr_reduce_on_plateau=args.manual)
     run = tune_example_manual if args.manual else tune_example
     best = run(operator_cls, num_workers=args.num_workers, use_gpu=args.use_gpu,
