@@ -29,8 +29,8 @@ class StateAccess:
         self.durable.on_result(phase, reduced, self._checkpoint_part, states=self.component_states)
 
     def component_states(self):
-        """``{name: state_dict()}`` of the controller's driver-side ``components``, taken now (what a durable checkpoint
-        submitted now keeps in its marker)."""
+        """``{name: state_dict()}`` of the controller's driver-side ``components``, taken when called: the durable run
+        calls it only when it writes a checkpoint, and keeps the answer in that checkpoint's marker."""
         return stateful.state_dicts(self.components)
 
     def _checkpoint_part(self):

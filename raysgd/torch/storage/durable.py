@@ -10,7 +10,8 @@ and, after a worker's preemption, the commit it took (:meth:`DurableRun.on_recov
 With each state it writes the states its caller hands it (``states``: the driver-side components', such as the
 callbacks' and the result log's, :mod:`raysgd.base.stateful`, or a function returning them that is called only when a
 checkpoint is written) into the marker, and :meth:`DurableRun.resume` returns
-that marker: the caller restores its components from it. Storage writes what it is given and calls into nothing.
+that marker: the caller restores its components from it. Storage writes what it is given; the one call it makes
+out is to that states function.
 After a ``train()`` that state is a part written by a task on the node holding it
 (:class:`~raysgd.torch.storage.parts.RemotePart`); this thread writes only the marker. The storage format is
 :mod:`raysgd.torch.storage.filesystem`'s.
@@ -42,8 +43,9 @@ from typing import Any, Callable, Mapping
 logger = logging.getLogger(__name__)
 
 States = Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None
-"""The driver-side components' states for a checkpoint's marker: the mapping, or a function returning it (asked only
-when a checkpoint is written: a component such as an MLflow logger may wait to answer)."""
+"""The driver-side components' states for a checkpoint's marker: the mapping, or a function returning it, called only
+when a checkpoint is written (a run without storage never asks its components, and one such as an MLflow logger may
+wait to answer)."""
 
 
 class NoStorage:
@@ -168,9 +170,8 @@ class DurableRun:
         """Write ``stream`` (trainer state bytes, or a function returning them) with ``meta`` in its marker.
 
         Asynchronous: see :class:`~raysgd.torch.storage.async_writer.AsyncWriter`; an earlier write's failure is raised
-        here (``raise_error=False``: later). ``states`` (``{name: JSON-able state}``, or a function returning them,
-        called here and only when a checkpoint is written, so that they match the results logged so far and a run
-        without storage never asks its components) go into the marker too, each under its name, for :meth:`resume`.
+        here (``raise_error=False``: later). ``states`` (:data:`States`; a function is called here, so the states match
+        the results logged so far) go into the marker too, each under its name, for :meth:`resume`.
         """
         stream = stream() if callable(stream) else stream
         states = states() if callable(states) else states
