@@ -14,7 +14,7 @@ from raysgd import TorchTrainer
 
 def dashboard_processes():
     """The dashboard's module processes (``ray-dashboard-<Module>-0``) under this process: with the dashboard on,
-    the head starts about nine of them (measured: 10.9-11.7 s for a local start against 4.7-4.8 s without)."""
+    the head starts about nine of them (what they cost: ``start_ray``'s docstring)."""
     return [p.name() for p in psutil.Process().children(recursive=True) if p.name().startswith("ray-dashboard-")]
 
 
