@@ -1,10 +1,16 @@
-"""The ``raysgd`` command, run for real in a subprocess against the checkpoints of real training runs.
+"""The ``raysgd`` command, run for real against the checkpoints of real training runs.
 
 One module fixture trains once of each kind on a local Ray cluster: a DDP run with ``storage_path`` (three epochs,
 the newest two kept), the file its ``save()`` wrote, an FSDP run's ``save()`` folder (one part per rank) and a
-``raysgd.train`` run folder. The tests copy what they damage. The command runs as ``python -m raysgd`` (the entry
-point's own function); the installed ``raysgd`` script is run too where the environment has it.
+``raysgd.train`` run folder. The tests copy what they damage. The command runs as the entry point's own function
+(``raysgd.cli.main``, what ``python -m raysgd`` and the installed ``raysgd`` script call), in this process with its
+stdout and stderr captured: each ``python -m raysgd`` in a subprocess costs ~3.5 s here (importing torch and Ray),
+and ~30 of them made this the slowest API module. The entry points themselves run as subprocesses where it is what
+a test checks: ``python -m raysgd --help``, the installed script, and ``raysgd run`` (a program with or without the
+legacy mapping, which must not touch this process's imports).
 """
+import contextlib
+import io
 import json
 import os
 import pathlib
@@ -21,6 +27,7 @@ import raysgd.train
 import s3_server
 from helpers import LinearOperator
 from raysgd import TorchTrainer
+from raysgd import cli
 from raysgd.cli import export
 from raysgd.train import Checkpoint, RunConfig, ScalingConfig
 from raysgd.train.torch import TorchTrainer as FunctionTrainer
@@ -58,8 +65,19 @@ def runs(tmp_path_factory, ray_2cpus):
             "train": root / "train" / "fn", "ddp_model": ddp_model, "fsdp_model": fsdp_model}
 
 
-def raysgd_command(*args, script=None):
-    """Run ``raysgd args...`` (``python -m raysgd``, or the installed ``script``); returns the finished process."""
+def raysgd_command(*args, script=None, process=False):
+    """Run ``raysgd args...``; returns the finished run (``returncode``, ``stdout``, ``stderr``).
+
+    By default in this process (``raysgd.cli.main``, what both entry points call); with ``process=True`` as
+    ``python -m raysgd`` in a subprocess, or the installed ``script``."""
+    if not (script or process):
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = cli.main([str(arg) for arg in args])
+            except SystemExit as done:  # argparse's --help and usage errors, as the process would exit
+                code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        return subprocess.CompletedProcess(["raysgd", *map(str, args)], code, stdout.getvalue(), stderr.getvalue())
     command = [str(script)] if script else [sys.executable, "-m", "raysgd"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     return subprocess.run([*command, *map(str, args)], env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
@@ -71,7 +89,7 @@ def listed(path):
 
 
 def test_each_command_has_its_help():
-    done = raysgd_command("--help")
+    done = raysgd_command("--help", process=True)  # the entry point itself, once
     assert done.returncode == 0 and all(name in done.stdout for name in ("run", "checkpoints", "export")), done
     for name, words in (("run", "--legacy"), ("checkpoints", "CRC-32"), ("export", "safetensors")):
         done = raysgd_command(name, "--help")
@@ -233,13 +251,13 @@ def test_run_runs_a_program_with_or_without_the_legacy_mapping(tmp_path):
     script = tmp_path / "legacy.py"
     script.write_text("import sys\nfrom ray.util.sgd.torch import TorchTrainer\nimport raysgd\n"
                       "assert TorchTrainer is raysgd.TorchTrainer\nprint('args', sys.argv[1:])\nsys.exit(3)\n")
-    done = raysgd_command("run", "--legacy", script, "--smoke-test", "-x")
+    done = raysgd_command("run", "--legacy", script, "--smoke-test", "-x", process=True)
     assert done.returncode == 3 and "args ['--smoke-test', '-x']" in done.stdout, done.stderr
-    done = raysgd_command("run", script)  # no mapping: Ray's own ray.util.sgd, which says it was removed
+    done = raysgd_command("run", script, process=True)  # no mapping: Ray's own ray.util.sgd, which says it was removed
     assert done.returncode == 1 and "DeprecationWarning" in done.stderr, done.stderr
-    done = raysgd_command("run", "--legacy", tmp_path / "missing.py")
+    done = raysgd_command("run", "--legacy", tmp_path / "missing.py", process=True)
     assert done.returncode == 2 and "not a file" in done.stderr
-    done = raysgd_command("run", "--log-level", "LOUD", script)
+    done = raysgd_command("run", "--log-level", "LOUD", script, process=True)
     assert done.returncode == 2 and "--log-level expects a level name" in done.stderr
 
 
