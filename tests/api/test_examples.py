@@ -1,4 +1,5 @@
-"""Every script in examples/ runs its --smoke-test to the end (in a subprocess, with its own Ray cluster).
+"""Every script in examples/ runs its --smoke-test to the end (in a subprocess, with its own Ray cluster): here, or
+once in the test that checks more of its run (``RUN_BY``: the fault-tolerance example, in test_console_logs.py).
 
 The Ray Train guides' scripts (``ray_train_*.py``) run as their README commands do, under ``python -m raysgd.legacy
 --train`` (``ray.train`` mapped to raysgd.train), each in a run folder of the test's.
@@ -18,6 +19,9 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 EXPECTED = ["train_linear.py", "digits_classifier.py", "dcgan.py", "cifar_resnet.py", "tune_example.py",
             "fault_tolerance.py"]
 FOUND = sorted(p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_"))
+# Examples another test runs to the end with this same command (``python examples/<name> --smoke-test``, its exit
+# status 0 asserted) and more checks: run once, there (each run costs ~25 s here). A test below keeps the claim true.
+RUN_BY = {"fault_tolerance.py": "tests/api/test_console_logs.py"}
 # Extra arguments: the digits example also draws its training curve and logs to MLflow, so both paths are covered.
 EXTRA_ARGS = {"digits_classifier.py": lambda tmp: ["--plot", str(tmp / "curve.png"), "--mlflow", str(tmp / "mlflow")]}
 SMOKE_DEADLINE_S = 240  # a smoke test takes under a minute; the margin is for a loaded 2-core machine
@@ -70,7 +74,18 @@ def _check_intro(result, tmp_path):
     assert len(predicted) == 10 and all(0 <= p < 10 for p in predicted), result.stdout[-2000:]
 
 
-@pytest.mark.parametrize("name", sorted(set(EXPECTED) | set(FOUND)))
+def test_the_examples_run_by_another_test_are_run_there_to_the_end():
+    """Each of ``RUN_BY`` is an example, and its test module runs ``[examples/<name>, --smoke-test]`` through a
+    ``run`` that asserts the exit status 0."""
+    repo = EXAMPLES.parent
+    for name, module in RUN_BY.items():
+        assert (EXAMPLES / name).exists(), name
+        source = (repo / module).read_text()
+        assert f'["examples/{name}", "--smoke-test"]' in source, (name, module)
+        assert "assert done.returncode == 0" in source.split("\ndef run(")[1].split("\ndef ")[0], module
+
+
+@pytest.mark.parametrize("name", sorted((set(EXPECTED) | set(FOUND)) - set(RUN_BY)))
 def test_example_smoke_test(name, tmp_path):
     path = EXAMPLES / name
     if not path.exists():
