@@ -26,8 +26,7 @@ import raysgd.torch.errors
 import raysgd.train
 import s3_server
 from helpers import LinearOperator
-from raysgd import TorchTrainer
-from raysgd import cli
+from raysgd import TorchTrainer, cli
 from raysgd.cli import export
 from raysgd.train import Checkpoint, RunConfig, ScalingConfig
 from raysgd.train.torch import TorchTrainer as FunctionTrainer
@@ -70,17 +69,18 @@ def raysgd_command(*args, script=None, process=False):
 
     By default in this process (``raysgd.cli.main``, what both entry points call); with ``process=True`` as
     ``python -m raysgd`` in a subprocess, or the installed ``script``."""
+    argv = [str(arg) for arg in args]
     if not (script or process):
         stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             try:
-                code = cli.main([str(arg) for arg in args])
-            except SystemExit as done:  # argparse's --help and usage errors, as the process would exit
-                code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
-        return subprocess.CompletedProcess(["raysgd", *map(str, args)], code, stdout.getvalue(), stderr.getvalue())
+                code = cli.main(argv)
+            except SystemExit as done:  # argparse's --help (0) and usage errors (2), as the process would exit
+                code = done.code
+        return subprocess.CompletedProcess(["raysgd", *argv], code, stdout.getvalue(), stderr.getvalue())
     command = [str(script)] if script else [sys.executable, "-m", "raysgd"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    return subprocess.run([*command, *map(str, args)], env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
+    return subprocess.run([*command, *argv], env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
 
 
 def listed(path):
