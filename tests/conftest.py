@@ -155,8 +155,12 @@ def _stop_the_shared_cluster():
         ray.shutdown()
 
 
-#: Node deaths noticed in about 2 s (Ray's default health check takes much longer).
-FAST_HEALTH_CHECK = {"health_check_period_ms": 500, "health_check_failure_threshold": 4}
+#: The multi-node clusters' system config. Node deaths are noticed in about 2 s (Ray's default health check takes
+#: much longer), and Ray's metrics are off: after a test removes a node, the driver's ``ray.shutdown()`` otherwise
+#: spends ~20 s timing out metric exports to that node's gone agent. No multi-node test reads Ray's metrics
+#: (tests/cluster/integrations/test_ray_metrics.py starts a single-node cluster of its own).
+MULTI_NODE_SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
+                            "enable_metrics_collection": False}
 
 
 @contextlib.contextmanager
@@ -168,7 +172,7 @@ def local_cluster(head_node_args, nodes, runtime_env=None):
     if ray.is_initialized():
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"include_dashboard": False, **head_node_args,
-                                                            "_system_config": FAST_HEALTH_CHECK})  # no dashboard: see start_ray
+                                                            "_system_config": MULTI_NODE_SYSTEM_CONFIG})  # no dashboard: see start_ray
     try:
         added = [cluster.add_node(**node) for node in nodes]
         cluster.wait_for_nodes()
