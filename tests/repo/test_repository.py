@@ -155,10 +155,16 @@ DOCTESTED = ["raysgd.base", "raysgd.base.checks", "raysgd.base.environment", "ra
 
 @pytest.mark.parametrize("name", DOCTESTED)
 def test_docstring_examples_run(name):
+    import ray
+
+    running = ray.is_initialized()
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0
     assert result.attempted > 0, f"{name} has no docstring example"
+    # An example shows what a call does without a cluster: one that starts Ray by the way (a query that initialises
+    # it, as ray.get_runtime_context() does) costs every reader, and this suite, a cluster's start (~10 s here).
+    assert running or not ray.is_initialized(), f"{name}'s docstring examples started Ray"
 
 
 def test_docs_torchtrainer_table_is_the_options_table():

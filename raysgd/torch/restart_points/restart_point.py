@@ -242,7 +242,11 @@ class ShardedPoint:
 
 
 def this_node():
-    """The id of the node this process runs on."""
+    """The id of the node this process runs on; None when this process is not connected to Ray (asking never
+    starts a cluster: a local folder is written without one, see :func:`~raysgd.torch.storage.rank_files.write_files`).
+    """
+    if not ray.is_initialized():
+        return None
     return ray.get_runtime_context().get_node_id()
 
 
