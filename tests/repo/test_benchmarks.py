@@ -59,6 +59,9 @@ def test_smoke_test_runs_every_side_and_section(tmp_path):
     assert 0 < recovery["detect_s"] < recovery["recovery_s"] and len(recovery["attempts"]) == 1
     assert result["gpu"]["status"] in ("cpu-check", "smoke") and len(result["gpu"]["rows"]) == 6
     assert {r["side"] for r in result["gpu"]["rows"]} == {"plain", "raysgd", "raysgd-sync"}
+    checked = {"smoke": {"resnet50"}, "cpu-check": {"cpu-check-resnet8"}}[result["gpu"]["status"]]  # gpu.CPU_CHECK
+    assert {r["workload"] for r in result["gpu"]["rows"]} == checked and \
+        {r["precision"] for r in result["gpu"]["rows"]} == {"fp32", "bf16"}
     assert {t["target"].split(":")[0] for t in result["targets"]} >= {"mlp", "recovery"}
     assert "Targets" in proc.stdout and "| raysgd" in markdown.read_text()
     assert picture.read_bytes().startswith(b"\x89PNG")  # --plot: the docs' throughput picture, drawn by the run
