@@ -6,7 +6,6 @@ real training functions on one shared 2-CPU cluster. ``docs/coming-from-ray-trai
 installed Ray's public names both ways (every name listed; what it says works is there, what it says is missing is
 not).
 """
-import doctest
 import importlib
 import json
 import logging
@@ -30,16 +29,6 @@ from train_functions import RunFolder
 
 REPO = REPO_DIR
 TABLE = os.path.join(REPO, "docs", "coming-from-ray-train.md")
-NEW_MODULES = ["raysgd.train.errors", "raysgd.train.retention", "raysgd.train.callback", "raysgd.train.result",
-               "raysgd.train.collective", "raysgd.train.reported"]
-
-
-@pytest.mark.parametrize("name", NEW_MODULES)
-def test_docstring_examples_run(name):
-    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.failed == 0 and result.attempted > 0
-
-
 # ----------------------------------------------------------------------------------------------- errors, callbacks
 def test_worker_group_error_has_ray_trains_shape_and_pickles_with_what_it_carries():
     cause = ValueError("bad batch")

@@ -150,7 +150,9 @@ DOCTESTED = ["raysgd.base", "raysgd.base.checks", "raysgd.base.environment", "ra
              "raysgd.train", "raysgd.train.config", "raysgd.train.checkpoint", "raysgd.train.reporting",
              "raysgd.train.commits", "raysgd.torch.storage.rank_files", "raysgd.torch.fault_tolerance.failure_policy",
              "raysgd.train.session", "raysgd.train.prepare", "raysgd.train.function_worker", "raysgd.train.trainer",
-             "raysgd.train.torch", "raysgd.train.lightning", "raysgd.train.utils"]
+             "raysgd.train.torch", "raysgd.train.lightning", "raysgd.train.utils", "raysgd.train.errors",
+             "raysgd.train.retention", "raysgd.train.callback", "raysgd.train.result", "raysgd.train.collective",
+             "raysgd.train.reported"]
 
 
 @pytest.mark.parametrize("name", DOCTESTED)
