@@ -171,8 +171,9 @@ def local_cluster(head_node_args, nodes, runtime_env=None):
 
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"include_dashboard": False, **head_node_args,
-                                                            "_system_config": MULTI_NODE_SYSTEM_CONFIG})  # no dashboard: see start_ray
+    cluster = Cluster(initialize_head=True,  # no dashboard: see start_ray
+                      head_node_args={"include_dashboard": False, **head_node_args,
+                                      "_system_config": MULTI_NODE_SYSTEM_CONFIG})
     try:
         added = [cluster.add_node(**node) for node in nodes]
         cluster.wait_for_nodes()
