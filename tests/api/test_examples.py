@@ -1,9 +1,15 @@
 """Every script in examples/ runs its --smoke-test to the end (in a subprocess, with its own Ray cluster): here, or
 once in the test that checks more of its run (``RUN_BY``: the fault-tolerance example, in test_console_logs.py).
 
+The examples selected run two at a time in the background (``example_runs``), each test waiting for its own: one
+example alone leaves about a third of this 2-core machine idle (its cluster's start, its processes' start-ups), and
+nothing an example checks depends on timing. Measured: the nine took 206 s one after another (CI, 2026-11-29),
+166 s two at a time.
+
 The Ray Train guides' scripts (``ray_train_*.py``) run as their README commands do, under ``python -m raysgd.legacy
 --train`` (``ray.train`` mapped to raysgd.train), each in a run folder of the test's.
 """
+import concurrent.futures
 import importlib
 import inspect
 import json
@@ -27,7 +33,8 @@ RUN_BY = {"fault_tolerance.py": "test_console_logs"}
 # Extra arguments: the digits example also draws its training curve and logs to MLflow, so both paths are covered.
 EXTRA_ARGS = {"digits_classifier.py": lambda tmp: ["--plot", str(tmp / "curve.png"), "--mlflow", str(tmp / "mlflow")]}
 SMOKE_DEADLINE_S = 240  # a smoke test takes under a minute; the margin is for a loaded 2-core machine
-RAY_TRAIN_RUN = "smoke"  # the --name of a ray_train_*.py run, under tmp_path / "storage"
+RAY_TRAIN_RUN = "smoke"  # the --name of a ray_train_*.py run, under its folder's "storage"
+AT_ONCE = 2  # examples running at the same time (see the module's docstring)
 
 
 def _run(path, args, cwd):
@@ -50,13 +57,13 @@ def _reported(run_folder):
     return [json.loads(marker.read_text()) for marker in sorted(run_folder.glob("checkpoint_*/.raysgd_report.json"))]
 
 
-def _check_lightning_guide(result, tmp_path):
+def _check_lightning_guide(result, folder):
     """Both ranks trained (DDP of 2: Lightning's sampler gave each rank 8 of the 16 batches of 16 per epoch), every
     epoch reported a checkpoint, the loss fell, and the last checkpoint loads as the guide loads it and has learned
     the synthetic classes (in eval mode, through the batch norms' running statistics: with 6 steps instead of 24
     they had not settled, and CI once saw 0.25; a one-process simulation of the 24 steps gave 1.00 for 20 seeds of
     the model's initialisation, 0.80-1.00 for 12 steps, 0.48-1.00 for 6)."""
-    markers = _reported(tmp_path / "storage" / RAY_TRAIN_RUN)
+    markers = _reported(folder / "storage" / RAY_TRAIN_RUN)
     assert [(m["world_size"], m["metrics"]["epoch"], m["metrics"]["step"]) for m in markers] == \
         [(2, 0, 8), (2, 1, 16), (2, 2, 24)], markers
     assert markers[-1]["metrics"]["loss"] < markers[0]["metrics"]["loss"], markers
@@ -64,12 +71,12 @@ def _check_lightning_guide(result, tmp_path):
     assert accuracy > 0.5, result.stdout[-2000:]  # 10 classes: chance is 0.1
 
 
-def _check_intro(result, tmp_path):
+def _check_intro(result, folder):
     """Both epochs reported from 2 workers reading Ray Data shards, each with a loss far below chance level
     (ln 10 = 2.3: the images and labels travelled through Parquet and the transform together), and the checkpoint
     loaded as the guide loads it predicts 10 classes. Re-running with the same name resumes (tested on the PyTorch
     guide's script, tests/api/test_train_api.py: a second run here would double this test's time)."""
-    markers = _reported(tmp_path / "storage" / "distributed_training" / RAY_TRAIN_RUN)
+    markers = _reported(folder / "storage" / "distributed_training" / RAY_TRAIN_RUN)
     assert [(m["world_size"], m["metrics"]["epoch"]) for m in markers] == [(2, 0), (2, 1)], markers
     assert all(m["metrics"]["loss"] < 1.0 for m in markers), markers
     predicted = json.loads(result.stdout.split("Pred: ")[1].split("\n")[0])
@@ -86,22 +93,39 @@ def test_the_examples_run_by_another_test_are_run_there_to_the_end():
         assert "assert done.returncode == 0" in inspect.getsource(module.run), module_name
 
 
+@pytest.fixture(scope="module")
+def example_runs(request, tmp_path_factory):
+    """``{name: (future of the finished subprocess, its folder)}`` for every example the session selected from
+    ``test_example_smoke_test``, started ``AT_ONCE`` at a time in the test order; an example not written yet is
+    left out (its test skips). Each runs in a folder of its own (its cwd and any path argument)."""
+    prefix = request.node.nodeid + "::test_example_smoke_test["
+    names = [item.nodeid[len(prefix):-1] for item in request.session.items if item.nodeid.startswith(prefix)]
+    pool = concurrent.futures.ThreadPoolExecutor(AT_ONCE, thread_name_prefix="example")
+    runs = {}
+    for name in names:
+        if (EXAMPLES / name).exists():
+            folder = tmp_path_factory.mktemp(name.removesuffix(".py"))
+            args = EXTRA_ARGS.get(name, lambda tmp: [])(folder)
+            runs[name] = (pool.submit(_run, EXAMPLES / name, args, folder), folder)
+    yield runs
+    pool.shutdown(wait=True, cancel_futures=True)  # those running end by their own deadline (SMOKE_DEADLINE_S)
+
+
 @pytest.mark.parametrize("name", sorted((set(EXPECTED) | set(FOUND)) - set(RUN_BY)))
-def test_example_smoke_test(name, tmp_path):
-    path = EXAMPLES / name
-    if not path.exists():
+def test_example_smoke_test(name, example_runs):
+    if not (EXAMPLES / name).exists():
         pytest.skip(f"examples/{name} is not written yet (another part of issue 6)")
-    args = EXTRA_ARGS.get(name, lambda tmp: [])(tmp_path)
-    result = _run(path, args, cwd=tmp_path)
+    run, folder = example_runs[name]
+    result = run.result()  # the subprocess's own timeout bounds the wait
     assert result.returncode == 0, f"{name} --smoke-test failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     if name == "digits_classifier.py":
         assert "final val_accuracy" in result.stdout
-        png = (tmp_path / "curve.png").read_bytes()
+        png = (folder / "curve.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
         width, height = struct.unpack(">II", png[16:24])
         assert width > 300 and height > 200
-        assert "MLflow run " in result.stdout and (tmp_path / "mlflow" / "mlflow.db").stat().st_size > 0
+        assert "MLflow run " in result.stdout and (folder / "mlflow" / "mlflow.db").stat().st_size > 0
     if name == "ray_train_lightning_guide.py":
-        _check_lightning_guide(result, tmp_path)
+        _check_lightning_guide(result, folder)
     if name == "ray_train_intro.py":
-        _check_intro(result, tmp_path)
+        _check_intro(result, folder)

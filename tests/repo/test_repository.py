@@ -1,5 +1,6 @@
 """The repository's promises: README's commands are what CI runs, and the docs' examples run."""
 import ast
+import concurrent.futures
 import doctest
 import importlib
 import os
@@ -260,17 +261,32 @@ def docs_scripts():
 
 @pytest.mark.slow
 def test_docs_scripts_run(tmp_path):
-    """Each script the docs give whole runs as the page says (from the repository's root, in a fresh process)."""
+    """Each script the docs give whole runs as the page says (from the repository's root, in a fresh process).
+
+    A page's scripts run in order in a folder of the page's (a later one may read what an earlier one wrote); the
+    pages run two at a time, as tests/api/test_examples.py runs the examples (one script alone leaves about a third
+    of this 2-core machine idle)."""
     scripts = docs_scripts()
     assert {"progress_and_logs.py", "plot_logs.py", "ray_data_input.py", "mlflow_example.py",
             "wandb_example.py"} <= {name for _, name, _ in scripts}
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), WANDB_MODE="offline")
+    pages = {}
     for page, name, code in scripts:
-        (tmp_path / name).write_text(code)
-        done = subprocess.run([sys.executable, name], capture_output=True, text=True, timeout=400, cwd=tmp_path,
-                              env=env)
-        assert done.returncode == 0, f"{page}: {name}\n" + done.stdout[-3000:] + done.stderr[-3000:]
+        pages.setdefault(page, []).append((name, code))
+
+    def run_page(page):
+        folder = tmp_path / str(page).replace(os.sep, "_")
+        folder.mkdir()
+        for name, code in pages[page]:
+            (folder / name).write_text(code)
+            done = subprocess.run([sys.executable, name], capture_output=True, text=True, timeout=400, cwd=folder,
+                                  env=env)
+            assert done.returncode == 0, f"{page}: {name}\n" + done.stdout[-3000:] + done.stderr[-3000:]
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for run in [pool.submit(run_page, page) for page in pages]:
+            run.result()  # re-raises the page's failed assertion; each script has its own timeout
 
 
 # ----------------------------------------------------------------- the environment variables: one table
