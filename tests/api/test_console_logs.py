@@ -4,7 +4,12 @@ Real scripts run as subprocesses with logging left as a new user leaves it (unco
 ``examples/fault_tolerance.py`` (a worker killed mid-epoch, recovered) and a small script with one warning logged on
 the driver (a deprecated option) and one on rank 0's actor (a sampler without a data cursor), which Ray forwards to
 the driver's stderr under the actor's name.
+
+The small script's four runs go two at a time in the background (``script_runs``, tests/background.py): what they
+check does not depend on timing. The fault example's two runs stay one at a time, each in its own test: whether a
+commit came before the kill changes its lines.
 """
+import functools
 import logging
 import os
 import pathlib
@@ -15,6 +20,7 @@ import textwrap
 
 import pytest
 
+import background
 from raysgd import logs
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -78,6 +84,21 @@ def run(args, env=None, timeout=240):
     return done
 
 
+#: The small script's runs: ``{name: (arguments, environment)}``.
+SCRIPT_RUNS = {"plain": (["-c", SCRIPT, "plain"], {}),
+               "quiet-env": (["-c", SCRIPT, "plain"], {"RAYSGD_LOG_LEVEL": "ERROR"}),
+               "quiet-function": (["-c", SCRIPT, "OFF"], {}),
+               "configured": (["-c", SCRIPT, "configured"], {})}
+
+
+@pytest.fixture(scope="module")
+def script_runs():
+    """``{name: future of run(...)}`` of every ``SCRIPT_RUNS`` run, started two at a time when a test first asks."""
+    with background.started({name: functools.partial(run, args, env)
+                             for name, (args, env) in SCRIPT_RUNS.items()}) as runs:
+        yield runs
+
+
 def raysgd_lines(stderr):
     """``[(level, message)]`` of the lines raysgd's console handler wrote (the driver's, and the workers' Ray forwarded)."""
     return [match.groups() for match in map(LINE.match, ANSI.sub("", stderr).splitlines()) if match]
@@ -108,8 +129,8 @@ def test_the_fault_tolerance_example_at_warning_shows_the_failure_only():
     assert not [line for line in lines if line[0] == "INFO"], lines
 
 
-def test_a_script_sees_the_drivers_and_the_workers_warnings_once():
-    done = run(["-c", SCRIPT, "plain"])
+def test_a_script_sees_the_drivers_and_the_workers_warnings_once(script_runs):
+    done = script_runs["plain"].result()
     assert "samples 32" in done.stdout
     lines = raysgd_lines(done.stderr)
     assert count(lines, "WARNING", DRIVER_WARNING) == 1, done.stderr
@@ -120,17 +141,15 @@ def test_a_script_sees_the_drivers_and_the_workers_warnings_once():
 
 
 @pytest.mark.parametrize("how", ["env", "function"])
-def test_the_quiet_setting_hides_the_drivers_and_the_workers_lines(how):
-    args, env = (["-c", SCRIPT, "plain"], {"RAYSGD_LOG_LEVEL": "ERROR"}) if how == "env" else \
-        (["-c", SCRIPT, "OFF"], {})
-    done = run(args, env=env)
+def test_the_quiet_setting_hides_the_drivers_and_the_workers_lines(how, script_runs):
+    done = script_runs[f"quiet-{how}"].result()  # RAYSGD_LOG_LEVEL=ERROR, or raysgd.set_log_level("OFF")
     assert "samples 32" in done.stdout
     assert raysgd_lines(done.stderr) == [], done.stderr
     assert DRIVER_WARNING not in done.stderr and WORKER_WARNING not in done.stderr, done.stderr
 
 
-def test_a_program_that_configures_logging_sees_each_line_once_through_its_own_handler():
-    done = run(["-c", SCRIPT, "configured"])
+def test_a_program_that_configures_logging_sees_each_line_once_through_its_own_handler(script_runs):
+    done = script_runs["configured"].result()
     assert done.stderr.count(DRIVER_WARNING) == 1, done.stderr
     assert f"ROOT|WARNING|raysgd.torch.options|{DRIVER_WARNING}" in done.stderr, done.stderr
     assert not [line for line in raysgd_lines(done.stderr) if DRIVER_WARNING in line[1]], done.stderr

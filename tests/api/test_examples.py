@@ -1,15 +1,14 @@
 """Every script in examples/ runs its --smoke-test to the end (in a subprocess, with its own Ray cluster): here, or
 once in the test that checks more of its run (``RUN_BY``: the fault-tolerance example, in test_console_logs.py).
 
-The examples selected run two at a time in the background (``example_runs``), each test waiting for its own: one
-example alone leaves about a third of this 2-core machine idle (its cluster's start, its processes' start-ups), and
-nothing an example checks depends on timing. Measured: the nine took 206 s one after another (CI, 2026-11-29),
-166 s two at a time.
+The examples selected run two at a time in the background (``example_runs``, tests/background.py), each test
+waiting for its own: nothing an example checks here depends on timing. Measured: the nine took 206 s one after
+another (CI, 2026-11-29), 166 s two at a time.
 
 The Ray Train guides' scripts (``ray_train_*.py``) run as their README commands do, under ``python -m raysgd.legacy
 --train`` (``ray.train`` mapped to raysgd.train), each in a run folder of the test's.
 """
-import concurrent.futures
+import functools
 import importlib
 import inspect
 import json
@@ -20,6 +19,8 @@ import subprocess
 import sys
 
 import pytest
+
+import background
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 # The gallery; each developer adds theirs. A missing one is skipped with a reason, and any other
@@ -34,7 +35,6 @@ RUN_BY = {"fault_tolerance.py": "test_console_logs"}
 EXTRA_ARGS = {"digits_classifier.py": lambda tmp: ["--plot", str(tmp / "curve.png"), "--mlflow", str(tmp / "mlflow")]}
 SMOKE_DEADLINE_S = 240  # a smoke test takes under a minute; the margin is for a loaded 2-core machine
 RAY_TRAIN_RUN = "smoke"  # the --name of a ray_train_*.py run, under its folder's "storage"
-AT_ONCE = 2  # examples running at the same time (see the module's docstring)
 
 
 def _run(path, args, cwd):
@@ -96,19 +96,15 @@ def test_the_examples_run_by_another_test_are_run_there_to_the_end():
 @pytest.fixture(scope="module")
 def example_runs(request, tmp_path_factory):
     """``{name: (future of the finished subprocess, its folder)}`` for every example the session selected from
-    ``test_example_smoke_test``, started ``AT_ONCE`` at a time in the test order; an example not written yet is
-    left out (its test skips). Each runs in a folder of its own (its cwd and any path argument)."""
+    ``test_example_smoke_test``, started two at a time in the test order; an example not written yet is left out
+    (its test skips). Each runs in a folder of its own (its cwd and any path argument)."""
     prefix = request.node.nodeid + "::test_example_smoke_test["
     names = [item.nodeid[len(prefix):-1] for item in request.session.items if item.nodeid.startswith(prefix)]
-    pool = concurrent.futures.ThreadPoolExecutor(AT_ONCE, thread_name_prefix="example")
-    runs = {}
-    for name in names:
-        if (EXAMPLES / name).exists():
-            folder = tmp_path_factory.mktemp(name.removesuffix(".py"))
-            args = EXTRA_ARGS.get(name, lambda tmp: [])(folder)
-            runs[name] = (pool.submit(_run, EXAMPLES / name, args, folder), folder)
-    yield runs
-    pool.shutdown(wait=True, cancel_futures=True)  # those running end by their own deadline (SMOKE_DEADLINE_S)
+    folders = {name: tmp_path_factory.mktemp(name.removesuffix(".py")) for name in names if (EXAMPLES / name).exists()}
+    jobs = {name: functools.partial(_run, EXAMPLES / name, EXTRA_ARGS.get(name, lambda tmp: [])(folder), folder)
+            for name, folder in folders.items()}
+    with background.started(jobs) as runs:  # those running at the end stop by their own deadline (SMOKE_DEADLINE_S)
+        yield {name: (runs[name], folders[name]) for name in runs}
 
 
 @pytest.mark.parametrize("name", sorted((set(EXPECTED) | set(FOUND)) - set(RUN_BY)))

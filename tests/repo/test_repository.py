@@ -1,7 +1,7 @@
 """The repository's promises: README's commands are what CI runs, and the docs' examples run."""
 import ast
-import concurrent.futures
 import doctest
+import functools
 import importlib
 import os
 import pathlib
@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 
+import background
 from raysgd import optional
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -264,8 +265,7 @@ def test_docs_scripts_run(tmp_path):
     """Each script the docs give whole runs as the page says (from the repository's root, in a fresh process).
 
     A page's scripts run in order in a folder of the page's (a later one may read what an earlier one wrote); the
-    pages run two at a time, as tests/api/test_examples.py runs the examples (one script alone leaves about a third
-    of this 2-core machine idle)."""
+    pages run two at a time (tests/background.py): 88 s one after another, 61 s so."""
     scripts = docs_scripts()
     assert {"progress_and_logs.py", "plot_logs.py", "ray_data_input.py", "mlflow_example.py",
             "wandb_example.py"} <= {name for _, name, _ in scripts}
@@ -284,8 +284,8 @@ def test_docs_scripts_run(tmp_path):
                                   env=env)
             assert done.returncode == 0, f"{page}: {name}\n" + done.stdout[-3000:] + done.stderr[-3000:]
 
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        for run in [pool.submit(run_page, page) for page in pages]:
+    with background.started({page: functools.partial(run_page, page) for page in pages}) as runs:
+        for run in runs.values():
             run.result()  # re-raises the page's failed assertion; each script has its own timeout
 
 
