@@ -180,42 +180,17 @@ def test_saving_over_a_checkpoint_switches_between_two_sets_of_files_and_deletes
     assert torch.equal(counts(trainer), 3 * torch.ones(16))
 
 
-SAVE_STAGES = ["head", "metadata"]
-
-
-@pytest.fixture(scope="module")
-def save_drivers(request, tmp_path_factory):
-    """``{stage: (driver process, checkpoint path, marker)}``: ``save_driver.py`` started for every stage the session
-    selected of the test below, all at once when it first asks (each driver, its own Ray cluster, runs to its stage
-    inside the second save and waits there to be killed; one after another the two tests took 70 s in CI, side by
-    side 57 s).
-    Drivers still running at the end are killed."""
-    prefix = request.node.nodeid + "::test_a_driver_killed_inside_a_save_over_a_checkpoint_leaves_the_old_one_loadable["
-    stages = [item.nodeid[len(prefix):-1] for item in request.session.items if item.nodeid.startswith(prefix)]
-    script, drivers = os.path.join(TESTS_DIR, "save_driver.py"), {}
-    try:
-        for stage in stages:
-            folder = tmp_path_factory.mktemp(f"save-{stage}")
-            path, inside = folder / "ckpt", folder / "inside"
-            with open(folder / "driver.log", "w") as log:
-                drivers[stage] = (subprocess.Popen([sys.executable, script, str(path), stage, str(inside)],
-                                                   stdout=subprocess.DEVNULL, stderr=log, start_new_session=True),
-                                  path, inside)
-        yield drivers
-    finally:
-        for proc, _, _ in drivers.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=60)
-
-
-@pytest.mark.parametrize("stage", SAVE_STAGES)
-def test_a_driver_killed_inside_a_save_over_a_checkpoint_leaves_the_old_one_loadable(trainers, save_drivers, stage):
+@pytest.mark.parametrize("stage", ["head", "metadata"])
+def test_a_driver_killed_inside_a_save_over_a_checkpoint_leaves_the_old_one_loadable(trainers, tmp_path, stage):
     """The common pattern, save("ckpt") every epoch, with the driver SIGKILLed inside the second save: once the new
     state file is written (its parts' tasks started), or once DCP's new .metadata is written too. The old
     checkpoint loads (p == 1 after one epoch, not 2); DCP's own readers see a complete set (the new one once its
     .metadata is written)."""
-    proc, path, inside = save_drivers[stage]
+    path, inside = tmp_path / "ckpt", tmp_path / "inside"
+    script = os.path.join(TESTS_DIR, "save_driver.py")
+    with open(tmp_path / "driver.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, script, str(path), stage, str(inside)], stdout=subprocess.DEVNULL,
+                                stderr=log, start_new_session=True)
     try:
         wait_until(inside.exists, proc, f"the second save stopped after its {stage}", timeout_s=240)
     finally:
