@@ -2,8 +2,8 @@
 once in the test that checks more of its run (``RUN_BY``: the fault-tolerance example, in test_console_logs.py).
 
 The examples selected run two at a time in the background (``example_runs``, tests/background.py), each test
-waiting for its own: nothing an example checks here depends on timing. Measured: the nine took 206 s one after
-another (CI, 2026-11-29), 166 s two at a time.
+waiting for its own: nothing an example checks here depends on timing. Measured in CI: the nine took 206 s one
+after another, 175 s two at a time.
 
 The Ray Train guides' scripts (``ray_train_*.py``) run as their README commands do, under ``python -m raysgd.legacy
 --train`` (``ray.train`` mapped to raysgd.train), each in a run folder of the test's.
@@ -98,8 +98,8 @@ def example_runs(request, tmp_path_factory):
     """``{name: (future of the finished subprocess, its folder)}`` for every example the session selected from
     ``test_example_smoke_test``, started two at a time in the test order; an example not written yet is left out
     (its test skips). Each runs in a folder of its own (its cwd and any path argument)."""
-    prefix = request.node.nodeid + "::test_example_smoke_test["
-    names = [item.nodeid[len(prefix):-1] for item in request.session.items if item.nodeid.startswith(prefix)]
+    names = [item.callspec.params["name"] for item in request.session.items
+             if item.module is request.module and item.originalname == "test_example_smoke_test"]
     folders = {name: tmp_path_factory.mktemp(name.removesuffix(".py")) for name in names if (EXAMPLES / name).exists()}
     jobs = {name: functools.partial(_run, EXAMPLES / name, EXTRA_ARGS.get(name, lambda tmp: [])(folder), folder)
             for name, folder in folders.items()}

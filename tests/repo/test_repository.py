@@ -265,7 +265,7 @@ def test_docs_scripts_run(tmp_path):
     """Each script the docs give whole runs as the page says (from the repository's root, in a fresh process).
 
     A page's scripts run in order in a folder of the page's (a later one may read what an earlier one wrote); the
-    pages run two at a time (tests/background.py): 88 s one after another, 61 s so."""
+    pages run two at a time (tests/background.py): in CI 88 s one after another, 63 s so."""
     scripts = docs_scripts()
     assert {"progress_and_logs.py", "plot_logs.py", "ray_data_input.py", "mlflow_example.py",
             "wandb_example.py"} <= {name for _, name, _ in scripts}
