@@ -40,12 +40,15 @@ class ReportCommits:
         on_report: ``on_report(record)`` for every report rank 0 made (its ``metrics`` per rank, ``checkpoint``).
         score_attribute: ``CheckpointConfig(checkpoint_score_attribute)``: the ranks refuse a checkpoint whose score
             is not a number before writing it.
+        on_resume: ``on_resume(directory)`` when an attempt starts from a checkpoint of the run folder (the call's
+            first, or one after a failure; before any of its reports; not for ``initial``): the driver-side
+            components the checkpoint keeps are restored from it.
     """
 
-    def __init__(self, storage, home, initial=None, on_report=None, score_attribute=None):
+    def __init__(self, storage, home, initial=None, on_report=None, score_attribute=None, on_resume=None):
         self.storage, self.home, self.initial = storage, home, initial
         self.score_attribute = score_attribute
-        self._on_report = on_report
+        self._on_report, self._on_resume = on_report, on_resume
         self.active = False
         self.resumed_preemption = False  # a function's preemption commit is durable already: nothing to write
         self._call = 0
@@ -72,6 +75,8 @@ class ReportCommits:
         self._plan = self._make_plan()
         if self._plan.resume is not None:
             logger.info("Resuming the run from %s", self._plan.resume[0])
+            if self._plan.resume[1] is not None and self._on_resume is not None:
+                self._on_resume(self._plan.resume[1])
 
     def check_store(self):
         """Nothing to check: the reports are read by :meth:`poll`."""
@@ -89,6 +94,8 @@ class ReportCommits:
         self._plan = self._make_plan()
         resume = self._plan.resume
         logger.info("The training function restarts from %s", resume[0] if resume else "its beginning (no checkpoint)")
+        if resume is not None and resume[1] is not None and self._on_resume is not None:
+            self._on_resume(resume[1])
         return None
 
     def abandon_restart(self, kwargs):
@@ -136,9 +143,10 @@ class ReportCommits:
                 self.latest = (record["checkpoint"], record["metrics"][0])
                 self.reported.append(self.latest)
                 self._handled = max(self._handled or 0, record.get("index") or 0)
-                self._prune()
-            if self._on_report is not None:
+            if self._on_report is not None:  # first: what it writes beside the checkpoint must find it there
                 self._on_report(record)
+            if record.get("checkpoint"):
+                self._prune()
 
     def _catch_up(self, candidates):
         """Hand ``on_report`` the checkpoints a failed attempt completed after the driver's last poll (its rank 0

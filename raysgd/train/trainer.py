@@ -31,7 +31,7 @@ import ray
 
 from raysgd import logs
 from raysgd.base.checks import argument_error, expect
-from raysgd.callbacks import CallbackList
+from raysgd.callbacks import Callback, CallbackList
 from raysgd.torch.errors import WorkerFailure, rank_of
 from raysgd.torch.execution import cluster_state, shipping
 from raysgd.torch.execution.controller import RunController
@@ -53,7 +53,10 @@ from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
-#: The hidden file of the run folder keeping the driver's callbacks' state (handed back when the run resumes).
+#: The hidden file of a reported checkpoint's folder keeping the driver's callbacks' state as they were when they
+#: heard that report (written by the driver after the checkpoint's marker): a run resuming from the checkpoint hands
+#: it back, so a logger goes on from that report (an MLflow run's id and step), not from later reports the resumed
+#: function makes again.
 CALLBACKS_NOTE = ".raysgd_callbacks.json"
 
 
@@ -257,12 +260,12 @@ class TorchTrainer:
         user, ours = split_callbacks(self.run_config.callbacks)
         callbacks = CallbackList(ours + [RayMetrics(run=self.run_config.name)])
         self._callbacks, self._user_callbacks, self._storage_folder = callbacks, UserCallbacks(user), storage
+        self._heard = None  # (the folder name of the last checkpoint the callbacks heard, reports they heard since)
         self._run_context = TrainRunContext(run_config=self.run_config, train_loop_config=self.train_loop_config,
                                             scaling_config=self.scaling_config, torch_config=self.torch_config)
-        callbacks.load_state_dict((storage.read_note(CALLBACKS_NOTE) or {}).get("state"))  # a resumed run's
         initial = (self.resume_from_checkpoint.uri, None) if self.resume_from_checkpoint is not None else None
         reports = ReportCommits(storage, home=this_node() if storage.local else None, initial=initial,
-                                on_report=self._on_report,
+                                on_report=self._on_report, on_resume=self._resume_callbacks,
                                 score_attribute=self.run_config.checkpoint_config.checkpoint_score_attribute)
         if self.datasets and ray.cluster_resources().get("CPU", 0) <= \
                 self.scaling_config.worker_range[1] * self.scaling_config.num_cpus_per_worker:
@@ -340,13 +343,40 @@ class TorchTrainer:
             logger.debug("Checkpoint %s reported", record["checkpoint"])
             self._callbacks.call("on_checkpoint", self, record["checkpoint"])
         self._user_callbacks.after_report(self._run_context, record["metrics"], checkpoint)
+        if checkpoint is not None:
+            self._keep_callbacks(record["checkpoint"])
+        elif self._heard is not None:
+            self._heard = (self._heard[0], self._heard[1] + 1)
+
+    def _keep_callbacks(self, uri):
+        """Keep the callbacks' state in the folder of the checkpoint ``uri`` just reported (:data:`CALLBACKS_NOTE`):
+        a run resuming from that checkpoint hands it back to them."""
+        name = _folder_name(uri)
+        self._heard = (name, 0)
         state = self._callbacks.state_dict()
-        if state is not None:  # a driver run again with the same name hands it back (an MLflow run goes on)
-            try:
-                self._storage_folder.write_note(CALLBACKS_NOTE, {"state": state, "report": record.get("report")})
-            except Exception as err:  # noqa: BLE001 (the callbacks' state is a help; training goes on)
-                logger.warning("Could not keep the callbacks' state in %s: %s", self._storage_folder.storage_path,
-                               err)
+        if state is None:
+            return
+        try:
+            self._storage_folder.write_note(f"{name}/{CALLBACKS_NOTE}", {"state": state})
+        except Exception as err:  # noqa: BLE001 (the callbacks' state is a help; training goes on)
+            logger.warning("Could not keep the callbacks' state with checkpoint %s: %s", uri, err)
+
+    def _resume_callbacks(self, directory):
+        """An attempt starts from the checkpoint in ``directory`` of the run folder (the run's first, or one after a
+        failure): hand the callbacks the state they had when they heard it reported, before any report, so the
+        reports made again after it are not logged twice (nothing to do when they heard none since). A checkpoint
+        without one (its driver died before writing it, a moment after the checkpoint was complete) leaves them as
+        they are, with a warning: a new driver's logger then starts a new run of its tracker."""
+        name = _folder_name(directory)
+        if self._heard == (name, 0):
+            return
+        note = self._storage_folder.read_note(f"{name}/{CALLBACKS_NOTE}")
+        if note is not None:
+            self._callbacks.load_state_dict(note.get("state"))
+            self._heard = (name, 0)
+        elif any(type(callback).state_dict is not Callback.state_dict for callback in self._callbacks.callbacks):
+            logger.warning("Checkpoint %s keeps no state of the callbacks (its driver stopped before writing it): "
+                           "they go on as they are", name)
 
     def _on_event(self, kind, *args):
         """The controller's events, as callback hooks: ``failure`` -> ``on_failure`` (and the user callbacks'
@@ -365,6 +395,16 @@ class TorchTrainer:
         return Result.from_checkpoints(kept, path=reports.storage.path, checkpoint_config=self.run_config.checkpoint_config,
                                        metrics=metrics, error=error, return_value=value, num_failures=failures,
                                        storage_filesystem=reports.storage.filesystem)
+
+
+def _folder_name(path):
+    """The name of a checkpoint's folder in the run folder, from its path or URI (a URI's query options dropped).
+
+    Example:
+        >>> _folder_name("s3://bucket/run/checkpoint_000002?region=x"), _folder_name("/tmp/run/best/")
+        ('checkpoint_000002', 'best')
+    """
+    return path.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
 
 
 def _cause(error):

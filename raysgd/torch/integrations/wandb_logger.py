@@ -16,7 +16,9 @@ Layer 6 (the edge): wandb is optional (``pip install "raysgd[wandb]"``), importe
   and runs again continues the **same** run (``wandb.init(id=..., resume="allow")``). A step logged before the
   crash but after the checkpoint it resumes from is not logged again: wandb refuses a step below its current one,
   so the logger skips those itself (online: the run's step from the server; offline: the history of the run's
-  earlier offline segments in ``dir``, read with :func:`read_offline_history`). Every step appears once.
+  earlier offline segments in ``dir``, read with :func:`read_offline_history`). Every step appears once. A
+  training function (``raysgd.train``) restarted after a failure rewinds its callbacks to the checkpoint it runs
+  again from, with the run still open: the steps this process logged since are skipped the same way.
   Offline, wandb's core process buffers the segment's log: what it had not written when the driver was killed is
   lost (online, what reached the server stays).
 
@@ -260,8 +262,12 @@ class WandbLogger(EpochLogger):
         return {"run_id": self.run_id, "step": self.epoch}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue the run a durable checkpoint names, from its step (the run is resumed at the next result)."""
+        """Continue the run a durable checkpoint names, from its step (the run is resumed at the next result). With
+        the run open in this process (a training function restarted after a failure, rewinding its callbacks to
+        the checkpoint it resumes from), the steps this process logged since are in it already."""
         self.run_id = state.get("run_id")
         self.epoch = int(state.get("step") or 0)
         self._resumed = self.run_id is not None
         self._first_new_step = self.epoch + 1 if self._resumed else 0
+        if self._wandb_run is not None and self._wandb_run.id == self.run_id:
+            self._first_new_step = max(self._first_new_step, self._last_step + 1)

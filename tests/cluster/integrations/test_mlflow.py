@@ -356,3 +356,110 @@ def test_a_training_function_logs_every_report_and_checkpoint_to_the_server(mlfl
     assert logged == {"checkpoint_000001", "checkpoint_000002", "checkpoint_000003"}
     files = {a.path.rsplit("/", 1)[-1] for a in client.list_artifacts(run.info.run_id, "checkpoints/checkpoint_000003")}
     assert "state.pt" in files and os.path.basename(result.checkpoint.path) == "checkpoint_000003"
+
+
+@pytest.mark.usefixtures("ray_2cpus")
+def test_a_killed_function_driver_run_again_goes_on_from_its_checkpoints_logged_step(mlflow_server, tmp_path):
+    """A training function's driver (tests/function_driver.py, on this cluster) is SIGKILLed after its fifth report,
+    which MLflow holds, and the fourth's checkpoint. Run again, it resumes from that checkpoint, and the logger
+    with it: from the state kept in the checkpoint's folder, at step 4, in the same MLflow run. The function
+    reports step 5 again (not logged: the run has it) and then step 6: every step once, at its own number."""
+    import ray
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "function_driver.py")
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    storage, paused = str(tmp_path / "storage"), tmp_path / "paused"
+    client = mlflow.MlflowClient(tracking_uri=mlflow_server)
+
+    def start(*extra):
+        with open(tmp_path / "driver.log", "a") as log:
+            return subprocess.Popen([sys.executable, script, mlflow_server, storage, *extra], stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def runs():
+        experiment = client.get_experiment_by_name("function-killed")
+        return client.search_runs([experiment.experiment_id]) if experiment is not None else []
+
+    def logged_step_5():  # the logger's thread writes it while rank 0 waits
+        found = runs()
+        return len(found) == 1 and 5 in [step for step, _ in history(client, found[0].info.run_id, "train/loss")]
+
+    first = start("--pause", str(paused))
+    try:
+        wait_until(paused.exists, first, "rank 0 waits after its fifth report")
+        wait_until(logged_step_5, first, "MLflow holds the fifth report", timeout_s=60)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=60)
+    (run,) = runs()
+    assert [step for step, _ in history(client, run.info.run_id, "train/loss")] == [1, 2, 3, 4, 5]
+    kept = tmp_path / "storage" / "six" / "checkpoint_000002" / ".raysgd_callbacks.json"
+    assert kept.exists() and not (tmp_path / "storage" / "six" / ".raysgd_callbacks.json").exists()
+
+    second = start()
+    try:
+        second.wait(timeout=300)
+    finally:
+        if second.poll() is None:
+            os.killpg(second.pid, signal.SIGKILL)
+            second.wait(timeout=60)
+    log = (tmp_path / "driver.log").read_text()
+    assert second.returncode == 0, log[-4000:]
+    assert f"Continuing MLflow run {run.info.run_id} after step 4" in log
+    (again,) = runs()
+    assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
+    assert history(client, run.info.run_id, "train/loss") == [(step, 1.0 / step) for step in range(1, 7)]
+    assert history(client, run.info.run_id, "train/run") == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 2)]
+
+
+@pytest.mark.usefixtures("ray_2cpus")
+def test_a_training_function_restarted_after_a_lost_worker_logs_every_step_once(mlflow_server, tmp_path,
+                                                                               monkeypatch):
+    """The training function's only worker SIGKILLs itself after its fifth report, once both loggers (MLflow, and
+    W&B offline) took it: the function runs again from the fourth report's checkpoint, and the callbacks are
+    rewound with it (the state kept in that checkpoint's folder), so the fifth report, made again, is logged
+    neither a second time nor at a new step. One run for both trackers, as for the killed driver."""
+    wandb_files = pytest.importorskip("test_wandb")
+    wandb_files.use_offline_wandb(monkeypatch, tmp_path)
+    from function_driver import six_reports
+    from raysgd.loggers import WandbLogger
+    from raysgd.train import FailureConfig, RunConfig, ScalingConfig
+    from raysgd.train.torch import TorchTrainer
+
+    client = mlflow.MlflowClient(tracking_uri=mlflow_server)
+    release, runs = tmp_path / "release", tmp_path / "wandb-runs"
+    mlflow_logger = MLflowLogger(tracking_uri=mlflow_server, experiment_name="restarted")
+    wandb_logger = WandbLogger(project="restarted", mode="offline", dir=runs)
+    stop = threading.Event()
+
+    def logged_step_5():
+        return mlflow_logger.run_id is not None and wandb_logger.epoch == 5 and \
+            5 in [step for step, _ in history(client, mlflow_logger.run_id, "train/loss")]
+
+    def release_once_logged():  # the worker dies only after the driver heard its fifth report and MLflow holds it
+        while not stop.wait(0.05):
+            if logged_step_5():
+                release.touch()
+                return
+
+    watcher = threading.Thread(target=release_once_logged, daemon=True)
+    watcher.start()
+    try:
+        result = TorchTrainer(six_reports, train_loop_config={"run": 1, "kill": str(tmp_path / "killed"),
+                                                              "release": str(release)},
+                              scaling_config=ScalingConfig(num_workers=1),
+                              run_config=RunConfig(name="six", storage_path=str(tmp_path / "storage"),
+                                                   callbacks=[mlflow_logger, wandb_logger],
+                                                   failure_config=FailureConfig(max_failures=1))).fit()
+    finally:
+        stop.set()
+        watcher.join(timeout=10)
+    assert release.exists() and (tmp_path / "killed").exists() and result.num_failures == 1
+    run_id = mlflow_logger.run_id
+    assert history(client, run_id, "train/loss") == [(step, 1.0 / step) for step in range(1, 7)]
+    assert history(client, run_id, "train/run") == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 2)]
+    assert client.get_run(run_id).info.status == "FINISHED"
+    (path,) = wandb_files.segments(runs, wandb_logger.run_id, finished=1)  # one wandb.init: the run stayed open
+    rows = wandb_files.rows([path])
+    assert [row["_step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+    assert wandb_files.history(rows, "train/run") == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 2)]
