@@ -75,8 +75,7 @@ class ReportCommits:
         self._plan = self._make_plan()
         if self._plan.resume is not None:
             logger.info("Resuming the run from %s", self._plan.resume[0])
-            if self._plan.resume[1] is not None and self._on_resume is not None:
-                self._on_resume(self._plan.resume[1])
+        self._resuming()
 
     def check_store(self):
         """Nothing to check: the reports are read by :meth:`poll`."""
@@ -94,9 +93,14 @@ class ReportCommits:
         self._plan = self._make_plan()
         resume = self._plan.resume
         logger.info("The training function restarts from %s", resume[0] if resume else "its beginning (no checkpoint)")
+        self._resuming()
+        return None
+
+    def _resuming(self):
+        """An attempt's plan is made: ``on_resume`` hears the run folder's checkpoint it starts from, if any."""
+        resume = self._plan.resume
         if resume is not None and resume[1] is not None and self._on_resume is not None:
             self._on_resume(resume[1])
-        return None
 
     def abandon_restart(self, kwargs):
         """Never needed: :meth:`restart_state` loads nothing."""

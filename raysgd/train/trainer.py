@@ -260,7 +260,7 @@ class TorchTrainer:
         user, ours = split_callbacks(self.run_config.callbacks)
         callbacks = CallbackList(ours + [RayMetrics(run=self.run_config.name)])
         self._callbacks, self._user_callbacks, self._storage_folder = callbacks, UserCallbacks(user), storage
-        self._heard = None  # (the folder name of the last checkpoint the callbacks heard, reports they heard since)
+        self._callbacks_at = None  # the checkpoint the callbacks' state is at (no report heard since it), by name
         self._run_context = TrainRunContext(run_config=self.run_config, train_loop_config=self.train_loop_config,
                                             scaling_config=self.scaling_config, torch_config=self.torch_config)
         initial = (self.resume_from_checkpoint.uri, None) if self.resume_from_checkpoint is not None else None
@@ -343,16 +343,14 @@ class TorchTrainer:
             logger.debug("Checkpoint %s reported", record["checkpoint"])
             self._callbacks.call("on_checkpoint", self, record["checkpoint"])
         self._user_callbacks.after_report(self._run_context, record["metrics"], checkpoint)
+        self._callbacks_at = None
         if checkpoint is not None:
             self._keep_callbacks(record["checkpoint"])
-        elif self._heard is not None:
-            self._heard = (self._heard[0], self._heard[1] + 1)
 
     def _keep_callbacks(self, uri):
         """Keep the callbacks' state in the folder of the checkpoint ``uri`` just reported (:data:`CALLBACKS_NOTE`):
         a run resuming from that checkpoint hands it back to them."""
-        name = _folder_name(uri)
-        self._heard = (name, 0)
+        name = self._callbacks_at = _folder_name(uri)
         state = self._callbacks.state_dict()
         if state is None:
             return
@@ -368,12 +366,12 @@ class TorchTrainer:
         without one (its driver died before writing it, a moment after the checkpoint was complete) leaves them as
         they are, with a warning: a new driver's logger then starts a new run of its tracker."""
         name = _folder_name(directory)
-        if self._heard == (name, 0):
+        if self._callbacks_at == name:
             return
         note = self._storage_folder.read_note(f"{name}/{CALLBACKS_NOTE}")
         if note is not None:
             self._callbacks.load_state_dict(note.get("state"))
-            self._heard = (name, 0)
+            self._callbacks_at = name
         elif any(type(callback).state_dict is not Callback.state_dict for callback in self._callbacks.callbacks):
             logger.warning("Checkpoint %s keeps no state of the callbacks (its driver stopped before writing it): "
                            "they go on as they are", name)

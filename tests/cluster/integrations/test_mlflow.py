@@ -17,6 +17,7 @@ import pytest
 
 mlflow = pytest.importorskip("mlflow")
 
+from conftest import TESTS_DIR  # noqa: E402
 from helpers import LinearOperator  # noqa: E402
 from raysgd import optional  # noqa: E402
 from raysgd.loggers import MLflowLogger  # noqa: E402
@@ -366,7 +367,7 @@ def test_a_killed_function_driver_run_again_goes_on_from_its_checkpoints_logged_
     reports step 5 again (not logged: the run has it) and then step 6: every step once, at its own number."""
     import ray
 
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "function_driver.py")
+    script = os.path.join(TESTS_DIR, "function_driver.py")
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     storage, paused = str(tmp_path / "storage"), tmp_path / "paused"
     client = mlflow.MlflowClient(tracking_uri=mlflow_server)
