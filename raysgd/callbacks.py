@@ -8,7 +8,9 @@ worker group changes size, and at ``shutdown()``. Every hook is a no-op by defau
 A hook that raises is logged (``logging.warning`` naming the callback's class and the hook, with the traceback)
 and skipped: training goes on and the next hook is called as usual. A callback that wants to survive a driver
 crash with a durable run returns a JSON-able dict from :meth:`Callback.state_dict`; it is saved in every
-checkpoint's marker and handed back to :meth:`Callback.load_state_dict` when the run resumes.
+checkpoint's marker and handed back to :meth:`Callback.load_state_dict` when the run resumes; one whose run can
+start again from its beginning in the same driver (a training function restarted before its first checkpoint)
+goes back to its start in :meth:`Callback.rewind`.
 
 Example:
     >>> class PrintLoss(Callback):
@@ -81,6 +83,25 @@ class Callback:
     def load_state_dict(self, state: dict) -> None:
         """A resumed durable run hands back what :meth:`state_dict` returned when its checkpoint was written."""
 
+    def rewind(self) -> None:
+        """The run starts again from its beginning in this driver: a ``raysgd.train`` training function restarted
+        after a failure with no checkpoint of its run folder to resume from, so its reports come again from the
+        first. Go back to the run's start, keeping what this run made (an experiment tracker's run, whose steps
+        are kept). The default does nothing; ``TorchTrainer``'s restarts resume from restart points and never
+        call it.
+
+        Example:
+            >>> class Count(Callback):
+            ...     def __init__(self):
+            ...         self.results = 0
+            ...     def on_train_result(self, trainer, result):
+            ...         self.results += 1
+            ...     def rewind(self):
+            ...         self.results = 0
+            >>> count = Count(); count.on_train_result(None, {}); CallbackList([count]).rewind(); count.results
+            0
+        """
+
 
 class CallbackList:
     """The trainer's callbacks, called in order; a raising hook is logged and skipped (see the module docstring).
@@ -147,6 +168,19 @@ class CallbackList:
             except Exception:  # noqa: BLE001
                 logger.warning("Callback %s.load_state_dict raised; it starts afresh", type(callback).__name__,
                                exc_info=True)
+
+    def rewind(self) -> None:
+        """Call every callback's :meth:`Callback.rewind` (the run starts again from its beginning); a raising one is
+        logged and the rest are rewound."""
+        with self._lock:
+            for callback in self.callbacks:
+                if type(callback).rewind is Callback.rewind:
+                    continue
+                try:
+                    callback.rewind()
+                except Exception:  # noqa: BLE001 (a callback never corrupts the run)
+                    logger.warning("Callback %s.rewind raised; it goes on as it is", type(callback).__name__,
+                                   exc_info=True)
 
 
 def check_callbacks(callbacks: list | tuple | None, caller: str = "TorchTrainer") -> list[Callback]:

@@ -7,9 +7,9 @@ With ``--pause PATH`` rank 0 writes PATH after the fifth report and waits there,
 Every report's ``run`` metric is 1 with ``--pause``, else 2: the test tells which driver logged a step. The driver
 joins the cluster of ``RAY_ADDRESS`` (as ``fit()`` does).
 
-Imported, :func:`six_reports` also loses its worker once: with ``config["kill"]`` (a path) rank 0 waits after the
-fifth report until ``config["release"]`` exists (the test saw that report logged), writes ``kill`` and SIGKILLs
-itself; the attempt after it reports ``run`` + 1.
+Imported, :func:`six_reports` also loses its worker once: with ``config["kill"]`` (a path) rank 0 waits before
+report ``config["kill_at"]`` (default 6) until ``config["release"]`` exists (the test saw the report before it
+logged), writes ``kill`` and SIGKILLs itself; the attempt after it reports ``run`` + 1.
 """
 import argparse
 import json
@@ -38,7 +38,7 @@ def six_reports(config):
         if step == 6 and config.get("pause"):
             open(config["pause"], "w").close()
             time.sleep(PAUSE_S)
-        if step == 6 and kill and not os.path.exists(kill):
+        if step == config.get("kill_at", 6) and kill and not os.path.exists(kill):
             deadline = time.monotonic() + PAUSE_S
             while not os.path.exists(config["release"]) and time.monotonic() < deadline:
                 time.sleep(0.05)

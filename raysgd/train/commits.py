@@ -42,7 +42,9 @@ class ReportCommits:
             is not a number before writing it.
         on_resume: ``on_resume(directory)`` when an attempt starts from a checkpoint of the run folder (the call's
             first, or one after a failure; before any of its reports; not for ``initial``): the driver-side
-            components the checkpoint keeps are restored from it.
+            components the checkpoint keeps are restored from it. ``on_resume(None)`` when an attempt after a
+            failure starts from the call's beginning (no checkpoint of the run folder yet: from ``initial`` or
+            from nothing): they go back to their start.
     """
 
     def __init__(self, storage, home, initial=None, on_report=None, score_attribute=None, on_resume=None):
@@ -75,7 +77,7 @@ class ReportCommits:
         self._plan = self._make_plan()
         if self._plan.resume is not None:
             logger.info("Resuming the run from %s", self._plan.resume[0])
-        self._resuming()
+        self._resuming(restart=False)
 
     def check_store(self):
         """Nothing to check: the reports are read by :meth:`poll`."""
@@ -93,14 +95,19 @@ class ReportCommits:
         self._plan = self._make_plan()
         resume = self._plan.resume
         logger.info("The training function restarts from %s", resume[0] if resume else "its beginning (no checkpoint)")
-        self._resuming()
+        self._resuming(restart=True)
         return None
 
-    def _resuming(self):
-        """An attempt's plan is made: ``on_resume`` hears the run folder's checkpoint it starts from, if any."""
+    def _resuming(self, restart):
+        """An attempt's plan is made: ``on_resume`` hears the run folder's checkpoint it starts from, or None when a
+        ``restart`` starts from the call's beginning."""
+        if self._on_resume is None:
+            return
         resume = self._plan.resume
-        if resume is not None and resume[1] is not None and self._on_resume is not None:
+        if resume is not None and resume[1] is not None:
             self._on_resume(resume[1])
+        elif restart:
+            self._on_resume(None)
 
     def abandon_restart(self, kwargs):
         """Never needed: :meth:`restart_state` loads nothing."""

@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 #: it back, so a logger goes on from that report (an MLflow run's id and step), not from later reports the resumed
 #: function makes again.
 CALLBACKS_NOTE = ".raysgd_callbacks.json"
+_START = ""  # where the callbacks are before any report of a fit(): the name of no checkpoint
 
 
 #: How the constructor's errors name an argument and its value: ``TorchTrainer(run_config=...) expects ...; got dict
@@ -260,7 +261,7 @@ class TorchTrainer:
         user, ours = split_callbacks(self.run_config.callbacks)
         callbacks = CallbackList(ours + [RayMetrics(run=self.run_config.name)])
         self._callbacks, self._user_callbacks, self._storage_folder = callbacks, UserCallbacks(user), storage
-        self._callbacks_at = None  # the checkpoint the callbacks' state is at (no report heard since it), by name
+        self._callbacks_at = _START  # the checkpoint the callbacks' state is at (no report heard since), by name
         self._run_context = TrainRunContext(run_config=self.run_config, train_loop_config=self.train_loop_config,
                                             scaling_config=self.scaling_config, torch_config=self.torch_config)
         initial = (self.resume_from_checkpoint.uri, None) if self.resume_from_checkpoint is not None else None
@@ -364,7 +365,14 @@ class TorchTrainer:
         failure): hand the callbacks the state they had when they heard it reported, before any report, so the
         reports made again after it are not logged twice (nothing to do when they heard none since). A checkpoint
         without one (its driver died before writing it, a moment after the checkpoint was complete) leaves them as
-        they are, with a warning: a new driver's logger then starts a new run of its tracker."""
+        they are, with a warning: a new driver's logger then starts a new run of its tracker. ``directory`` None:
+        an attempt after a failure starts from the beginning (no checkpoint of the run folder yet): the callbacks
+        that heard a report since are rewound (:meth:`~raysgd.callbacks.Callback.rewind`)."""
+        if directory is None:  # a restart from the beginning: no checkpoint of the run folder to resume from
+            if self._callbacks_at != _START:
+                self._callbacks.rewind()
+                self._callbacks_at = _START
+            return
         name = _folder_name(directory)
         if self._callbacks_at == name:
             return

@@ -289,7 +289,14 @@ class MLflowLogger(EpochLogger):
                 "unwritten": unwritten}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue the run a durable checkpoint names, from its step; write its unwritten results the run lacks."""
+        """Continue the run a durable checkpoint names, from its step; write its unwritten results the run lacks.
+        Writes this logger queued before (its run open in this process: a restarted training function) land
+        first, so what the run holds is read whole."""
+        if self._writer.pending():
+            try:
+                self._writer.flush(raise_error=False)
+            except TimeoutError as err:
+                logger.warning("MLflowLogger: %s; a step written after it may be logged twice", err)
         self.run_id = state.get("run_id")
         self.epoch = int(state.get("step") or 0)
         self._params_logged = bool(state.get("params_logged"))

@@ -6,8 +6,10 @@ Layer 6 (the edge; the standard library and :mod:`raysgd.callbacks`). :class:`Ep
 ``step=result["epoch"]`` (the previous step + 1 when it has none), a ``validate()`` result at the epoch of the last
 ``train()`` (0 before any), and a durable checkpoint in a local folder goes to the tracker when the logger was
 made with ``log_checkpoints=True``. A subclass logs (``log_result``) and stores checkpoints (``log_checkpoint``)
-in its own tracker, and says whether its run has started (``started``). :class:`BackgroundWriter` takes a
-logger's writes off the training call's path (one thread, in order, a bounded queue, deadlines, errors kept).
+in its own tracker, says whether its run has started (``started``), and keeps its run and step
+(``state_dict``/``load_state_dict``); :meth:`EpochLogger.rewind` goes back to step 0 of the same run.
+:class:`BackgroundWriter` takes a logger's writes off the training call's path (one thread, in order, a bounded
+queue, deadlines, errors kept).
 
 Example:
     >>> class Steps(EpochLogger):
@@ -69,6 +71,16 @@ class EpochLogger(Callback):
     def started(self):
         """Whether the tracker's run has started (checkpoints are logged only then)."""
         return True
+
+    def rewind(self):
+        """The run starts again from its beginning: the next ``train()`` result without an ``epoch`` is step 1 again,
+        in the same tracker run, where the steps it holds are kept (the logger's resume rules: see
+        ``load_state_dict``). Before its run started there is nothing to keep."""
+        state = self.state_dict()
+        if state is None:
+            self.epoch = 0
+            return
+        self.load_state_dict({**state, "step": 0})
 
     def on_train_result(self, trainer, result):
         epoch = result.get("epoch")

@@ -314,6 +314,33 @@ def test_results_still_queued_at_a_checkpoint_are_written_by_the_resumed_run(tra
     assert client.get_run(first.run_id).info.status == "FINISHED"
 
 
+def test_a_rewind_lets_the_queued_writes_land_first_so_every_step_is_logged_once(gated_proxy, mlflow_server):
+    """A logger rewound to step 0 of its run (a training function restarted before its first checkpoint) while its
+    writes of steps 2 and 3 wait at a slow server: the rewind waits for them, so the steps made again (1-4) are
+    written only where the run lacks them. Without that wait the run's steps would be read before 2 and 3 landed,
+    and both would be written twice."""
+    logger = MLflowLogger(tracking_uri=gated_proxy.uri, experiment_name="rewound")
+    logger.on_train_result(None, {"loss": 1.0, "run": 1})
+    logger.flush(timeout_s=60)
+    gated_proxy.set("held")
+    for step in (2, 3):
+        logger.on_train_result(None, {"loss": 1.0 / step, "run": 1})
+    gated_proxy.wait_held()
+    rewound = threading.Thread(target=logger.rewind, daemon=True)
+    rewound.start()
+    rewound.join(0.5)
+    assert rewound.is_alive()  # held by the queued writes: the server has not answered them
+    gated_proxy.set("open")
+    rewound.join(60)
+    assert not rewound.is_alive() and logger.epoch == 0
+    for step in range(1, 5):
+        logger.on_train_result(None, {"loss": 1.0 / step, "run": 2})
+    logger.on_shutdown(None)
+    client = mlflow.MlflowClient(tracking_uri=mlflow_server)
+    assert history(client, logger.run_id, "train/run") == [(1, 1), (2, 1), (3, 1), (4, 2)]
+    assert client.get_run(logger.run_id).info.status == "FINISHED"
+
+
 def test_a_logger_is_picklable_for_tune_trials(tmp_path):
     import pickle
 
@@ -414,12 +441,15 @@ def test_a_killed_function_driver_run_again_goes_on_from_its_checkpoints_logged_
 
 
 @pytest.mark.usefixtures("ray_2cpus")
+@pytest.mark.parametrize("kill_at", [6, 2], ids=["after-a-checkpoint", "before-the-first-checkpoint"])
 def test_a_training_function_restarted_after_a_lost_worker_logs_every_step_once(mlflow_server, tmp_path,
-                                                                               monkeypatch):
-    """The training function's only worker SIGKILLs itself after its fifth report, once both loggers (MLflow, and
-    W&B offline) took it: the function runs again from the fourth report's checkpoint, and the callbacks are
-    rewound with it (the state kept in that checkpoint's folder), so the fifth report, made again, is logged
-    neither a second time nor at a new step. One run for both trackers, as for the killed driver."""
+                                                                               monkeypatch, kill_at):
+    """The training function's only worker SIGKILLs itself before report ``kill_at``, once both loggers (MLflow, and
+    W&B offline) took the one before: the function runs again, from the fourth report's checkpoint (kill_at 6:
+    the callbacks are rewound with it, to the state kept in that checkpoint's folder) or from its beginning
+    (kill_at 2, before the first checkpoint: the callbacks are rewound to step 0 of their runs). Either way the
+    reports made again are logged neither a second time nor at new steps. One run for both trackers, as for the
+    killed driver."""
     wandb_files = pytest.importorskip("test_wandb")
     wandb_files.use_offline_wandb(monkeypatch, tmp_path)
     from function_driver import six_reports
@@ -429,17 +459,17 @@ def test_a_training_function_restarted_after_a_lost_worker_logs_every_step_once(
 
     client = mlflow.MlflowClient(tracking_uri=mlflow_server)
     release, runs = tmp_path / "release", tmp_path / "wandb-runs"
-    mlflow_logger = MLflowLogger(tracking_uri=mlflow_server, experiment_name="restarted")
+    mlflow_logger = MLflowLogger(tracking_uri=mlflow_server, experiment_name=f"restarted-{kill_at}")
     wandb_logger = WandbLogger(project="restarted", mode="offline", dir=runs)
-    stop = threading.Event()
+    stop, last = threading.Event(), kill_at - 1
 
-    def logged_step_5():
-        return mlflow_logger.run_id is not None and wandb_logger.epoch == 5 and \
-            5 in [step for step, _ in history(client, mlflow_logger.run_id, "train/loss")]
+    def logged_last():
+        return mlflow_logger.run_id is not None and wandb_logger.epoch == last and \
+            last in [step for step, _ in history(client, mlflow_logger.run_id, "train/loss")]
 
-    def release_once_logged():  # the worker dies only after the driver heard its fifth report and MLflow holds it
+    def release_once_logged():  # the worker dies only after the driver heard the report and MLflow holds it
         while not stop.wait(0.05):
-            if logged_step_5():
+            if logged_last():
                 release.touch()
                 return
 
@@ -447,7 +477,7 @@ def test_a_training_function_restarted_after_a_lost_worker_logs_every_step_once(
     watcher.start()
     try:
         result = TorchTrainer(six_reports, train_loop_config={"run": 1, "kill": str(tmp_path / "killed"),
-                                                              "release": str(release)},
+                                                              "release": str(release), "kill_at": kill_at},
                               scaling_config=ScalingConfig(num_workers=1),
                               run_config=RunConfig(name="six", storage_path=str(tmp_path / "storage"),
                                                    callbacks=[mlflow_logger, wandb_logger],
@@ -457,10 +487,12 @@ def test_a_training_function_restarted_after_a_lost_worker_logs_every_step_once(
         watcher.join(timeout=10)
     assert release.exists() and (tmp_path / "killed").exists() and result.num_failures == 1
     run_id = mlflow_logger.run_id
+    first_run = [(step, 1) for step in range(1, kill_at)]
+    second_run = [(step, 2) for step in range(kill_at, 7)]
     assert history(client, run_id, "train/loss") == [(step, 1.0 / step) for step in range(1, 7)]
-    assert history(client, run_id, "train/run") == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 2)]
+    assert history(client, run_id, "train/run") == first_run + second_run
     assert client.get_run(run_id).info.status == "FINISHED"
     (path,) = wandb_files.segments(runs, wandb_logger.run_id, finished=1)  # one wandb.init: the run stayed open
     rows = wandb_files.rows([path])
     assert [row["_step"] for row in rows] == [1, 2, 3, 4, 5, 6]
-    assert wandb_files.history(rows, "train/run") == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 2)]
+    assert wandb_files.history(rows, "train/run") == first_run + second_run
