@@ -34,8 +34,6 @@ from raysgd.base.checks import argument_error, expect
 from raysgd.torch.storage import filesystem as _fs
 from typing import Any, Iterator
 
-#: The file in a checkpoint's directory that holds its metadata (Ray Train's name).
-METADATA_FILE = ".metadata.json"
 #: How ``Checkpoint(...)``'s errors name an argument and its value: ``Checkpoint(path=...) expects ...; got int 3``.
 _CHECKPOINT = {"caller": "Checkpoint", "call": True, "typed": True}
 
@@ -177,26 +175,33 @@ class Checkpoint:
             yield folder
 
     def to_directory(self, path: str | os.PathLike | None = None) -> str:
-        """Copy the checkpoint's files to the local directory ``path`` (default: a new temporary one); returns it."""
+        """Copy the checkpoint's files to the local directory ``path`` (default: a new temporary one); returns it.
+        raysgd's own files of a reported checkpoint (its marker, the callbacks' state) are not copied."""
         path = os.path.abspath(os.path.expanduser(os.fspath(path))) if path is not None else \
             tempfile.mkdtemp(prefix="raysgd-checkpoint-")
         if self.is_local:
-            shutil.copytree(self.path, path, dirs_exist_ok=True)
+            top = os.path.abspath(self.path)
+            shutil.copytree(self.path, path, dirs_exist_ok=True,
+                            ignore=lambda folder, names: [name for name in names if name in _fs.REPORT_FILES
+                                                          and os.path.abspath(folder) == top])
         else:
             self._download(path)
+            for name in _fs.REPORT_FILES:
+                if os.path.isfile(os.path.join(path, name)):
+                    os.remove(os.path.join(path, name))
         return path
 
     def get_metadata(self) -> dict[str, Any]:
         """The metadata dict kept with the checkpoint (``.metadata.json``), or ``{}`` when none was set."""
         if self.is_local:
             try:
-                with open(self._file(METADATA_FILE), "rb") as handle:
+                with open(self._file(_fs.CHECKPOINT_METADATA), "rb") as handle:
                     return json.loads(handle.read().decode())
             except FileNotFoundError:
                 return {}
-        if self.filesystem.get_file_info(self._file(METADATA_FILE)).type == _fs.pafs.FileType.NotFound:
+        if self.filesystem.get_file_info(self._file(_fs.CHECKPOINT_METADATA)).type == _fs.pafs.FileType.NotFound:
             return {}
-        with self.filesystem.open_input_stream(self._file(METADATA_FILE)) as handle:
+        with self.filesystem.open_input_stream(self._file(_fs.CHECKPOINT_METADATA)) as handle:
             return json.loads(handle.readall().decode())
 
     def set_metadata(self, metadata: dict[str, Any]) -> None:
@@ -220,12 +225,12 @@ class Checkpoint:
             if not os.path.isdir(self.path):
                 raise FileNotFoundError(f"Checkpoint.set_metadata: the checkpoint's directory {self.path!r} does not "
                                         f"exist")
-            temporary = self._file(f"{METADATA_FILE}.{os.getpid()}.tmp")
+            temporary = self._file(f"{_fs.CHECKPOINT_METADATA}.{os.getpid()}.tmp")
             with open(temporary, "wb") as handle:
                 handle.write(data)
-            os.replace(temporary, self._file(METADATA_FILE))  # readers see the old or the new, never half
+            os.replace(temporary, self._file(_fs.CHECKPOINT_METADATA))  # readers see the old or the new, never half
             return
-        with self.filesystem.open_output_stream(self._file(METADATA_FILE)) as handle:
+        with self.filesystem.open_output_stream(self._file(_fs.CHECKPOINT_METADATA)) as handle:
             handle.write(data)
 
     def update_metadata(self, metadata: dict[str, Any]) -> None:

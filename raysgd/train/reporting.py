@@ -144,7 +144,7 @@ class Reporter:
         directory ``name`` (None: numbered); returns the checkpoint's uri when any rank reported one, else None.
         Ends the attempt (:func:`~raysgd.torch.commits.preemption.leave`) when the ranks must stop here."""
         started = time.monotonic()
-        files = rank_files.local_files(source) if source is not None else None
+        files = rank_files.local_files(source, skip=filesystem.REPORT_FILES) if source is not None else None
         level = preemption.PREEMPT if preemption.requested() else \
             preemption.RESIZE if preemption.resize_wanted(self.plan.call_id, self.plan.attempt) else preemption.GO_ON
         infos = self.exchange({"metrics": metrics, "files": files, "name": name, "level": level})

@@ -53,11 +53,6 @@ from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
-#: The hidden file of a reported checkpoint's folder keeping the driver's callbacks' state as they were when they
-#: heard that report (written by the driver after the checkpoint's marker): a run resuming from the checkpoint hands
-#: it back, so a logger goes on from that report (an MLflow run's id and step), not from later reports the resumed
-#: function makes again.
-CALLBACKS_NOTE = ".raysgd_callbacks.json"
 _START = ""  # where the callbacks are before any report of a fit(): the name of no checkpoint
 
 
@@ -349,14 +344,14 @@ class TorchTrainer:
             self._keep_callbacks(record["checkpoint"])
 
     def _keep_callbacks(self, uri):
-        """Keep the callbacks' state in the folder of the checkpoint ``uri`` just reported (:data:`CALLBACKS_NOTE`):
+        """Keep the callbacks' state in the folder of the checkpoint ``uri`` just reported (:data:`~raysgd.torch.storage.filesystem.CALLBACKS_NOTE`):
         a run resuming from that checkpoint hands it back to them."""
         name = self._callbacks_at = _folder_name(uri)
         state = self._callbacks.state_dict()
         if state is None:
             return
         try:
-            self._storage_folder.write_note(f"{name}/{CALLBACKS_NOTE}", {"state": state})
+            self._storage_folder.write_note(f"{name}/{filesystem.CALLBACKS_NOTE}", {"state": state})
         except Exception as err:  # noqa: BLE001 (the callbacks' state is a help; training goes on)
             logger.warning("Could not keep the callbacks' state with checkpoint %s: %s", uri, err)
 
@@ -376,7 +371,7 @@ class TorchTrainer:
         name = _folder_name(directory)
         if self._callbacks_at == name:
             return
-        note = self._storage_folder.read_note(f"{name}/{CALLBACKS_NOTE}")
+        note = self._storage_folder.read_note(f"{name}/{filesystem.CALLBACKS_NOTE}")
         if note is not None:
             self._callbacks.load_state_dict(note.get("state"))
             self._callbacks_at = name

@@ -225,7 +225,8 @@ def test_lightning_on_two_workers_reports_each_epoch_and_a_killed_rank_resumes_f
 def test_reported_checkpoints_go_to_an_s3_uri_marker_last_and_read_back(tmp_path):
     """The run folder on a real S3-compatible server (moto): two ranks' files go into one directory, its marker
     written last listing both; a directory without a marker is skipped; a file shorter than its marker says is found
-    before any function reads it (the one before is resumed from); ``Checkpoint.as_directory`` downloads one."""
+    before any function reads it (the one before is resumed from); ``Checkpoint.as_directory`` downloads one, and
+    ``to_directory`` copies its files but raysgd's marker."""
     from s3_server import moto_s3
 
     from raysgd.torch.storage import filesystem, rank_files
@@ -259,6 +260,8 @@ def test_reported_checkpoints_go_to_an_s3_uri_marker_last_and_read_back(tmp_path
         with Checkpoint(commits.newest_good()[0]).as_directory() as local:
             assert sorted(os.listdir(local)) == [filesystem.REPORT_MARKER, "shard_0.pt", "shard_1.pt"]
             assert open(os.path.join(local, "shard_1.pt"), "rb").read() == b"weightsweights"
+        copied = Checkpoint(commits.newest_good()[0]).to_directory(tmp_path / "copy")  # the user's files only
+        assert sorted(os.listdir(copied)) == ["shard_0.pt", "shard_1.pt"]
 
 
 def test_a_restored_cursor_resumes_its_epoch_exactly_once_on_another_world_size():

@@ -4,6 +4,7 @@ One shared 3-CPU local cluster; real actors, real gloo groups, real SIGKILLs and
 (``train_functions.counting``) counts how often each sample was trained and logs every batch, so "every sample once"
 and "nothing trained twice" are checked sample by sample.
 """
+import json
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ from conftest import assert_released, start_ray
 from helpers import signal_at_marker
 from train_functions import counting, read_counts, sharded, trained_batches
 import raysgd.train
+from raysgd.torch.storage import filesystem
 from raysgd.train import Checkpoint, FailureConfig, RunConfig, ScalingConfig
 from raysgd.train.torch import TorchConfig, TorchTrainer
 from raysgd.train.errors import ResourcesError, TrainingFailedError, WorkerGroupError
@@ -216,6 +218,48 @@ def test_a_truncated_newest_checkpoint_is_skipped_and_the_one_before_it_resumed(
         again = run(tmp_path, "damaged", {"n": 16, "epochs": 2}, workers=1)
     assert "Skipping checkpoint" in caplog.text and "state.pt has" in caplog.text
     assert read_counts(again.checkpoint).tolist() == [2.0] * 16  # epoch 0 from the older checkpoint, then epoch 1
+    assert_released()
+
+
+def reports_the_checkpoint_it_started_from(config):
+    """Reports the checkpoint it was started from (``get_checkpoint()``) again, unchanged, as its own."""
+    checkpoint = raysgd.train.get_checkpoint()
+    with checkpoint.as_directory() as folder:
+        loss = float(open(os.path.join(folder, "loss.txt")).read())
+    raysgd.train.report({"loss": loss / 2}, checkpoint=checkpoint)
+
+
+def test_a_checkpoint_reported_again_is_whole_and_raysgds_own_files_are_not_its_content(cluster, tmp_path, caplog):
+    """A run started from another run's checkpoint (``resume_from_checkpoint``) reports that checkpoint again, in
+    place (its folder holds raysgd's marker and the callbacks' note beside the user's file): the new checkpoint's
+    marker lists only the user's file, so the run folder resumes from it, not skipping it as damaged (the old
+    marker listed as a file of the new checkpoint had another size once the new marker was written). ``to_directory``
+    copies the user's files only. Metadata set on a reported checkpoint (``update_metadata``) leaves it whole."""
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "loss.txt").write_text("1.0")
+    (source / filesystem.REPORT_MARKER).write_text('{"kind": "report", "note": "an old marker"}')
+    (source / filesystem.CALLBACKS_NOTE).write_text('{"state": {"0:Old": {}}}')
+    Checkpoint.from_directory(source).set_metadata({"step": 1})
+
+    def fit():
+        return TorchTrainer(reports_the_checkpoint_it_started_from, torch_config=FAST,
+                            scaling_config=ScalingConfig(num_workers=1),
+                            resume_from_checkpoint=Checkpoint.from_directory(source),
+                            run_config=RunConfig(name="again", storage_path=str(tmp_path / "runs"))).fit()
+
+    first = fit()
+    marker = json.loads(open(os.path.join(first.checkpoint.path, filesystem.REPORT_MARKER)).read())
+    assert sorted(marker["files"]) == [".metadata.json", "loss.txt"] and first.metrics["loss"] == 0.5
+    assert not os.path.exists(os.path.join(first.checkpoint.path, filesystem.CALLBACKS_NOTE))  # no callback state
+    copied = first.checkpoint.to_directory(tmp_path / "copy")
+    assert sorted(os.listdir(copied)) == [".metadata.json", "loss.txt"]
+    first.checkpoint.update_metadata({"note": "the best so far"})  # rewritten after the report: still whole
+    with caplog.at_level(logging.INFO, logger="raysgd"):
+        second = fit()  # the run folder's checkpoint is the start now, whole
+    assert f"Resuming the run from {first.checkpoint.path}" in caplog.text and "Skipping checkpoint" not in caplog.text
+    assert os.path.basename(second.checkpoint.path) == "checkpoint_000002" and second.metrics["loss"] == 0.5
+    assert second.checkpoint.get_metadata() == {"step": 1, "note": "the best so far"}
     assert_released()
 
 

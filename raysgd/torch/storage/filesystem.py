@@ -56,6 +56,18 @@ MARKER_FILE = "checkpoint.json"
 #: The marker of a checkpoint a training function reported (``raysgd.train``): its directory also holds the user's
 #: files, so raysgd's own name is a hidden one.
 REPORT_MARKER = ".raysgd_report.json"
+#: The hidden file of a reported checkpoint's folder keeping the driver's callbacks' state as they were when they
+#: heard that report (written by the driver after the checkpoint's marker): a run resuming from the checkpoint hands
+#: it back, so a logger goes on from that report (an MLflow run's id and step), not from later reports the resumed
+#: function makes again.
+CALLBACKS_NOTE = ".raysgd_callbacks.json"
+#: raysgd's own files at the top of a reported checkpoint's folder, never part of its content: a folder reported
+#: again (a checkpoint the function resumed from) leaves them out, and ``Checkpoint.to_directory()`` copies them not.
+REPORT_FILES = (REPORT_MARKER, CALLBACKS_NOTE)
+#: The file at the top of a reported checkpoint's folder that holds its metadata (Ray Train's name). Listed in the
+#: marker (read back with the rest) but checked for presence only: ``Checkpoint.set_metadata()`` may rewrite it
+#: after the checkpoint was reported.
+CHECKPOINT_METADATA = ".metadata.json"
 PREFIX = "checkpoint_"
 FORMAT = 1
 

@@ -46,9 +46,9 @@ logger = logging.getLogger(__name__)
 _CHUNK = 8 << 20  # bytes read and written at a time: a file of any size is copied in constant memory
 
 
-def local_files(source):
-    """The files under the local folder ``source``, as sorted relative POSIX paths; ``ValueError`` when it is no
-    folder.
+def local_files(source, skip=()):
+    """The files under the local folder ``source``, as sorted relative POSIX paths, but for the names in ``skip`` at
+    its top; ``ValueError`` when it is no folder.
 
     Example:
         >>> local_files("/no/such/folder")
@@ -62,7 +62,7 @@ def local_files(source):
     for folder, _, files in os.walk(source):
         for name in files:
             found.append(os.path.relpath(os.path.join(folder, name), source).replace(os.sep, "/"))
-    return sorted(found)
+    return sorted(file for file in found if file not in skip)
 
 
 def _here(home):
@@ -224,7 +224,8 @@ def write_marker(storage_root, directory, files, meta, marker_name, *, home, tim
 def verify(fs, directory, marker, crc=None):
     """Check the files the ``marker`` of ``directory`` lists: each present with its size, and (``crc``, by default
     where the filesystem is local) its CRC-32, read in chunks; :class:`~raysgd.torch.storage.filesystem.DamagedCheckpoint`
-    naming the first that is not."""
+    naming the first that is not. The checkpoint's metadata (:data:`~raysgd.torch.storage.filesystem.CHECKPOINT_METADATA`,
+    which ``set_metadata()`` may rewrite) is checked for presence only."""
     files = marker.get("files")
     if not isinstance(files, dict):
         raise filesystem.DamagedCheckpoint(f"checkpoint {directory!r}: its marker lists no files")
@@ -238,6 +239,8 @@ def verify(fs, directory, marker, crc=None):
         info = fs.get_file_info(path)
         if info.type != filesystem.pafs.FileType.File:
             raise filesystem.DamagedCheckpoint(f"checkpoint {directory!r} lost its file {name}")
+        if name == filesystem.CHECKPOINT_METADATA:
+            continue
         if info.size != size:
             raise filesystem.DamagedCheckpoint(f"checkpoint {directory!r} is damaged: its file {name} has "
                                                f"{info.size} bytes, the marker says {size}")
