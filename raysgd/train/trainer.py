@@ -344,8 +344,9 @@ class TorchTrainer:
             self._keep_callbacks(record["checkpoint"])
 
     def _keep_callbacks(self, uri):
-        """Keep the callbacks' state in the folder of the checkpoint ``uri`` just reported (:data:`~raysgd.torch.storage.filesystem.CALLBACKS_NOTE`):
-        a run resuming from that checkpoint hands it back to them."""
+        """Keep the callbacks' state in the folder of the checkpoint ``uri`` just reported
+        (:data:`~raysgd.torch.storage.filesystem.CALLBACKS_NOTE`): a run resuming from that checkpoint hands it back
+        to them."""
         name = self._callbacks_at = _folder_name(uri)
         state = self._callbacks.state_dict()
         if state is None:

@@ -224,8 +224,9 @@ def write_marker(storage_root, directory, files, meta, marker_name, *, home, tim
 def verify(fs, directory, marker, crc=None):
     """Check the files the ``marker`` of ``directory`` lists: each present with its size, and (``crc``, by default
     where the filesystem is local) its CRC-32, read in chunks; :class:`~raysgd.torch.storage.filesystem.DamagedCheckpoint`
-    naming the first that is not. The checkpoint's metadata (:data:`~raysgd.torch.storage.filesystem.CHECKPOINT_METADATA`,
-    which ``set_metadata()`` may rewrite) is checked for presence only."""
+    naming the first that is not. The checkpoint's metadata
+    (:data:`~raysgd.torch.storage.filesystem.CHECKPOINT_METADATA`, which ``set_metadata()`` may rewrite) is checked
+    for presence only."""
     files = marker.get("files")
     if not isinstance(files, dict):
         raise filesystem.DamagedCheckpoint(f"checkpoint {directory!r}: its marker lists no files")
