@@ -91,14 +91,11 @@ class Callback:
         call it.
 
         Example:
-            >>> class Count(Callback):
-            ...     def __init__(self):
-            ...         self.results = 0
-            ...     def on_train_result(self, trainer, result):
-            ...         self.results += 1
+            >>> class Step(Callback):
+            ...     step = 3
             ...     def rewind(self):
-            ...         self.results = 0
-            >>> count = Count(); count.on_train_result(None, {}); CallbackList([count]).rewind(); count.results
+            ...         self.step = 0
+            >>> at = Step(); CallbackList([at]).rewind(); at.step
             0
         """
 
