@@ -5,6 +5,7 @@ FSDP2 (``fully_shard``) models on CPU device meshes built from sub-groups of the
 to ``out`` (full state dicts gathered with ``torch.save``, fetch logs as JSON) for the tests to compare.
 """
 import datetime
+import faulthandler
 import json
 import os
 import time
@@ -75,6 +76,7 @@ def load_into_fresh(mesh, seed, load, metadata):
 
 
 def main(rank, port, out, s3, environ):
+    faulthandler.enable()  # a native crash (a signal) prints every thread's Python stack to stderr: where it died
     torch.set_num_threads(1)
     os.environ.update(environ)  # a fork server's children have its environment, not the test's (S3 credentials)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
