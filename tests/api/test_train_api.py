@@ -262,6 +262,13 @@ def test_reported_checkpoints_go_to_an_s3_uri_marker_last_and_read_back(tmp_path
             assert open(os.path.join(local, "shard_1.pt"), "rb").read() == b"weightsweights"
         copied = Checkpoint(commits.newest_good()[0]).to_directory(tmp_path / "copy")  # the user's files only
         assert sorted(os.listdir(copied)) == ["shard_0.pt", "shard_1.pt"]
+        first, first_directory, first_marker = commits.newest_good()
+        names = sorted(first_marker["files"])
+        fetched = rank_files.fetch(storage.root, first_directory, names, str(tmp_path / "fetched"), home=None)
+        assert sorted(os.listdir(fetched)) == ["shard_0.pt", "shard_1.pt"]  # no metadata: none to read
+        Checkpoint(first).set_metadata({"epoch": 1})  # after the report: the marker does not list it
+        fetched = rank_files.fetch(storage.root, first_directory, names, str(tmp_path / "fetched2"), home=None)
+        assert Checkpoint(fetched).get_metadata() == {"epoch": 1}
 
 
 def test_a_restored_cursor_resumes_its_epoch_exactly_once_on_another_world_size():

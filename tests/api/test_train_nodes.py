@@ -81,3 +81,33 @@ def test_a_draining_node_moves_its_rank_to_a_free_node_at_the_next_report(cluste
     assert sorted(samples) == sorted((epoch, i) for epoch in range(2) for i in range(48))  # none twice
     assert read_counts(result.checkpoint).tolist() == [2.0] * 48
     assert_released()
+
+
+def test_a_rank_on_another_node_reads_the_metadata_set_after_the_report(cluster, tmp_path):
+    """``result.checkpoint.set_metadata(...)`` after the report writes ``.metadata.json`` beside files the marker
+    lists without it; a rank that reads the checkpoint from the driver's node gets it too (it got ``{}``)."""
+    from raysgd.torch.storage import rank_files
+    from raysgd.train import Checkpoint
+
+    head = ray.get_runtime_context().get_node_id()
+    directory = tmp_path / "runs" / "checkpoint_000001"
+    directory.mkdir(parents=True)
+    (directory / "weights.txt").write_text("1 2 3")
+    Checkpoint(str(directory)).set_metadata({"epoch": 3})
+
+    @ray.remote(num_cpus=1)  # the head has no CPU: a rank's node
+    def read_back(names):
+        fetched = rank_files.fetch(str(tmp_path / "runs"), str(directory), names, rank_files.scratch_folder(),
+                                   home=head)
+        try:
+            return ray.get_runtime_context().get_node_id(), sorted(os.listdir(fetched)), \
+                Checkpoint(fetched).get_metadata()
+        finally:
+            import shutil
+            shutil.rmtree(fetched)
+
+    node, files, metadata = ray.get(read_back.remote(["weights.txt"]), timeout=60)
+    assert node != head and files == [".metadata.json", "weights.txt"] and metadata == {"epoch": 3}
+    os.remove(directory / ".metadata.json")  # none set: nothing more to read
+    assert ray.get(read_back.remote(["weights.txt"]), timeout=60)[1:] == (["weights.txt"], {})
+    assert_released()

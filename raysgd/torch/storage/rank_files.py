@@ -113,12 +113,15 @@ def _write_blobs(directory, blobs):
     return written
 
 
-def _read_blobs(directory, names):
-    """On the home node: ``{name: bytes}`` of the files ``names`` under the local ``directory``."""
+def _read_blobs(directory, names, optional=()):
+    """On the home node: ``{name: bytes}`` of the files ``names`` under the local ``directory``, and of those of
+    ``optional`` that it holds."""
     blobs = {}
-    for name in names:
-        with open(os.path.join(directory, *name.split("/")), "rb") as reader:
-            blobs[name] = reader.read()
+    for name in [*names, *(name for name in optional if name not in names)]:
+        path = os.path.join(directory, *name.split("/"))
+        if name in names or os.path.isfile(path):
+            with open(path, "rb") as reader:
+                blobs[name] = reader.read()
     return blobs
 
 
@@ -258,24 +261,45 @@ def verify(fs, directory, marker, crc=None):
                                                    f"CRC-32 {found}, the marker says {crc32}")
 
 
-def fetch(storage_root, directory, names, destination, *, home, timeout_s=600):
+def fetch(storage_root, directory, names, destination, *, home, optional=(filesystem.CHECKPOINT_METADATA,),
+          timeout_s=600):
     """Copy the files ``names`` of the checkpoint ``directory`` into the local folder ``destination`` of this node
-    (from a URI directly; from a local folder of another node through a task there); returns ``destination``."""
+    (from a URI directly; from a local folder of another node through a task there); returns ``destination``.
+
+    The names of ``optional`` are copied too when the checkpoint holds them: by default its metadata
+    (:data:`~raysgd.torch.storage.filesystem.CHECKPOINT_METADATA`), which ``set_metadata()`` may first write after
+    the report, so the marker need not list it.
+
+    Example:
+        >>> import tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> for name in ("model.pt", ".metadata.json"):
+        ...     _ = open(os.path.join(folder, name), "w").write("{}")
+        >>> sorted(os.listdir(fetch(folder, folder, ["model.pt"], tempfile.mkdtemp(), home=None)))
+        ['.metadata.json', 'model.pt']
+    """
     fs, _ = filesystem.resolve(storage_root)
     os.makedirs(destination, exist_ok=True)
+    extra = [name for name in optional if name not in names]
     if not isinstance(fs, filesystem.pafs.LocalFileSystem):
-        for name in names:
+        for name in [*names, *extra]:
+            if name in extra and fs.get_file_info(f"{directory}/{name}").type != filesystem.pafs.FileType.File:
+                continue
             target = os.path.join(destination, *name.split("/"))
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with fs.open_input_stream(f"{directory}/{name}") as reader, open(target, "wb") as writer:
                 _pump(reader, writer)
     elif _here(home):
-        for name in names:
+        for name in [*names, *extra]:
+            source = os.path.join(directory, *name.split("/"))
+            if name in extra and not os.path.isfile(source):
+                continue
             target = os.path.join(destination, *name.split("/"))
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            shutil.copyfile(os.path.join(directory, *name.split("/")), target)
+            shutil.copyfile(source, target)
     else:
-        for name, blob in _on_home(_read_blobs, home, directory, list(names), timeout_s=timeout_s).items():
+        blobs = _on_home(_read_blobs, home, directory, list(names), extra, timeout_s=timeout_s)
+        for name, blob in blobs.items():
             target = os.path.join(destination, *name.split("/"))
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "wb") as writer:
