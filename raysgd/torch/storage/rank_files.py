@@ -115,11 +115,11 @@ def _write_blobs(directory, blobs):
 
 def _read_blobs(directory, names, optional=()):
     """On the home node: ``{name: bytes}`` of the files ``names`` under the local ``directory``, and of those of
-    ``optional`` that it holds."""
+    ``optional`` (names not among ``names``) that it holds."""
     blobs = {}
-    for name in [*names, *(name for name in optional if name not in names)]:
+    for name in [*names, *optional]:
         path = os.path.join(directory, *name.split("/"))
-        if name in names or os.path.isfile(path):
+        if name not in optional or os.path.isfile(path):
             with open(path, "rb") as reader:
                 blobs[name] = reader.read()
     return blobs
