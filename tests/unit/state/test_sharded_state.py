@@ -57,8 +57,8 @@ def ranks(tmp_path_factory):
         except mp.ProcessExitedException as err:
             if err.signal_name is None or attempt == 2:
                 raise
-            warnings.warn(f"DCP rank {err.error_index} (pid {err.error_pid}) died of {err.signal_name}, a crash in native "
-                          f"code (its stack is in the captured stderr); running the 3 ranks once more")
+            warnings.warn(f"DCP rank {err.error_index} (pid {err.error_pid}) died of {err.signal_name}, a crash in "
+                          f"native code (its stack is in the captured stderr); running the 3 ranks once more")
 
 
 def _run_world(out):
