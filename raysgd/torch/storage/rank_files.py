@@ -282,21 +282,19 @@ def fetch(storage_root, directory, names, destination, *, home, optional=(filesy
     os.makedirs(destination, exist_ok=True)
     extra = [name for name in optional if name not in names]
     if not isinstance(fs, filesystem.pafs.LocalFileSystem):
-        for name in [*names, *extra]:
-            if name in extra and fs.get_file_info(f"{directory}/{name}").type != filesystem.pafs.FileType.File:
-                continue
+        held = [name for name in extra
+                if fs.get_file_info(f"{directory}/{name}").type == filesystem.pafs.FileType.File]
+        for name in [*names, *held]:
             target = os.path.join(destination, *name.split("/"))
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with fs.open_input_stream(f"{directory}/{name}") as reader, open(target, "wb") as writer:
                 _pump(reader, writer)
     elif _here(home):
-        for name in [*names, *extra]:
-            source = os.path.join(directory, *name.split("/"))
-            if name in extra and not os.path.isfile(source):
-                continue
+        held = [name for name in extra if os.path.isfile(os.path.join(directory, *name.split("/")))]
+        for name in [*names, *held]:
             target = os.path.join(destination, *name.split("/"))
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            shutil.copyfile(source, target)
+            shutil.copyfile(os.path.join(directory, *name.split("/")), target)
     else:
         blobs = _on_home(_read_blobs, home, directory, list(names), extra, timeout_s=timeout_s)
         for name, blob in blobs.items():
