@@ -73,9 +73,9 @@ def main():
                               or args.pause_after is not None or args.pause_at_result is not None):
         parser.error("--and-counting is for an uninterrupted reference run (no faults, pauses or trackers)")
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
-    pythonpath = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(address="local", num_cpus=2, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
+    # The cluster's workers inherit this (no job runtime_env: see tests/conftest.py, which set the rest of it).
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     train(args, args.counting, args.storage, args.logdir, args.out)
     if args.and_counting:
         train(args, True, args.storage + "-counting", args.logdir + "-counting", args.and_counting)

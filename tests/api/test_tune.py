@@ -29,9 +29,7 @@ from tune_operators import CrashingOperator, LinearOperator  # noqa: E402
 def cluster():
     if ray.is_initialized():
         ray.shutdown()
-    paths = [TESTS_DIR, os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
-    ray.init(address="local", num_cpus=4, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}})
+    ray.init(address="local", num_cpus=4, include_dashboard=False)  # its workers inherit the test folders (conftest)
     yield ray
     ray.shutdown()
 

@@ -7,7 +7,6 @@ import pytest
 import ray
 import psutil  # noqa: I001 (after ray: Ray puts its own psutil, ray/thirdparty_files, on sys.path)
 
-from conftest import worker_env
 from helpers import LinearOperator
 from raysgd import TorchTrainer
 
@@ -20,7 +19,6 @@ def dashboard_processes():
 
 def test_a_trainer_starts_a_local_cluster_without_the_dashboard(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setenv("PYTHONPATH", worker_env()["env_vars"]["PYTHONPATH"])  # the workers inherit it: tests/helpers
     if ray.is_initialized():
         pytest.skip("Ray was started before this test (the trainer would not start it)")
     trainer = TorchTrainer(training_operator_cls=LinearOperator, num_workers=1, config={"data_size": 32})
