@@ -46,6 +46,11 @@ logger = logging.getLogger(__name__)
 _CHUNK = 8 << 20  # bytes read and written at a time: a file of any size is copied in constant memory
 
 
+def _local_path(root, name):
+    """Where the checkpoint file ``name`` (``/``-separated, as markers list it) lies in the local folder ``root``."""
+    return os.path.join(root, *name.split("/"))
+
+
 def local_files(source, skip=()):
     """The files under the local folder ``source``, as sorted relative POSIX paths, but for the names in ``skip`` at
     its top; ``ValueError`` when it is no folder.
@@ -102,7 +107,7 @@ def _write_blobs(directory, blobs):
     """On the home node: write ``{name: bytes}`` under the local ``directory``; ``{name: [size, crc32]}``."""
     written = {}
     for name, blob in blobs.items():
-        path = os.path.join(directory, *name.split("/"))
+        path = _local_path(directory, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         data = memoryview(blob).cast("B")
         with open(path, "wb") as writer:
@@ -118,7 +123,7 @@ def _read_blobs(directory, names, optional=()):
     ``optional`` (names not among ``names``) that it holds."""
     blobs = {}
     for name in [*names, *optional]:
-        path = os.path.join(directory, *name.split("/"))
+        path = _local_path(directory, name)
         if name not in optional or os.path.isfile(path):
             with open(path, "rb") as reader:
                 blobs[name] = reader.read()
@@ -176,7 +181,7 @@ def write_files(storage_root, directory, source, names, *, home, timeout_s=600):
         fs.create_dir(directory, recursive=True)
         written = {name: list(_copy_to(fs, os.path.join(source, name), f"{directory}/{name}")) for name in names}
     elif _here(home):
-        written = {name: list(_copy_local(os.path.join(source, name), os.path.join(directory, *name.split("/"))))
+        written = {name: list(_copy_local(os.path.join(source, name), _local_path(directory, name)))
                    for name in names}
     else:
         node = home
@@ -285,20 +290,20 @@ def fetch(storage_root, directory, names, destination, *, home, optional=(filesy
         held = [name for name in extra
                 if fs.get_file_info(f"{directory}/{name}").type == filesystem.pafs.FileType.File]
         for name in [*names, *held]:
-            target = os.path.join(destination, *name.split("/"))
+            target = _local_path(destination, name)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with fs.open_input_stream(f"{directory}/{name}") as reader, open(target, "wb") as writer:
                 _pump(reader, writer)
     elif _here(home):
-        held = [name for name in extra if os.path.isfile(os.path.join(directory, *name.split("/")))]
+        held = [name for name in extra if os.path.isfile(_local_path(directory, name))]
         for name in [*names, *held]:
-            target = os.path.join(destination, *name.split("/"))
+            target = _local_path(destination, name)
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            shutil.copyfile(os.path.join(directory, *name.split("/")), target)
+            shutil.copyfile(_local_path(directory, name), target)
     else:
         blobs = _on_home(_read_blobs, home, directory, list(names), extra, timeout_s=timeout_s)
         for name, blob in blobs.items():
-            target = os.path.join(destination, *name.split("/"))
+            target = _local_path(destination, name)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "wb") as writer:
                 writer.write(blob)
