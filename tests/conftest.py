@@ -10,6 +10,10 @@ import pytest
 import s3_server
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# A Ray worker whose raylet has gone (a killed driver's cluster, a removed node) ends itself when its check of the
+# raylet's process next runs: every 100 ms here instead of Ray's 1 s, so a test that waits for those processes to end
+# (test_durable_driver.kill_driver) waits less. It is a check by process id, which load cannot make fail early.
+os.environ.setdefault("RAY_raylet_death_check_interval_milliseconds", "100")
 # The test S3 server's (fake) credentials, set before any Ray cluster starts: checkpoint parts are written and read
 # by tasks on the workers' nodes, which need the bucket's credentials as the driver does (a real cluster's nodes get
 # them from their environment or instance role).
