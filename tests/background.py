@@ -1,4 +1,5 @@
-"""Slow subprocess runs (examples, docs scripts, console scripts) started a few at a time in the background.
+"""Slow subprocess runs (examples, docs scripts, console scripts, benchmarks' smoke runs) started a few at a time in
+the background.
 
 One such run alone leaves about a third of this 2-core machine idle (its Ray cluster's start, its processes'
 start-ups: measured 24 busy core-seconds in 19 s of wall time), so runs whose checks do not depend on timing go two

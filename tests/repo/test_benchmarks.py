@@ -1,7 +1,14 @@
 """The benchmarks never rot: ``benchmark.py --smoke-test`` runs every side and section; the arithmetic is right.
 
 Speeds are never asserted (the machine is shared); the rows, their shape and the ratio logic are.
+
+The smaller scripts' smoke runs (``SMOKE_RUNS``) go two at a time in the background (``smoke_runs``,
+tests/background.py), each test waiting for its own: one alone left 22-38% of the machine idle (its Ray cluster's
+start, its workers' start-ups), and nothing they check depends on timing; measured here, the four took 76 s one after
+another and 59 s two at a time. ``benchmark.py``'s own smoke run keeps the machine busy by itself (96%: three lanes
+at once) and runs alone, before them.
 """
+import functools
 import itertools
 import json
 import os
@@ -10,6 +17,7 @@ import sys
 
 import pytest
 
+import background
 from conftest import REPO_DIR
 
 ROOT = REPO_DIR
@@ -20,14 +28,47 @@ import report  # noqa: E402 (benchmarks/ is not a package)
 import workloads  # noqa: E402
 
 
-def run_smoke(script, out, *options, timeout=300):
-    """Run ``benchmarks/<script> --smoke-test --json out`` (plus ``options``) with the repository importable; returns
-    its JSON and its standard output, after checking it exited cleanly."""
-    command = [sys.executable, os.path.join(BENCH_DIR, script), "--smoke-test", *options, "--json", str(out)]
+#: The smoke runs of the smaller scripts, by the test that checks each: ``(script, options, timeout_s)``; ``{dir}``
+#: in an option is that run's folder. They start in this order, the longest first (35, 22, 16 and 3 s alone).
+SMOKE_RUNS = {
+    "test_fsdp_state_benchmark_smoke_test_measures_every_column": ("fsdp_state.py", (), 500),
+    "test_fsdp_benchmark_smoke_test_measures_both_strategies": (
+        "fsdp.py", ("--workers", "1,2", "--plot", "{dir}/fsdp.png"), 500),
+    "test_state_scaling_smoke_test_measures_every_column": ("state_scaling.py", (), 300),
+    "test_serialise_stall_smoke_test_measures_both_ways": ("serialise_stall.py", (), 120),
+}
+
+
+def run_smoke(script, folder, options=(), timeout=300):
+    """Run ``benchmarks/<script> --smoke-test --json <folder>/out.json`` (plus ``options``, ``{dir}`` in them being
+    ``folder``) with the repository importable; returns the finished process."""
+    options = [option.replace("{dir}", str(folder)) for option in options]
+    command = [sys.executable, os.path.join(BENCH_DIR, script), "--smoke-test", *options, "--json",
+               str(folder / "out.json")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(request, tmp_path_factory):
+    """``{test name: (future of the finished subprocess, its folder)}`` for each of ``SMOKE_RUNS`` whose test the
+    session selected, started two at a time in ``SMOKE_RUNS``' order."""
+    chosen = {item.originalname for item in request.session.items if item.module is request.module}
+    selected = [name for name in SMOKE_RUNS if name in chosen]
+    folders = {name: tmp_path_factory.mktemp(SMOKE_RUNS[name][0].removesuffix(".py")) for name in selected}
+    jobs = {name: functools.partial(run_smoke, SMOKE_RUNS[name][0], folders[name], *SMOKE_RUNS[name][1:])
+            for name in selected}
+    with background.started(jobs) as runs:  # those running at the end stop by their own timeout
+        yield {name: (runs[name], folders[name]) for name in runs}
+
+
+def smoke_result(smoke_runs, request):
+    """The JSON, standard output and folder of this test's smoke run (see ``smoke_runs``), after checking that it
+    exited cleanly."""
+    run, folder = smoke_runs[request.node.originalname]
+    proc = run.result()  # the subprocess's own timeout bounds the wait
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text()), proc.stdout
+    return json.loads((folder / "out.json").read_text()), proc.stdout, folder
 
 
 @pytest.mark.slow
@@ -109,8 +150,8 @@ def test_ratios_and_targets():
 
 
 @pytest.mark.slow
-def test_state_scaling_smoke_test_measures_every_column(tmp_path):
-    result, stdout = run_smoke("state_scaling.py", tmp_path / "state.json")
+def test_state_scaling_smoke_test_measures_every_column(smoke_runs, request):
+    result, stdout, _ = smoke_result(smoke_runs, request)
     assert result["meta"]["smoke"] and len(result["meta"]["loadavg"]) == 3
     (row,) = result["rows"]
     assert row["size_mb"] == 1 and row["calls"] == 2 and 0.9 < row["state_mb"] < 1.1
@@ -124,10 +165,9 @@ def test_state_scaling_smoke_test_measures_every_column(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_benchmark_smoke_test_measures_both_strategies(tmp_path):
-    result, stdout = run_smoke("fsdp.py", tmp_path / "fsdp.json", "--workers", "1,2", "--plot",
-                               str(tmp_path / "fsdp.png"), timeout=500)
-    assert (tmp_path / "fsdp.png").read_bytes().startswith(b"\x89PNG")  # --plot: the memory per rank, drawn
+def test_fsdp_benchmark_smoke_test_measures_both_strategies(smoke_runs, request):
+    result, stdout, folder = smoke_result(smoke_runs, request)
+    assert (folder / "fsdp.png").read_bytes().startswith(b"\x89PNG")  # --plot: the memory per rank, drawn
     assert result["meta"]["smoke"]
     rows = {(r["strategy"], r["workers"]): r for r in result["rows"]}
     assert set(rows) == {("ddp", 1), ("fsdp", 1), ("ddp", 2), ("fsdp", 2)}
@@ -138,8 +178,8 @@ def test_fsdp_benchmark_smoke_test_measures_both_strategies(tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_state_benchmark_smoke_test_measures_every_column(tmp_path):
-    result, stdout = run_smoke("fsdp_state.py", tmp_path / "fsdp_state.json", timeout=500)
+def test_fsdp_state_benchmark_smoke_test_measures_every_column(smoke_runs, request):
+    result, stdout, _ = smoke_result(smoke_runs, request)
     (row,) = result["rows"]
     assert row["workers"] == 2 and row["commit_ms"] > 0 and row["checkpoint_s"] > 0, row
     assert row["snapshot_ms"] is not None and "with_checkpoint_ms" in row and "resume_to_1_s" in row
@@ -149,8 +189,8 @@ def test_fsdp_state_benchmark_smoke_test_measures_every_column(tmp_path):
     assert all(read["worst_ratio"] <= 1.1 and "r0" in read for read in result["reads"]), result["reads"]
 
 
-def test_serialise_stall_smoke_test_measures_both_ways(tmp_path):
-    result, stdout = run_smoke("serialise_stall.py", tmp_path / "stall.json", timeout=120)
+def test_serialise_stall_smoke_test_measures_both_ways(smoke_runs, request):
+    result, stdout, _ = smoke_result(smoke_runs, request)
     rows = result["rows"]
     assert [(row["size_mb"], row["how"]) for row in rows] == [(1, "io.BytesIO"), (1, "serialise")]
     for row in rows:
