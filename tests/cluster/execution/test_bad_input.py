@@ -263,8 +263,7 @@ run, script_ended = sys.argv[1], threading.Event()
 real_write = CheckpointStorage.write
 # the upload starts once the script has ended (else it may fail before train() returns, which then raises it)
 CheckpointStorage.write = lambda self, *args: script_ended.wait(60) and real_write(self, *args)
-ray.init(address="local", num_cpus=1, include_dashboard=False,
-         runtime_env={{"env_vars": {{"PYTHONPATH": os.pathsep.join([{tests!r}, os.environ.get("PYTHONPATH", "")])}}}})
+ray.init(address="local", num_cpus=1, include_dashboard=False)  # its processes inherit the tests' PYTHONPATH
 trainer = TorchTrainer(training_operator_cls=LinearOperator, num_workers=1, use_local=True, storage_path=run,
                        timeout_s=60, config={{"data_size": 16}})
 shutil.rmtree(run, ignore_errors=True)  # (the folder exists once the check made it)
