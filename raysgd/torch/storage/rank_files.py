@@ -179,15 +179,15 @@ def write_files(storage_root, directory, source, names, *, home, timeout_s=600):
     node = restart_point.this_node()
     if not isinstance(fs, filesystem.pafs.LocalFileSystem):
         fs.create_dir(directory, recursive=True)
-        written = {name: list(_copy_to(fs, os.path.join(source, name), f"{directory}/{name}")) for name in names}
+        written = {name: list(_copy_to(fs, _local_path(source, name), f"{directory}/{name}")) for name in names}
     elif _here(home):
-        written = {name: list(_copy_local(os.path.join(source, name), _local_path(directory, name)))
+        written = {name: list(_copy_local(_local_path(source, name), _local_path(directory, name)))
                    for name in names}
     else:
         node = home
         blobs = {}
         for name in names:
-            with open(os.path.join(source, name), "rb") as reader:
+            with open(_local_path(source, name), "rb") as reader:
                 blobs[name] = out_of_band(reader.read())
         written = _on_home(_write_blobs, home, directory, blobs, timeout_s=timeout_s)
     logger.debug("%d file(s) written to %s in %.2f s", len(written), directory, time.monotonic() - started)
