@@ -251,7 +251,7 @@ def test_a_storage_path_in_a_missing_bucket_is_refused_and_a_good_one_keeps_no_t
 
 
 UNFLUSHED_SCRIPT = """
-import atexit, os, shutil, sys, threading
+import atexit, shutil, sys, threading
 atexit.register(lambda: open(sys.argv[1] + ".early", "a").write("ran"))  # registered before raysgd's hook
 sys.path.insert(0, {tests!r})
 import ray
