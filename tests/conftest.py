@@ -2,6 +2,7 @@
 multi-node clusters, and clean-up checks."""
 import contextlib
 import logging
+import multiprocessing
 import os
 import sys
 
@@ -10,6 +11,10 @@ import pytest
 import s3_server
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# A child process of the test process (a DataLoader's workers, say) starts by forkserver, never by forking pytest:
+# its other threads (Ray's driver threads, loggers' writers) may hold a lock at the fork, and a forked loader once
+# hung until pytest's 600 s timeout. Python 3.14 makes forkserver the default on Linux too.
+multiprocessing.set_start_method("forkserver", force=True)
 # A Ray worker whose raylet has gone (a killed driver's cluster, a removed node) ends itself when its check of the
 # raylet's process next runs: every 100 ms here instead of Ray's 1 s, so a test that waits for those processes to end
 # (test_durable_driver.kill_driver) waits less. It is a check by process id, which load cannot make fail early.
