@@ -238,9 +238,8 @@ def test_a_training_shard_reads_its_batches_in_the_samplers_order():
     """``DataLoader(num_workers=2, in_order=False)`` hands out batches as its processes finish them, so its first k
     batches need not be the first k of the shard: the cursor, which counts batches, would name the wrong samples.
     A training shard reads in order (validation, with no cursor, keeps in_order=False)."""
-    # forkserver, never a fork of pytest's process (its other threads, Ray's, may hold a lock at the fork): a forked
-    # loader here hung until pytest's 600 s timeout once, in a run with Ray's driver threads up; a stuck one now fails
-    # within the loader's timeout (tests/helpers.py's loaders start the same way).
+    # Its processes start by forkserver (why: tests/conftest.py); a forked one here once hung until pytest's 600 s
+    # timeout. A stuck one now fails within the loader's own timeout, as tests/helpers.py's loaders do.
     loader = DataLoader(SlowFirst(), batch_size=2, num_workers=2, in_order=False, multiprocessing_context="forkserver",
                         timeout=120)
     shard = data.shard_loader(loader, 0, 2, training=True)
