@@ -5,6 +5,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -15,6 +16,15 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # its other threads (Ray's driver threads, loggers' writers) may hold a lock at the fork, and a forked loader once
 # hung until pytest's 600 s timeout. Python 3.14 makes forkserver the default on Linux too.
 multiprocessing.set_start_method("forkserver", force=True)
+# The test lanes (README's test command runs two, with pytest-xdist's ``-n 2 --dist loadfile``): each lane keeps its
+# Ray clusters' session folders and its ``ray_current_cluster`` file (the cluster a bare ``ray.init()`` attaches to,
+# written by ``ray.cluster_utils.Cluster``) in a folder of its own. A driver script one lane starts then never
+# attaches to the other lane's multi-node cluster, which that lane may be removing nodes from. Ray reads the folder
+# from RAY_TMPDIR, and the clusters and scripts the lane starts inherit it. A folder under the system's temporary
+# one (``/tmp`` here, as Ray's own default) keeps the clusters' socket paths well under Linux's 107 characters.
+LANE = os.environ.get("PYTEST_XDIST_WORKER", "")
+if LANE:
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"ray-{LANE}-")
 # A Ray worker whose raylet has gone (a killed driver's cluster, a removed node) ends itself when its check of the
 # raylet's process next runs: every 100 ms here instead of Ray's 1 s, so a test that waits for those processes to end
 # (test_durable_driver.kill_driver) waits less. It is a check by process id, which load cannot make fail early.
@@ -132,16 +142,30 @@ def _shared_size(items):
                default=0)
 
 
+#: The modules that took a minute or more in CI (2026-11-30's run, slowest first). Each starts first among the
+#: modules of its shared-cluster size, so that with two test lanes the last modules to run are short ones and neither
+#: lane waits long for the other at the end. A stale list costs only that balance, never a result.
+LONG_MODULES = ("test_benchmarks", "test_fault_tolerance", "test_examples", "test_mlflow", "test_fsdp_state",
+                "test_durable_driver", "test_commits", "test_trainer", "test_restart_copies", "test_train_runtime",
+                "test_preemption", "test_console_logs", "test_tune", "test_repository", "test_bad_input")
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Modules that share a cluster of one size run one after another (modules without a shared cluster first), so
-    each size starts once instead of once per module; within a module, and among modules of one size, the order
-    stays as collected."""
+    """Modules that share a cluster of one size run one after another, so each size starts once instead of once
+    per module (per lane, with two lanes). The 4-CPU modules come first, then the 2-CPU ones, then the modules
+    without a shared cluster, where the many short unit and repository modules end the run; within a size the
+    ``LONG_MODULES`` start first, and the others keep the collected order."""
     modules = {}
     for item in items:
         modules.setdefault(_module_name(item), []).append(item)
     _MODULE_SIZES.update({name: _shared_size(module) for name, module in modules.items()})
-    order = sorted(modules.values(), key=_shared_size)  # stable: the collected order within a size
-    items[:] = [item for module in order for item in module]
+
+    def place(name):
+        long_rank = LONG_MODULES.index(name) if name in LONG_MODULES else len(LONG_MODULES)
+        return -_MODULE_SIZES[name], long_rank
+
+    order = sorted(modules, key=place)  # stable: the collected order within a size, after the long modules
+    items[:] = [item for name in order for item in modules[name]]
 
 
 #: Each collected module's shared-cluster size (pytest_collection_modifyitems).
