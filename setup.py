@@ -105,7 +105,8 @@ if __name__ == "__main__":
             "examples": ["scikit-learn", "matplotlib", "ray[tune]>=2.9", "pytorch-lightning>=2"],
             # the documentation site: mkdocs build --strict (.ci/run), API reference from the docstrings
             "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
-            "test": ["pytest>=7", "pytest-timeout", "scikit-learn", "tqdm", "ray[tune]>=2.9", "tensorboardX",
+            "test": ["pytest>=7", "pytest-timeout", "pytest-xdist>=3.6",  # README's test command runs two lanes
+                     "scikit-learn", "tqdm", "ray[tune]>=2.9", "tensorboardX",
                      "matplotlib", "pandas", "pyarrow", "moto[server]", "py-spy",
                      "pytorch-lightning>=2", "lightning>=2", "mlflow", "wandb", "safetensors",  # both of Lightning's import names are tested
                      "ray[default]>=2.9",  # the metrics agent: tests/cluster/integrations/test_ray_metrics.py reads its export (CHANGELOG: cost)
