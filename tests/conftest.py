@@ -25,6 +25,11 @@ multiprocessing.set_start_method("forkserver", force=True)
 LANE = os.environ.get("PYTEST_XDIST_WORKER", "")
 if LANE:
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"ray-{LANE}-")
+# Ray starts its worker processes at niceness 15 (its raylet config ``worker_niceness``), below every process at 0.
+# Beside a busy process at 0 (another test lane's driver script or torchrun run, a test training in its driver with
+# ``use_local``), a worker got about 4% of a core: a trainer's two workers took 100 s to import torch, and a module
+# that takes 40 s alone took 110 s in a lane. At 0 the tests' clusters share the CPUs evenly with everything else.
+os.environ.setdefault("RAY_worker_niceness", "0")
 # A Ray worker whose raylet has gone (a killed driver's cluster, a removed node) ends itself when its check of the
 # raylet's process next runs: every 100 ms here instead of Ray's 1 s, so a test that waits for those processes to end
 # (test_durable_driver.kill_driver) waits less. It is a check by process id, which load cannot make fail early.
