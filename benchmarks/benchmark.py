@@ -57,7 +57,8 @@ def parse_args(argv=None):
                         help="Ray Train's controller polling interval, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (default: "
                         "Ray's own, 2 s; 0.2 with --smoke-test)")
     parser.add_argument("--ray-worker-niceness", type=int, default=None,
-                        help="niceness of Ray's worker processes (default: Ray's own, 15; the other sides run at 0)")
+                        help="niceness of Ray's worker processes (default: $RAY_worker_niceness, else Ray's own 15; the "
+                             "other sides run at 0)")
     args = parser.parse_args(argv)
     args.models = [m for m in (args.models or ("mlp" if args.smoke_test else "mlp,resnet")).split(",") if m]
     args.workers = sorted({int(n) for n in args.workers.split(",") if n})
@@ -79,6 +80,14 @@ def parse_args(argv=None):
     if args.ray_train_poll_s is not None and args.ray_train_poll_s <= 0:
         parser.error(f"--ray-train-poll-s expects seconds > 0; got {args.ray_train_poll_s}")
     return args
+
+
+def worker_niceness(args):
+    """The niceness Ray's workers run at: ``--ray-worker-niceness``, else the ``RAY_worker_niceness`` the runs
+    inherit from this process's environment (the tests set 0), else Ray's default, 15."""
+    if args.ray_worker_niceness is not None:
+        return args.ray_worker_niceness
+    return int(os.environ.get("RAY_worker_niceness", 15))
 
 
 class Runner:
@@ -238,7 +247,7 @@ def metadata(args):
                 processor=platform.processor(), python=platform.python_version(), torch=torch.__version__,
                 ray=ray.__version__, threads=args.threads, workers=args.workers, models=args.models,
                 smoke=args.smoke_test, load_average=list(os.getloadavg()), command=" ".join(sys.argv),
-                ray_worker_niceness=15 if args.ray_worker_niceness is None else args.ray_worker_niceness,
+                ray_worker_niceness=worker_niceness(args),
                 ray_train_poll_s=2.0 if args.ray_train_poll_s is None else args.ray_train_poll_s)
 
 

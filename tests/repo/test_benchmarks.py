@@ -80,6 +80,8 @@ def test_smoke_test_runs_every_side_and_section(tmp_path):
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["meta"]["smoke"] and result["errors"] == []
+    # the niceness its Ray workers inherit from here (conftest sets 0), recorded as it is
+    assert result["meta"]["ray_worker_niceness"] == int(os.environ.get("RAY_worker_niceness", 15))
     threads = result["meta"]["threads"]
     assert {(r["side"], r["workers"]) for r in result["runs"]} == {
         ("plain", 1), ("torchrun", 1), ("torchrun", 2), ("raytrain", 1), ("raytrain", 2), ("raysgd", 1),
