@@ -16,20 +16,13 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # its other threads (Ray's driver threads, loggers' writers) may hold a lock at the fork, and a forked loader once
 # hung until pytest's 600 s timeout. Python 3.14 makes forkserver the default on Linux too.
 multiprocessing.set_start_method("forkserver", force=True)
-# The test lanes (README's test command runs two, with pytest-xdist's ``-n 2 --dist loadfile``): each lane keeps its
-# Ray clusters' session folders and its ``ray_current_cluster`` file (the cluster a bare ``ray.init()`` attaches to,
-# written by ``ray.cluster_utils.Cluster``) in a folder of its own. A driver script one lane starts then never
-# attaches to the other lane's multi-node cluster, which that lane may be removing nodes from. Ray reads the folder
-# from RAY_TMPDIR, and the clusters and scripts the lane starts inherit it. The folder is made under RAY_TMPDIR if
-# it is set, else under the system's temporary folder (``/tmp`` here, as Ray's own default), which keeps the
-# clusters' socket paths well under Linux's 107 characters.
+# Each test lane (pytest-xdist) keeps its clusters' session folders and ``ray_current_cluster`` in a folder of its
+# own, so a bare ``ray.init()`` in one lane never attaches to the other's cluster: tests/README.md says why.
 LANE = os.environ.get("PYTEST_XDIST_WORKER", "")
 if LANE:
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"ray-{LANE}-", dir=os.environ.get("RAY_TMPDIR"))
-# Ray starts its worker processes at niceness 15 (its raylet config ``worker_niceness``), below every process at 0.
-# Beside a busy process at 0 (another test lane's driver script or torchrun run, a test training in its driver with
-# ``use_local``), a worker got about 4% of a core: a trainer took 100 s to start instead of 4, and a module that
-# takes 40 s alone took 110 s in a lane. At 0 the tests' clusters share the CPUs evenly with everything else.
+# The clusters' workers run at niceness 0, not Ray's 15: beside the other lane's busy processes a worker at 15 got
+# about 4% of a core (tests/README.md).
 os.environ.setdefault("RAY_worker_niceness", "0")
 # A Ray worker whose raylet has gone (a killed driver's cluster, a removed node) ends itself when its check of the
 # raylet's process next runs: every 100 ms here instead of Ray's 1 s, so a test that waits for those processes to end
