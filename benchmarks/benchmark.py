@@ -9,8 +9,10 @@ tables and written to JSON (``benchmarks/results/latest.json`` by default). See 
     python benchmarks/benchmark.py --plot docs/images/throughput.png   # also draw the throughput (plots.py)
 """
 import argparse
+import compileall
 import datetime
 import functools
+import importlib.util
 import itertools
 import json
 import os
@@ -88,6 +90,25 @@ def worker_niceness(args):
     if args.ray_worker_niceness is not None:
         return args.ray_worker_niceness
     return int(os.environ.get("RAY_worker_niceness", 15))
+
+
+def compile_sources():
+    """Write the bytecode of raysgd's package and of benchmarks/ before any side starts; returns the folders that
+    could not be written (a read-only install), for the run's metadata.
+
+    Every process of every side then loads bytecode, as a user's install does (pip compiles what it installs;
+    Python caches the rest at its first import). Where the environment sets ``PYTHONDONTWRITEBYTECODE``, Python never
+    caches it, and each raysgd worker compiled raysgd at its start: raysgd's start-up took 3.19 s from source
+    against 2.84 s from bytecode on average (5 and 7 runs, alternating; torchrun's 3.38 and 3.43 s). Up to date,
+    this is a check of each file's time stamp.
+
+    Example:
+        >>> compile_sources()  # doctest: +SKIP
+        []
+    """
+    spec = importlib.util.find_spec("raysgd")
+    folders = [*(spec.submodule_search_locations or ()), BENCH_DIR]
+    return [folder for folder in folders if not compileall.compile_dir(folder, quiet=2)]
 
 
 class Runner:
@@ -256,6 +277,7 @@ def main(argv=None):
     started = time.monotonic()
     work_dir = tempfile.mkdtemp(prefix="raysgd-bench-")
     meta = metadata(args)
+    meta["bytecode_not_written"] = compile_sources()  # [] when every side loads bytecode (see compile_sources)
     print(f"raysgd benchmark: {meta['machine']}, {args.threads} thread(s) per process, load average "
           f"{meta['load_average'][0]:.1f}{', SMOKE TEST' if args.smoke_test else ''}", flush=True)
     result, errors = measure(args, work_dir)

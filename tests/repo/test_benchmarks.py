@@ -82,6 +82,7 @@ def test_smoke_test_runs_every_side_and_section(tmp_path):
     assert result["meta"]["smoke"] and result["errors"] == []
     # the niceness its Ray workers inherit from here (conftest sets 0), recorded as it is
     assert result["meta"]["ray_worker_niceness"] == int(os.environ.get("RAY_worker_niceness", 15))
+    assert result["meta"]["bytecode_not_written"] == []  # every side loads bytecode, as a user's install does
     threads = result["meta"]["threads"]
     assert {(r["side"], r["workers"]) for r in result["runs"]} == {
         ("plain", 1), ("torchrun", 1), ("torchrun", 2), ("raytrain", 1), ("raytrain", 2), ("raysgd", 1),
