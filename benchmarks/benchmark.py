@@ -96,11 +96,9 @@ def compile_sources():
     """Write the bytecode of raysgd's package and of benchmarks/ before any side starts; returns the folders that
     could not be written (a read-only install), for the run's metadata.
 
-    Every process of every side then loads bytecode, as a user's install does (pip compiles what it installs;
-    Python caches the rest at its first import). Where the environment sets ``PYTHONDONTWRITEBYTECODE``, Python never
-    caches it, and each raysgd worker compiled raysgd at its start: raysgd's start-up took 3.19 s from source
-    against 2.84 s from bytecode on average (5 and 7 runs, alternating; torchrun's 3.38 and 3.43 s). Up to date,
-    this is a check of each file's time stamp.
+    Every process of every side then loads bytecode, as a user's install does. Where the environment sets
+    ``PYTHONDONTWRITEBYTECODE``, each raysgd worker otherwise compiled raysgd at its start, which only raysgd's side
+    paid (benchmarks/README.md, "Start-up re-measured"). Up to date, this is a check of each file's time stamp.
 
     Example:
         >>> compile_sources()  # doctest: +SKIP
