@@ -4,12 +4,17 @@ latest complete commit, and where its state parts are (never the parts themselve
 Layer 4 (ray), beside :mod:`~raysgd.torch.commits.part_holders` (the modules of this layer that call actors). A
 committing rank sends through the plan's :class:`CommitSink`: its state part, if it has one (rank 0's state under
 DDP), goes to the holder on its own node, which keeps it there with a copy on a buddy node
-(:func:`~raysgd.torch.commits.part_holders.keep_part`); then its small record (random streams, metrics, cursor) and
-the part's copies (``(node, [ref])``: refs the store only borrows) go to the store. ``put`` returns once the store
-holds them, so a commit never depends on an object owned by a worker that may die. A commit is complete once every
-rank of the attempt has put its record under the same key. After a failure the driver reads the latest complete
-commit's records and part copies (:meth:`CommitStore.latest_parts`): the restarted workers load the parts from the
-holders' nodes, never through the driver or this actor. Ranks that stop at a commit because of a SIGTERM mark it
+(:func:`~raysgd.torch.commits.part_holders.keep_part`). Each holder hands the ref of the copy it made, which it
+owns, to the store itself (``add_copy``) before it answers: the store's borrow of a copy is registered with the
+copy's owner directly, and the committing rank never holds a copy's ref. (Ray frees an object whose owner learns of
+its last borrower's death: a borrower that passed the ref on and died before telling the owner takes the owner's
+knowledge of the next borrower with it. A rank is the process most likely to die right after its commit, a SIGTERM's
+exit or the platform's SIGKILL at the end of its grace period, so it is never such a link.) Then the rank's small
+record (random streams, metrics, cursor) and its part's size go to the store. ``put`` returns once the store holds
+them, so a commit never depends on an object owned by a worker that may die. A commit is complete once every rank
+of the attempt has put its record under the same key. After a failure the driver reads the latest complete commit's
+records and part copies (:meth:`CommitStore.latest_parts`): the restarted workers load the parts from the holders'
+nodes, never through the driver or this actor. Ranks that stop at a commit because of a SIGTERM mark it
 (``mark(key, "preemption")``) before they send their records, so the driver learns of the preemption from the
 store, whichever error reaches it first.
 
@@ -37,23 +42,42 @@ class _StoreActor:
         self._pending = {}  # key -> (world_size, {rank: (blob, part)})
         self._complete = None  # (key, {rank: (blob, part)})
         self._reasons = {}  # key -> why the ranks stopped at that commit ("preemption"), this call only
+        self._copies = {}  # (key, rank) -> {node: [ref]}: the copies the holders made of a part, the first first
 
     def begin(self, call_id):
         if self._call is None or call_id > self._call:
-            self._call, self._pending, self._complete, self._reasons = call_id, {}, None, {}
+            self._call, self._pending, self._complete, self._reasons, self._copies = call_id, {}, None, {}, {}
 
-    def put(self, key, rank, world_size, blob, part=None):
-        """One rank's record (a copy of our own: none depends on the sender) and, if it sent one, where its state
-        part is (``{"size", "copies": [(node, [ref])]}``: refs borrowed from the part holders)."""
+    def add_copy(self, key, rank, node, refs):
+        """A holder's copy of rank ``rank``'s part of the commit ``key``, kept on ``node`` (``[ref]``, owned by
+        the holder, which sends it here itself: see the module docstring). A later copy on the same node (a call
+        retried on a restarted holder) replaces the earlier one."""
+        self.begin(key[0])
+        if key[0] != self._call:
+            return False  # a late copy of a finished call
+        self._copies.setdefault((tuple(key), rank), {})[node] = list(refs)
+        return True
+
+    def put(self, key, rank, world_size, blob, part_size=None):
+        """One rank's record (a copy of our own: none depends on the sender) and, if it has a state part, the
+        part's size in bytes (its copies came from the holders: :meth:`add_copy`)."""
         blob = blob if isinstance(blob, bytes) else bytes(blob)
         self.begin(key[0])  # a worker's record may arrive before the driver's begin: calls only move forward
         if key[0] != self._call:
             return False  # a late record of a finished call
+        part = None
+        if part_size is not None:
+            copies = self._copies.pop((tuple(key), rank), None)
+            if not copies:
+                raise ValueError(f"rank {rank}'s record of commit {tuple(key)} names a state part of {part_size} "
+                                 "bytes, but no holder stored a copy of it")
+            part = {"size": part_size, "copies": list(copies.items())}
         size, records = self._pending.setdefault(tuple(key), (world_size, {}))  # one attempt: one size
         records[rank] = (blob, part)
         if len(records) == size and (self._complete is None or tuple(key) >= self._complete[0]):
             self._complete = (tuple(key), records)  # the older complete commit's parts are let go here
             self._pending = {k: v for k, v in self._pending.items() if k > tuple(key)}
+            self._copies = {k: v for k, v in self._copies.items() if k[0] > tuple(key)}  # and unclaimed copies
         return True
 
     def latest(self, call_id):
@@ -91,20 +115,26 @@ class CommitSink:
     def __init__(self, actor, holders=None, buddy_of=None):
         self._actor, self.holders, self.buddy_of = actor, dict(holders or {}), dict(buddy_of or {})
 
+    @property
+    def store(self):
+        """The store's actor handle: the holders give it their copies of a part (``keep_part``)."""
+        return self._actor
+
     def put(self, key, rank, world_size, blob, state=None, timeout_s=600):
         """Store one rank's record (its random streams, metrics and cursor) and its ``state`` part (models,
         optimizers...: bytes or any contiguous buffer; rank 0's under DDP) if it has one, blocking until both are
-        held: the part by the holder of this rank's node and its buddy, the record by the store.
+        held: the part by the holder of this rank's node and its buddy (who give the store their copies), the
+        record by the store.
 
         Buffers travel out of band (``pickle.PickleBuffer``): Ray writes them straight into its object store, with no
         copy on this side."""
         started = time.monotonic()
-        part = None
+        size = None
         if state is not None:
-            part = part_holders.keep_part(self.holders, self.buddy_of, state, timeout_s)
+            size = part_holders.keep_part(self.holders, self.buddy_of, state, timeout_s, self.store, key, rank)["size"]
         blob = blob if isinstance(blob, bytes) else out_of_band(blob)
         left = max(1.0, timeout_s - (time.monotonic() - started))
-        return ray.get(self._actor.put.remote(tuple(key), rank, world_size, blob, part), timeout=left)
+        return ray.get(self._actor.put.remote(tuple(key), rank, world_size, blob, size), timeout=left)
 
     def mark(self, key, reason, timeout_s=60):
         """Record why the ranks stopped at the commit ``key`` (``"preemption"``); kept until the next call."""

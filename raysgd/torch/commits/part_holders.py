@@ -8,9 +8,12 @@ buffer to the holder on its own node (:meth:`CommitSink.put` of the commit store
 thread): the rank puts the buffer into its node's object store once (a temporary it owns), the holder puts a copy of
 its own there (the holder *owns* it, so it outlives the sending rank's process) and asks the holder of the buddy
 node to make its own copy from the rank's temporary (pulled across the network; owned by that holder), after which
-the temporary is released. The holder answers with the copies' ``(node, [ref])``, which the rank sends with its small
-record to the commit store; the store, and after a failure the driver, only *borrow* those refs: the bytes go from
-the holders' nodes to the restarted workers directly.
+the temporary is released. Each holder gives the ref of its copy to the commit store itself (``add_copy``), and
+answers the rank with the nodes only: the store's borrow is registered with the copy's owner directly, never
+through the rank, whose death right after its commit (a preemption's exit) would otherwise take the owner's
+knowledge of that borrow with it (Ray then frees the copy: see :mod:`~raysgd.torch.commits.commit_store`). The
+store, and after a failure the driver, only *borrow* those refs: the bytes go from the holders' nodes to the
+restarted workers directly.
 
 No node pulls a kept copy to make another: a pull leaves a secondary copy of the object it pulled in the puller's
 object store, which Ray's directory lists as a location of that object until it declares the puller's node dead. A
@@ -70,31 +73,37 @@ def _this_node():
 class _HolderActor:
     """One node's holder (see the module docstring); a threaded actor serving its ranks and its buddies."""
 
-    def keep(self, temporary, buddy):
+    def keep(self, temporary, buddy, store, key, rank):
         """Keep the part of ``temporary`` (``[ref]``: a buffer, this node's rank's serialised part, put by the rank
         into this node's object store) in this node's object store and, with a ``buddy`` holder, a copy on its node
-        made from the temporary (never from this holder's copy: see the module docstring); returns
-        ``[(node, [ref]), ...]`` of the copies made."""
+        made from the temporary (never from this holder's copy: see the module docstring); each copy is given to
+        the commit ``store`` (an actor handle) as rank ``rank``'s part of the commit ``key`` by the holder that
+        made it. Returns the nodes of the copies made."""
         part = ray.get(temporary[0], timeout=COPY_TIMEOUT_S)  # on this node: no transfer
         own = ray.put(out_of_band(part))  # owned by this holder, in this node's store
         del part
-        copies = [(ray.get_runtime_context().get_node_id(), [own])]
+        here = ray.get_runtime_context().get_node_id()
+        ray.get(store.add_copy.remote(key, rank, here, [own]), timeout=COPY_TIMEOUT_S)
+        del own
+        nodes = [here]
         if buddy is not None:
             try:
-                copies.append(tuple(ray.get(buddy.copy.options(max_task_retries=CALL_RETRIES).remote(temporary),
-                                            timeout=COPY_TIMEOUT_S)))
+                nodes.append(ray.get(buddy.copy.options(max_task_retries=CALL_RETRIES).remote(
+                    temporary, store, key, rank), timeout=COPY_TIMEOUT_S))
             except ray_errors.RayError as err:  # the part still has its first copy
                 logger.warning("The buddy copy of a committed part failed (%s: %s); it has one copy",
                                type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-        return copies
+        return nodes
 
-    def copy(self, refs):
-        """Pull ``refs[0]`` (a rank's temporary, on another node) and keep a copy of this holder's own;
-        ``(node, [ref])``."""
+    def copy(self, refs, store, key, rank):
+        """Pull ``refs[0]`` (a rank's temporary, on another node), keep a copy of this holder's own and give it to
+        the commit ``store`` (see :meth:`keep`); returns this node's id."""
         value = ray.get(refs[0], timeout=COPY_TIMEOUT_S)
         mine = ray.put(out_of_band(value))
         del value
-        return ray.get_runtime_context().get_node_id(), [mine]
+        here = ray.get_runtime_context().get_node_id()
+        ray.get(store.add_copy.remote(key, rank, here, [mine]), timeout=COPY_TIMEOUT_S)
+        return here
 
     def ping(self):
         return ray.get_runtime_context().get_node_id()
@@ -180,9 +189,11 @@ class Holders:
                 logger.debug("holder: %s", err)
 
 
-def keep_part(holders, buddy_of, part, timeout_s):
+def keep_part(holders, buddy_of, part, timeout_s, store, key, rank):
     """In a committing rank: keep ``part`` (a contiguous buffer) with the holder of this rank's node and a copy on
-    its buddy; returns ``{"size": bytes, "copies": [(node, [ref]), ...]}`` (what the commit store records).
+    its buddy, each holder giving its copy to the commit ``store`` (an actor handle) as rank ``rank``'s part of the
+    commit ``key``; returns ``{"size": bytes, "nodes": [node, ...]}`` (the nodes of the copies: this process never
+    holds a copy's ref).
 
     ``holders``: ``{node: holder}``; ``buddy_of``: ``{node: buddy node}`` (:func:`buddies`). Raises ``RuntimeError``
     when this node has no holder (the plan was made for another group), or the holder's error."""
@@ -192,6 +203,7 @@ def keep_part(holders, buddy_of, part, timeout_s):
         raise RuntimeError(f"no part holder for node {node[:12]}: the commit plan names {len(holders)} other node(s)")
     buddy = holders.get(buddy_of.get(node))
     temporary = ray.put(out_of_band(part))  # released on return: the holders' copies are the kept ones
-    copies = ray.get(holder.keep.options(max_task_retries=CALL_RETRIES).remote([temporary], buddy), timeout=timeout_s)
+    nodes = ray.get(holder.keep.options(max_task_retries=CALL_RETRIES).remote([temporary], buddy, store, tuple(key),
+                                                                               rank), timeout=timeout_s)
     del temporary
-    return {"size": memoryview(part).nbytes, "copies": [(where, list(refs)) for where, refs in copies]}
+    return {"size": memoryview(part).nbytes, "nodes": list(nodes)}

@@ -5,6 +5,7 @@ object store and a copy goes to rank 1's node before the call trains. Rank 0 the
 is killed: the primary copy is gone with it, the group restarts at 2 workers (the third node) from the copy, and
 the result is bit-exact with a run that lost nothing (dropout draws from each rank's own stream).
 """
+import io
 import os
 import signal
 import threading
@@ -19,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from conftest import local_cluster
 from helpers import CountingOperator, FaultyOperator, holders_started, remove_node_after_commit
 from raysgd import TorchTrainer
-from raysgd.torch.commits import part_holders
+from raysgd.torch.commits import commit_store, part_holders
 from raysgd.torch.restart_points import restart_point
 
 pytestmark = pytest.mark.slow
@@ -75,23 +76,48 @@ def locations(ref):
     return sorted(get_object_locations([ref], timeout_ms=10_000)[ref]["node_ids"])
 
 
-def test_every_kept_copy_is_stored_on_its_own_node_only(three_nodes):
+@ray.remote(num_cpus=0, max_restarts=0)
+class Committer:
+    """A committing rank's stand-in: sends one commit through a sink (as ``CommitSink.put`` does), then is killed."""
+
+    def pid(self):
+        return os.getpid()
+
+    def commit(self, sink, key, record, size):
+        answer = part_holders.keep_part(sink.holders, sink.buddy_of, bytes(size), 60, sink.store, key, 0)
+        assert ray.get(sink.store.put.remote(key, 0, 1, record, answer["size"]), timeout=60)
+        return answer  # all this process learnt of the copies: no copy's ref may be among it
+
+
+def test_every_kept_copy_is_stored_on_its_own_node_only_and_outlives_the_committing_process(three_nodes):
     """A pull leaves a secondary copy of the pulled object on the puller's node, which Ray lists as a location of it
     until it declares that node dead; a restart right after the node's loss could have its load sent there and wait
     Ray's pull timeout (10 s). So a commit's part copies (the holders') and a restart point's copy are each made from
     a temporary, and every kept object has one location: its own node. The control, a direct pull, shows the
-    location that would otherwise be left (and that Ray reports it before the kept objects are checked)."""
+    location that would otherwise be left (and that Ray reports it before the kept objects are checked).
+
+    The holders give their copies to the store themselves: the committing process, SIGKILLed as soon as its commit is
+    stored (a preemption's end), was never a link between a copy's owner and the store, so both copies stay."""
     back_to_three_worker_nodes(three_nodes)
     node_a, node_b = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0)[:2]
     on_a, on_b = (NodeAffinitySchedulingStrategy(node, soft=False) for node in (node_a, node_b))
     size = 2_000_000  # in the nodes' object stores (Ray keeps objects under 100 KB in the owner's memory)
-    holders = part_holders.Holders()
+    holders, store = part_holders.Holders(), commit_store.CommitStore()
     try:
         handles, buddy_of = holders.for_nodes([node_a, node_b]), part_holders.buddies([node_a, node_b])
-        commit = ray.remote(num_cpus=0)(lambda: part_holders.keep_part(handles, buddy_of, bytes(size), 60))
-        part = ray.get(commit.options(scheduling_strategy=on_a).remote(), timeout=60)
-        copies = {node: refs[0] for node, refs in part["copies"]}
-        assert sorted(copies) == sorted([node_a, node_b]) and part["size"] == size
+        ray.get(store.begin(1), timeout=30)
+        record = io.BytesIO()
+        torch.save({"cursor": "c"}, record)
+        committer = Committer.options(scheduling_strategy=on_a).remote()
+        pid = ray.get(committer.pid.remote(), timeout=60)
+        kept = ray.get(committer.commit.remote(store.sink(handles, buddy_of), (1, 0, 5), record.getvalue(), size),
+                       timeout=60)
+        os.kill(pid, signal.SIGKILL)
+        assert kept["nodes"] == [node_a, node_b] and not any(isinstance(v, ray.ObjectRef) for v in refs_in(kept))
+        key, records, parts = store.latest_parts(1)
+        assert key == (1, 0, 5) and records == {0: {"cursor": "c"}} and parts[0]["size"] == size
+        copies = {node: refs[0] for node, refs in parts[0]["copies"]}
+        assert list(copies) == [node_a, node_b]  # its own node's first
 
         state = ray.remote(num_cpus=0)(lambda: b"s" * size)
         primary = state.options(scheduling_strategy=on_a).remote()  # as rank 0's snapshot: returned on its node
@@ -109,8 +135,20 @@ def test_every_kept_copy_is_stored_on_its_own_node_only(three_nodes):
         assert locations(copies[node_a]) == [node_a] and locations(copies[node_b]) == [node_b]
         assert locations(point.refs[0]) == [node_a] and locations(point.refs[1]) == [node_b]
         assert bytes(restart_point.first_available(point.refs[1:], timeout_s=60)) == b"s" * size
+        for ref in copies.values():  # whole after the committer's death (fetched here last: a pull adds a location)
+            assert bytes(restart_point.first_available([ref], timeout_s=60)) == bytes(size)
     finally:
         holders.close()
+        store.close()
+
+
+def refs_in(value):
+    """Every object inside ``value`` (lists, tuples, dicts and objects' attributes, recursively)."""
+    if isinstance(value, dict):
+        return [found for item in value.values() for found in refs_in(item)]
+    if isinstance(value, (list, tuple)):
+        return [found for item in value for found in refs_in(item)]
+    return [value]
 
 
 def test_losing_the_node_of_the_restart_point_restarts_from_its_copy(three_nodes, expected, tmp_path):

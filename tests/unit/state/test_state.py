@@ -157,16 +157,31 @@ def test_the_commit_store_completes_a_commit_from_one_attempt_only():
 
     store = _StoreActor()
     store.begin(1)
-    part0 = {"size": 18, "copies": [("node-a", ["state of attempt 0"])]}
-    store.put((1, 0, 15), 0, 2, b"rank 0, attempt 0", part0)  # rank 1 died before step 15
+    store.add_copy((1, 0, 15), 0, "node-a", ["state of attempt 0"])  # a holder gives the store its copy
+    store.put((1, 0, 15), 0, 2, b"rank 0, attempt 0", 18)  # rank 1 died before step 15
     store.put((1, 1, 15), 1, 2, b"rank 1, attempt 1")  # the retry (from step 10) reaches step 15 again
     assert store.latest(1) is None
+    store.add_copy((1, 1, 15), 0, "node-a", ["a copy its holder's retry replaces"])
+    store.add_copy((1, 1, 15), 0, "node-a", ["state of attempt 1"])
+    store.add_copy((1, 1, 15), 0, "node-b", ["its copy"])
+    store.add_copy((1, 1, 20), 0, "node-a", ["a newer commit's, kept"])
+    store.put((1, 1, 15), 0, 2, b"rank 0, attempt 1", 18)
     part1 = {"size": 18, "copies": [("node-a", ["state of attempt 1"]), ("node-b", ["its copy"])]}
-    store.put((1, 1, 15), 0, 2, b"rank 0, attempt 1", part1)
     assert store.latest(1) == ((1, 1, 15), {0: b"rank 0, attempt 1", 1: b"rank 1, attempt 1"}, {0: part1})
     store.put((1, 0, 20), 1, 2, b"late")  # a late record of the old attempt completes nothing newer
-    store.put((1, 0, 20), 0, 2, b"late", {"size": 10, "copies": []})
+    store.add_copy((1, 0, 20), 0, "node-a", ["late"])
+    store.put((1, 0, 20), 0, 2, b"late", 10)
     assert store.latest_key(1) == (1, 1, 15)
+    with pytest.raises(ValueError, match="no holder stored a copy"):  # a part that reached no holder
+        store.put((1, 1, 25), 0, 2, b"rank 0", 18)
+    store.put((1, 1, 20), 1, 2, b"rank 1")
+    store.put((1, 1, 20), 0, 2, b"rank 0", 18)  # its copy came before the older commit completed
+    assert store.latest(1)[2] == {0: {"size": 18, "copies": [("node-a", ["a newer commit's, kept"])]}}
+    store.add_copy((1, 1, 21), 0, "node-a", ["unclaimed"])
+    store.begin(2)  # a new call lets go of every copy of the old one
+    assert not store.add_copy((1, 1, 22), 0, "node-a", ["a late copy of the old call"])
+    with pytest.raises(ValueError):
+        store.put((2, 0, 1), 0, 1, b"rank 0", 18)
 
 
 def test_states_compare_with_equals_and_older_tensor_random_states_still_load(worker):
