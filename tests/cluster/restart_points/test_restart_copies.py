@@ -143,7 +143,7 @@ def test_every_kept_copy_is_stored_on_its_own_node_only_and_outlives_the_committ
 
 
 def refs_in(value):
-    """Every object inside ``value`` (lists, tuples, dicts and objects' attributes, recursively)."""
+    """Every object inside ``value`` (the items of its lists, tuples and dicts, recursively)."""
     if isinstance(value, dict):
         return [found for item in value.values() for found in refs_in(item)]
     if isinstance(value, (list, tuple)):
