@@ -52,32 +52,33 @@ class _StoreActor:
         """A holder's copy of rank ``rank``'s part of the commit ``key``, kept on ``node`` (``[ref]``, owned by
         the holder, which sends it here itself: see the module docstring). A later copy on the same node (a call
         retried on a restarted holder) replaces the earlier one."""
+        key = tuple(key)
         self.begin(key[0])
         if key[0] != self._call:
             return False  # a late copy of a finished call
-        self._copies.setdefault((tuple(key), rank), {})[node] = list(refs)
+        self._copies.setdefault((key, rank), {})[node] = list(refs)
         return True
 
     def put(self, key, rank, world_size, blob, part_size=None):
         """One rank's record (a copy of our own: none depends on the sender) and, if it has a state part, the
         part's size in bytes (its copies came from the holders: :meth:`add_copy`)."""
-        blob = blob if isinstance(blob, bytes) else bytes(blob)
+        key, blob = tuple(key), blob if isinstance(blob, bytes) else bytes(blob)
         self.begin(key[0])  # a worker's record may arrive before the driver's begin: calls only move forward
         if key[0] != self._call:
             return False  # a late record of a finished call
         part = None
         if part_size is not None:
-            copies = self._copies.pop((tuple(key), rank), None)
+            copies = self._copies.pop((key, rank), None)
             if not copies:
-                raise ValueError(f"rank {rank}'s record of commit {tuple(key)} names a state part of {part_size} "
-                                 "bytes, but no holder stored a copy of it")
+                raise ValueError(f"rank {rank}'s record of commit {key} names a state part of {part_size} bytes, "
+                                 "but no holder stored a copy of it")
             part = {"size": part_size, "copies": list(copies.items())}
-        size, records = self._pending.setdefault(tuple(key), (world_size, {}))  # one attempt: one size
+        size, records = self._pending.setdefault(key, (world_size, {}))  # one attempt: one size
         records[rank] = (blob, part)
-        if len(records) == size and (self._complete is None or tuple(key) >= self._complete[0]):
-            self._complete = (tuple(key), records)  # the older complete commit's parts are let go here
-            self._pending = {k: v for k, v in self._pending.items() if k > tuple(key)}
-            self._copies = {k: v for k, v in self._copies.items() if k[0] > tuple(key)}  # and unclaimed copies
+        if len(records) == size and (self._complete is None or key >= self._complete[0]):
+            self._complete = (key, records)  # the older complete commit's parts are let go here
+            self._pending = {k: v for k, v in self._pending.items() if k > key}
+            self._copies = {k: v for k, v in self._copies.items() if k[0] > key}  # and unclaimed copies
         return True
 
     def latest(self, call_id):

@@ -8,12 +8,10 @@ buffer to the holder on its own node (:meth:`CommitSink.put` of the commit store
 thread): the rank puts the buffer into its node's object store once (a temporary it owns), the holder puts a copy of
 its own there (the holder *owns* it, so it outlives the sending rank's process) and asks the holder of the buddy
 node to make its own copy from the rank's temporary (pulled across the network; owned by that holder), after which
-the temporary is released. Each holder gives the ref of its copy to the commit store itself (``add_copy``), and
-answers the rank with the nodes only: the store's borrow is registered with the copy's owner directly, never
-through the rank, whose death right after its commit (a preemption's exit) would otherwise take the owner's
-knowledge of that borrow with it (Ray then frees the copy: see :mod:`~raysgd.torch.commits.commit_store`). The
-store, and after a failure the driver, only *borrow* those refs: the bytes go from the holders' nodes to the
-restarted workers directly.
+the temporary is released. Each holder gives the ref of its copy to the commit store itself (``add_copy``) and
+answers the rank with the nodes only: no rank is ever a link between a copy's owner and the store (why: see
+:mod:`~raysgd.torch.commits.commit_store`). The store, and after a failure the driver, only *borrow* those refs:
+the bytes go from the holders' nodes to the restarted workers directly.
 
 No node pulls a kept copy to make another: a pull leaves a secondary copy of the object it pulled in the puller's
 object store, which Ray's directory lists as a location of that object until it declares the puller's node dead. A
