@@ -4,8 +4,8 @@ Speeds are never asserted (the machine is shared); the rows, their shape and the
 
 The smaller scripts' smoke runs (``SMOKE_RUNS``) go two at a time in the background (``smoke_runs``,
 tests/background.py), each test waiting for its own: one alone left 22-38% of the machine idle (its Ray cluster's
-start, its workers' start-ups), and nothing they check depends on timing; measured here, the four took 76 s one after
-another and 59 s two at a time. ``benchmark.py``'s own smoke run keeps the machine busy by itself (96%: three lanes
+start, its workers' start-ups), and nothing they check depends on timing; measured here, the first four took 76 s
+one after another and 59 s two at a time. ``benchmark.py``'s own smoke run keeps the machine busy by itself (96%: three lanes
 at once) and runs alone, before them.
 """
 import functools
@@ -24,17 +24,19 @@ ROOT = REPO_DIR
 BENCH_DIR = os.path.join(ROOT, "benchmarks")
 sys.path.insert(0, BENCH_DIR)
 
-import report  # noqa: E402 (benchmarks/ is not a package)
+import ci_profile  # noqa: E402 (benchmarks/ is not a package)
+import report  # noqa: E402
 import workloads  # noqa: E402
 
 
 #: The smoke runs of the smaller scripts, by the test that checks each: ``(script, options, timeout_s)``; ``{dir}``
-#: in an option is that run's folder. They start in this order, the longest first (35, 22, 16 and 3 s alone).
+#: in an option is that run's folder. They start in this order, the longest first (35, 22, 16, 11 and 3 s alone).
 SMOKE_RUNS = {
     "test_fsdp_state_benchmark_smoke_test_measures_every_column": ("fsdp_state.py", (), 500),
     "test_fsdp_benchmark_smoke_test_measures_both_strategies": (
         "fsdp.py", ("--workers", "1,2", "--plot", "{dir}/fsdp.png"), 500),
     "test_state_scaling_smoke_test_measures_every_column": ("state_scaling.py", (), 300),
+    "test_ci_profile_smoke_test_times_modules_and_lanes_and_the_cpu_by_process_kind": ("ci_profile.py", (), 300),
     "test_serialise_stall_smoke_test_measures_both_ways": ("serialise_stall.py", (), 120),
 }
 
@@ -199,3 +201,57 @@ def test_serialise_stall_smoke_test_measures_both_ways(smoke_runs, request):
     for row in rows:
         assert row["serialise_ms"] > 0 and row["worst_stall_ms"] >= 0 and row["loop_share"] > 0, row
     assert "worst_stall_ms" in stdout  # the table
+
+
+def test_ci_profile_smoke_test_times_modules_and_lanes_and_the_cpu_by_process_kind(smoke_runs, request):
+    """The profiler runs a unit module and a trainer's module on two lanes (its own pytest, inside this one)."""
+    result, stdout, _ = smoke_result(smoke_runs, request)
+    assert result["pytest_exit_status"] == 0
+    modules = {row["module"]: row for row in result["modules"]}
+    assert set(modules) == {"tests/unit/core/test_utils.py", "tests/cluster/integrations/test_results.py"}
+    assert modules["tests/cluster/integrations/test_results.py"]["seconds"] > 1  # a cluster's start and a trainer
+    lanes = {row["lane"]: row for row in result["lanes"]}
+    assert set(lanes) == {"gw0", "gw1"}  # loadfile: a module per lane, and xdist's relay of them not counted again
+    assert sum(row["tests"] for row in lanes.values()) == sum(row["tests"] for row in modules.values()) > 2
+    assert {row["lanes"] for row in modules.values()} == {"gw0", "gw1"}
+    kinds = {row["kind"]: row for row in result["cpu"]}
+    assert kinds["pytest lane"]["processes"] >= 2 and kinds["pytest lane"]["cpu_s"] > 0
+    assert kinds["ray::TorchWorker"]["processes"] >= 1 and kinds["ray::TorchWorker"]["cpu_s"] > 0.5  # torch's import
+    assert {"gcs_server", "raylet"} <= set(kinds)
+    assert 0 < result["machine_busy_share"] <= 1
+    assert 0 < result["accounted_cpu_s"] <= result["machine_busy_cpu_s"] * 1.05 + 1  # a lower bound of the busy time
+    assert "CPU by process kind" in stdout
+
+
+def test_ci_profile_sums_tests_by_module_and_lane_and_names_process_kinds(tmp_path):
+    events = tmp_path / "events.jsonl"
+    lines = [("gw0", "start", "a.py::t1", 0.0), ("gw1", "start", "b.py::t", 0.5), ("gw0", "end", "a.py::t1", 2.0),
+             ("gw0", "start", "a.py::t2", 2.0), ("gw0", "end", "a.py::t2", 3.0), ("gw1", "end", "b.py::t", 4.0),
+             ("gw1", "start", "b.py::cut", 4.0)]  # a test still running at the end is left out
+    events.write_text("".join(json.dumps({"lane": lane, "event": event, "test": test, "t": t}) + "\n"
+                              for lane, event, test, t in lines))
+    tests = ci_profile.tests_from(events)
+    assert sorted(tests) == [("gw0", "a.py::t1", 0.0, 2.0), ("gw0", "a.py::t2", 2.0, 3.0), ("gw1", "b.py::t", 0.5, 4.0)]
+    cpu = {"ray::TorchWorker": (5.0, 2), "raylet": (1.0, 1), "never ran": (0.0, 3)}
+    result = ci_profile.summarise(tests, cpu, (7.0, 0.875), wall_s=4.2, top=5)
+    assert result["modules"] == [{"module": "b.py", "tests": 1, "seconds": 3.5, "lanes": "gw1"},
+                                 {"module": "a.py", "tests": 2, "seconds": 3.0, "lanes": "gw0"}]
+    assert result["lanes"] == [{"lane": "gw0", "tests": 2, "busy_s": 3.0, "starts_s": 0.0, "ends_s": 3.0},
+                               {"lane": "gw1", "tests": 1, "busy_s": 3.5, "starts_s": 0.5, "ends_s": 4.0}]
+    assert result["cpu"] == [{"kind": "ray::TorchWorker", "cpu_s": 5.0, "share": 0.833, "processes": 2, "s_each": 2.5},
+                             {"kind": "raylet", "cpu_s": 1.0, "share": 0.167, "processes": 1, "s_each": 1.0}]
+    assert (result["accounted_cpu_s"], result["machine_busy_cpu_s"], result["machine_busy_share"]) == (6.0, 7.0, 0.875)
+    assert ci_profile.summarise(tests, cpu, (7.0, 0.875), wall_s=4.2, top=1)["modules"] == result["modules"][:1]
+    named = {
+        ("ray::TorchWorker.train_epoch",): "ray::TorchWorker",
+        ("/venv/bin/python3", "-u", "/venv/lib/ray/_private/workers/default_worker.py", "--node-ip-address=x"):
+            "ray worker, not yet named",
+        ("/venv/bin/python", "-X", "importtime", "examples/dcgan.py", "--smoke-test"): "python dcgan.py",
+        ("/venv/bin/python", "-m", "raysgd.legacy", "--train", "x.py"): "python -m raysgd.legacy",
+        ("/venv/bin/python", "-u", "-c", "import sys;exec(eval(sys.stdin.readline()))"): "pytest lane",
+        ("/venv/lib/ray/core/src/ray/gcs/gcs_server", "--log_dir=/tmp"): "gcs_server",
+    }
+    for argv, expected in named.items():
+        assert ci_profile.kind(list(argv), "python") == expected, argv
+    assert ci_profile.kind([], "kdamond.0") == "kernel or exited: kdamond.0"
+    assert ci_profile.kind([], "ray::IDLE") == "ray::IDLE"

@@ -1,0 +1,276 @@
+"""Where the test suite's time goes: its modules, its lanes, and the machine's CPU by process kind (Linux).
+
+Run from the repository root::
+
+    PYTHONPATH=$PWD python benchmarks/ci_profile.py                       # README's test command, profiled
+    PYTHONPATH=$PWD python benchmarks/ci_profile.py -- tests/api -n 2     # pytest's arguments after --
+    PYTHONPATH=$PWD python benchmarks/ci_profile.py --smoke-test          # two modules (the tests run it)
+
+pytest runs (``-q -n 2 --dist loadfile --no-loadscope-reorder`` and ``tests``, as CI runs it, unless arguments
+follow ``--``) with this module as a plugin (``-p ci_profile``), which notes when each test starts and ends on
+each lane. Beside it a thread reads ``/proc`` every ``--interval`` s: the machine's busy share, and each process's
+CPU time under a kind named from its command line (``ray::TorchWorker``, ``gcs_server``, ``python dcgan.py``,
+``pytest lane``, ...). It reads every process on the machine: profile on a machine doing nothing else. A process's
+CPU is counted up to its last sample: a short one's is a lower bound, and the first line says how much of the
+machine's busy time the kinds hold.
+
+Tables: the modules by their tests' time (setup and teardown included), the lanes (a lane that ends long before the
+other is time the suite's order could win back), and the CPU by kind: seconds, share of the accounted CPU,
+processes, seconds each. On a machine the suite keeps busy (two cores: 94% of the whole suite's run, see
+docs/development.md), only less CPU makes it faster; the kinds say where it goes. ``--json PATH`` writes the tables.
+"""
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CI_ARGS = ["-q", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", "tests"]
+SMOKE_ARGS = ["-q", "-n", "2", "--dist", "loadfile", "tests/unit/core/test_utils.py",
+              "tests/cluster/integrations/test_results.py"]  # a unit module, and one with a Ray cluster and a trainer
+MAIN_LANE = "main"  # the lane's name where pytest runs without xdist
+
+
+# -- the plugin, in the pytest process and in each xdist lane ------------------------------------------------------
+
+def pytest_addoption(parser):
+    parser.addoption("--ci-profile-events", default=None, help="ci_profile: the file each test's start and end go to")
+
+
+_EVENTS = None  # this process's events file; None where nothing is noted (not asked for, or xdist's relay)
+
+
+def pytest_sessionstart(session):
+    global _EVENTS
+    # With xdist, the pytest process only relays its lanes' tests (its "dsession" plugin): they note their own.
+    relay = session.config.pluginmanager.hasplugin("dsession")
+    _EVENTS = None if relay else session.config.getoption("--ci-profile-events")
+
+
+def _note(event, nodeid):
+    if _EVENTS:
+        line = json.dumps({"t": time.time(), "lane": os.environ.get("PYTEST_XDIST_WORKER", MAIN_LANE),
+                           "event": event, "test": nodeid})
+        with open(_EVENTS, "a", encoding="utf-8") as handle:  # one short line per write: lanes append side by side
+            handle.write(line + "\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _note("start", nodeid)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _note("end", nodeid)
+
+
+# -- the sampler ------------------------------------------------------------------------------------------------------
+
+def kind(argv, comm):
+    """The kind a process's CPU is counted under, from its command line (``argv``, a list) or, where that is empty
+    (a kernel thread, a process exiting), its ``comm``.
+
+    Example:
+        >>> kind(["ray::TorchWorker.train_epoch"], "ray::TorchWork")
+        'ray::TorchWorker'
+        >>> kind(["/venv/bin/python", "-u", "examples/dcgan.py", "--smoke-test"], "python")
+        'python dcgan.py'
+    """
+    if not argv:
+        return comm if comm.startswith("ray::") else f"kernel or exited: {comm}"
+    if argv[0].startswith("ray::"):
+        return argv[0].split(".")[0]
+    exe = os.path.basename(argv[0])
+    if not exe.startswith("python"):
+        return exe
+    rest = iter(argv[1:])
+    for arg in rest:
+        if arg == "-m":
+            return f"python -m {next(rest, '?')}"
+        if arg == "-c":
+            code = next(rest, "")
+            return "pytest lane" if "sys.stdin.readline" in code else "python -c"
+        if arg in ("-X", "-W"):
+            next(rest, None)
+        elif not arg.startswith("-"):
+            name = os.path.basename(arg)
+            return "ray worker, not yet named" if name == "default_worker.py" else f"python {name}"
+    return "python"
+
+
+def _machine_ticks():
+    with open("/proc/stat", encoding="ascii") as handle:
+        values = [int(v) for v in handle.readline().split()[1:]]
+    return sum(values), values[3] + values[4]  # all, idle + iowait
+
+
+class Sampler(threading.Thread):
+    """Reads every process's CPU time from /proc each ``interval`` s until ``stop()``; ``cpu_by_kind()`` sums them.
+
+    A process seen first with CPU time already spent (it started before the sampler) counts only what it spends
+    after. A Ray worker renames itself (``ray::IDLE``, then its actor's class), so the last name seen wins.
+    """
+
+    def __init__(self, interval):
+        super().__init__(daemon=True, name="ci-profile-sampler")
+        self.interval, self._done, self._lock = interval, threading.Event(), threading.Lock()
+        self._tick = os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime", encoding="ascii") as handle:
+            self._begun_tick = float(handle.read().split()[0]) * self._tick  # ticks since boot
+        self._procs = {}  # (pid, start tick) -> [kind, ticks at first sight or 0, ticks now]
+        self.machine_start = _machine_ticks()
+
+    def run(self):
+        while not self._done.is_set():
+            self.sample()
+            self._done.wait(self.interval)
+        self.sample()
+
+    def stop(self):
+        self._done.set()
+        self.join(timeout=30)
+        self.machine_end = _machine_ticks()
+
+    def sample(self):
+        for pid in os.listdir("/proc"):
+            if pid.isdigit() and pid != str(os.getpid()):
+                self._read(pid)
+
+    def _read(self, pid):
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
+                stat = handle.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                argv = [a.decode(errors="replace") for a in handle.read().split(b"\0") if a]
+        except OSError:  # it ended between the listing and the read
+            return
+        comm, fields = stat[stat.find("(") + 1:stat.rfind(")")], stat[stat.rfind(")") + 2:].split()
+        ticks, start = int(fields[11]) + int(fields[12]), int(fields[19])
+        with self._lock:
+            entry = self._procs.get((pid, start))
+            if entry is None:
+                entry = self._procs[(pid, start)] = [kind(argv, comm), ticks if start < self._begun_tick else 0, ticks]
+            elif argv:
+                entry[0] = kind(argv, comm)
+            entry[2] = ticks
+
+    def cpu_by_kind(self):
+        """``{kind: (cpu seconds, processes)}``."""
+        seconds, count = collections.Counter(), collections.Counter()
+        with self._lock:
+            for name, first, last in self._procs.values():
+                seconds[name] += (last - first) / self._tick
+                count[name] += 1
+        return {name: (seconds[name], count[name]) for name in seconds}
+
+    def machine(self):
+        """``(busy CPU seconds, busy share)`` between the sampler's start and its stop."""
+        total = self.machine_end[0] - self.machine_start[0]
+        idle = self.machine_end[1] - self.machine_start[1]
+        return (total - idle) / self._tick, (total - idle) / total if total else 0.0
+
+
+# -- the report ------------------------------------------------------------------------------------------------------
+
+def tests_from(events_path):
+    """``[(lane, test id, start, end)]`` from the plugin's file."""
+    started, tests = {}, []
+    with open(events_path, encoding="utf-8") as handle:
+        for line in handle:
+            event = json.loads(line)
+            key = (event["lane"], event["test"])
+            if event["event"] == "start":
+                started[key] = event["t"]
+            elif key in started:
+                tests.append((event["lane"], event["test"], started.pop(key), event["t"]))
+    return tests
+
+
+def summarise(tests, cpu, machine, wall_s, top):
+    """The tables (see the module's docstring) as one JSON-able dict."""
+    modules = collections.defaultdict(lambda: {"tests": 0, "seconds": 0.0, "lanes": set()})
+    lanes = collections.defaultdict(lambda: {"tests": 0, "busy_s": 0.0, "first": None, "last": None})
+    origin = min((start for _, _, start, _ in tests), default=0.0)
+    for lane, test, start, end in tests:
+        module = modules[test.split("::")[0]]
+        module["tests"] += 1
+        module["seconds"] += end - start
+        module["lanes"].add(lane)
+        row = lanes[lane]
+        row["tests"] += 1
+        row["busy_s"] += end - start
+        row["first"] = start if row["first"] is None else min(row["first"], start)
+        row["last"] = end if row["last"] is None else max(row["last"], end)
+    accounted = sum(seconds for seconds, _ in cpu.values())
+    busy_s, busy_share = machine
+    return {
+        "wall_s": round(wall_s, 1), "cpus": os.cpu_count(), "machine_busy_share": round(busy_share, 3),
+        "machine_busy_cpu_s": round(busy_s, 1), "accounted_cpu_s": round(accounted, 1),
+        "modules": [{"module": name, "tests": m["tests"], "seconds": round(m["seconds"], 2),
+                     "lanes": ",".join(sorted(m["lanes"]))}
+                    for name, m in sorted(modules.items(), key=lambda item: -item[1]["seconds"])[:top]],
+        "lanes": [{"lane": lane, "tests": row["tests"], "busy_s": round(row["busy_s"], 2),
+                   "starts_s": round(row["first"] - origin, 2), "ends_s": round(row["last"] - origin, 2)}
+                  for lane, row in sorted(lanes.items())],
+        "cpu": [{"kind": name, "cpu_s": round(seconds, 1), "share": round(seconds / accounted, 3) if accounted else 0,
+                 "processes": count, "s_each": round(seconds / count, 2)}
+                for name, (seconds, count) in sorted(cpu.items(), key=lambda item: -item[1][0])[:top] if seconds > 0],
+    }
+
+
+def print_tables(result):
+    from tabulate import tabulate
+
+    print(f"wall {result['wall_s']} s on {result['cpus']} CPUs; the machine was busy "
+          f"{100 * result['machine_busy_share']:.0f}% ({result['machine_busy_cpu_s']} CPU-s), of which the process "
+          f"kinds below account for {result['accounted_cpu_s']} CPU-s")
+    for title, key in (("Modules, by their tests' time", "modules"), ("Lanes", "lanes"),
+                       ("CPU by process kind", "cpu")):
+        print(f"\n{title}\n" + tabulate(result[key], headers="keys", tablefmt="github"))
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    ours, pytest_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, None)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke-test", action="store_true",
+                        help="profile a unit module and a trainer's module (the tests run this)")
+    parser.add_argument("--interval", type=float, default=0.5, help="seconds between two reads of /proc (0.5)")
+    parser.add_argument("--top", type=int, default=30, help="rows per table (30)")
+    parser.add_argument("--json", help="also write the tables to this file")
+    args = parser.parse_args(ours)
+    if args.interval <= 0 or args.top <= 0:
+        parser.error(f"--interval and --top take numbers > 0, got {args.interval} and {args.top}")
+    if not os.path.exists("/proc/stat"):
+        parser.error("ci_profile reads /proc: it runs on Linux only")
+    pytest_args = pytest_args or (SMOKE_ARGS if args.smoke_test else CI_ARGS)
+    with tempfile.TemporaryDirectory(prefix="ci-profile-") as folder:
+        events = os.path.join(folder, "events.jsonl")
+        open(events, "w").close()
+        here = os.path.dirname(os.path.abspath(__file__))
+        # A run from inside a test lane (the tests' smoke run) must not look like that lane to its own pytest.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_TEST"))}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, ROOT, os.environ.get("PYTHONPATH")) if p)
+        sampler, started = Sampler(args.interval), time.monotonic()
+        sampler.start()
+        try:
+            proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "ci_profile", "--ci-profile-events", events,
+                                   *pytest_args], cwd=ROOT, env=env)
+        finally:
+            sampler.stop()
+        result = summarise(tests_from(events), sampler.cpu_by_kind(), sampler.machine(),
+                           time.monotonic() - started, args.top)
+    result.update(pytest_args=pytest_args, pytest_exit_status=proc.returncode)
+    print_tables(result)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(result, handle, indent=1)
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
