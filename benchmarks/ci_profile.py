@@ -18,6 +18,7 @@ Tables: the modules by their tests' time (setup and teardown included), the lane
 other is time the suite's order could win back), and the CPU by kind: seconds, share of the accounted CPU,
 processes, seconds each. On a machine the suite keeps busy (two cores: 94% of the whole suite's run, see
 docs/development.md), only less CPU makes it faster; the kinds say where it goes. ``--json PATH`` writes the tables.
+The script exits with pytest's status.
 """
 import argparse
 import collections
@@ -104,7 +105,7 @@ def kind(argv, comm):
 
 def _machine_ticks():
     with open("/proc/stat", encoding="ascii") as handle:
-        values = [int(v) for v in handle.readline().split()[1:]]
+        values = [int(v) for v in handle.readline().split()[1:9]]  # guest time is in user time already
     return sum(values), values[3] + values[4]  # all, idle + iowait
 
 

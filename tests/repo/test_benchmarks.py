@@ -5,8 +5,8 @@ Speeds are never asserted (the machine is shared); the rows, their shape and the
 The smaller scripts' smoke runs (``SMOKE_RUNS``) go two at a time in the background (``smoke_runs``,
 tests/background.py), each test waiting for its own: one alone left 22-38% of the machine idle (its Ray cluster's
 start, its workers' start-ups), and nothing they check depends on timing; measured here, the first four took 76 s
-one after another and 59 s two at a time. ``benchmark.py``'s own smoke run keeps the machine busy by itself (96%: three lanes
-at once) and runs alone, before them.
+one after another and 59 s two at a time. ``benchmark.py``'s own smoke run keeps the machine busy by itself (96%:
+three lanes at once) and runs alone, before them.
 """
 import functools
 import itertools
