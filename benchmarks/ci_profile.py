@@ -6,7 +6,7 @@ Run from the repository root::
     PYTHONPATH=$PWD python benchmarks/ci_profile.py -- tests/api -n 2     # pytest's arguments after --
     PYTHONPATH=$PWD python benchmarks/ci_profile.py --smoke-test          # two modules (the tests run it)
 
-pytest runs (``-q -n 2 --dist loadfile --no-loadscope-reorder`` and ``tests``, as CI runs it, unless arguments
+pytest runs (with the arguments of README's test command, read from README.md as CI reads it, unless arguments
 follow ``--``) with this module as a plugin (``-p ci_profile``), which notes when each test starts and ends on
 each lane. Beside it a thread reads ``/proc`` every ``--interval`` s: the machine's busy share, and each process's
 CPU time under a kind named from its command line (``ray::TorchWorker``, ``gcs_server``, ``python dcgan.py``,
@@ -22,8 +22,10 @@ The script exits with pytest's status.
 """
 import argparse
 import collections
+import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -31,7 +33,6 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CI_ARGS = ["-q", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder", "tests"]
 SMOKE_ARGS = ["-q", "-n", "2", "--dist", "loadfile", "tests/unit/core/test_utils.py",
               "tests/cluster/integrations/test_results.py"]  # a unit module, and one with a Ray cluster and a trainer
 MAIN_LANE = "main"  # the lane's name where pytest runs without xdist
@@ -175,6 +176,18 @@ class Sampler(threading.Thread):
         return (total - idle) / self._tick, (total - idle) / total if total else 0.0
 
 
+def readme_pytest_args():
+    """The arguments of pytest in README's test command (what CI runs), read by .ci/readme_command.py."""
+    path = os.path.join(ROOT, ".ci", "readme_command.py")
+    spec = importlib.util.spec_from_file_location("readme_command", path)
+    readme_command = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(readme_command)
+    test_command, runner = readme_command.command("tests"), "python -m pytest"
+    if runner not in test_command:
+        raise SystemExit(f"README's test command should run {runner!r}; got {test_command!r}")
+    return shlex.split(test_command.split(runner, 1)[1])
+
+
 # -- the report ------------------------------------------------------------------------------------------------------
 
 def tests_from(events_path):
@@ -248,7 +261,7 @@ def main(argv=None):
         parser.error(f"--interval and --top take numbers > 0, got {args.interval} and {args.top}")
     if not os.path.exists("/proc/stat"):
         parser.error("ci_profile reads /proc: it runs on Linux only")
-    pytest_args = pytest_args or (SMOKE_ARGS if args.smoke_test else CI_ARGS)
+    pytest_args = pytest_args or (SMOKE_ARGS if args.smoke_test else readme_pytest_args())
     with tempfile.TemporaryDirectory(prefix="ci-profile-") as folder:
         events = os.path.join(folder, "events.jsonl")
         open(events, "w").close()

@@ -255,3 +255,6 @@ def test_ci_profile_sums_tests_by_module_and_lane_and_names_process_kinds(tmp_pa
         assert ci_profile.kind(list(argv), "python") == expected, argv
     assert ci_profile.kind([], "kdamond.0") == "kernel or exited: kdamond.0"
     assert ci_profile.kind([], "ray::IDLE") == "ray::IDLE"
+    with open(os.path.join(REPO_DIR, "README.md"), encoding="utf-8") as handle:
+        readme = handle.read()
+    assert "python -m pytest " + " ".join(ci_profile.readme_pytest_args()) + "\n" in readme  # what CI runs
