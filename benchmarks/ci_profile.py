@@ -14,13 +14,21 @@ CPU time under a kind named from its command line (``ray::TorchWorker``, ``gcs_s
 CPU is counted up to its last sample: a short one's is a lower bound, and the first line says how much of the
 machine's busy time the kinds hold.
 
-Tables: the modules by their tests' time (setup and teardown included), the lanes (a lane that ends long before the
-other is time the suite's order could win back), and the CPU by kind: seconds, share of the accounted CPU,
-processes, seconds each. On a machine the suite keeps busy (two cores: 94% of the whole suite's run, see
-docs/development.md), only less CPU makes it faster; the kinds say where it goes. ``--json PATH`` writes the tables.
-The script exits with pytest's status.
+Each process is also put on a lane: a lane's own pytest process by its pid (the plugin notes it), any other by the
+environment it started with (the lane's ``PYTEST_XDIST_WORKER``, which its Ray clusters, their workers and the
+scripts a test starts inherit; processes without this run's mark are outside the lanes). The CPU a process spends
+between two samples goes to the module whose test was running on its lane then, so a module's CPU is what its lane
+spent while it ran: its own processes, and its share of a cluster it shares with the modules before and after.
+
+Tables: the modules by their tests' time (setup and teardown included; with their CPU and the processes they
+started), the lanes (a lane that ends long before the other is time the suite's order could win back), and the CPU
+by kind: seconds, share of the accounted CPU, processes, seconds each. On a machine the suite keeps busy (two
+cores: 94% of the whole suite's run, see docs/development.md), only less CPU makes it faster; the kinds say where it
+goes, and the modules' CPU which tests spend it. ``--json PATH`` writes the tables. The script exits with pytest's
+status.
 """
 import argparse
+import bisect
 import collections
 import importlib.util
 import json
@@ -36,6 +44,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE_ARGS = ["-q", "-n", "2", "--dist", "loadfile", "tests/unit/core/test_utils.py",
               "tests/cluster/integrations/test_results.py"]  # a unit module, and one with a Ray cluster and a trainer
 MAIN_LANE = "main"  # the lane's name where pytest runs without xdist
+MARK = "RAYSGD_CI_PROFILE_RUN"  # in the environment of every process this run starts: its value is the run's id
+LANE_START = "(a lane's start, before its first test)"
+OUTSIDE = "(outside the lanes)"
+RELAY = "(xdist's relay: the pytest process that starts the lanes)"
 
 
 # -- the plugin, in the pytest process and in each xdist lane ------------------------------------------------------
@@ -57,7 +69,7 @@ def pytest_sessionstart(session):
 def _note(event, nodeid):
     if _EVENTS:
         line = json.dumps({"t": time.time(), "lane": os.environ.get("PYTEST_XDIST_WORKER", MAIN_LANE),
-                           "event": event, "test": nodeid})
+                           "pid": os.getpid(), "event": event, "test": nodeid})
         with open(_EVENTS, "a", encoding="utf-8") as handle:  # one short line per write: lanes append side by side
             handle.write(line + "\n")
 
@@ -110,20 +122,41 @@ def _machine_ticks():
     return sum(values), values[3] + values[4]  # all, idle + iowait
 
 
+def lane_mark(environ, run_id):
+    """The lane a process started in, from its environment at its start (``environ``: ``/proc/<pid>/environ``'s
+    bytes), or None when it does not carry ``run_id`` under :data:`MARK` (not this run's).
+
+    Example:
+        >>> lane_mark(b"RAYSGD_CI_PROFILE_RUN=r1\\0PYTEST_XDIST_WORKER=gw1\\0", "r1")
+        'gw1'
+        >>> lane_mark(b"RAYSGD_CI_PROFILE_RUN=r1\\0", "r1"), lane_mark(b"HOME=/root\\0", "r1")
+        ('main', None)
+    """
+    values = dict(item.split(b"=", 1) for item in environ.split(b"\0") if b"=" in item)
+    if values.get(MARK.encode()) != run_id.encode():
+        return None
+    return values.get(b"PYTEST_XDIST_WORKER", MAIN_LANE.encode()).decode(errors="replace")
+
+
 class Sampler(threading.Thread):
-    """Reads every process's CPU time from /proc each ``interval`` s until ``stop()``; ``cpu_by_kind()`` sums them.
+    """Reads every process's CPU time from /proc each ``interval`` s until ``stop()``; ``cpu_by_kind()`` sums them,
+    ``spent()`` lists them by sample.
 
     A process seen first with CPU time already spent (it started before the sampler) counts only what it spends
-    after. A Ray worker renames itself (``ray::IDLE``, then its actor's class), so the last name seen wins.
+    after. A Ray worker renames itself (``ray::IDLE``, then its actor's class), so the last name seen wins. Each
+    process's lane is read once from its environment (:func:`lane_mark`, with ``run_id``).
     """
 
-    def __init__(self, interval):
+    def __init__(self, interval, run_id=""):
         super().__init__(daemon=True, name="ci-profile-sampler")
         self.interval, self._done, self._lock = interval, threading.Event(), threading.Lock()
-        self._tick = os.sysconf("SC_CLK_TCK")
+        self._tick, self._run_id = os.sysconf("SC_CLK_TCK"), run_id
         with open("/proc/uptime", encoding="ascii") as handle:
             self._begun_tick = float(handle.read().split()[0]) * self._tick  # ticks since boot
-        self._procs = {}  # (pid, start tick) -> [kind, ticks at first sight or 0, ticks now]
+        # (pid, start tick) -> [kind, ticks at first sight or 0, ticks now, lane mark, time of first sight]
+        self._procs = {}
+        self._spent = []  # (time of the sample, (pid, start tick), CPU ticks since the process's previous sample)
+        self._now = time.time()
         self.machine_start = _machine_ticks()
 
     def run(self):
@@ -138,6 +171,7 @@ class Sampler(threading.Thread):
         self.machine_end = _machine_ticks()
 
     def sample(self):
+        self._now = time.time()
         for pid in os.listdir("/proc"):
             if pid.isdigit() and pid != str(os.getpid()):
                 self._read(pid)
@@ -155,19 +189,36 @@ class Sampler(threading.Thread):
         with self._lock:
             entry = self._procs.get((pid, start))
             if entry is None:
-                entry = self._procs[(pid, start)] = [kind(argv, comm), ticks if start < self._begun_tick else 0, ticks]
+                first = ticks if start < self._begun_tick else 0
+                entry = self._procs[(pid, start)] = [kind(argv, comm), first, first, self._lane(pid), self._now]
             elif argv:
                 entry[0] = kind(argv, comm)
+            if ticks > entry[2]:
+                self._spent.append((self._now, (pid, start), ticks - entry[2]))
             entry[2] = ticks
+
+    def _lane(self, pid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as handle:
+                return lane_mark(handle.read(), self._run_id)
+        except OSError:  # ended, or not ours to read
+            return None
 
     def cpu_by_kind(self):
         """``{kind: (cpu seconds, processes)}``."""
         seconds, count = collections.Counter(), collections.Counter()
         with self._lock:
-            for name, first, last in self._procs.values():
+            for name, first, last, _, _ in self._procs.values():
                 seconds[name] += (last - first) / self._tick
                 count[name] += 1
         return {name: (seconds[name], count[name]) for name in seconds}
+
+    def spent(self):
+        """``(processes, spent)``: ``{(pid, start tick): (kind, lane mark, time of first sight)}`` and
+        ``[(time, (pid, start tick), CPU seconds)]``, the CPU each process spent since its previous sample."""
+        with self._lock:
+            processes = {key: (entry[0], entry[3], entry[4]) for key, entry in self._procs.items()}
+            return processes, [(t, key, ticks / self._tick) for t, key, ticks in self._spent]
 
     def machine(self):
         """``(busy CPU seconds, busy share)`` between the sampler's start and its stop."""
@@ -191,21 +242,54 @@ def readme_pytest_args():
 # -- the report ------------------------------------------------------------------------------------------------------
 
 def tests_from(events_path):
-    """``[(lane, test id, start, end)]`` from the plugin's file."""
-    started, tests = {}, []
+    """``([(lane, test id, start, end)], {pid: lane})`` from the plugin's file: the finished tests, and each lane's
+    own process."""
+    started, tests, lane_pids = {}, [], {}
     with open(events_path, encoding="utf-8") as handle:
         for line in handle:
             event = json.loads(line)
             key = (event["lane"], event["test"])
+            if "pid" in event:
+                lane_pids[str(event["pid"])] = event["lane"]
             if event["event"] == "start":
                 started[key] = event["t"]
             elif key in started:
                 tests.append((event["lane"], event["test"], started.pop(key), event["t"]))
-    return tests
+    return tests, lane_pids
 
 
-def summarise(tests, cpu, machine, wall_s, top):
-    """The tables (see the module's docstring) as one JSON-able dict."""
+def by_module(tests, lane_pids, processes, spent):
+    """``{module: [CPU seconds, processes started]}``: each sample's CPU goes to the module of the test running on
+    the process's lane at that time (the last one started there), a process to the module running when it was
+    first seen. A lane's own process is found by its pid (``lane_pids``), any other by its lane mark (see
+    :class:`Sampler`'s ``spent``); what comes before a lane's first test is :data:`LANE_START`, what has no lane
+    :data:`OUTSIDE`, and the processes of a main lane that ran no test (xdist's relay, and what it started before
+    the lanes) :data:`RELAY`."""
+    starts = collections.defaultdict(list)
+    for lane, test, start, _ in sorted(tests, key=lambda row: row[2]):
+        starts[lane].append((start, test.split("::")[0]))
+    times = {lane: [start for start, _ in rows] for lane, rows in starts.items()}
+
+    def module_at(key, t):
+        lane = lane_pids.get(key[0]) or processes[key][1]
+        if lane is None:
+            return OUTSIDE
+        if lane == MAIN_LANE and lane not in times:
+            return RELAY
+        at = bisect.bisect_right(times.get(lane, []), t)
+        return starts[lane][at - 1][1] if at else LANE_START
+
+    result = collections.defaultdict(lambda: [0.0, 0])
+    for t, key, seconds in spent:
+        result[module_at(key, t)][0] += seconds
+    for key, (_, _, first_seen) in processes.items():
+        if key[0] not in lane_pids:
+            result[module_at(key, first_seen)][1] += 1
+    return dict(result)
+
+
+def summarise(tests, cpu, machine, wall_s, top, modules_cpu=None):
+    """The tables (see the module's docstring) as one JSON-able dict; ``modules_cpu``: :func:`by_module`'s."""
     modules = collections.defaultdict(lambda: {"tests": 0, "seconds": 0.0, "lanes": set()})
     lanes = collections.defaultdict(lambda: {"tests": 0, "busy_s": 0.0, "first": None, "last": None})
     origin = min((start for _, _, start, _ in tests), default=0.0)
@@ -221,12 +305,16 @@ def summarise(tests, cpu, machine, wall_s, top):
         row["last"] = end if row["last"] is None else max(row["last"], end)
     accounted = sum(seconds for seconds, _ in cpu.values())
     busy_s, busy_share = machine
+    modules_cpu = modules_cpu or {}
     return {
         "wall_s": round(wall_s, 1), "cpus": os.cpu_count(), "machine_busy_share": round(busy_share, 3),
         "machine_busy_cpu_s": round(busy_s, 1), "accounted_cpu_s": round(accounted, 1),
         "modules": [{"module": name, "tests": m["tests"], "seconds": round(m["seconds"], 2),
-                     "lanes": ",".join(sorted(m["lanes"]))}
+                     "lanes": ",".join(sorted(m["lanes"])), "cpu_s": round(modules_cpu.get(name, (0.0, 0))[0], 1),
+                     "processes": modules_cpu.get(name, (0.0, 0))[1]}
                     for name, m in sorted(modules.items(), key=lambda item: -item[1]["seconds"])[:top]],
+        "between_modules": {name: {"cpu_s": round(modules_cpu[name][0], 1), "processes": modules_cpu[name][1]}
+                            for name in (LANE_START, RELAY, OUTSIDE) if name in modules_cpu},
         "lanes": [{"lane": lane, "tests": row["tests"], "busy_s": round(row["busy_s"], 2),
                    "starts_s": round(row["first"] - origin, 2), "ends_s": round(row["last"] - origin, 2)}
                   for lane, row in sorted(lanes.items())],
@@ -242,6 +330,8 @@ def print_tables(result):
     print(f"wall {result['wall_s']} s on {result['cpus']} CPUs; the machine was busy "
           f"{100 * result['machine_busy_share']:.0f}% ({result['machine_busy_cpu_s']} CPU-s), of which the process "
           f"kinds below account for {result['accounted_cpu_s']} CPU-s")
+    for name, row in result.get("between_modules", {}).items():
+        print(f"{name}: {row['cpu_s']} CPU-s, {row['processes']} processes")
     for title, key in (("Modules, by their tests' time", "modules"), ("Lanes", "lanes"),
                        ("CPU by process kind", "cpu")):
         print(f"\n{title}\n" + tabulate(result[key], headers="keys", tablefmt="github"))
@@ -265,19 +355,21 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="ci-profile-") as folder:
         events = os.path.join(folder, "events.jsonl")
         open(events, "w").close()
-        here = os.path.dirname(os.path.abspath(__file__))
+        here, run_id = os.path.dirname(os.path.abspath(__file__)), os.path.basename(folder)
         # A run from inside a test lane (the tests' smoke run) must not look like that lane to its own pytest.
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST_", "PYTEST_CURRENT_TEST"))}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (here, ROOT, os.environ.get("PYTHONPATH")) if p)
-        sampler, started = Sampler(args.interval), time.monotonic()
+        env[MARK] = run_id
+        sampler, started = Sampler(args.interval, run_id), time.monotonic()
         sampler.start()
         try:
             proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "ci_profile", "--ci-profile-events", events,
                                    *pytest_args], cwd=ROOT, env=env)
         finally:
             sampler.stop()
-        result = summarise(tests_from(events), sampler.cpu_by_kind(), sampler.machine(),
-                           time.monotonic() - started, args.top)
+        tests, lane_pids = tests_from(events)
+        result = summarise(tests, sampler.cpu_by_kind(), sampler.machine(), time.monotonic() - started, args.top,
+                           by_module(tests, lane_pids, *sampler.spent()))
     result.update(pytest_args=pytest_args, pytest_exit_status=proc.returncode)
     print_tables(result)
     if args.json:

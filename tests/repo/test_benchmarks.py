@@ -214,6 +214,10 @@ def test_ci_profile_smoke_test_times_modules_and_lanes_and_the_cpu_by_process_ki
     assert set(lanes) == {"gw0", "gw1"}  # loadfile: a module per lane, and xdist's relay of them not counted again
     assert sum(row["tests"] for row in lanes.values()) == sum(row["tests"] for row in modules.values()) > 2
     assert {row["lanes"] for row in modules.values()} == {"gw0", "gw1"}
+    # the trainer's module started a cluster and its workers on its lane; the unit module started nothing
+    trainers, units = modules["tests/cluster/integrations/test_results.py"], modules["tests/unit/core/test_utils.py"]
+    assert trainers["processes"] >= 4 and trainers["cpu_s"] > 2 * max(units["cpu_s"], 0.5)  # GCS, raylet, 2 workers
+    assert units["processes"] <= 1  # none (a short-lived helper process at most)
     kinds = {row["kind"]: row for row in result["cpu"]}
     assert kinds["pytest lane"]["processes"] >= 2 and kinds["pytest lane"]["cpu_s"] > 0
     assert kinds["ray::TorchWorker"]["processes"] >= 1 and kinds["ray::TorchWorker"]["cpu_s"] > 0.5  # torch's import
@@ -228,20 +232,37 @@ def test_ci_profile_sums_tests_by_module_and_lane_and_names_process_kinds(tmp_pa
     lines = [("gw0", "start", "a.py::t1", 0.0), ("gw1", "start", "b.py::t", 0.5), ("gw0", "end", "a.py::t1", 2.0),
              ("gw0", "start", "a.py::t2", 2.0), ("gw0", "end", "a.py::t2", 3.0), ("gw1", "end", "b.py::t", 4.0),
              ("gw1", "start", "b.py::cut", 4.0)]  # a test still running at the end is left out
-    events.write_text("".join(json.dumps({"lane": lane, "event": event, "test": test, "t": t}) + "\n"
-                              for lane, event, test, t in lines))
-    tests = ci_profile.tests_from(events)
+    events.write_text("".join(json.dumps({"lane": lane, "pid": 100 + int(lane[-1]), "event": event, "test": test,
+                                          "t": t}) + "\n" for lane, event, test, t in lines))
+    tests, lane_pids = ci_profile.tests_from(events)
     assert sorted(tests) == [("gw0", "a.py::t1", 0.0, 2.0), ("gw0", "a.py::t2", 2.0, 3.0), ("gw1", "b.py::t", 0.5, 4.0)]
+    assert lane_pids == {"100": "gw0", "101": "gw1"}
+    # each process: (kind, lane mark, first seen); the lanes' own processes (100, 101) carry the main lane's mark
+    processes = {("100", 1): ("pytest lane", "main", -1.0), ("101", 1): ("pytest lane", "main", -1.0),
+                 ("7", 1): ("raylet", "gw0", -0.5), ("8", 1): ("ray::TorchWorker", "gw0", 2.5),
+                 ("9", 1): ("ray::TorchWorker", "gw1", 1.0), ("10", 1): ("kdamond", None, -1.0),
+                 ("11", 1): ("pytest", "main", -1.0)}
+    spent = [(-0.5, ("100", 1), 1.0), (-0.5, ("7", 1), 0.25), (0.5, ("7", 1), 0.5), (1.0, ("100", 1), 0.5),
+             (1.5, ("9", 1), 2.0), (2.5, ("8", 1), 1.5), (2.5, ("7", 1), 0.25), (3.5, ("101", 1), 0.5),
+             (3.0, ("10", 1), 4.0), (0.0, ("11", 1), 0.75)]
+    modules_cpu = ci_profile.by_module(tests, lane_pids, processes, spent)
+    assert modules_cpu == {ci_profile.LANE_START: [1.25, 1], "a.py": [2.75, 1], "b.py": [2.5, 1],
+                           ci_profile.OUTSIDE: [4.0, 1], ci_profile.RELAY: [0.75, 1]}
     cpu = {"ray::TorchWorker": (5.0, 2), "raylet": (1.0, 1), "never ran": (0.0, 3)}
-    result = ci_profile.summarise(tests, cpu, (7.0, 0.875), wall_s=4.2, top=5)
-    assert result["modules"] == [{"module": "b.py", "tests": 1, "seconds": 3.5, "lanes": "gw1"},
-                                 {"module": "a.py", "tests": 2, "seconds": 3.0, "lanes": "gw0"}]
+    result = ci_profile.summarise(tests, cpu, (7.0, 0.875), wall_s=4.2, top=5, modules_cpu=modules_cpu)
+    assert result["modules"] == [
+        {"module": "b.py", "tests": 1, "seconds": 3.5, "lanes": "gw1", "cpu_s": 2.5, "processes": 1},
+        {"module": "a.py", "tests": 2, "seconds": 3.0, "lanes": "gw0", "cpu_s": 2.8, "processes": 1}]
+    assert result["between_modules"] == {ci_profile.LANE_START: {"cpu_s": 1.2, "processes": 1},
+                                         ci_profile.RELAY: {"cpu_s": 0.8, "processes": 1},
+                                         ci_profile.OUTSIDE: {"cpu_s": 4.0, "processes": 1}}
     assert result["lanes"] == [{"lane": "gw0", "tests": 2, "busy_s": 3.0, "starts_s": 0.0, "ends_s": 3.0},
                                {"lane": "gw1", "tests": 1, "busy_s": 3.5, "starts_s": 0.5, "ends_s": 4.0}]
     assert result["cpu"] == [{"kind": "ray::TorchWorker", "cpu_s": 5.0, "share": 0.833, "processes": 2, "s_each": 2.5},
                              {"kind": "raylet", "cpu_s": 1.0, "share": 0.167, "processes": 1, "s_each": 1.0}]
     assert (result["accounted_cpu_s"], result["machine_busy_cpu_s"], result["machine_busy_share"]) == (6.0, 7.0, 0.875)
-    assert ci_profile.summarise(tests, cpu, (7.0, 0.875), wall_s=4.2, top=1)["modules"] == result["modules"][:1]
+    assert ci_profile.summarise(tests, cpu, (7.0, 0.875), wall_s=4.2, top=1, modules_cpu=modules_cpu)["modules"] == \
+        result["modules"][:1]
     named = {
         ("ray::TorchWorker.train_epoch",): "ray::TorchWorker",
         ("/venv/bin/python3", "-u", "/venv/lib/ray/_private/workers/default_worker.py", "--node-ip-address=x"):
@@ -253,6 +274,9 @@ def test_ci_profile_sums_tests_by_module_and_lane_and_names_process_kinds(tmp_pa
     }
     for argv, expected in named.items():
         assert ci_profile.kind(list(argv), "python") == expected, argv
+    assert ci_profile.lane_mark(b"A=1\0RAYSGD_CI_PROFILE_RUN=r1\0PYTEST_XDIST_WORKER=gw1\0", "r1") == "gw1"
+    assert ci_profile.lane_mark(b"RAYSGD_CI_PROFILE_RUN=r1\0", "r1") == ci_profile.MAIN_LANE
+    assert ci_profile.lane_mark(b"RAYSGD_CI_PROFILE_RUN=r2\0PYTEST_XDIST_WORKER=gw1\0", "r1") is None  # another run
     assert ci_profile.kind([], "kdamond.0") == "kernel or exited: kdamond.0"
     assert ci_profile.kind([], "ray::IDLE") == "ray::IDLE"
     with open(os.path.join(REPO_DIR, "README.md"), encoding="utf-8") as handle:
