@@ -16,7 +16,8 @@ machine's busy time the kinds hold.
 
 Each process is also put on a lane: a lane's own pytest process by its pid (the plugin notes it), any other by the
 environment it started with (the lane's ``PYTEST_XDIST_WORKER``, which its Ray clusters, their workers and the
-scripts a test starts inherit; processes without this run's mark are outside the lanes). The CPU a process spends
+scripts a test starts inherit), or else by its parent's lane (a script a test starts with an environment of its
+own); what has none of these is outside the lanes. The CPU a process spends
 between two samples goes to the module whose test was running on its lane then, so a module's CPU is what its lane
 spent while it ran: its own processes, and its share of a cluster it shares with the modules before and after.
 
@@ -153,7 +154,7 @@ class Sampler(threading.Thread):
         self._tick, self._run_id = os.sysconf("SC_CLK_TCK"), run_id
         with open("/proc/uptime", encoding="ascii") as handle:
             self._begun_tick = float(handle.read().split()[0]) * self._tick  # ticks since boot
-        # (pid, start tick) -> [kind, ticks at first sight or 0, ticks now, lane mark, time of first sight]
+        # (pid, start tick) -> [kind, ticks at first sight or 0, ticks now, lane mark, time of first sight, parent]
         self._procs = {}
         self._spent = []  # (time of the sample, (pid, start tick), CPU ticks since the process's previous sample)
         self._now = time.time()
@@ -190,7 +191,8 @@ class Sampler(threading.Thread):
             entry = self._procs.get((pid, start))
             if entry is None:
                 first = ticks if start < self._begun_tick else 0
-                entry = self._procs[(pid, start)] = [kind(argv, comm), first, first, self._lane(pid), self._now]
+                entry = self._procs[(pid, start)] = [kind(argv, comm), first, first, self._lane(pid), self._now,
+                                                     fields[1]]
             elif argv:
                 entry[0] = kind(argv, comm)
             if ticks > entry[2]:
@@ -208,16 +210,16 @@ class Sampler(threading.Thread):
         """``{kind: (cpu seconds, processes)}``."""
         seconds, count = collections.Counter(), collections.Counter()
         with self._lock:
-            for name, first, last, _, _ in self._procs.values():
+            for name, first, last, *_ in self._procs.values():
                 seconds[name] += (last - first) / self._tick
                 count[name] += 1
         return {name: (seconds[name], count[name]) for name in seconds}
 
     def spent(self):
-        """``(processes, spent)``: ``{(pid, start tick): (kind, lane mark, time of first sight)}`` and
+        """``(processes, spent)``: ``{(pid, start tick): (kind, lane mark, time of first sight, parent pid)}`` and
         ``[(time, (pid, start tick), CPU seconds)]``, the CPU each process spent since its previous sample."""
         with self._lock:
-            processes = {key: (entry[0], entry[3], entry[4]) for key, entry in self._procs.items()}
+            processes = {key: (entry[0], entry[3], entry[4], entry[5]) for key, entry in self._procs.items()}
             return processes, [(t, key, ticks / self._tick) for t, key, ticks in self._spent]
 
     def machine(self):
@@ -262,16 +264,23 @@ def by_module(tests, lane_pids, processes, spent):
     """``{module: [CPU seconds, processes started]}``: each sample's CPU goes to the module of the test running on
     the process's lane at that time (the last one started there), a process to the module running when it was
     first seen. A lane's own process is found by its pid (``lane_pids``), any other by its lane mark (see
-    :class:`Sampler`'s ``spent``); what comes before a lane's first test is :data:`LANE_START`, what has no lane
+    :class:`Sampler`'s ``spent``), or else by its parent's lane; what comes before a lane's first test is :data:`LANE_START`, what has no lane
     :data:`OUTSIDE`, and the processes of a main lane that ran no test (xdist's relay, and what it started before
     the lanes) :data:`RELAY`."""
     starts = collections.defaultdict(list)
     for lane, test, start, _ in sorted(tests, key=lambda row: row[2]):
         starts[lane].append((start, test.split("::")[0]))
     times = {lane: [start for start, _ in rows] for lane, rows in starts.items()}
+    by_pid = {key[0]: key for key in sorted(processes, key=lambda key: processes[key][2])}  # a reused pid: the last
+
+    def lane_of(key, depth=0):
+        pid, (_, mark, _, parent) = key[0], processes[key]
+        if pid in lane_pids or mark is not None or depth > 50:
+            return lane_pids.get(pid, mark)
+        return lane_of(by_pid[parent], depth + 1) if parent in by_pid else None
 
     def module_at(key, t):
-        lane = lane_pids.get(key[0]) or processes[key][1]
+        lane = lane_of(key)
         if lane is None:
             return OUTSIDE
         if lane == MAIN_LANE and lane not in times:
@@ -282,7 +291,7 @@ def by_module(tests, lane_pids, processes, spent):
     result = collections.defaultdict(lambda: [0.0, 0])
     for t, key, seconds in spent:
         result[module_at(key, t)][0] += seconds
-    for key, (_, _, first_seen) in processes.items():
+    for key, (_, _, first_seen, _) in processes.items():
         if key[0] not in lane_pids:
             result[module_at(key, first_seen)][1] += 1
     return dict(result)

@@ -237,21 +237,24 @@ def test_ci_profile_sums_tests_by_module_and_lane_and_names_process_kinds(tmp_pa
     tests, lane_pids = ci_profile.tests_from(events)
     assert sorted(tests) == [("gw0", "a.py::t1", 0.0, 2.0), ("gw0", "a.py::t2", 2.0, 3.0), ("gw1", "b.py::t", 0.5, 4.0)]
     assert lane_pids == {"100": "gw0", "101": "gw1"}
-    # each process: (kind, lane mark, first seen); the lanes' own processes (100, 101) carry the main lane's mark
-    processes = {("100", 1): ("pytest lane", "main", -1.0), ("101", 1): ("pytest lane", "main", -1.0),
-                 ("7", 1): ("raylet", "gw0", -0.5), ("8", 1): ("ray::TorchWorker", "gw0", 2.5),
-                 ("9", 1): ("ray::TorchWorker", "gw1", 1.0), ("10", 1): ("kdamond", None, -1.0),
-                 ("11", 1): ("pytest", "main", -1.0)}
+    # each process: (kind, lane mark, first seen, parent); the lanes' own processes (100, 101) carry the main lane's
+    # mark; 12 (a script started with an environment of its own) has no mark, 13 (its cluster's) neither: their
+    # lane is the one of the lane process above them
+    processes = {("100", 1): ("pytest lane", "main", -1.0, "11"), ("101", 1): ("pytest lane", "main", -1.0, "11"),
+                 ("7", 1): ("raylet", "gw0", -0.5, "100"), ("8", 1): ("ray::TorchWorker", "gw0", 2.5, "7"),
+                 ("9", 1): ("ray::TorchWorker", "gw1", 1.0, "101"), ("10", 1): ("kdamond", None, -1.0, "2"),
+                 ("11", 1): ("pytest", "main", -1.0, "1"), ("12", 1): ("python dcgan.py", None, 3.0, "101"),
+                 ("13", 1): ("gcs_server", None, 3.5, "12")}
     spent = [(-0.5, ("100", 1), 1.0), (-0.5, ("7", 1), 0.25), (0.5, ("7", 1), 0.5), (1.0, ("100", 1), 0.5),
              (1.5, ("9", 1), 2.0), (2.5, ("8", 1), 1.5), (2.5, ("7", 1), 0.25), (3.5, ("101", 1), 0.5),
-             (3.0, ("10", 1), 4.0), (0.0, ("11", 1), 0.75)]
+             (3.0, ("10", 1), 4.0), (0.0, ("11", 1), 0.75), (3.0, ("12", 1), 0.5), (3.5, ("13", 1), 0.25)]
     modules_cpu = ci_profile.by_module(tests, lane_pids, processes, spent)
-    assert modules_cpu == {ci_profile.LANE_START: [1.25, 1], "a.py": [2.75, 1], "b.py": [2.5, 1],
+    assert modules_cpu == {ci_profile.LANE_START: [1.25, 1], "a.py": [2.75, 1], "b.py": [3.25, 3],
                            ci_profile.OUTSIDE: [4.0, 1], ci_profile.RELAY: [0.75, 1]}
     cpu = {"ray::TorchWorker": (5.0, 2), "raylet": (1.0, 1), "never ran": (0.0, 3)}
     result = ci_profile.summarise(tests, cpu, (7.0, 0.875), wall_s=4.2, top=5, modules_cpu=modules_cpu)
     assert result["modules"] == [
-        {"module": "b.py", "tests": 1, "seconds": 3.5, "lanes": "gw1", "cpu_s": 2.5, "processes": 1},
+        {"module": "b.py", "tests": 1, "seconds": 3.5, "lanes": "gw1", "cpu_s": 3.2, "processes": 3},
         {"module": "a.py", "tests": 2, "seconds": 3.0, "lanes": "gw0", "cpu_s": 2.8, "processes": 1}]
     assert result["between_modules"] == {ci_profile.LANE_START: {"cpu_s": 1.2, "processes": 1},
                                          ci_profile.RELAY: {"cpu_s": 0.8, "processes": 1},
