@@ -17,9 +17,9 @@ machine's busy time the kinds hold.
 Each process is also put on a lane: a lane's own pytest process by its pid (the plugin notes it), any other by the
 environment it started with (the lane's ``PYTEST_XDIST_WORKER``, which its Ray clusters, their workers and the
 scripts a test starts inherit), or else by its parent's lane (a script a test starts with an environment of its
-own); what has none of these is outside the lanes. The CPU a process spends
-between two samples goes to the module whose test was running on its lane then, so a module's CPU is what its lane
-spent while it ran: its own processes, and its share of a cluster it shares with the modules before and after.
+own); what has none of these is outside the lanes. The CPU a process spends between two samples goes to the module
+whose test was running on its lane then, so a module's CPU is what its lane spent while it ran: its own processes,
+and its share of a cluster it shares with the modules before and after.
 
 Tables: the modules by their tests' time (setup and teardown included; with their CPU and the processes they
 started), the lanes (a lane that ends long before the other is time the suite's order could win back), and the CPU
@@ -264,20 +264,26 @@ def by_module(tests, lane_pids, processes, spent):
     """``{module: [CPU seconds, processes started]}``: each sample's CPU goes to the module of the test running on
     the process's lane at that time (the last one started there), a process to the module running when it was
     first seen. A lane's own process is found by its pid (``lane_pids``), any other by its lane mark (see
-    :class:`Sampler`'s ``spent``), or else by its parent's lane; what comes before a lane's first test is :data:`LANE_START`, what has no lane
-    :data:`OUTSIDE`, and the processes of a main lane that ran no test (xdist's relay, and what it started before
-    the lanes) :data:`RELAY`."""
+    :class:`Sampler`'s ``spent``), or else by its parent's lane. What comes before a lane's first test is
+    :data:`LANE_START`, what has no lane :data:`OUTSIDE`, and the processes of a main lane that ran no test
+    (xdist's relay, and what it started before the lanes) :data:`RELAY`."""
     starts = collections.defaultdict(list)
     for lane, test, start, _ in sorted(tests, key=lambda row: row[2]):
         starts[lane].append((start, test.split("::")[0]))
     times = {lane: [start for start, _ in rows] for lane, rows in starts.items()}
     by_pid = {key[0]: key for key in sorted(processes, key=lambda key: processes[key][2])}  # a reused pid: the last
 
-    def lane_of(key, depth=0):
-        pid, (_, mark, _, parent) = key[0], processes[key]
-        if pid in lane_pids or mark is not None or depth > 50:
-            return lane_pids.get(pid, mark)
-        return lane_of(by_pid[parent], depth + 1) if parent in by_pid else None
+    def lane_of(key):
+        seen = set()
+        while key not in seen:  # up the parents, to the first process whose lane is known
+            seen.add(key)
+            (pid, _), (_, mark, _, parent) = key, processes[key]
+            if pid in lane_pids or mark is not None:
+                return lane_pids.get(pid, mark)
+            if parent not in by_pid:
+                return None
+            key = by_pid[parent]
+        return None
 
     def module_at(key, t):
         lane = lane_of(key)
