@@ -1,4 +1,4 @@
-"""Where the test suite's time goes: its modules, its lanes, and the machine's CPU by process kind (Linux).
+"""Where the test suite's time goes: its modules, its tests, its lanes, and the machine's CPU by process kind (Linux).
 
 Run from the repository root::
 
@@ -22,11 +22,11 @@ whose test was running on its lane then, so a module's CPU is what its lane spen
 and its share of a cluster it shares with the modules before and after.
 
 Tables: the modules by their tests' time (setup and teardown included; with their CPU and the processes they
-started), the lanes (a lane that ends long before the other is time the suite's order could win back), and the CPU
-by kind: seconds, share of the accounted CPU, processes, seconds each. On a machine the suite keeps busy (two
-cores: 94% of the whole suite's run, see docs/development.md), only less CPU makes it faster; the kinds say where it
-goes, and the modules' CPU which tests spend it. ``--json PATH`` writes the tables. The script exits with pytest's
-status.
+started), the costliest tests by their CPU (measured the same way, by test), the lanes (a lane that ends long
+before the other is time the suite's order could win back), and the CPU by kind: seconds, share of the accounted
+CPU, processes, seconds each. On a machine the suite keeps busy (two cores: 94% of the whole suite's run, see
+docs/development.md), only less CPU makes it faster; the kinds say where it goes, and the modules' and tests' CPU
+which of them spend it. ``--json PATH`` writes the tables. The script exits with pytest's status.
 """
 import argparse
 import bisect
@@ -260,8 +260,14 @@ def tests_from(events_path):
     return tests, lane_pids
 
 
-def by_module(tests, lane_pids, processes, spent):
-    """``{module: [CPU seconds, processes started]}``: each sample's CPU goes to the module of the test running on
+def module_of(test):
+    """The module of a test id (``tests/x/test_y.py::test_z[a]`` -> ``tests/x/test_y.py``)."""
+    return test.split("::")[0]
+
+
+def by_module(tests, lane_pids, processes, spent, group=module_of):
+    """``{module: [CPU seconds, processes started]}`` (or by ``group(test id)``: ``str`` for each test's own; the
+    pseudo-rows stay): each sample's CPU goes to the module of the test running on
     the process's lane at that time (the last one started there), a process to the module running when it was
     first seen. A lane's own process is found by its pid (``lane_pids``), any other by its lane mark (see
     :class:`Sampler`'s ``spent``), or else by its parent's lane. What comes before a lane's first test is
@@ -269,7 +275,7 @@ def by_module(tests, lane_pids, processes, spent):
     (xdist's relay, and what it started before the lanes) :data:`RELAY`."""
     starts = collections.defaultdict(list)
     for lane, test, start, _ in sorted(tests, key=lambda row: row[2]):
-        starts[lane].append((start, test.split("::")[0]))
+        starts[lane].append((start, group(test)))
     times = {lane: [start for start, _ in rows] for lane, rows in starts.items()}
     by_pid = {key[0]: key for key in sorted(processes, key=lambda key: processes[key][2])}  # a reused pid: the last
 
@@ -303,13 +309,14 @@ def by_module(tests, lane_pids, processes, spent):
     return dict(result)
 
 
-def summarise(tests, cpu, machine, wall_s, top, modules_cpu=None):
-    """The tables (see the module's docstring) as one JSON-able dict; ``modules_cpu``: :func:`by_module`'s."""
+def summarise(tests, cpu, machine, wall_s, top, modules_cpu=None, tests_cpu=None):
+    """The tables (see the module's docstring) as one JSON-able dict; ``modules_cpu``: :func:`by_module`'s;
+    ``tests_cpu``: its answer by test (``group=str``), which adds the table of the costliest tests by CPU."""
     modules = collections.defaultdict(lambda: {"tests": 0, "seconds": 0.0, "lanes": set()})
     lanes = collections.defaultdict(lambda: {"tests": 0, "busy_s": 0.0, "first": None, "last": None})
     origin = min((start for _, _, start, _ in tests), default=0.0)
     for lane, test, start, end in tests:
-        module = modules[test.split("::")[0]]
+        module = modules[module_of(test)]
         module["tests"] += 1
         module["seconds"] += end - start
         module["lanes"].add(lane)
@@ -321,7 +328,9 @@ def summarise(tests, cpu, machine, wall_s, top, modules_cpu=None):
     accounted = sum(seconds for seconds, _ in cpu.values())
     busy_s, busy_share = machine
     modules_cpu = modules_cpu or {}
-    return {
+    took = {test: end - start for _, test, start, end in tests}
+    costliest = sorted((item for item in (tests_cpu or {}).items() if item[0] in took), key=lambda item: -item[1][0])
+    result = {
         "wall_s": round(wall_s, 1), "cpus": os.cpu_count(), "machine_busy_share": round(busy_share, 3),
         "machine_busy_cpu_s": round(busy_s, 1), "accounted_cpu_s": round(accounted, 1),
         "modules": [{"module": name, "tests": m["tests"], "seconds": round(m["seconds"], 2),
@@ -333,10 +342,14 @@ def summarise(tests, cpu, machine, wall_s, top, modules_cpu=None):
         "lanes": [{"lane": lane, "tests": row["tests"], "busy_s": round(row["busy_s"], 2),
                    "starts_s": round(row["first"] - origin, 2), "ends_s": round(row["last"] - origin, 2)}
                   for lane, row in sorted(lanes.items())],
-        "cpu": [{"kind": name, "cpu_s": round(seconds, 1), "share": round(seconds / accounted, 3) if accounted else 0,
-                 "processes": count, "s_each": round(seconds / count, 2)}
-                for name, (seconds, count) in sorted(cpu.items(), key=lambda item: -item[1][0])[:top] if seconds > 0],
+        "cpu": [{"kind": name, "cpu_s": round(spent, 1), "share": round(spent / accounted, 3) if accounted else 0,
+                 "processes": count, "s_each": round(spent / count, 2)}
+                for name, (spent, count) in sorted(cpu.items(), key=lambda item: -item[1][0])[:top] if spent > 0],
     }
+    if tests_cpu is not None:
+        result["tests"] = [{"test": test, "seconds": round(took[test], 2), "cpu_s": round(spent, 1),
+                            "processes": count} for test, (spent, count) in costliest[:top]]
+    return result
 
 
 def print_tables(result):
@@ -347,9 +360,10 @@ def print_tables(result):
           f"kinds below account for {result['accounted_cpu_s']} CPU-s")
     for name, row in result.get("between_modules", {}).items():
         print(f"{name}: {row['cpu_s']} CPU-s, {row['processes']} processes")
-    for title, key in (("Modules, by their tests' time", "modules"), ("Lanes", "lanes"),
-                       ("CPU by process kind", "cpu")):
-        print(f"\n{title}\n" + tabulate(result[key], headers="keys", tablefmt="github"))
+    for title, key in (("Modules, by their tests' time", "modules"), ("Tests, by their CPU", "tests"),
+                       ("Lanes", "lanes"), ("CPU by process kind", "cpu")):
+        if key in result:
+            print(f"\n{title}\n" + tabulate(result[key], headers="keys", tablefmt="github"))
 
 
 def main(argv=None):
@@ -383,8 +397,10 @@ def main(argv=None):
         finally:
             sampler.stop()
         tests, lane_pids = tests_from(events)
+        processes, spent = sampler.spent()
         result = summarise(tests, sampler.cpu_by_kind(), sampler.machine(), time.monotonic() - started, args.top,
-                           by_module(tests, lane_pids, *sampler.spent()))
+                           by_module(tests, lane_pids, processes, spent),
+                           by_module(tests, lane_pids, processes, spent, group=str))
     result.update(pytest_args=pytest_args, pytest_exit_status=proc.returncode)
     print_tables(result)
     if args.json:

@@ -218,6 +218,12 @@ def test_ci_profile_smoke_test_times_modules_and_lanes_and_the_cpu_by_process_ki
     trainers, units = modules["tests/cluster/integrations/test_results.py"], modules["tests/unit/core/test_utils.py"]
     assert trainers["processes"] >= 4 and trainers["cpu_s"] > 2 * max(units["cpu_s"], 0.5)  # GCS, raylet, 2 workers
     assert units["processes"] <= 1  # none (a short-lived helper process at most)
+    costliest = {}  # the costliest test of each module (the table is ordered by CPU)
+    for row in result["tests"]:
+        costliest.setdefault(row["test"].split("::")[0], row)
+    assert set(costliest) <= set(modules) and "tests/cluster/integrations/test_results.py" in costliest
+    assert 0 < costliest["tests/cluster/integrations/test_results.py"]["cpu_s"] <= trainers["cpu_s"] + 0.1
+    assert sum(row["processes"] for row in result["tests"]) <= sum(row["processes"] for row in modules.values())
     kinds = {row["kind"]: row for row in result["cpu"]}
     assert kinds["pytest lane"]["processes"] >= 2 and kinds["pytest lane"]["cpu_s"] > 0
     assert kinds["ray::TorchWorker"]["processes"] >= 1 and kinds["ray::TorchWorker"]["cpu_s"] > 0.5  # torch's import
@@ -251,8 +257,17 @@ def test_ci_profile_sums_tests_by_module_and_lane_and_names_process_kinds(tmp_pa
     modules_cpu = ci_profile.by_module(tests, lane_pids, processes, spent)
     assert modules_cpu == {ci_profile.LANE_START: [1.25, 1], "a.py": [2.75, 1], "b.py": [3.25, 3],
                            ci_profile.OUTSIDE: [4.0, 1], ci_profile.RELAY: [0.75, 1]}
+    tests_cpu = ci_profile.by_module(tests, lane_pids, processes, spent, group=str)  # by test: the same split
+    assert tests_cpu == {ci_profile.LANE_START: [1.25, 1], "a.py::t1": [1.0, 0], "a.py::t2": [1.75, 1],
+                         "b.py::t": [3.25, 3], ci_profile.OUTSIDE: [4.0, 1], ci_profile.RELAY: [0.75, 1]}
     cpu = {"ray::TorchWorker": (5.0, 2), "raylet": (1.0, 1), "never ran": (0.0, 3)}
-    result = ci_profile.summarise(tests, cpu, (7.0, 0.875), wall_s=4.2, top=5, modules_cpu=modules_cpu)
+    result = ci_profile.summarise(tests, cpu, (7.0, 0.875), wall_s=4.2, top=5, modules_cpu=modules_cpu,
+                                  tests_cpu=tests_cpu)
+    assert result["tests"] == [  # the costliest first; the pseudo-rows are not tests
+        {"test": "b.py::t", "seconds": 3.5, "cpu_s": 3.2, "processes": 3},
+        {"test": "a.py::t2", "seconds": 1.0, "cpu_s": 1.8, "processes": 1},
+        {"test": "a.py::t1", "seconds": 2.0, "cpu_s": 1.0, "processes": 0}]
+    assert "tests" not in ci_profile.summarise(tests, cpu, (7.0, 0.875), wall_s=4.2, top=5)
     assert result["modules"] == [
         {"module": "b.py", "tests": 1, "seconds": 3.5, "lanes": "gw1", "cpu_s": 3.2, "processes": 3},
         {"module": "a.py", "tests": 2, "seconds": 3.0, "lanes": "gw0", "cpu_s": 2.8, "processes": 1}]
