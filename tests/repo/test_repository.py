@@ -56,9 +56,23 @@ def test_ci_runs_readmes_first_command_as_written_in_a_fresh_copy():
     build, check = line_of("-m build --outdir"), line_of("twine check --strict")
     extract = line_of('python3 .ci/readme_command.py example --wheel "$wheel"')
     run, tests, docs = line_of('bash -c "$first_command"'), line_of("python -m pytest"), line_of("mkdocs build --strict")
-    assert build < check < extract < run < tests < docs, \
-        "CI builds and checks the package, runs README's first command with its wheel, the tests, then the docs"
+    types, waited = line_of("mypy --cache-dir"), line_of("for job in mypy docs")
+    assert build < check < extract < run < tests, \
+        "CI builds and checks the package, runs README's first command with its wheel, then the tests"
+    assert docs < tests and types < tests < waited, "the docs and mypy run beside the tests; CI waits for both"
+    assert "extra_requirements.py docs" in lines[docs - 1], "the docs build with the docs extra's packages"
     assert ".venv/" in (REPO / ".gitignore").read_text().split(), ".venv is ignored: no copy or clone carries it"
+
+
+def test_ci_reads_the_docs_extras_packages_from_setup_py():
+    """.ci/run installs the docs extra's packages apart from the tests' environment: .ci/extra_requirements.py reads
+    them from setup.py."""
+    script = str(REPO / ".ci" / "extra_requirements.py")
+    done = subprocess.run([sys.executable, script, "docs"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:-1] == setup_extras()["docs"], done.stdout
+    done = subprocess.run([sys.executable, script, "nope"], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "no extra 'nope'" in done.stderr and "docs" in done.stderr
 
 
 def test_readme_is_a_front_page_whose_links_work_here_and_on_pypi():
