@@ -4,7 +4,7 @@
 
 .ci/run installs the docs extra's packages into a folder of their own (``pip install --target``), so the
 documentation builds beside the tests without adding a package to the tests' environment. Standard library only;
-tests/repo/test_repository.py checks it against setup.py's ``extras_require``.
+tests/repo/test_repository.py reads setup.py's extras with :func:`extras` too.
 """
 import ast
 import pathlib
@@ -13,23 +13,24 @@ import sys
 SETUP_PY = pathlib.Path(__file__).resolve().parent.parent / "setup.py"
 
 
-def requirements(extra, source=None):
-    """The requirements of ``extra`` in ``setup()``'s ``extras_require`` (a literal dict) of ``source``.
+def extras(source=None):
+    """``{extra: [requirement, ...]}``: ``setup()``'s ``extras_require`` (a literal dict) in ``source`` (setup.py's
+    text by default).
 
     Example:
-        >>> requirements("docs", 'setup(name="x", extras_require={"docs": ["mkdocs>=1.6"], "test": ["pytest"]})')
+        >>> extras('setup(name="x", extras_require={"docs": ["mkdocs>=1.6"], "test": ["pytest"]})')["docs"]
         ['mkdocs>=1.6']
     """
     tree = ast.parse(SETUP_PY.read_text() if source is None else source)
     call = next(node for node in ast.walk(tree)
                 if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
-    extras = ast.literal_eval(next(keyword.value for keyword in call.keywords if keyword.arg == "extras_require"))
-    if extra not in extras:
-        raise SystemExit(f"setup.py has no extra {extra!r}; its extras: {', '.join(sorted(extras))}")
-    return list(extras[extra])
+    return ast.literal_eval(next(keyword.value for keyword in call.keywords if keyword.arg == "extras_require"))
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         raise SystemExit("usage: python3 .ci/extra_requirements.py EXTRA")
-    print("\n".join(requirements(sys.argv[1])))
+    found = extras()
+    if sys.argv[1] not in found:
+        raise SystemExit(f"setup.py has no extra {sys.argv[1]!r}; its extras: {', '.join(sorted(found))}")
+    print("\n".join(found[sys.argv[1]]))

@@ -266,13 +266,13 @@ def module_of(test):
 
 
 def by_module(tests, lane_pids, processes, spent, group=module_of):
-    """``{module: [CPU seconds, processes started]}`` (or by ``group(test id)``: ``str`` for each test's own; the
-    pseudo-rows stay): each sample's CPU goes to the module of the test running on
-    the process's lane at that time (the last one started there), a process to the module running when it was
-    first seen. A lane's own process is found by its pid (``lane_pids``), any other by its lane mark (see
-    :class:`Sampler`'s ``spent``), or else by its parent's lane. What comes before a lane's first test is
-    :data:`LANE_START`, what has no lane :data:`OUTSIDE`, and the processes of a main lane that ran no test
-    (xdist's relay, and what it started before the lanes) :data:`RELAY`."""
+    """``{module: [CPU seconds, processes started]}``, or by ``group(test id)`` (``group=str``: by test; the
+    pseudo-rows below stay): each sample's CPU goes to the module of the test running on the process's lane at that
+    time (the last one started there), a process to the module running when it was first seen. A lane's own process
+    is found by its pid (``lane_pids``), any other by its lane mark (see :class:`Sampler`'s ``spent``), or else by
+    its parent's lane. What comes before a lane's first test is :data:`LANE_START`, what has no lane
+    :data:`OUTSIDE`, and the processes of a main lane that ran no test (xdist's relay, and what it started before
+    the lanes) :data:`RELAY`."""
     starts = collections.defaultdict(list)
     for lane, test, start, _ in sorted(tests, key=lambda row: row[2]):
         starts[lane].append((start, group(test)))
