@@ -171,6 +171,28 @@ def test_the_driver_and_a_ddp_worker_never_import_torchs_distributed_checkpoint(
     assert done.stdout.strip() == "[]", done.stdout
 
 
+def test_a_checkpoint_files_write_and_read_tasks_import_no_torch(tmp_path):
+    """The tasks that write and read a checkpoint's state file on a node (``raysgd.torch.storage.parts``' ``_write``
+    and ``_read``, sent by name) start a process that imports their module: with ``import raysgd`` and the storage
+    modules, that process imports no torch (about a CPU second and a few hundred MB a process), until a name that
+    needs it is asked for."""
+    code = textwrap.dedent(f"""
+        import sys
+        import raysgd
+        from raysgd.torch.storage import filesystem, parts
+        fs, root = filesystem.resolve({str(tmp_path)!r})
+        size, crc32 = filesystem.write_state_file(fs, root + "/trainer.checkpoint", b"state")  # as _write does
+        assert filesystem.read_state_file(fs, root, {{"size": size, "crc32": crc32}}) == b"state"  # as _read does
+        print(sorted(n for n in sys.modules if n.split(".")[0] == "torch")[:3])  # the first few, if any
+        from raysgd import TorchTrainer  # the trainer, asked for, brings torch
+        print("torch" in sys.modules, TorchTrainer.__module__)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["[]", "True raysgd.torch.torch_trainer"], done.stdout
+
+
 def test_the_lightning_guide_without_lightning_names_the_extra_to_install(tmp_path):
     """README promises an ImportError naming the extra for every example that needs one: the Lightning guide's script
     (Lightning under either import name hidden) stops with it, not with a bare ModuleNotFoundError."""

@@ -11,9 +11,9 @@ whose name is among the method's names: a method that uses ``dist`` and reads ``
 :func:`install` registers :func:`reduce_config_module` with ``copyreg`` (which pickle, cloudpickle and
 Ray's serializer all consult) for the class of every config module imported so far: the module is sent
 by its name and the receiving process imports it, getting its own torch's config, as it does for any
-module global. The package registers it when it is imported; ``TorchTrainer`` (before it starts
-workers, when it starts a worker, before ``apply_all_*``) and ``as_trainable`` (before Tune pickles the
-trainable) register again, for config modules imported since.
+module global. :mod:`raysgd.torch` registers it when one of its names is first imported (they load lazily);
+``TorchTrainer`` (before it starts workers, when it starts a worker, before ``apply_all_*``), ``raysgd.train``'s
+trainer and ``as_trainable`` (before Tune pickles the trainable) register again, for config modules imported since.
 
 Example:
     >>> import pickle

@@ -1,6 +1,7 @@
 """Durable checkpoint storage: atomic checkpoint directories in a local folder, NFS or an object store.
 
-Layer 1 helper: torch, ``pyarrow.fs`` and the standard library. One code path serves every place
+Layer 1 helper: ``pyarrow.fs`` and the standard library, and torch when a state is loaded (imported then:
+:func:`_checkpoint`). One code path serves every place
 ``pyarrow.fs.FileSystem.from_uri`` understands: a local or NFS folder (a plain path), ``s3://``,
 ``gs://`` and ``hdfs://`` URIs, with query options such as
 ``s3://bucket/run?endpoint_override=127.0.0.1:9000&scheme=http&region=us-east-1`` and credentials
@@ -37,7 +38,6 @@ import zlib
 
 from raysgd import optional
 from raysgd.base.checks import argument_error, expect
-from raysgd.torch.state import checkpoint
 from raysgd.torch.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -100,13 +100,22 @@ def resolve(storage_path):
     return filesystem, path.rstrip("/")
 
 
+def _checkpoint():
+    """:mod:`raysgd.torch.state.checkpoint` (torch), imported when first needed: this module imports no torch, so
+    the processes of the tasks that write and read a checkpoint's state file (:mod:`~raysgd.torch.storage.parts`)
+    start without it."""
+    from raysgd.torch.state import checkpoint  # noqa: PLC0415
+
+    return checkpoint
+
+
 def _join(*parts):
     return "/".join(part.rstrip("/") for part in parts)
 
 
 def check_state_bytes(stream, name="checkpoint", weights_only=True):
     """Load trainer-state bytes (safely by default); a :class:`CheckpointError` names what is wrong."""
-    return checkpoint.read_state(io.BytesIO(stream), name, damaged=DamagedCheckpoint, weights_only=weights_only,
+    return _checkpoint().read_state(io.BytesIO(stream), name, damaged=DamagedCheckpoint, weights_only=weights_only,
                                  trust_hint="make the operator's state_dict() return tensors, numbers, strings "
                                             "and containers, start with resume=False, or, if you trust the "
                                             "checkpoint, load it with TorchTrainer.load(path, weights_only=False)")
@@ -194,8 +203,8 @@ def write_marker(filesystem, directory, files, meta=None, name=MARKER_FILE):
         fsync_file(target)
         if replacing:
             os.replace(target, path)
-        checkpoint.fsync_directory(directory)
-        checkpoint.fsync_directory(os.path.dirname(directory))
+        _checkpoint().fsync_directory(directory)
+        _checkpoint().fsync_directory(os.path.dirname(directory))
     return marker
 
 
@@ -234,10 +243,10 @@ def read_path(path, weights_only=True):
         return read_checkpoint_dir(*resolve(text), weights_only=weights_only)[0]
     if os.path.isdir(text):
         if os.path.isfile(os.path.join(text, STATE_FILE)):  # a directory holding a file save() wrote
-            return checkpoint.load_state(os.path.join(text, STATE_FILE), weights_only=weights_only)
+            return _checkpoint().load_state(os.path.join(text, STATE_FILE), weights_only=weights_only)
         raise CheckpointError(f"checkpoint path {text!r} is a directory without {MARKER_FILE} or {STATE_FILE}: "
                               f"pass the file save() wrote, or a checkpoint directory of storage_path or Tune")
-    return checkpoint.load_state(text, weights_only=weights_only)
+    return _checkpoint().load_state(text, weights_only=weights_only)
 
 
 def read_checkpoint_dir(filesystem, directory, weights_only=True):

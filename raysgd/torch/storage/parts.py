@@ -12,6 +12,10 @@ folder that may exist on the driver's disk only; NFS works either way). A resume
 :func:`read_part` checks a checkpoint's state file against its marker in a task on rank 0's node and leaves the
 bytes in that node's object store, where every worker loads them from.
 
+This module imports no torch (nor does :mod:`~raysgd.torch.storage.filesystem`): the write and read tasks' processes
+import it by name, and a process that imports torch costs about a CPU second more and a few hundred MB. Only a
+commit's overlay and a sharded state's head need torch, which those code paths import where they run.
+
 A sharded state's checkpoint (FSDP) is written by :class:`ShardedRemoteParts` (a task per rank's part, then the
 head, DCP's ``.metadata`` and the marker; over an existing one in the other set of names, atomically) and read back
 by the workers themselves (:class:`ShardedFiles`: each reads its byte ranges of the parts; the driver reads only the
@@ -30,7 +34,6 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raysgd.torch.restart_points import restart_point
-from raysgd.torch.state import checkpoint
 from raysgd.torch.storage import filesystem
 
 logger = logging.getLogger(__name__)
@@ -52,7 +55,9 @@ def _write(refs, root, path, timeout_s, overlay=None):
     per-rank records) to ``path`` under ``root``."""
     fs, _ = filesystem.resolve(root)
     stream = restart_point.first_available(refs, timeout_s)
-    if overlay:
+    if overlay:  # only a commit's state needs torch here: a task's process imports it for that alone
+        from raysgd.torch.state import checkpoint  # noqa: PLC0415
+
         stream = checkpoint.state_to_bytes({**checkpoint.state_from_bytes(stream), **overlay})
     return filesystem.write_state_file(fs, path, stream)
 
@@ -134,6 +139,7 @@ class ShardedRemoteParts:
         writers = [RemotePart(part.refs, part.nodes[0], self.root, self.local, timeout_s=self.timeout_s)
                    for part in self.point.parts]
         calls = [writer.start(directory, file) for writer, file in zip(writers, names)]
+        from raysgd.torch.state import checkpoint  # noqa: PLC0415 (torch: see the module docstring)
         from raysgd.torch.state import dcp_blobs  # noqa: PLC0415 (DCP: sharded strategies only, see _dcp_files)
 
         head = checkpoint.state_from_bytes(self.point.head)
