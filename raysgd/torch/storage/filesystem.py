@@ -1,9 +1,8 @@
 """Durable checkpoint storage: atomic checkpoint directories in a local folder, NFS or an object store.
 
 Layer 1 helper: ``pyarrow.fs`` and the standard library, and torch when a state is loaded (imported then:
-:func:`_checkpoint`). One code path serves every place
-``pyarrow.fs.FileSystem.from_uri`` understands: a local or NFS folder (a plain path), ``s3://``,
-``gs://`` and ``hdfs://`` URIs, with query options such as
+:func:`_checkpoint`). One code path serves every place ``pyarrow.fs.FileSystem.from_uri`` understands: a local or
+NFS folder (a plain path), ``s3://``, ``gs://`` and ``hdfs://`` URIs, with query options such as
 ``s3://bucket/run?endpoint_override=127.0.0.1:9000&scheme=http&region=us-east-1`` and credentials
 from the usual environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ...).
 
@@ -115,10 +114,11 @@ def _join(*parts):
 
 def check_state_bytes(stream, name="checkpoint", weights_only=True):
     """Load trainer-state bytes (safely by default); a :class:`CheckpointError` names what is wrong."""
-    return _checkpoint().read_state(io.BytesIO(stream), name, damaged=DamagedCheckpoint, weights_only=weights_only,
-                                 trust_hint="make the operator's state_dict() return tensors, numbers, strings "
-                                            "and containers, start with resume=False, or, if you trust the "
-                                            "checkpoint, load it with TorchTrainer.load(path, weights_only=False)")
+    return _checkpoint().read_state(
+        io.BytesIO(stream), name, damaged=DamagedCheckpoint, weights_only=weights_only,
+        trust_hint="make the operator's state_dict() return tensors, numbers, strings and containers, start with "
+                   "resume=False, or, if you trust the checkpoint, load it with TorchTrainer.load(path, "
+                   "weights_only=False)")
 
 
 def _is_local(filesystem):

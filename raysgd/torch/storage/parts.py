@@ -13,8 +13,8 @@ folder that may exist on the driver's disk only; NFS works either way). A resume
 bytes in that node's object store, where every worker loads them from.
 
 This module imports no torch (nor does :mod:`~raysgd.torch.storage.filesystem`): the write and read tasks' processes
-import it by name, and a process that imports torch costs about a CPU second more and a few hundred MB. Only a
-commit's overlay and a sharded state's head need torch, which those code paths import where they run.
+import it by name, and a process that imports torch costs about a CPU second more and ~150 MB. Only a commit's
+overlay and a sharded state's head need torch, which those code paths import where they run.
 
 A sharded state's checkpoint (FSDP) is written by :class:`ShardedRemoteParts` (a task per rank's part, then the
 head, DCP's ``.metadata`` and the marker; over an existing one in the other set of names, atomically) and read back
