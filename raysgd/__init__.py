@@ -41,6 +41,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'raysgd' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    """The module's names with the lazily imported ones (tab completion lists ``TorchTrainer`` before its import)."""
+    return sorted({*globals(), *__all__})
+
+
 def PyTorchTrainer(**kwargs: object) -> NoReturn:  # noqa: N802 (the 1.x name)
     """Removed in RaySGD 1.x: always raises, pointing at :class:`TorchTrainer`."""
     raise DeprecationWarning("PyTorchTrainer was renamed TorchTrainer: use raysgd.TorchTrainer.")

@@ -32,3 +32,8 @@ def __getattr__(name: str) -> Any:
     shipping.install()  # torch's config modules pickle by name from here on (see raysgd.torch.execution.shipping)
     globals()[name] = value  # the next lookup finds it without this function
     return value
+
+
+def __dir__() -> list[str]:
+    """The package's names with the lazily imported ones (tab completion lists them before their import)."""
+    return sorted({*globals(), *__all__})

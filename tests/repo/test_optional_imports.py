@@ -184,13 +184,15 @@ def test_a_checkpoint_files_write_and_read_tasks_import_no_torch(tmp_path):
         size, crc32 = filesystem.write_state_file(fs, root + "/trainer.checkpoint", b"state")  # as _write does
         assert filesystem.read_state_file(fs, root, {{"size": size, "crc32": crc32}}) == b"state"  # as _read does
         print(sorted(n for n in sys.modules if n.split(".")[0] == "torch")[:3])  # the first few, if any
+        import raysgd.torch
+        print("TorchTrainer" in dir(raysgd), "CreatorOperator" in dir(raysgd.torch))  # listed before their import
         from raysgd import TorchTrainer  # the trainer, asked for, brings torch
         print("torch" in sys.modules, TorchTrainer.__module__)
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:2] == ["[]", "True raysgd.torch.torch_trainer"], done.stdout
+    assert done.stdout.split("\n")[:3] == ["[]", "True True", "True raysgd.torch.torch_trainer"], done.stdout
 
 
 def test_the_lightning_guide_without_lightning_names_the_extra_to_install(tmp_path):
