@@ -174,8 +174,8 @@ def test_the_driver_and_a_ddp_worker_never_import_torchs_distributed_checkpoint(
 def test_a_checkpoint_files_write_and_read_tasks_import_no_torch(tmp_path):
     """The tasks that write and read a checkpoint's state file on a node (``raysgd.torch.storage.parts``' ``_write``
     and ``_read``, sent by name) start a process that imports their module: with ``import raysgd`` and the storage
-    modules, that process imports no torch (about a CPU second and a few hundred MB a process), until a name that
-    needs it is asked for."""
+    modules, that process imports no torch (about a CPU second and ~150 MB a process), until a name that needs it
+    is asked for; ``dir()`` lists the names before their import."""
     code = textwrap.dedent(f"""
         import sys
         import raysgd
