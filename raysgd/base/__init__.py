@@ -6,6 +6,8 @@
   doc), read through :func:`raysgd.base.environment.get`.
 - :mod:`raysgd.base.stateful`: the ``Stateful`` protocol (``state_dict``/``load_state_dict``) every component a
   checkpoint holds follows, and the save and restore of a named mapping of them.
+- :mod:`raysgd.base.durable_files`: the ``fsync`` of a written file and of a folder's entries (a rename into it),
+  for every module that writes a file in place.
 
 Layer -1: below the exceptions, keys and meters of layer 0, so that every module may import it; it imports nothing
 of raysgd and nothing outside the standard library.

@@ -27,9 +27,9 @@ import torch
 
 from raysgd import optional
 from raysgd.base.checks import expect
+from raysgd.base.durable_files import fsync_directory
 from raysgd.cli import checkpoints, paths
 from raysgd.torch.errors import CheckpointError
-from raysgd.torch.state import checkpoint as state_files
 from raysgd.torch.storage import filesystem
 
 FEATURE = "raysgd export (safetensors files)"
@@ -150,7 +150,7 @@ def write(tensors, out, metadata, overwrite=False):
         if os.path.exists(temporary):
             os.unlink(temporary)
         raise
-    state_files.fsync_directory(folder)
+    fsync_directory(folder)
 
 
 def main(options, out=None):

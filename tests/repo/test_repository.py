@@ -139,7 +139,8 @@ def test_changelog_keeps_a_changelog_form():
     assert text.index("## [Unreleased]") < text.index("\n## [0."), "Unreleased comes first"
 
 
-DOCTESTED = ["raysgd.base", "raysgd.base.checks", "raysgd.base.environment", "raysgd.base.stateful", "raysgd.utils",
+DOCTESTED = ["raysgd.base", "raysgd.base.checks", "raysgd.base.environment", "raysgd.base.stateful",
+             "raysgd.base.durable_files", "raysgd.utils",
              "raysgd.logs", "raysgd.cli.paths", "raysgd.cli.train_folders",
              "raysgd.optional", "raysgd.meters", "raysgd.timers", "raysgd.torch.constants",
              "raysgd.torch.errors", "raysgd.torch.options", "raysgd.torch.lightning_operator",

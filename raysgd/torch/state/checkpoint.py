@@ -24,6 +24,7 @@ import numpy
 import torch
 
 from raysgd.base.checks import argument_error
+from raysgd.base.durable_files import fsync_directory
 from raysgd.torch.errors import CheckpointError
 
 _REQUIRED = ("epoch", "models", "optimizers")
@@ -153,24 +154,6 @@ def save_state(state, path):
     return path
 
 
-def fsync_directory(directory):
-    """Flush ``directory``'s entries (a rename into it) to disk; a no-op where folders cannot be opened.
-
-    Example:
-        >>> import tempfile
-        >>> fsync_directory(tempfile.gettempdir())
-    """
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
-    try:
-        fd = os.open(directory, flags)
-    except OSError:  # Windows cannot open a folder: its renames are durable without this
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems (e.g. certain network mounts) refuse fsync on a folder
-        pass
-    finally:
-        os.close(fd)
 
 
 def load_state(path, weights_only=True):

@@ -27,8 +27,9 @@ import uuid
 import torch.distributed as dist
 
 from raysgd.base.checks import expect
+from raysgd.base.durable_files import fsync_directory
 from raysgd.torch.errors import CheckpointError
-from raysgd.torch.state import checkpoint, sharded
+from raysgd.torch.state import sharded
 from raysgd.torch.state.dcp_blobs import METADATA_FILE
 from raysgd.torch.storage import filesystem
 
@@ -49,7 +50,7 @@ def write_file(fs, path, data):
         if os.path.exists(temporary):
             os.unlink(temporary)
         raise
-    checkpoint.fsync_directory(os.path.dirname(path))
+    fsync_directory(os.path.dirname(path))
     return written
 
 
@@ -85,7 +86,7 @@ def write_metadata(storage_path, metadata):
     fs.create_dir(folder, recursive=True)
     write_file(fs, f"{folder}/{METADATA_FILE}", metadata)
     if isinstance(fs, filesystem.pafs.LocalFileSystem):
-        checkpoint.fsync_directory(os.path.dirname(folder))  # the folder's own entry
+        fsync_directory(os.path.dirname(folder))  # the folder's own entry
 
 
 def _gather_errors(error, process_group):

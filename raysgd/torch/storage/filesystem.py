@@ -37,6 +37,7 @@ import zlib
 
 from raysgd import optional
 from raysgd.base.checks import argument_error, expect
+from raysgd.base.durable_files import fsync_directory, fsync_file
 from raysgd.torch.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -125,15 +126,6 @@ def _is_local(filesystem):
     return isinstance(filesystem, pafs.LocalFileSystem)
 
 
-def fsync_file(path):
-    """Flush a closed local file's data to disk (``fsync`` through a fresh descriptor: Linux syncs the file)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_state_file(filesystem, path, stream):
     """Write ``stream`` (bytes or any buffer) to ``path`` (``fsync``ed on a local disk); returns ``(size, crc32)``.
 
@@ -203,8 +195,8 @@ def write_marker(filesystem, directory, files, meta=None, name=MARKER_FILE):
         fsync_file(target)
         if replacing:
             os.replace(target, path)
-        _checkpoint().fsync_directory(directory)
-        _checkpoint().fsync_directory(os.path.dirname(directory))
+        fsync_directory(directory)
+        fsync_directory(os.path.dirname(directory))
     return marker
 
 

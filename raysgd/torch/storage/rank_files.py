@@ -37,6 +37,7 @@ import zlib
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raysgd.base.durable_files import fsync_directory
 from raysgd.torch.restart_points import restart_point
 from raysgd.torch.restart_points.transport import by_value, out_of_band
 from raysgd.torch.storage import filesystem
@@ -137,11 +138,7 @@ def _write_text(path, text):
         writer.flush()
         os.fsync(writer.fileno())
     for folder in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
-        descriptor = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        fsync_directory(folder)  # sent by value with this task (transport.by_value): no import of raysgd there
 
 
 def _state_of(directory, marker_name):
