@@ -91,6 +91,41 @@ def test_a_local_checkpoint_is_fsynced_file_marker_folder_before_the_previous_is
     assert [index for index, _ in store.list()] == [2]  # the previous one is gone only now
 
 
+@pytest.mark.parametrize("write", ["checkpoint storage", "rank files' task"])
+def test_a_marker_is_written_where_the_file_system_refuses_fsync_on_a_folder(tmp_path, monkeypatch, write):
+    """Some network mounts refuse ``fsync`` on a folder (EINVAL): every writer of a marker still writes it, the
+    marker file itself fsynced, its folder and the folder's parent tried (one helper:
+    ``raysgd.base.durable_files``). A marker file that cannot be synced is still an error. (A fake ``os.fsync``:
+    no such file system exists on this machine.)"""
+    from raysgd.torch.storage import rank_files
+
+    real_fsync, tried = os.fsync, []
+
+    def refusing_folders(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        tried.append(path)
+        if os.path.isdir(path):
+            raise OSError(22, "Invalid argument")
+        return real_fsync(fd)
+
+    directory = tmp_path / "run" / "checkpoint_000001"
+    directory.mkdir(parents=True)
+    monkeypatch.setattr(os, "fsync", refusing_folders)
+    if write == "checkpoint storage":
+        fs, path = storage.resolve(str(directory))
+        storage.write_marker(fs, path, {}, {"epoch": 1})
+        name = storage.MARKER_FILE
+    else:
+        name = "marker.json"
+        rank_files._write_text(str(directory / name), "{}")
+    assert (directory / name).is_file()
+    assert tried == [str(directory / name), str(directory), str(tmp_path / "run")]
+
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(5, "Input/output error")))
+    with pytest.raises(OSError, match="Input/output error"):
+        rank_files._write_text(str(directory / "again.json"), "{}")
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"storage_path": "foo://bucket/x"}, ValueError, "storage_path expects a local folder or a URI"),
     ({"storage_path": 3}, TypeError, "storage_path expects a folder path or a URI"),
