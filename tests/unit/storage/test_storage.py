@@ -91,13 +91,13 @@ def test_a_local_checkpoint_is_fsynced_file_marker_folder_before_the_previous_is
     assert [index for index, _ in store.list()] == [2]  # the previous one is gone only now
 
 
-@pytest.mark.parametrize("write", ["checkpoint storage", "rank files' task"])
-def test_a_marker_is_written_where_the_file_system_refuses_fsync_on_a_folder(tmp_path, monkeypatch, write):
-    """Some network mounts refuse ``fsync`` on a folder (EINVAL): every writer of a marker still writes it, the
-    marker file itself fsynced, its folder and the folder's parent tried (one helper:
-    ``raysgd.base.durable_files``). A marker file that cannot be synced is still an error. (A fake ``os.fsync``:
-    no such file system exists on this machine.)"""
-    from raysgd.torch.storage import rank_files
+def test_a_marker_is_written_where_the_file_system_refuses_fsync_on_a_folder(tmp_path, monkeypatch):
+    """Some network mounts refuse ``fsync`` on a folder (EINVAL): the marker is still written, the marker file itself
+    fsynced, its folder and the folder's parent tried. Every writer of a file in place (storage, the rank files' task
+    on the driver's node, ``save()``, the DCP parts, export) syncs through ``raysgd.base.durable_files``, whose folder
+    sync skips such a folder; a file that cannot be synced is still an error. (A fake ``os.fsync``: no such file
+    system exists on this machine.)"""
+    from raysgd.base import durable_files
 
     real_fsync, tried = os.fsync, []
 
@@ -111,19 +111,15 @@ def test_a_marker_is_written_where_the_file_system_refuses_fsync_on_a_folder(tmp
     directory = tmp_path / "run" / "checkpoint_000001"
     directory.mkdir(parents=True)
     monkeypatch.setattr(os, "fsync", refusing_folders)
-    if write == "checkpoint storage":
-        fs, path = storage.resolve(str(directory))
-        storage.write_marker(fs, path, {}, {"epoch": 1})
-        name = storage.MARKER_FILE
-    else:
-        name = "marker.json"
-        rank_files._write_text(str(directory / name), "{}")
-    assert (directory / name).is_file()
-    assert tried == [str(directory / name), str(directory), str(tmp_path / "run")]
+    fs, path = storage.resolve(str(directory))
+    storage.write_marker(fs, path, {}, {"epoch": 1})
+    assert (directory / storage.MARKER_FILE).is_file()
+    assert tried == [str(directory / storage.MARKER_FILE), str(directory), str(tmp_path / "run")]
+    durable_files.fsync_directory(str(directory))  # the helper itself
 
     monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(5, "Input/output error")))
     with pytest.raises(OSError, match="Input/output error"):
-        rank_files._write_text(str(directory / "again.json"), "{}")
+        durable_files.fsync_file(str(directory / storage.MARKER_FILE))
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
