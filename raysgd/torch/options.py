@@ -31,7 +31,7 @@ from raysgd.torch.operator.precision import validate_fp16
 from raysgd.torch.sharding import batch_split
 from raysgd.torch.commits.commit_policy import check_every_n
 from raysgd.torch.training_operator import TrainingOperator
-from typing import Any
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -285,7 +285,7 @@ class TrainerOptions:
 
     training_operator_cls: type = option(None, "your `TrainingOperator` subclass", _operator_cls, shown="required",
                                          attribute=True)
-    initialization_hook: object = option(
+    initialization_hook: Callable[[], Any] | None = option(
         None, "zero-argument function run on every worker before the process group is set up (environment "
         "variables, seeding)", _hook)
     config: dict = option(

@@ -12,6 +12,8 @@ Example:
     >>> model(torch.zeros(2, 3, 32, 32)).shape
     torch.Size([2, 10])
 """
+from typing import TYPE_CHECKING
+
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -102,6 +104,12 @@ class ResNet(nn.Module):
         >>> tiny(torch.zeros(1, 3, 16, 16)).shape
         torch.Size([1, 4])
     """
+
+    if TYPE_CHECKING:  # the four stages, set in __init__ by setattr
+        layer1: nn.Sequential
+        layer2: nn.Sequential
+        layer3: nn.Sequential
+        layer4: nn.Sequential
 
     def __init__(self, block, num_blocks, num_classes=10, in_channels=3):
         super().__init__()

@@ -38,7 +38,7 @@ from raysgd.torch.sharding import batch_split
 from raysgd.torch.state import checkpoint
 from raysgd.torch.commits.commit_policy import CommitPolicy
 from raysgd.torch.storage import durable
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, cast
 
 if TYPE_CHECKING:
     from raysgd.torch.integrations.progress import ProgressBar
@@ -66,8 +66,8 @@ class TorchTrainer:
     if TYPE_CHECKING:  # every TrainerOptions field is an attribute (set in __init__ from options.attributes())
         def __getattr__(self, name: str) -> Any: ...
 
-    def __init__(self, **options):  # its signature: TrainerOptions.signature() (set below)
-        options = TrainerOptions.from_kwargs(options)  # every check, before anything starts
+    def __init__(self, **kwargs):  # its signature: TrainerOptions.signature() (set below)
+        options = TrainerOptions.from_kwargs(kwargs)  # every check, before anything starts
         for name, value in options.attributes().items():
             setattr(self, name, value)
         self.min_replicas, self.max_replicas = options.worker_range()
@@ -79,7 +79,7 @@ class TorchTrainer:
         run = durable.open_run(options.storage_path, options.num_to_keep, options.resume,  # checked
                                on_written=self._on_checkpoint)
         self._shards = ray_data.ShardCache()
-        self._controller = None
+        self._controller = cast("RunController", None)  # None until RunController(...) below returns
         self._last_call_s = self._last_checkpoint_s = None
         shipping.install()  # before any class is shipped: see raysgd.torch.execution.shipping
         if not ray.is_initialized():
@@ -233,12 +233,13 @@ class TorchTrainer:
                                                self.num_cpus_per_worker)
             call = dict(num_steps=num_steps, profile=profile, info=dict(info or {}), lockstep=True,
                         rank_kwargs=rank_kwargs)
+            on_tick = cast("ProgressBar", self._progress).tick if reporter is not None else None  # from the bar
             stats = self._controller.run_call("train_epoch", max_retries, call, replay=data is not None,
-                                              on_tick=self._progress.tick if reporter is not None else None)
+                                              on_tick=on_tick)
             completed = True
         finally:
             if reporter is not None:
-                self._progress.finish(completed)
+                cast("ProgressBar", self._progress).finish(completed)  # a reporter comes from the bar
             if data is not None and (not completed or num_steps is not None):
                 self._shards.drop()  # the split is mid-pass (stuck, or stopped by num_steps): split afresh next time
         self._last_call_s = time.monotonic() - started
@@ -355,7 +356,8 @@ class TorchTrainer:
         Example:
             >>> trainer.load_state_dict(other.state_dict(), blocking=True)  # doctest: +SKIP
         """
-        self._controller.load_stream(*checkpoint.checked_stream(state_dict, weights_only), blocking=blocking)
+        stream, weights_only = checkpoint.checked_stream(state_dict, weights_only)  # (bytes, how to load them)
+        self._controller.load_stream(stream, weights_only, blocking=blocking)
 
     def save(self, checkpoint_path: str | os.PathLike, consolidated: bool = False) -> str:
         """Write the trainer state to ``checkpoint_path`` atomically (and to ``storage_path``); returns the path.

@@ -81,7 +81,7 @@ class TrainingOperator(PrecisionHelpers, AccumulationHelpers, ShardingHelpers):
         self._precision = Precision(use_fp16, self._device)
         self._sharding = Sharding(strategy, fsdp_args, self._precision, self._device, self._world_size)
         self._registered = False
-        self._schedulers = None
+        self._schedulers: list[Any] | None = None  # set by register (check_schedulers' list)
         self._train_loader = self._validation_loader = None
         self.timers = TimerCollection()
         self.global_step, self._running_meters = 0, None  # the meters of the running default-loop epoch
@@ -418,3 +418,5 @@ class LightningOperator(_lightning.LightningLoops, TrainingOperator):
     itself; ``self.optimizers`` and ``self.scheduler_dicts`` hold what ``configure_optimizers`` returned.
     Subclass the class that ``from_ptl`` returns to change a loop.
     """
+
+    _schedulers: list[Any] | None  # TrainingOperator's (LightningLoops.setup sets it too)

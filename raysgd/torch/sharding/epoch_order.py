@@ -31,6 +31,8 @@ import contextlib
 import hashlib
 import itertools
 import random
+import types
+from typing import Iterator
 
 import torch
 
@@ -51,7 +53,7 @@ def epoch_seed(seed, epoch):
 
 
 @contextlib.contextmanager
-def isolated_random_streams(seed):
+def isolated_random_streams(seed: int) -> Iterator[None]:
     """Seed torch's CPU generator, numpy's and Python's global streams with ``seed``; restore them after.
 
     CUDA generators are never touched (a sampler draws on the CPU).
@@ -67,6 +69,7 @@ def isolated_random_streams(seed):
     """
     torch_state = torch.get_rng_state()
     python_state = random.getstate()
+    np: types.ModuleType | None  # numpy, or None without it
     try:
         import numpy as np  # noqa: PLC0415 (optional: only to leave numpy's stream as it was)
     except ImportError:  # pragma: no cover - numpy ships with torch's usual installs
