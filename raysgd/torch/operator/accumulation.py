@@ -21,6 +21,7 @@ Example:
 """
 import contextlib
 import logging
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -63,6 +64,12 @@ class AccumulationHelpers:
         >>> tracker.done(tracker.next_info()); op.at_step_boundary()  # one micro-batch of two taken
         False
     """
+
+    # provided by the host class (TrainingOperator)
+    _config: dict
+    _optimizers: list[Any]
+    step: Callable[..., None]
+    train_batch: Callable[..., Any]
 
     _accumulation = None  # the Tracker of the running train_epoch
     _accumulation_warned = False

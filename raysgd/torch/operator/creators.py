@@ -12,6 +12,7 @@ Example:
 """
 import os
 import tempfile
+from typing import Any, Callable, Optional, cast
 
 import torch
 from filelock import FileLock
@@ -37,7 +38,15 @@ class CreatorLoops:
         ([1, 2], [3])
     """
 
-    _model_creator = _optimizer_creator = _data_creator = _loss_creator = _scheduler_creator = None
+    # provided by the host class (TrainingOperator)
+    register: Callable[..., Any]
+    register_data: Callable[..., None]
+
+    _model_creator: Optional[Callable[..., Any]] = None
+    _optimizer_creator: Optional[Callable[..., Any]] = None
+    _data_creator: Optional[Callable[..., Any]] = None
+    _loss_creator: Optional[Callable[..., Any]] = None
+    _scheduler_creator: Optional[Callable[..., Any]] = None
     _serialize_data_creation = True
 
     def _create_loaders(self, config):
@@ -59,8 +68,9 @@ class CreatorLoops:
 
     def setup(self, config):
         train_loader, val_loader = self._create_loaders(config)
-        models = self._model_creator(config)
-        optimizers = self._optimizer_creator(models, config)
+        # make_creator_operator sets both creators (checked callable) on the class it builds
+        models = cast(Callable[..., Any], self._model_creator)(config)
+        optimizers = cast(Callable[..., Any], self._optimizer_creator)(models, config)
         kwargs = {"models": models, "optimizers": optimizers}
         if self._loss_creator is not None:
             loss = self._loss_creator
@@ -109,7 +119,7 @@ def make_creator_operator(base, model_creator, optimizer_creator, data_creator=N
     })
 
 
-def get_test_operator(operator_cls):
+def get_test_operator(operator_cls: Any):
     """An operator whose ``train_epoch``/``validate`` call ``config["custom_func"](op, iterator, info)``.
 
     Without ``custom_func`` they return ``{"done": 1}``.
@@ -126,7 +136,7 @@ def get_test_operator(operator_cls):
     return _TestingOperator
 
 
-def get_test_metrics_operator(operator_cls):
+def get_test_metrics_operator(operator_cls: Any):
     """An operator whose batches report the next of ``config["scores"]`` (train) or ``config["val_scores"]``.
 
     As in 1.12, each batch reports its score divided by that batch's ``num_samples`` under

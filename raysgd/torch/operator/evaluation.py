@@ -38,7 +38,7 @@ def ddp_modules(*owners):
         >>> ddp_modules(op)
         []
     """
-    found = []
+    found: list[torch.nn.Module] = []
 
     def visit(value):
         ddp = find_ddp(value) if isinstance(value, torch.nn.Module) else None  # also inside torch.compile

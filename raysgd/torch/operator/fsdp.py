@@ -50,6 +50,7 @@ import contextlib
 import copy
 import itertools
 import logging
+from typing import Any, Callable
 
 import torch
 
@@ -315,7 +316,7 @@ class Sharding:
         self.sync_buffers()
         skeletons = {id(root): skeleton for root, skeleton in self._sharded}
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        copies = []
+        copies: list[torch.nn.Module | None] = []
         for model in models:
             skeleton = skeletons.get(id(model))
             state = get_model_state_dict(model, options=options) if skeleton is not None else model.state_dict()
@@ -396,6 +397,11 @@ class ShardingHelpers:
         >>> op.strategy, type(op.full_models()[0]).__name__
         ('ddp', 'Linear')
     """
+
+    # provided by the host class (TrainingOperator)
+    _sharding: Sharding
+    registered_models: Callable[[], list[torch.nn.Module]]
+    validate_batch: Callable[..., Any]
 
     @property
     def strategy(self):

@@ -14,8 +14,11 @@ Example:
     >>> trainer.train()["train_loss"], trainer.validate()["val_loss"]  # doctest: +SKIP
     >>> module = trainer.get_model()  # doctest: +SKIP
 """
+from __future__ import annotations
+
 import contextlib
 import logging
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -24,6 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 from raysgd.base.checks import expect
 from raysgd.meters import NUM_SAMPLES, AverageMeterCollection
 from raysgd.torch.operator import lightning_bridge as lightning
+
+if TYPE_CHECKING:
+    from raysgd.torch.operator.precision import Precision
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +42,26 @@ class LightningLoops:
     ``self.model`` is the module as registered (DDP-wrapped when distributed), :meth:`get_model` the module
     itself; ``self.optimizers`` and ``self.scheduler_dicts`` hold what ``configure_optimizers`` returned.
     """
+
+    # provided by the host class (TrainingOperator and its mixins)
+    use_fp16: bool | str
+    world_rank: int
+    local_rank: int
+    device: torch.device
+    precision: Precision
+    global_step: int
+    _world_size: int
+    _is_distributed: bool
+    _schedulers: Any  # the host owns its type; setup() sets it to the list of schedulers
+    _train_loader: Iterable[Any] | None
+    _validation_loader: Iterable[Any] | None
+    register: Callable[..., Any]
+    register_data: Callable[..., None]
+    autocast: Callable[[], Any]
+    step: Callable[..., None]
+    unscale_gradients: Callable[[Any], None]
+    _set_mode: Callable[..., None]
+    _report_progress: Callable[..., None]
 
     _lightning_module_cls = None
     _train_dataloader = _val_dataloader = _datamodule_spec = None
@@ -153,6 +179,7 @@ class LightningLoops:
         epoch = info.get("epoch_idx", epoch_idx)
         bridge.current_epoch, bridge.training, bridge.validating = epoch, True, False
         self._set_mode(training=True)
+        epoch_logs: dict[str, Any]
         meters, epoch_logs = AverageMeterCollection(), {}
         with self._attached(), torch.enable_grad():
             with self._logging_to(epoch_logs):
@@ -300,6 +327,7 @@ class LightningLoops:
             raise NotImplementedError(f"validate() needs {type(module).__name__}.validation_step")
         bridge.training, bridge.validating = False, True
         self._set_mode(training=False)
+        epoch_logs: dict[str, Any]
         meters, epoch_logs = AverageMeterCollection(), {}
         with self._attached(), torch.no_grad():
             with self._logging_to(epoch_logs):

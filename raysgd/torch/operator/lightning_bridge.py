@@ -23,6 +23,7 @@ import importlib
 import inspect
 import logging
 import sys
+from typing import Any
 
 import torch
 
@@ -226,6 +227,7 @@ def parse_optimizers(conf):
     "strict"}``, or a list of such dicts. Anything else raises ``TypeError``.
     """
     monitor = None
+    schedulers: list[Any]
     if conf is None:
         optimizers, schedulers = [], []
     elif _is_optimizer(conf):

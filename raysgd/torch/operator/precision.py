@@ -187,6 +187,8 @@ class PrecisionHelpers:
         >>> # in train_batch: with self.autocast(): loss = ...; self.backward_and_step(loss, self.optimizer)
     """
 
+    _precision: Precision  # provided by the host class (TrainingOperator sets it in __init__)
+
     def autocast(self):
         """Context manager for the forward pass under ``use_fp16`` (a no-op in fp32).
 
