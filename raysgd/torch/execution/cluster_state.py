@@ -53,7 +53,7 @@ def start_ray(address):
 
 def held_by(bundles):
     """The CPUs and GPUs that a placement group with ``bundles`` reserves."""
-    held = {}
+    held: dict[str, float] = {}
     for bundle in bundles:
         for key in ("CPU", "GPU"):
             if bundle.get(key):

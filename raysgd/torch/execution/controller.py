@@ -49,7 +49,7 @@ from raysgd.torch.execution.restart_points import NoRestartPoints, RestartPoints
 from raysgd.torch.execution.run_states import RunState, RunStatus, advance
 from raysgd.torch.execution.state_access import StateAccess
 from raysgd.torch.fault_tolerance import failure_policy, recovery, stops
-from raysgd.torch.fault_tolerance.watches import DrainWatch, GrowWatch
+from raysgd.torch.fault_tolerance.watches import DrainWatch, GrowWatch, StopWatch
 from raysgd.torch.state import checkpoint, training_state
 from raysgd.torch.restart_points.call_start import PendingPoint
 from raysgd.torch.restart_points.restart_point import RestartPoint, RestartPointLost, ShardedPoint
@@ -403,7 +403,7 @@ class RunController(StateAccess):
         the call commits."""
         if not self.commits.active:
             return []
-        watches = []
+        watches: list[StopWatch] = []
         if self.group.num_workers < self.max_workers:
             watches.append(GrowWatch(lambda: self._scale_up_target(quiet=True), self.commits.committed_this_attempt))
         watches.append(DrainWatch(lambda: restarts.leaving(self.group), self._move_size,

@@ -66,7 +66,7 @@ class LocalRunner:
 
     def __init__(self, name="raysgd-rank0"):
         self._name = name
-        self._queue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[LocalCall | None] = queue.SimpleQueue()  # None: the thread ends
         self._thread = None
         self._current = None
 

@@ -184,7 +184,8 @@ class Bundles:
 
     def live(self):
         """The numbers of the bundles of the groups not removed."""
-        numbers, base = set(), 0
+        numbers: set[int] = set()
+        base = 0
         for pg, count in self.groups:
             if pg is not None:
                 numbers.update(range(base, base + count))

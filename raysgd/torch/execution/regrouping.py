@@ -12,6 +12,8 @@ place, and new processes start in free bundles or in a new placement group
 Example:
     >>> # size = group.reform(operator_cls, config_for, min_size)  # None: restart every worker instead
 """
+from __future__ import annotations
+
 import logging
 
 from raysgd.torch.execution import placement
@@ -19,6 +21,11 @@ from raysgd.torch.execution import local_runner
 from raysgd.torch.execution.local_runner import LocalRunner
 from raysgd.torch.execution.placement import Placement
 from raysgd.torch.fault_tolerance import recovery, reform
+from typing import TYPE_CHECKING, Any, Callable, cast
+
+if TYPE_CHECKING:
+    from raysgd.torch.execution.spares import SparePool
+    from raysgd.torch.execution.worker_handle import Handle
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +33,31 @@ logger = logging.getLogger(__name__)
 class Regrouping:
     """The re-forming half of :class:`~raysgd.torch.execution.worker_group.WorkerGroup` (see the module docstring);
     it works on the group's own state."""
+
+    # What it uses of the group's state and methods (provided by the host class, WorkerGroup):
+    _handles: list[Handle]
+    _kept: list[Handle]
+    _rank_bundles: list[int]
+    _spares: SparePool
+    _pg: Any
+    _own_pg: bool
+    _extra: list[tuple[Any, int]]
+    _placement: Placement
+    _runner: LocalRunner | None
+    _use_local: bool
+    _worker_options: dict[str, Any]
+    _cpus: float
+    _timeout_s: float
+    broken: bool
+    generation: int
+    _bundles: Callable[[], placement.Bundles]
+    how_many_fit: Callable[..., int]
+    _start_in: Callable[..., Handle]
+    _collect: Callable[..., Any]
+    _connect: Callable[[int], None]
+    _ordered: Callable[[], list[Handle]]
+    _drain_submitted: Callable[[], None]
+    _kill_all: Callable[..., None]
 
     def reform(self, operator_cls, config_for, min_size, initialization_hook=None):
         """Re-form the group from the survivors of the last failure (see :mod:`raysgd.torch.fault_tolerance.reform`),
@@ -78,10 +110,12 @@ class Regrouping:
             else:
                 numbers = iter(range(bundles.size, bundles.size + more))
                 self._extra.append((pg, more))
-                plan = [(next(numbers), None) if entry == (None, None) else entry for entry in plan]
+                plan = [(next(numbers), None) if entry == (None, None) else entry
+                        for entry in cast("list", plan)]  # (a plan: more > 0 only when found is not None)
         if why is not None:
             logger.debug("Not keeping the healthy ranks for this resize (%s): every worker restarts", why)
             return None
+        leaving = cast("list[Handle]", leaving)  # found is not None once why is None
         plan = self._refill_elsewhere(plan)
         taken = {bundle: self._spares.take(usable) for bundle, handle in plan if handle == reform.SPARE}
         if None in taken.values():  # a spare it counted on died meanwhile
@@ -146,7 +180,7 @@ class Regrouping:
         self._kept, self._handles, self.broken = [], [], False
         self.generation += 1
         self._spares.hook = initialization_hook  # refills run the hook of now
-        calls = {}
+        calls: dict[int, Callable[..., Any]] = {}
         for rank, (bundle, handle) in enumerate(new):
             if handle is None:
                 handle = self._start_in(rank, bundle, operator_cls, config,

@@ -11,6 +11,8 @@ for it (``state_dict``, ``save(consolidated=True)``). It relies on the controlle
 Example:
     >>> # controller.save("ckpt"); controller.load_path("ckpt"); controller.state_dict()["epoch"]
 """
+from __future__ import annotations
+
 import os
 
 from raysgd.base import stateful
@@ -18,11 +20,28 @@ from raysgd.torch.errors import CheckpointError
 from raysgd.torch.state import checkpoint
 from raysgd.torch.restart_points.restart_point import RestartPoint, ShardedPoint
 from raysgd.torch.storage import filesystem, parts
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from raysgd.torch.execution.restart_points import NoRestartPoints, RestartPoints
+    from raysgd.torch.execution.worker_group import WorkerGroup
 
 
 class StateAccess:
     """The controller's state methods (see the module docstring): a mixin of
     :class:`~raysgd.torch.execution.controller.RunController`, which holds what they use."""
+
+    # What they use of the controller's state and methods (provided by the host class, RunController):
+    group: WorkerGroup
+    points: RestartPoints | NoRestartPoints
+    durable: Any
+    commits: Any
+    components: dict[str, Any]
+    _timeout_s: float
+    ensure_workers: Callable[[], None]
+    run: Callable[..., list]
+    first_answer: Callable[..., Any]
+    take_snapshot: Callable[[], Any]
 
     def on_result(self, phase, reduced):
         """A call's reduced result: checkpoint to ``storage_path`` when the durable run asks for it."""

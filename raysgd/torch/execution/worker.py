@@ -48,6 +48,7 @@ from raysgd.timers import TimerCollection
 from raysgd.torch.constants import COMMIT_LATENCY, NUM_STEPS, USE_FP16
 from raysgd.torch.execution.epoch_iterators import CallBatches, PersistentIterator
 from raysgd.torch.errors import CollectiveError, is_collective_failure
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class TorchWorker:
         self.backend = backend
         self.world_size = world_size
         self.world_rank = 0
-        self.operator = None
+        self.operator: Any = None  # the user's operator (TrainingOperator's methods), built by setup_operator
         self.timers = TimerCollection()
         self._traces = TraceRecorder()  # torch.profiler traces of train calls (TorchTrainer.profile)
         self.timers.disable()

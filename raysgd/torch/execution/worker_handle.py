@@ -32,9 +32,10 @@ from typing import Any, Callable
 _REMOTE_CLASSES: dict[type, object] = {}  # worker class -> its Ray actor class (made once per process)
 
 
-def _remote_worker_cls(worker_cls=TorchWorker):
+def _remote_worker_cls(worker_cls: type = TorchWorker) -> Any:
     if worker_cls not in _REMOTE_CLASSES:
-        _REMOTE_CLASSES[worker_cls] = ray.remote(concurrency_groups=diagnostics.CONCURRENCY_GROUPS)(worker_cls)
+        _REMOTE_CLASSES[worker_cls] = ray.remote(  # type: ignore[call-overload]  # ray's stubs lack this actor option
+            concurrency_groups=diagnostics.CONCURRENCY_GROUPS)(worker_cls)
     return _REMOTE_CLASSES[worker_cls]
 
 
