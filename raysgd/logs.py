@@ -86,7 +86,7 @@ class ConsoleHandler(logging.StreamHandler):
 
     def others_handle(self, record):
         """Whether a handler other than this one (of any kind, a ``NullHandler`` included) would get ``record``."""
-        current = logging.getLogger(record.name)
+        current: logging.Logger | None = logging.getLogger(record.name)
         while current is not None:
             if any(handler is not self for handler in current.handlers):
                 return True

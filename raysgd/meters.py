@@ -24,6 +24,8 @@ import collections
 import logging
 import numbers
 import sys
+import types
+from typing import cast
 
 import numpy as np
 
@@ -82,7 +84,8 @@ class AverageMeter:
 
     def _fold(self):
         """Add the pending tensors into the float64 sums on their devices: device work only, no read."""
-        torch, groups = sys.modules.get("torch"), collections.defaultdict(list)
+        torch = cast(types.ModuleType, sys.modules.get("torch"))  # imported: a tensor exists
+        groups = collections.defaultdict(list)
         for val, n in self._pending:
             weighted = _is_tensor(n)
             groups[val.device, val.dtype, None if weighted else n].append(val.double() * n if weighted else val)

@@ -12,6 +12,7 @@ Example:
 import collections
 import contextlib
 import time
+from typing import cast
 
 import numpy as np
 
@@ -29,9 +30,9 @@ class TimerStat:
 
     def __init__(self, window_size=10):
         self._window_size = window_size
-        self._samples = collections.deque(maxlen=window_size)
-        self._units_processed = collections.deque(maxlen=window_size)
-        self._start_time = None
+        self._samples: collections.deque[float] = collections.deque(maxlen=window_size)
+        self._units_processed: collections.deque[float] = collections.deque(maxlen=window_size)
+        self._start_time: float | None = None
         self._total_time = 0.0
         self.count = 0
 
@@ -42,7 +43,7 @@ class TimerStat:
         return self
 
     def __exit__(self, exc_type, exc_value, tb):
-        self.push(time.perf_counter() - self._start_time)
+        self.push(time.perf_counter() - cast(float, self._start_time))  # set by __enter__
         self._start_time = None
 
     def push(self, duration):

@@ -124,6 +124,7 @@ def inspect_folder(fs, directory, name):
 def inspect_file(found):
     """The row of a file ``save()`` wrote: no marker, so no CRC; checked by loading it (safely)."""
     name = os.path.basename(found.path.rstrip("/"))
+    size: int | None
     try:
         if found.fs is None:
             state, size = state_files.load_state(found.path), os.path.getsize(found.path)

@@ -20,6 +20,7 @@ Example:
 """
 import dataclasses
 import os
+from typing import cast
 
 from raysgd.cli import train_folders
 from raysgd.torch.storage import filesystem
@@ -44,7 +45,7 @@ class Found:
 
     def join(self, *names):
         """The path inside the filesystem of ``names`` under this folder."""
-        return "/".join([self.fs_path.rstrip("/"), *names])
+        return "/".join([cast(str, self.fs_path).rstrip("/"), *names])  # set for a folder (the only kind joined)
 
     def uri(self, *names):
         """The path as given of ``names`` under this folder (a URI's query options kept at its end).

@@ -29,6 +29,7 @@ Example:
 """
 import itertools
 import numbers
+from typing import cast
 
 import numpy as np
 import torch
@@ -147,8 +148,8 @@ class Dataset:
 
     def set_num_shards(self, num_shards):
         """Split the items into ``num_shards`` shards (``train(dataset=...)`` splits by the worker count itself)."""
-        expect(isinstance(num_shards, numbers.Integral) and num_shards >= 1, "set_num_shards", "an int >= 1",
-               num_shards)
+        expect(isinstance(num_shards, numbers.Integral) and cast(int, num_shards) >= 1, "set_num_shards", "an int >= 1",
+               num_shards)  # (the cast: typeshed's numbers.Integral declares no >=)
         self.num_shards = int(num_shards)
 
     def get_shard(self, i):

@@ -23,6 +23,7 @@ Example:
     (1, None, None)
 """
 import logging
+from typing import cast
 
 from raysgd.torch.storage import filesystem, rank_files
 from raysgd.train.reporting import ReportPlan
@@ -103,7 +104,7 @@ class ReportCommits:
         ``restart`` starts from the call's beginning."""
         if self._on_resume is None:
             return
-        resume = self._plan.resume
+        resume = cast(ReportPlan, self._plan).resume  # the attempt's plan is made
         if resume is not None and resume[1] is not None:
             self._on_resume(resume[1])
         elif restart:

@@ -270,7 +270,8 @@ class LoggingConfig:
     def __post_init__(self):
         if self.log_level is None:
             return
-        levels = sorted(name for name in logging.getLevelNamesMapping())
+        levels = sorted(name for name in
+                        logging.getLevelNamesMapping())  # type: ignore[attr-defined, unused-ignore]  # BUG? see report
         expect(isinstance(self.log_level, str) and self.log_level.upper() in levels, "log_level",
                f"one of {levels} or None", self.log_level, ValueError, "LoggingConfig", **_AS_CALL)
         self.log_level = self.log_level.upper()

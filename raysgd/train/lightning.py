@@ -58,7 +58,7 @@ def __getattr__(name):
     return _defined[name]
 
 
-def _define(pl, LightningEnvironment):  # noqa: N803 (a class)
+def _define(pl: Any, LightningEnvironment: Any):  # noqa: N803 (a class)
     """Define the classes over Lightning's (``pl``: its package)."""
 
     class RayDDPStrategy(pl.strategies.DDPStrategy):

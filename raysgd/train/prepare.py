@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from raysgd.base.checks import expect
 from raysgd.torch.sharding import loaders as _loaders
 from raysgd.train import session as _session
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class PreparedLoader:
         elif self._passes == 0:
             epoch = sampler.epoch if restored is None else restored["epoch"] + (1 if restored["complete"] else 0)
         else:
-            epoch = self._pass_epoch + 1
+            epoch = cast(int, self._pass_epoch) + 1  # set by the first pass
         sampler.set_epoch(epoch)
         self._calls_seen, self._pass_epoch = sampler.set_epoch_calls, epoch
         if restored is not None:

@@ -183,7 +183,7 @@ class Reporter:
         problem = self.exchange(problem)[0]
         if problem is not None:
             raise CheckpointError(f"report(checkpoint=...): {problem}")
-        claimed = {}  # file -> the lowest rank reporting it
+        claimed: dict[str, int] = {}  # file -> the lowest rank reporting it
         for rank, info in enumerate(infos):
             for file in info["files"] or ():
                 claimed.setdefault(file, rank)

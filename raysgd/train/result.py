@@ -181,7 +181,7 @@ class Result:
                                     storage_filesystem=filesystem)
 
     def __repr__(self):
-        shown = {}
+        shown: dict[str, Any] = {}
         if self.error is not None:
             shown["error"] = type(self.error).__name__
         shown["metrics"] = {key: value for key, value in self.metrics.items() if key not in REPR_HIDDEN_KEYS} \

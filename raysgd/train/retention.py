@@ -34,6 +34,7 @@ Example:
 import logging
 import math
 import numbers
+from typing import SupportsFloat, cast
 
 from raysgd.base.checks import expect
 
@@ -81,7 +82,7 @@ def score(metrics, score_attribute, order="max"):
     if not isinstance(value, numbers.Number) or isinstance(value, complex):
         raise ValueError(f"CheckpointConfig(checkpoint_score_attribute={score_attribute!r}) needs a number in the "
                          f"metrics reported with each checkpoint; got {type(value).__name__} {value!r}")
-    value = float(value)
+    value = float(cast(SupportsFloat, value))  # numbers.Number declares no __float__; the non-complex ones have it
     if math.isnan(value):
         return (False, 0.0)
     return (True, value if order == "max" else -value)

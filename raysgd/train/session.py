@@ -108,7 +108,7 @@ class Session:
         self.context, self.device, self.plan = context, device, plan
         self.progress = progress  # rank 0's progress bar feed, or None
         self.dataset_shards = dataset_shards or {}
-        self.loaders = []  # the PreparedLoaders, in the order they were made
+        self.loaders: list = []  # the PreparedLoaders, in the order they were made
         self.reporter = Reporter(plan, context.get_world_rank(), context.get_world_size(), backend,
                                  cursors=lambda: [loader.cursor_state() for loader in self.loaders]) \
             if plan is not None else None

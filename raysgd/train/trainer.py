@@ -112,8 +112,8 @@ class TorchTrainer:
         self.resume_from_checkpoint = resume_from_checkpoint
         self.metadata = metadata
         self._controller: RunController | None = None
-        self._last_report_at = None
-        self.last_call_s = None  # seconds between the last two reports (what Ray metrics' rates read)
+        self._last_report_at: float | None = None
+        self.last_call_s: float | None = None  # seconds between the last two reports (what Ray metrics' rates read)
         self.last_commit_latency_s = None  # the last checkpointed report's seconds, as rank 0 measured them
         self.last_checkpoint_s = None
 
@@ -233,7 +233,7 @@ class TorchTrainer:
             order = list(dict.fromkeys(nodes))
             shards = {name: dataset.streaming_split(n, equal=True) for name, dataset in self.datasets.items()}
             gpus = dict(enumerate(group.run("gpu_ids", deadline_s=60))) if self.scaling_config.use_gpu else {}
-            node_gpus = {}
+            node_gpus: dict[Any, list] = {}
             for rank in range(n):
                 if rank in gpus:
                     node_gpus.setdefault(gpus[rank][0], []).extend(gpus[rank][1])
@@ -256,7 +256,7 @@ class TorchTrainer:
         user, ours = split_callbacks(self.run_config.callbacks)
         callbacks = CallbackList(ours + [RayMetrics(run=self.run_config.name)])
         self._callbacks, self._user_callbacks, self._storage_folder = callbacks, UserCallbacks(user), storage
-        self._callbacks_at = _START  # the checkpoint the callbacks' state is at (no report heard since), by name
+        self._callbacks_at: str | None = _START  # the checkpoint the callbacks' state is at (no report since), by name
         self._run_context = TrainRunContext(run_config=self.run_config, train_loop_config=self.train_loop_config,
                                             scaling_config=self.scaling_config, torch_config=self.torch_config)
         initial = (self.resume_from_checkpoint.uri, None) if self.resume_from_checkpoint is not None else None

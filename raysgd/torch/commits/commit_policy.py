@@ -14,6 +14,7 @@ Example:
 import logging
 import threading
 import uuid
+from typing import cast
 
 import ray
 from ray.exceptions import RayActorError
@@ -54,7 +55,7 @@ class CommitPolicy:
 
     def __init__(self, every_n):
         self.every_n = check_every_n(every_n)
-        self._store = None
+        self._store: CommitStore | None = None
         self._holders = Holders()  # one per node of the workers, made when a plan names the node
         self._call = 0
         self._attempt = 0
@@ -101,7 +102,7 @@ class CommitPolicy:
 
     def _begin(self):
         """Start the call in the store; its answer is read by :meth:`check_store` while the call runs."""
-        self._begun = self._store.begin(self._call)
+        self._begun = cast(CommitStore, self._store).begin(self._call)  # begin_call made it
 
     def check_store(self):
         """While the call runs (the controller's watch tick; never waits): once the store answered the call's start,
@@ -149,7 +150,7 @@ class CommitPolicy:
         started too (not named)."""
         nodes = list(nodes)
         self._holders.for_nodes(standby)
-        sink = self._store.sink(self._holders.for_nodes(nodes), buddies(nodes))
+        sink = cast(CommitStore, self._store).sink(self._holders.for_nodes(nodes), buddies(nodes))  # begin_call made it
         return CommitPlan(sink, self.every_n or None, commit_interval_s(), self._call, self._attempt,
                           run_id=self._run_id)
 

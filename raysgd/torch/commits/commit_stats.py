@@ -33,7 +33,7 @@ class CommitStats:
     def __init__(self, keep=100):
         self.in_loop_s = self.latency_s = self.bytes = None
         self.count = 0
-        self._taken = collections.deque(maxlen=keep)  # the keys of the latest commits taken
+        self._taken: collections.deque[tuple] = collections.deque(maxlen=keep)  # the keys of the latest commits taken
         self._stored = threading.Condition()
 
     def record_taken(self, key, in_loop_s):

@@ -28,6 +28,7 @@ Example:
 import logging
 import threading
 import time
+from typing import cast
 
 from raysgd.meters import merge_partial
 from raysgd.torch.sharding import loaders as _data
@@ -91,7 +92,8 @@ class Committer:
         self.epoch_steps = 0  # batches of the running epoch (counting those before a resume)
         self.iter_batches = 0  # batches pulled from the running epoch's iterator
         self.call_steps = 0
-        self.resume = None  # {"cursor", "rng", "meters", "share"} of a loaded state, applied at the next epoch start
+        # {"cursor", "rng", "meters", "share"} of a loaded state, applied at the next epoch start
+        self.resume: dict | None = None
         self.carried = None  # this rank's share of the loaded committed metrics, merged into the running call's
         self._trained_s = 0.0  # agreed training time since the call's start or its last commit
         self._unsent_s = 0.0  # this rank's step time not yet exchanged
@@ -169,9 +171,9 @@ class Committer:
         """Yield ``batches``; between two of them count the step and commit when due (``plan`` may be None)."""
         cursor = self.resume["cursor"] if self.resume else None
         continues = plan is not None and plan.continues(cursor)
-        self.call_steps = cursor.get("call_steps", 0) if continues else 0
+        self.call_steps = cast(dict, cursor).get("call_steps", 0) if continues else 0  # continues: cursor is set
         if continues:  # a retry inside its own call: the driver merges the committed metrics (raysgd.torch.commits.commit_policy)
-            self.resume.update(meters=None, share=None)
+            cast(dict, self.resume).update(meters=None, share=None)
         preemption.set_active(plan is not None)  # a SIGTERM now commits at the next step (raysgd.torch.commits.preemption)
         check_every = preemption.check_every()
         self._trained_s = self._unsent_s = 0.0  # the call's start is a restart point

@@ -39,6 +39,7 @@ Example:
 """
 import logging
 import threading
+from typing import cast
 
 import ray
 from ray import exceptions as ray_errors
@@ -131,7 +132,8 @@ class Holders:
     def for_nodes(self, nodes):
         """``{node: holder handle}`` for the nodes in ``nodes`` (an iterable of node ids), starting any missing."""
         if self._cls is None:
-            self._cls = ray.remote(num_cpus=0, max_concurrency=MAX_CONCURRENCY, max_restarts=-1)(
+            self._cls = ray.remote(  # type: ignore[call-overload, unused-ignore]  # Ray's stub lacks actor options
+                num_cpus=0, max_concurrency=MAX_CONCURRENCY, max_restarts=-1)(
                 by_value(_HolderActor))  # its process imports no torch
         wanted = sorted({node for node in nodes if node is not None})
         for node in wanted:
@@ -149,7 +151,7 @@ class Holders:
         restarting = {entry[1]: node for node, entry in self._watches.items() if isinstance(entry, tuple)}
         ready, _ = ray.wait(list(pending) + list(restarting), num_returns=len(pending) + len(restarting), timeout=0)
         for ref in ready:
-            node = pending.get(ref, restarting.get(ref))
+            node = cast(str, pending.get(ref, restarting.get(ref)))  # ready holds refs of pending or restarting only
             try:
                 ray.get(ref, timeout=0)
             except ray_errors.ActorUnschedulableError:  # its node is gone: nothing to restart there

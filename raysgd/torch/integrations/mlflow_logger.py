@@ -134,8 +134,9 @@ class MLflowLogger(EpochLogger):
         self._client = None
         self._params_logged = False  # written (on the logger's thread)
         self._started = False  # the run's start is queued (the first result)
-        self._params = None  # the trainer's config, read at the first result (logged as params)
-        self._logged_before = None  # resumed: {metric: its last step already in the run}, read at the first result
+        self._params: dict | None = None  # the trainer's config, read at the first result (logged as params)
+        # resumed: {metric: its last step already in the run}, read at the first result
+        self._logged_before: dict[str, int] | None = None
         self._resumed_from = None  # the step of the checkpoint resumed from
         self._make_writer()
 

@@ -32,6 +32,7 @@ import gc
 import logging
 import queue
 import threading
+from typing import Any, cast
 
 import ray
 from ray.util.placement_group import get_current_placement_group
@@ -170,7 +171,7 @@ def rank_inputs(data, reporter, shard_cache, group, config, timeout_s, cpus_per_
         return None
 
     def rank_kwargs(num_workers):
-        extra = [{} for _ in range(num_workers)]
+        extra: list[dict[str, Any]] = [{} for _ in range(num_workers)]
         if data is not None:
             starved = no_cpu_left(_held_cpus(num_workers, cpus_per_worker), cluster_state.ceiling())
             shards = shard_cache.shards(data, num_workers, group.generation, config, timeout_s, starved)
@@ -206,7 +207,7 @@ class ShardCache:
     def __init__(self):
         self._dataset = None
         self._key = None
-        self._splits = None
+        self._splits: list | None = None  # the dataset's streaming_split
 
     def shards(self, data, num_workers, generation, config, default_timeout_s, starved=None):
         """One :class:`Shard` per rank for ``data`` on ``num_workers`` workers of that ``generation``.
@@ -222,7 +223,7 @@ class ShardCache:
             self._dataset, self._key = data.dataset, key
         batch_size = data.batch_size or batch_size_per_worker(config, num_workers)
         timeout_s = data.batch_timeout_s or default_timeout_s
-        return [Shard(split, batch_size, data, timeout_s, starved) for split in self._splits]
+        return [Shard(split, batch_size, data, timeout_s, starved) for split in cast(list, self._splits)]  # split above
 
     def drop(self):
         """Forget the split (after a failed call or a restart)."""
@@ -311,7 +312,7 @@ def _with_deadline(iterable, timeout_s, starved=None):
     With ``starved`` (why Ray Data's tasks get no CPU), the first item gets ``SGD_DATA_NO_CPU_S`` at most.
     Stopping early (``num_steps``) stops the helper thread at its next hand-over.
     """
-    handover = queue.Queue(maxsize=2)
+    handover: queue.Queue = queue.Queue(maxsize=2)
     stop = threading.Event()
     done = object()
 

@@ -27,6 +27,7 @@ import numbers as _numbers
 import os
 import queue
 import threading
+from typing import Any, Callable
 
 from raysgd.callbacks import Callback
 
@@ -59,6 +60,7 @@ class EpochLogger(Callback):
 
     #: The step of the latest ``train()`` result: ``validate()`` results are logged at it.
     epoch = 0
+    log_checkpoints: bool  # set by the subclass (see the class docstring)
 
     def log_result(self, trainer, phase, result, step):
         """Log ``result`` (a ``"train"`` or ``"validate"`` result) at ``step`` in the tracker."""
@@ -120,7 +122,7 @@ class BackgroundWriter:
 
     def __init__(self, name, max_pending=100, timeout_s=120.0):
         self.name, self.max_pending, self.timeout_s = name, max_pending, timeout_s
-        self._queue = queue.Queue(max_pending)
+        self._queue: queue.Queue[tuple[Callable[[], Any], str] | None] = queue.Queue(max_pending)  # None: stop
         self._thread = None
         self._changed = threading.Condition()
         self._queued = self._completed = 0

@@ -27,6 +27,7 @@ Example:
 import inspect
 import logging
 import os
+from typing import Any, Callable
 
 from raysgd import optional
 from raysgd.base.checks import expect
@@ -197,6 +198,7 @@ class BaseTorchTrainable(Trainable):
     """
 
     max_retries = 1
+    _train: Callable[..., Any]  # RaySGD 1.x's hook, if a subclass still defines it (step() refuses it)
 
     def setup(self, config):
         """Build the trainer from the Tune ``config``."""

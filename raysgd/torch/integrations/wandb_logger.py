@@ -155,7 +155,7 @@ class WandbLogger(EpochLogger):
         self.dir = os.path.abspath(os.fspath(dir)) if dir is not None else None
         self.tags, self.log_checkpoints = list(tags or []), log_checkpoints
         self.run_id = None
-        self._wandb_run = None
+        self._wandb_run: Any = None  # wandb's Run once started (wandb is optional: no types of its own here)
         self._resumed = False  # load_state_dict named a run to continue
         self._first_new_step = 0  # resumed: the steps below it are in the run already (logged before the crash)
         self._last_step = 0  # the last step logged by this process (wandb refuses lower ones)

@@ -44,6 +44,7 @@ import logging
 import pickle
 import threading
 import time
+from typing import cast
 
 import ray
 import torch
@@ -113,8 +114,9 @@ class Capture:
     streams, some 2,500 small values per rank that would take ~1 ms to walk)."""
 
     def __init__(self, state, protected, fresh=()):
-        self._versions = []
-        self.state = {key: value if key in fresh else self._freeze(value, protected) for key, value in state.items()}
+        self._versions: list[tuple[torch.Tensor, int]] = []
+        self.state: dict | None = {key: value if key in fresh else self._freeze(value, protected)
+                                   for key, value in state.items()}
 
     def _freeze(self, value, protected):
         if isinstance(value, torch.Tensor):
@@ -297,6 +299,7 @@ def overlapped(plan, handoff, *, rank, world_size, own_rng, capture_state, parts
     if plan is None:
         yield
         return
+    lost: Exception | None
     try:
         rngs = gather_rngs(own_rng, world_size)
     except Exception as err:  # noqa: BLE001 (raised below, once the state before the call is captured)
@@ -330,7 +333,7 @@ class PendingPoint:
         self.token, self.info_ref, self.data_ref, self.node = token, info_ref, data_ref, node
         self.copies = list(copies)
         self.rank = rank  # the rank whose part this is, named in errors (None: rank 0's whole state)
-        self.info = None  # the snapshot's answer, once settled
+        self.info: dict | None = None  # the snapshot's answer, once settled
         self._point = None  # once settled
 
     def stored(self):
@@ -416,7 +419,7 @@ class PendingShardedPoint(PendingPoint):
         for rank, (info_ref, data_ref, node, copies) in enumerate(self.parts):
             single = PendingPoint(self.token, info_ref, data_ref, node, copies, rank=rank)
             pieces.append(single.settle(max(1.0, deadline - time.monotonic())))
-            head = single.info.get("head", head)
+            head = cast(dict, single.info).get("head", head)  # settled
         self._point = restart_point.ShardedPoint(pieces, head=head)
         return self._point
 

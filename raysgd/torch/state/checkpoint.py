@@ -19,6 +19,7 @@ import os
 import pickle
 import uuid
 import zipfile
+from typing import IO, cast
 
 import numpy
 import torch
@@ -54,7 +55,7 @@ def serialise(record):
         ([0, 1, 2], True)
     """
     buffer = _GrowingBuffer(_tensor_bytes(record) + (1 << 16))
-    torch.save(record, buffer)
+    torch.save(record, cast(IO[bytes], buffer))  # torch's stub asks for IO[bytes]; a file with write() will do
     return buffer.view()
 
 
@@ -96,7 +97,8 @@ class _GrowingBuffer:
 
     def view(self):
         """What was written, read-only."""
-        return memoryview(self._array)[:self._size].toreadonly()
+        view = memoryview(self._array)  # type: ignore[arg-type, unused-ignore]  # numpy: a Buffer on 3.12+ only
+        return view[:self._size].toreadonly()
 
 
 def state_from_bytes(stream, map_location="cpu", weights_only=False):

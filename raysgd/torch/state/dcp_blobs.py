@@ -130,7 +130,7 @@ def file_sizes(metadata):
         >>> file_sizes(writer.metadata) == {"__0_0.distcp": len(writer.blob)}
         True
     """
-    sizes = {}
+    sizes: dict[str, int] = {}
     for info in (as_metadata(metadata).storage_data or {}).values():
         sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), info.offset + info.length)
     return dict(sorted(sizes.items()))
@@ -330,6 +330,12 @@ class BlobWriter(FileSystemWriter):
         True
     """
 
+    fs: _MemoryFiles  # type: ignore[assignment]  # torch types it FileSystem; FileSystemWriter takes any FileSystemBase
+    file_name: str | None
+    blob: bytearray | None
+    metadata: bytes | None
+    layout: dict | None
+
     def __init__(self):
         super().__init__(_MEMORY, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True)
         self.fs = _MemoryFiles()  # FileSystemWriter's storage interface (as torch's fsspec writer sets its own)
@@ -371,14 +377,15 @@ class BlobWriter(FileSystemWriter):
         view.release()
         logger.debug("DCP blob %s: %d items, %.2f MB (buffer sized %.2f MB)", self.file_name, len(marked),
                      len(self.blob) / 1e6, capacity / 1e6)
-        future = Future()
+        future: Future[list[WriteResult]] = Future()
         future.set_result(marked)
         return future
 
     def finish(self, metadata, results):
         """On the coordinator: ``FileSystemWriter``'s metadata, kept as bytes (:attr:`metadata`), and the layout of
         every rank's tensor items (:attr:`layout`)."""
-        layout, plain = {}, []
+        layout: dict[str, int] = {}
+        plain: list[list[WriteResult]] = []
         for rank_results in results:
             plain.append([])
             for result in rank_results:

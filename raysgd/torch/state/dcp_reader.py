@@ -27,6 +27,7 @@ import io
 import logging
 import pickle
 import warnings
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType
@@ -101,7 +102,7 @@ class BlobReader(StorageReader):
     def __init__(self, metadata, source, layout=None, weights_only=True):
         super().__init__()
         self.metadata = as_metadata(metadata, weights_only=weights_only)
-        self.source = source if source is None else as_source(source)
+        self.source: Any = source if source is None else as_source(source)  # duck-typed: read(relative_path, ranges)
         self.layout, self.weights_only = dict(layout or {}), weights_only
         self.stats = {"read": 0, "needed": 0, "files": 0}
         self._chunks = None
@@ -153,7 +154,7 @@ class BlobReader(StorageReader):
 
     def read_data(self, plan, planner):
         """Load the plan's items, asking the source once per file for their ranges; returns a done future."""
-        per_file = {}
+        per_file: dict[str, list] = {}
         for item in plan.items:
             info = self.metadata.storage_data[item.storage_index]
             if getattr(info, "transform_descriptors", None):
@@ -176,7 +177,7 @@ class BlobReader(StorageReader):
                 self.stats["read"] += length
                 self._load_item(item, piece, how, planner)
             del pieces
-        future = Future()
+        future: Future[None] = Future()
         future.set_result(None)
         return future
 
@@ -184,7 +185,7 @@ class BlobReader(StorageReader):
         if item.type == LoadItemType.BYTE_IO:
             if self.weights_only:
                 try:
-                    torch.load(ViewFile(view), weights_only=True)
+                    torch.load(cast(IO[bytes], ViewFile(view)), weights_only=True)  # torch's stub asks for IO[bytes]
                 except pickle.UnpicklingError as err:
                     raise CheckpointError(f"DCP item {item.storage_index.fqn!r} holds objects that a safe load "
                                           f"(weights_only=True) refuses; if you trust the checkpoint, load it with "
@@ -200,7 +201,7 @@ class BlobReader(StorageReader):
             tensor = rows.view(item.lengths[0], *sizes[1:]) if sizes else rows.view(())
             tensor = _narrow(tensor, (0, *item.storage_offsets[1:]), item.lengths) if sizes else tensor
         else:
-            tensor = _narrow(torch.load(ViewFile(view), map_location="cpu", weights_only=True),
+            tensor = _narrow(torch.load(cast(IO[bytes], ViewFile(view)), map_location="cpu", weights_only=True),
                              item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size():

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import warnings
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -262,8 +263,8 @@ def save_parts(state_dict, process_group=None):
     writer = dcp_blobs.BlobWriter()
     with _dcp_call(single, process_group):
         dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=single)
-    return Part(rank=writer.rank, file_name=writer.file_name, blob=writer.blob, metadata=writer.metadata,
-                layout=writer.layout)
+    return Part(rank=cast(int, writer.rank), file_name=cast(str, writer.file_name), blob=cast(bytearray, writer.blob),
+                metadata=writer.metadata, layout=writer.layout)  # (rank, file_name and blob: set by the save)
 
 
 def load_parts(state_dict, metadata, fetch, process_group=None, weights_only=True, layout=None):
@@ -331,7 +332,7 @@ def file_names(metadata):
 # ----------------------------------------------------------------- one full state
 def _empty_state(metadata):
     """A flat state dict to load the whole checkpoint into: a full CPU tensor per tensor, None per other value."""
-    state = {}
+    state: dict[str, torch.Tensor | None] = {}
     for key, item in metadata.state_dict_metadata.items():
         if isinstance(item, dcp_metadata.TensorStorageMetadata):
             state[key] = torch.empty(item.size, dtype=item.properties.dtype)
@@ -343,7 +344,7 @@ def _empty_state(metadata):
 def _unflatten(flat, paths):
     """``flat`` (DCP's flattened keys) nested again by ``paths`` (``{key: (k1, k2, ...)}``, the planner's mapping; an
     int is a list index). A key without a path stays at the top."""
-    nested = {}
+    nested: dict = {}
     for key, value in flat.items():
         path = tuple(paths.get(key, (key,)))
         node = nested

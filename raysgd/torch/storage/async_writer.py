@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import weakref
+from typing import Any, Callable, cast
 
 from raysgd.torch.errors import CheckpointError
 
@@ -50,8 +51,8 @@ class AsyncWriter:
     def __init__(self, name="raysgd-checkpoint-writer"):
         self._name = name
         self._cond = threading.Condition()
-        self._queued = None  # (fn, args, description) waiting to run
-        self._running = None  # description of the job in flight
+        self._queued: tuple[Callable[..., Any], tuple, str] | None = None  # (fn, args, description) waiting to run
+        self._running: str | None = None  # description of the job in flight
         self._error = None  # (description, exception) of the first failure not yet raised
         self._closed = False
         self._thread = None
@@ -98,8 +99,8 @@ class AsyncWriter:
             while self._running is not None or self._queued is not None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"{self._name}: {self._running or self._queued[2]} still unfinished "
-                                       f"after {timeout_s} s")
+                    raise TimeoutError(f"{self._name}: {self._running or cast(tuple, self._queued)[2]} still "
+                                       f"unfinished after {timeout_s} s")
                 self._cond.wait(timeout=left)
         self._raise_error()
 
@@ -203,8 +204,10 @@ def _flush_at_exit():
 def _log_visibly(message):
     """Log ``message`` as an ERROR; when no handler of this logger's hierarchy would show it (raysgd's
     ``NullHandler`` only), also through ``logging.lastResort`` (stderr), as an unconfigured logging would."""
-    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message, None, None)
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message,
+                               None, None)  # type: ignore[arg-type, unused-ignore]  # args None: typeshed wants a tuple
     logger.handle(record)
+    current: logging.Logger | None
     current, shown = logger, False
     while current is not None and not shown:
         shown = any(not isinstance(h, logging.NullHandler) and record.levelno >= h.level for h in current.handlers)

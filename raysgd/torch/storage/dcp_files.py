@@ -23,6 +23,7 @@ Example:
 import logging
 import os
 import uuid
+from typing import cast
 
 import torch.distributed as dist
 
@@ -186,7 +187,7 @@ class FileRanges:
                 if expected is not None and size != expected:
                     raise CheckpointError(f"DCP checkpoint {self.storage_path!r}: its file {relative_path} has "
                                           f"{size} bytes, the marker says {expected} (damaged)")
-                pieces = [None] * len(ranges)
+                pieces: list[memoryview | None] = [None] * len(ranges)
                 for start, end, members in _merged(ranges):
                     data = memoryview(handle.read_at(max(0, min(end, size) - start), start)) if start < size \
                         else memoryview(b"")
@@ -202,9 +203,9 @@ class FileRanges:
 def _merged(ranges):
     """``[(start, end, [(index, (offset, length)), ...])]``: ``ranges`` sorted and merged where the gap between them
     is at most :data:`MERGE_GAP` and :data:`MERGE_SHARE` of the bytes joined."""
-    merged = []
+    merged: list[list] = []
     for index, (offset, length) in sorted(enumerate(ranges), key=lambda entry: entry[1][0]):
-        gap = offset - merged[-1][1] if merged else None
+        gap = cast(int, offset - merged[-1][1] if merged else None)  # None only while merged is empty (not read then)
         if merged and gap <= MERGE_GAP and gap <= MERGE_SHARE * (merged[-1][1] - merged[-1][0] + length):
             merged[-1][1] = max(merged[-1][1], offset + length)
             merged[-1][2].append((index, (offset, length)))

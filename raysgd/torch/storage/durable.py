@@ -112,7 +112,7 @@ class DurableRun:
         self._writer = async_writer.AsyncWriter()
         self._reader = None
         self._restored = None
-        self._read_error = None
+        self._read_error: BaseException | None = None
 
     def start_restore(self) -> None:
         """Begin reading the newest complete checkpoint on a thread (nothing when ``resume=False``)."""

@@ -155,7 +155,7 @@ def write_checkpoint_dir(filesystem, directory, stream, meta=None):
     never reaches the disk before the state it describes.
     """
     filesystem.create_dir(directory, recursive=True)
-    extra = {}
+    extra: dict = {}
     if hasattr(stream, "write_to"):  # a part written elsewhere (on the node holding the state)
         size, crc32, *more = stream.write_to(directory, STATE_FILE)
         extra = more[0] if more else {}  # a sharded state's other files: {"parts": {name: [size, crc32]}}
@@ -232,7 +232,8 @@ def read_path(path, weights_only=True):
     """
     text = os.fspath(path)
     if "://" in text or os.path.isfile(os.path.join(text, MARKER_FILE)):
-        return read_checkpoint_dir(*resolve(text), weights_only=weights_only)[0]
+        filesystem, directory = resolve(text)
+        return read_checkpoint_dir(filesystem, directory, weights_only=weights_only)[0]
     if os.path.isdir(text):
         if os.path.isfile(os.path.join(text, STATE_FILE)):  # a directory holding a file save() wrote
             return _checkpoint().load_state(os.path.join(text, STATE_FILE), weights_only=weights_only)
