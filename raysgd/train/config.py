@@ -16,10 +16,10 @@ Example:
     TypeError: ScalingConfig(num_workers=...) expects an int >= 1 or a range (min, max) of ints; got str '2'
 """
 import dataclasses
-import logging
 import os
 import time
 
+from raysgd.base import environment
 from raysgd.base.checks import expect, is_int, is_number
 from raysgd.train.callback import check_callbacks
 from typing import Any
@@ -270,8 +270,7 @@ class LoggingConfig:
     def __post_init__(self):
         if self.log_level is None:
             return
-        levels = sorted(name for name in
-                        logging.getLevelNamesMapping())  # type: ignore[attr-defined, unused-ignore]  # BUG? see report
+        levels = sorted(environment.LOG_LEVELS)  # raysgd.set_log_level's names, which fit() hands it to
         expect(isinstance(self.log_level, str) and self.log_level.upper() in levels, "log_level",
                f"one of {levels} or None", self.log_level, ValueError, "LoggingConfig", **_AS_CALL)
         self.log_level = self.log_level.upper()

@@ -153,6 +153,12 @@ def test_failure_checkpoint_and_run_configs_have_ray_2_58s_fields_and_deprecatio
     assert RunConfig().logging_config.log_level is None  # raysgd's level as it is (Ray Train's default: "INFO")
     with pytest.raises(ValueError, match=r"LoggingConfig\(log_level=...\) expects one of"):
         LoggingConfig("loud")
+    # the names raysgd.set_log_level takes (fit() hands the level to it), on Python 3.10 too (no
+    # logging.getLevelNamesMapping there): "fatal" and "notset" were accepted here, then refused by fit()
+    assert [LoggingConfig(name).log_level for name in ("warn", "critical", "off")] == ["WARN", "CRITICAL", "OFF"]
+    for name in ("fatal", "notset"):
+        with pytest.raises(ValueError, match=r"LoggingConfig\(log_level=...\) expects one of"):
+            LoggingConfig(name)
 
 
 # ------------------------------------------------------------------------------------------------ retention policy
