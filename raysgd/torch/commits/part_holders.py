@@ -132,7 +132,7 @@ class Holders:
     def for_nodes(self, nodes):
         """``{node: holder handle}`` for the nodes in ``nodes`` (an iterable of node ids), starting any missing."""
         if self._cls is None:
-            self._cls = ray.remote(  # type: ignore[call-overload, unused-ignore]  # Ray's stub lacks actor options
+            self._cls = ray.remote(  # type: ignore[call-overload]  # Ray's stub lacks actor options
                 num_cpus=0, max_concurrency=MAX_CONCURRENCY, max_restarts=-1)(
                 by_value(_HolderActor))  # its process imports no torch
         wanted = sorted({node for node in nodes if node is not None})

@@ -33,7 +33,7 @@ def out_of_band(buffer):
     if isinstance(buffer, bytes):
         return pickle.PickleBuffer(buffer)
     array = numpy.frombuffer(buffer, dtype=numpy.uint8)
-    return pickle.PickleBuffer(array)  # type: ignore[arg-type, unused-ignore]  # numpy: a Buffer on 3.12+ only
+    return pickle.PickleBuffer(array)  # type: ignore[arg-type]  # numpy: a Buffer on 3.12+ only
 
 
 def _names(code):

@@ -97,7 +97,7 @@ class _GrowingBuffer:
 
     def view(self):
         """What was written, read-only."""
-        view = memoryview(self._array)  # type: ignore[arg-type, unused-ignore]  # numpy: a Buffer on 3.12+ only
+        view = memoryview(self._array)  # type: ignore[arg-type]  # numpy: a Buffer on 3.12+ only
         return view[:self._size].toreadonly()
 
 

@@ -205,7 +205,7 @@ def _log_visibly(message):
     """Log ``message`` as an ERROR; when no handler of this logger's hierarchy would show it (raysgd's
     ``NullHandler`` only), also through ``logging.lastResort`` (stderr), as an unconfigured logging would."""
     record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message,
-                               None, None)  # type: ignore[arg-type, unused-ignore]  # args None: typeshed wants a tuple
+                               None, None)  # type: ignore[arg-type]  # args None: typeshed wants a tuple
     logger.handle(record)
     current: logging.Logger | None
     current, shown = logger, False
