@@ -156,8 +156,6 @@ def save_state(state, path):
     return path
 
 
-
-
 def load_state(path, weights_only=True):
     """Read a checkpoint written by :func:`save_state`.
 

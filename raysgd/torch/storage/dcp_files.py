@@ -23,7 +23,6 @@ Example:
 import logging
 import os
 import uuid
-from typing import cast
 
 import torch.distributed as dist
 
@@ -205,7 +204,7 @@ def _merged(ranges):
     is at most :data:`MERGE_GAP` and :data:`MERGE_SHARE` of the bytes joined."""
     merged: list[list] = []
     for index, (offset, length) in sorted(enumerate(ranges), key=lambda entry: entry[1][0]):
-        gap = cast(int, offset - merged[-1][1] if merged else None)  # None only while merged is empty (not read then)
+        gap = offset - merged[-1][1] if merged else 0  # (0 unread: nothing to merge into yet)
         if merged and gap <= MERGE_GAP and gap <= MERGE_SHARE * (merged[-1][1] - merged[-1][0] + length):
             merged[-1][1] = max(merged[-1][1], offset + length)
             merged[-1][2].append((index, (offset, length)))
