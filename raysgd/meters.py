@@ -1,14 +1,14 @@
 """Metric meters and their reduction: sample-weighted running averages that keep tensors on their device until
 read, and the reduction of the per-worker results of one call into one dict.
 
-Layer 0: imports the standard library and numpy; tensors are handled when torch is already imported
-(a tensor cannot exist otherwise). The meters are public through :mod:`raysgd.utils`, as in RaySGD 1.x.
+Layer 0: imports the standard library, numpy and :mod:`raysgd.base`; tensors are handled when torch is already
+imported (a tensor cannot exist otherwise). The meters are public through :mod:`raysgd.utils`, as in RaySGD 1.x.
 
-Reducing the workers' results (:func:`reduce_worker_stats`): ``num_samples`` is summed; ``last_*``,
-``batch_count`` and ``epoch`` are averaged over workers; every other number is averaged weighted by each
-worker's ``num_samples``. One-element tensors and numpy arrays (a custom loop's ``total / n``) count as the
-numbers they hold; NaN or missing values are left out (1.12's nanmean); non-numbers (e.g. ``profile``) come
-from rank 0. A NaN (a diverging rank) is logged, one warning per call naming each metric's ranks.
+Reducing the workers' results (:func:`reduce_worker_stats`): ``num_samples`` is summed; ``last_*``, ``batch_count``
+and ``epoch`` are averaged over workers; every other real number is averaged weighted by each worker's
+``num_samples``. One-element tensors and numpy arrays (a custom loop's ``total / n``) count as the numbers they
+hold; NaN or missing values are left out (1.12's nanmean); other values (``profile``, a string, a complex number)
+come from rank 0. A NaN (a diverging rank) is logged, one warning per call naming each metric's ranks.
 
 Example:
     >>> import torch
@@ -22,12 +22,13 @@ Example:
 """
 import collections
 import logging
-import numbers
 import sys
 import types
 from typing import cast
 
 import numpy as np
+
+from raysgd.base.checks import is_number
 
 logger = logging.getLogger(__name__)
 
@@ -224,11 +225,12 @@ def _scalar(value):
 
 
 def _is_number(value):
-    """A number to average: a non-bool Python number, or a 0-d real (non-bool) tensor."""
+    """A number to average: a real non-bool number (``is_number``: a complex one is not), or a 0-d real (non-bool)
+    tensor."""
     if _is_tensor(value):
         dtype = value.dtype
         return value.dim() == 0 and (dtype.is_floating_point or not (dtype.is_complex or dtype == _torch_bool()))
-    return isinstance(value, numbers.Number) and not isinstance(value, bool)
+    return is_number(value)
 
 
 def to_host(values):
@@ -267,8 +269,8 @@ _UNWEIGHTED = {BATCH_COUNT, "epoch"}
 
 
 def _is_plain_number(value):
-    """A non-bool Python number (what :func:`to_host` leaves of a one-element tensor)."""
-    return isinstance(value, numbers.Number) and not isinstance(value, bool)
+    """A real non-bool Python number (what :func:`to_host` leaves of a one-element real tensor)."""
+    return is_number(value)
 
 
 def _as_numbers(metrics):

@@ -33,10 +33,9 @@ Example:
 """
 import logging
 import math
-import numbers
 from typing import SupportsFloat, cast
 
-from raysgd.base.checks import expect
+from raysgd.base.checks import expect, is_number
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +78,10 @@ def score(metrics, score_attribute, order="max"):
                      "=...)); the checkpoint ranks below every scored one. Its metrics have %s", score_attribute,
                      sorted(metrics))
         return (False, 0.0)
-    if not isinstance(value, numbers.Number) or isinstance(value, complex):
+    if not is_number(value):  # real: float() would drop a complex's imaginary part (numpy's complex64 too)
         raise ValueError(f"CheckpointConfig(checkpoint_score_attribute={score_attribute!r}) needs a number in the "
                          f"metrics reported with each checkpoint; got {type(value).__name__} {value!r}")
-    value = float(cast(SupportsFloat, value))  # numbers.Number declares no __float__; the non-complex ones have it
+    value = float(cast(SupportsFloat, value))  # numbers.Real has __float__; typeshed's numbers stub does not say so
     if math.isnan(value):
         return (False, 0.0)
     return (True, value if order == "max" else -value)

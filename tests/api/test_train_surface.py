@@ -15,6 +15,7 @@ import re
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 
@@ -191,6 +192,9 @@ def test_a_missing_or_nan_score_ranks_worst_and_a_non_numeric_one_is_refused(cap
         checkpoints_to_delete([(1, {"loss": "low"}), (2, {"loss": 1})], CheckpointConfig(1, "loss"))
     with pytest.raises(ValueError, match=r"got NoneType None"):
         check_score({"loss": None}, "loss")
+    with pytest.raises(ValueError, match=r"got complex64"):  # a complex score: float() would drop its imaginary part
+        check_score({"loss": np.complex64(1 + 1j)}, "loss")
+    check_score({"loss": np.float32(0.5)}, "loss")  # numpy's real numbers are numbers
     check_score({"other": 1}, "loss")  # missing: logged when ranked, not refused
     check_score({"loss": "x"}, None)  # no score attribute: nothing to check
 

@@ -22,7 +22,6 @@ Example:
 """
 import contextlib
 import logging
-import numbers
 import sys
 import time
 
@@ -31,6 +30,7 @@ import torch
 
 from raysgd import optional
 from raysgd.base import environment
+from raysgd.base.checks import is_number
 from raysgd.meters import AverageMeterCollection
 from ray.exceptions import GetTimeoutError, RayError
 
@@ -68,7 +68,7 @@ def _is_loss(value):
     """A real number or a one-element real tensor (read later, at most once per update sent)."""
     if isinstance(value, torch.Tensor):
         return value.numel() == 1 and value.dtype is not torch.bool and not value.is_complex()
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return is_number(value)
 
 
 def _length(source):

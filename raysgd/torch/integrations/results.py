@@ -26,12 +26,11 @@ Example:
 """
 import csv
 import logging
-import numbers
 import os
 import time
 
 from raysgd import optional
-from raysgd.base.checks import expect
+from raysgd.base.checks import expect, is_number
 from raysgd.callbacks import Callback
 
 logger = logging.getLogger(__name__)
@@ -49,10 +48,6 @@ def _flatten(result, prefix=""):
         else:
             flat[name] = value
     return flat
-
-
-def _is_scalar(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _parse(text):
@@ -137,7 +132,7 @@ class ResultLogger:
         self._append_csv(phase, row)
         if self._writer is not None:
             for key, value in row.items():
-                if key not in _FIXED and _is_scalar(value):
+                if key not in _FIXED and is_number(value):
                     self._writer.add_scalar(f"{phase}/{key}", value, global_step=self._train_steps, walltime=now)
             self._writer.flush()
 

@@ -73,6 +73,25 @@ def test_one_element_tensors_and_arrays_are_reduced_as_numbers():
     assert reduce_worker_stats([{"v": vector}, {"v": torch.tensor([3.0, 4.0])}])["v"] is vector
 
 
+
+def test_a_complex_metric_is_not_averaged_but_comes_from_rank_0():
+    """A complex value (Python's, numpy's or a 0-d tensor's) is no number to average: rank 0's, as a string's is.
+    Before, Python's and numpy's reached the float mean over workers and train() raised TypeError at its end."""
+    import numpy as np
+    import torch
+
+    from raysgd.meters import AverageMeterCollection
+
+    out = reduce_worker_stats([{"num_samples": 2, "z": 1 + 2j, "loss": 1.0},
+                               {"num_samples": 2, "z": 3 + 2j, "loss": 3.0}])
+    assert out == {"num_samples": 4, "z": 1 + 2j, "loss": pytest.approx(2.0)}
+    meters = AverageMeterCollection()
+    for z in (np.complex64(1 + 2j), np.complex64(3 + 2j)):
+        meters.update({"z": z, "t": torch.tensor(1j), "loss": np.float32(2.0)})
+    summary = meters.summary()
+    assert summary["z"] == 3 + 2j and summary["t"] == torch.tensor(1j) and summary["loss"] == 2.0
+    assert "last_z" not in summary and "last_loss" in summary  # only the averaged numbers have a last_ value
+
 def test_merge_partial_counts_tensor_samples():
     from raysgd.meters import merge_partial
     import torch
