@@ -12,6 +12,9 @@ so several trainers in one process log to their own runs:
   ``a/b``).
 - Every ``train()`` result's numbers become metrics ``train/<name>`` at ``step=result["epoch"]``; every
   ``validate()`` result's become ``validate/<name>`` at the epoch of the last ``train()`` (0 before any).
+- A metric or param name MLflow refuses (one would fail the step's whole batch) is logged under
+  :func:`mlflow_name`'s form of it (``acc@1`` as ``acc_1``), named in a warning once; a tag name it refuses is a
+  ``ValueError`` when the logger is made.
 - With ``log_checkpoints=True`` each durable checkpoint (``storage_path``) that lies in a local folder is
   logged as artifacts under ``checkpoints/<its folder name>``.
 - The run ends (``FINISHED``) at ``trainer.shutdown()``.
@@ -38,9 +41,11 @@ Example:
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
+import re
 import threading
 import time
 
@@ -52,6 +57,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 _BATCH = 100  # MLflow takes at most this many params (and 1000 metrics) per log_batch call
+#: The longest name MLflow takes for a metric, a param or a tag.
+MAX_NAME = 250
+_REFUSED = re.compile(r"[^/\w.\- :]")  # what MLflow refuses in a name: not a letter, digit, _ - . space : or /
 #: Writes (results, the run's start and end, checkpoints) that may wait for the logger's thread.
 MAX_PENDING = 100
 #: The longest any wait for the logger's thread takes (a full queue, a flush, ``shutdown()``), in seconds.
@@ -68,6 +76,10 @@ def check_arguments(tracking_uri, experiment_name, run_name, tags, log_checkpoin
     expect(run_name is None or isinstance(run_name, str), "run_name", "None or a str", run_name, **how)
     expect(tags is None or (isinstance(tags, dict) and all(isinstance(k, str) for k in tags)), "tags",
            "None or a dict with str keys", tags, **how)
+    refused = [key for key in tags or {} if mlflow_name(key) != key]
+    expect(not refused, "tags", f"keys MLflow takes as names (letters, digits, _ - . space : and /, at most "
+           f"{MAX_NAME} characters)", tags, error=ValueError, caller="MLflowLogger",
+           got=f"{tags!r} (refused: {refused!r})")
     expect(isinstance(log_checkpoints, bool), "log_checkpoints", "True or False", log_checkpoints, **how)
 
 
@@ -106,6 +118,28 @@ def flatten(values, prefix=""):
     return flat
 
 
+def mlflow_name(key):
+    """``key`` as a name MLflow takes for a metric or a param: every character it refuses becomes ``_`` (it takes
+    letters, digits, ``_ - . : /`` and spaces), an empty, ``.`` or ``..`` part between slashes becomes ``_``, and a
+    name over ``MAX_NAME`` characters is cut, ending in a hash of the whole name (so two long names stay two).
+
+    Example:
+        >>> mlflow_name("train/acc@1"), mlflow_name("train/profile/"), mlflow_name("val top-1: acc")
+        ('train/acc_1', 'train/profile/_', 'val top-1: acc')
+        >>> len(mlflow_name("x" * 300))
+        250
+    """
+    key = str(key)
+    name = "/".join(part if part.strip(".") else "_" * max(len(part), 1)
+                    for part in _REFUSED.sub("_", key).split("/"))
+    if name.startswith(".."):  # MLflow refuses a name that starts like a parent folder
+        name = "_" + name[1:]
+    if len(name) > MAX_NAME:
+        digest = hashlib.sha1(key.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        name = f"{name[:MAX_NAME - len(digest) - 1]}-{digest}"
+    return name
+
+
 class MLflowLogger(EpochLogger):
     """Logs a trainer's run to MLflow (see the module docstring).
 
@@ -138,6 +172,7 @@ class MLflowLogger(EpochLogger):
         # resumed: {metric: its last step already in the run}, read at the first result
         self._logged_before: dict[str, int] | None = None
         self._resumed_from = None  # the step of the checkpoint resumed from
+        self._renamed: set[str] = set()  # the names MLflow refuses that a warning has named already
         self._make_writer()
 
     def _make_writer(self):
@@ -155,7 +190,7 @@ class MLflowLogger(EpochLogger):
         return state
 
     def __setstate__(self, state):
-        self.__dict__.update(state)
+        self.__dict__.update({"_renamed": set(), **state})
         self._mlflow = optional.require("mlflow", "raysgd.loggers.MLflowLogger")
         self._make_writer()
 
@@ -184,10 +219,30 @@ class MLflowLogger(EpochLogger):
         if self._params_logged:
             return
         entities = self._mlflow.entities
-        params = [entities.Param(str(k), str(v)[:6000]) for k, v in flatten(config).items()]
+        params = [entities.Param(k, str(v)[:6000]) for k, v in self._named(flatten(config), "param").items()]
         for start in range(0, len(params), _BATCH):
             self.client.log_batch(self.run_id, params=params[start:start + _BATCH])
         self._params_logged = True
+
+    def _named(self, values, kind):
+        """``values`` under names MLflow takes (:func:`mlflow_name`; one refused name would fail the whole batch, so
+        the step's other metrics or the run's params would be lost). A renamed key is named in a warning once; a
+        renamed key whose new name another key of ``values`` has is left out (warned about each time)."""
+        named = {key: value for key, value in values.items() if mlflow_name(key) == key}
+        for key, value in values.items():
+            name = mlflow_name(key)
+            if name == key:
+                continue
+            if name in named:
+                logger.warning("MLflowLogger: %s %r is not logged: MLflow refuses the name and %r, its form that "
+                               "MLflow takes, is logged already", kind, key, name)
+                continue
+            if key not in self._renamed:
+                self._renamed.add(key)
+                logger.warning("MLflowLogger: MLflow refuses the %s name %r (it takes letters, digits, _ - . : / and "
+                               "spaces, at most %d characters): logged as %r", kind, key, MAX_NAME, name)
+            named[name] = value
+        return named
 
     def _already_logged(self):
         """Resumed: ``{metric: last step}`` of what the run holds past the checkpoint's step (logged before the
@@ -204,9 +259,9 @@ class MLflowLogger(EpochLogger):
     def log_result(self, trainer, phase, result, step):
         """Queue a result's numbers as ``<phase>/<name>`` at ``step`` (a step the run already holds is kept); the
         first result also queues the run's start and the trainer's config as its params."""
+        metrics = {key: float(value) for key, value in flatten(result, f"{phase}/").items() if is_number(value)}
         entry = {"phase": phase, "step": int(step), "time": int(time.time() * 1000),
-                 "metrics": {key: float(value) for key, value in flatten(result, f"{phase}/").items()
-                             if is_number(value)}}
+                 "metrics": self._named(metrics, "metric")}
         if not self._started:
             self._started = True
             self._params = dict(getattr(trainer, "config", None) or {})  # read now, on the caller's thread

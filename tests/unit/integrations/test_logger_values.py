@@ -1,0 +1,51 @@
+"""The result loggers in one process (no Ray): what a metrics dict a user returns becomes in MLflow (a sqlite store in
+a temporary folder), W&B's and the result log's metrics, and the training-curve plot."""
+import pytest
+
+
+class Trainer:
+    """What a logger reads of the trainer: its ``config`` (logged as the run's params)."""
+
+    def __init__(self, config):
+        self.config = config
+
+
+def metric_history(mlflow_logger):
+    client = mlflow_logger.client
+    keys = client.get_run(mlflow_logger.run_id).data.metrics
+    return {key: [(m.step, m.value) for m in client.get_metric_history(mlflow_logger.run_id, key)] for key in keys}
+
+
+def test_mlflow_logs_every_metric_and_param_when_mlflow_refuses_some_names(tmp_path, caplog):
+    pytest.importorskip("mlflow")
+    from raysgd.loggers import MLflowLogger
+
+    mlflow_logger = MLflowLogger(tracking_uri=str(tmp_path / "mlruns"), experiment_name="names")
+    trainer = Trainer({"lr(max)": 0.1, "batch_size": 32})
+    long_a, long_b = "a" * 300, "a" * 299 + "b"
+    mlflow_logger.on_train_result(trainer, {"epoch": 1, "train_loss": 0.5, "acc@1": 0.75, long_a: 1.0, long_b: 2.0})
+    mlflow_logger.on_train_result(trainer, {"epoch": 2, "train_loss": 0.25, "acc@1": 0.875})
+    mlflow_logger.on_validate_result(trainer, {"val_loss": 0.5, "top-1 (%)": 80.0, "profile": {"": 3.0}})
+    mlflow_logger.on_shutdown(trainer)  # raised the failed writes' error before
+
+    history = metric_history(mlflow_logger)
+    assert history["train/train_loss"] == [(1, 0.5), (2, 0.25)]
+    assert history["train/acc_1"] == [(1, 0.75), (2, 0.875)]
+    assert history["validate/val_loss"] == [(2, 0.5)] and history["validate/top-1 ___"] == [(2, 80.0)]
+    assert history["validate/profile/_"] == [(2, 3.0)]
+    long_names = sorted(key for key in history if key.startswith("train/aaa"))
+    assert len(long_names) == 2 and all(len(key) == 250 for key in long_names)  # cut, yet two names
+    assert sorted(value for key in long_names for _, value in history[key]) == [1.0, 2.0]
+    params = mlflow_logger.client.get_run(mlflow_logger.run_id).data.params
+    assert params == {"lr_max_": "0.1", "batch_size": "32"}
+    renamed = [record.getMessage() for record in caplog.records
+               if "MLflow refuses the metric name 'train/acc@1'" in record.getMessage()]
+    assert len(renamed) == 1 and "logged as 'train/acc_1'" in renamed[0]  # once, not at every step
+
+
+def test_mlflow_tags_whose_names_mlflow_refuses_are_an_error_naming_them():
+    pytest.importorskip("mlflow")
+    from raysgd.loggers import MLflowLogger
+
+    with pytest.raises(ValueError, match=r"MLflowLogger: tags expects keys MLflow takes .*\(refused: \['team@x'\]\)"):
+        MLflowLogger(experiment_name="names", tags={"team@x": "a", "owner": "b"})
