@@ -51,7 +51,7 @@ import time
 
 from raysgd import optional
 from raysgd.base.checks import expect
-from raysgd.torch.integrations.tracker import BackgroundWriter, EpochLogger, is_number
+from raysgd.torch.integrations.tracker import BackgroundWriter, EpochLogger, flatten, numbers
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -100,22 +100,6 @@ def resolve_tracking_uri(tracking_uri):
     folder = os.path.abspath(uri)
     os.makedirs(folder, exist_ok=True)
     return f"sqlite:///{folder}/mlflow.db", f"file://{folder}/artifacts"
-
-
-def flatten(values, prefix=""):
-    """``{"a": {"b": 1}}`` -> ``{"a/b": 1}``.
-
-    Example:
-        >>> flatten({"lr": 0.1, "opt": {"momentum": 0.9}}, "train/")
-        {'train/lr': 0.1, 'train/opt/momentum': 0.9}
-    """
-    flat = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}/"))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def mlflow_name(key):
@@ -259,7 +243,7 @@ class MLflowLogger(EpochLogger):
     def log_result(self, trainer, phase, result, step):
         """Queue a result's numbers as ``<phase>/<name>`` at ``step`` (a step the run already holds is kept); the
         first result also queues the run's start and the trainer's config as its params."""
-        metrics = {key: float(value) for key, value in flatten(result, f"{phase}/").items() if is_number(value)}
+        metrics = {key: float(value) for key, value in numbers(result, f"{phase}/").items()}
         entry = {"phase": phase, "step": int(step), "time": int(time.time() * 1000),
                  "metrics": self._named(metrics, "metric")}
         if not self._started:

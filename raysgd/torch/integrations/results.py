@@ -32,22 +32,12 @@ import time
 from raysgd import optional
 from raysgd.base.checks import expect, is_number
 from raysgd.callbacks import Callback
+from raysgd.torch.integrations.tracker import flatten
 
 logger = logging.getLogger(__name__)
 
 PHASES = ("train", "validate")
 _FIXED = ["step", "time"]
-
-
-def _flatten(result, prefix=""):
-    flat = {}
-    for key, value in result.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(_flatten(value, name + "/"))
-        else:
-            flat[name] = value
-    return flat
 
 
 def _parse(text):
@@ -128,7 +118,7 @@ class ResultLogger:
         if phase == "train":
             self._train_steps += 1
         now = time.time()
-        row = {"step": self._train_steps, "time": now, **_flatten(result)}
+        row = {"step": self._train_steps, "time": now, **flatten(result)}
         self._append_csv(phase, row)
         if self._writer is not None:
             for key, value in row.items():

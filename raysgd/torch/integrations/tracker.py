@@ -23,25 +23,43 @@ Example:
     [('train', 3, {'epoch': 3, 'train_loss': 0.5}), ('validate', 3, {'val_loss': 0.7})]
 """
 import logging
-import numbers as _numbers
 import os
 import queue
 import threading
 from typing import Any, Callable
 
+from raysgd.base.checks import is_number
 from raysgd.callbacks import Callback
 
 logger = logging.getLogger(__name__)
 
 
-def is_number(value):
-    """A real number a tracker takes as a metric (a bool is not one)."""
-    return isinstance(value, _numbers.Real) and not isinstance(value, bool)
+def flatten(values, prefix=""):
+    """``{"a": {"b": 1}}`` -> ``{"a/b": 1}``: a nested dict's entries under ``<key>/<its key>``, each key as text.
+    The one home of a result's names in the loggers (the result log's columns, MLflow's and W&B's metrics).
+
+    Example:
+        >>> flatten({"lr": 0.1, "opt": {"momentum": 0.9}}, "train/")
+        {'train/lr': 0.1, 'train/opt/momentum': 0.9}
+    """
+    flat = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}/"))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
-def numbers(result):
-    """The entries of ``result`` that are metrics (real numbers)."""
-    return {key: value for key, value in result.items() if is_number(value)}
+def numbers(result, prefix=""):
+    """The entries of ``result`` that are metrics (real numbers, :func:`~raysgd.base.checks.is_number`), nested
+    dicts flattened (:func:`flatten`), each name after ``prefix``.
+
+    Example:
+        >>> numbers({"train_loss": 0.5, "note": "x", "flag": True, "profile": {"mean_fwd_s": 0.01}}, "train/")
+        {'train/train_loss': 0.5, 'train/profile/mean_fwd_s': 0.01}
+    """
+    return {key: value for key, value in flatten(result, prefix).items() if is_number(value)}
 
 
 def local_folder(path):

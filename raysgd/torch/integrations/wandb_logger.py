@@ -8,7 +8,7 @@ Layer 6 (the edge): wandb is optional (``pip install "raysgd[wandb]"``), importe
   ``wandb.init``'s), with the trainer's ``config`` as its config (values that are not JSON become text).
 - Every ``train()`` result's numbers are logged as ``train/<name>`` at ``step=result["epoch"]``; every
   ``validate()`` result's as ``validate/<name>`` at the epoch of the last ``train()`` (0 before any): one
-  history row per epoch.
+  history row per epoch. A nested dict's numbers (``profile=True``'s ``profile``) as ``train/profile/<name>``.
 - With ``log_checkpoints=True`` each durable checkpoint (``storage_path``) in a local folder is logged as an
   artifact of type ``checkpoint``.
 - The run is finished at ``trainer.shutdown()``.
@@ -40,8 +40,8 @@ import os
 import struct
 
 from raysgd import optional
-from raysgd.base.checks import expect
-from raysgd.torch.integrations.tracker import EpochLogger, is_number, numbers
+from raysgd.base.checks import expect, is_number
+from raysgd.torch.integrations.tracker import EpochLogger, numbers
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ class WandbLogger(EpochLogger):
     def log_result(self, trainer, phase, result, step):
         """Log a result's numbers as ``<phase>/<name>`` at ``step`` (never a step below wandb's current one)."""
         run = self._ensure_run(trainer)
-        metrics = {f"{phase}/{key}": value for key, value in numbers(result).items()}
+        metrics = numbers(result, f"{phase}/")
         if step < self._first_new_step:
             logger.info("wandb run %s already holds step %d (logged before the driver stopped): its %d %s "
                         "metrics are kept as they are", self.run_id, step, len(metrics), phase)

@@ -49,3 +49,19 @@ def test_mlflow_tags_whose_names_mlflow_refuses_are_an_error_naming_them():
 
     with pytest.raises(ValueError, match=r"MLflowLogger: tags expects keys MLflow takes .*\(refused: \['team@x'\]\)"):
         MLflowLogger(experiment_name="names", tags={"team@x": "a", "owner": "b"})
+
+
+def test_nested_metrics_reach_wandb_and_the_result_log_under_the_same_names(tmp_path):
+    """A ``profile=True`` result holds a dict: W&B's metrics (``numbers``, what ``WandbLogger.log_result`` logs)
+    lost it, where MLflow and the result log flattened it."""
+    from raysgd.torch.integrations.results import ResultLogger, read_results
+    from raysgd.torch.integrations.tracker import numbers
+
+    result = {"epoch": 1, "train_loss": 0.5, "note": "x", "done": True,
+              "profile": {"mean_fwd_s": 0.01, "io": {"wait_s": 0.25}}, 7: 1.5}
+    assert numbers(result) == {"epoch": 1, "train_loss": 0.5, "profile/mean_fwd_s": 0.01, "profile/io/wait_s": 0.25,
+                               "7": 1.5}
+    log = ResultLogger(tmp_path, tensorboard=False)
+    log.log("train", result)
+    row = read_results(tmp_path)[0]
+    assert {key: row[key] for key in numbers(result)} == numbers(result)
