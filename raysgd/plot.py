@@ -15,7 +15,7 @@ import math
 import os
 
 from raysgd import optional
-from raysgd.base.checks import expect
+from raysgd.base.checks import expect, is_number
 
 __all__ = ["plot_training_curve", "read_history"]
 
@@ -43,7 +43,8 @@ def read_history(path):
 
 
 def _is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite real number (a numpy one too, as a one-worker result holds it): a point to draw."""
+    return is_number(value) and math.isfinite(value)
 
 
 def _default_metrics(history):
@@ -65,8 +66,8 @@ def plot_training_curve(history, path, metrics=None, x="epoch", title=None):
         history: a list of result dicts (e.g. ``{**trainer.train(), **trainer.validate()}`` per
             epoch), or the path of a CSV file with one result per row.
         path: where to write the PNG; missing parent directories are created.
-        metrics: the keys to draw; default every key containing ``loss`` or ``accuracy``
-            (``last_*`` keys left out).
+        metrics: a list of the keys to draw (any finite real number is a point, numpy's too); default every
+            key containing ``loss`` or ``accuracy`` (``last_*`` keys left out).
         x: the key for the x axis; results without it are numbered 1, 2, ...
         title: the figure's title.
 
@@ -83,7 +84,11 @@ def plot_training_curve(history, path, metrics=None, x="epoch", title=None):
     expect(isinstance(history, (list, tuple)) and all(isinstance(row, dict) for row in history), "history",
            "a list of result dicts or a CSV path", history, TypeError, got=type(history).__name__, **how)
     expect(history, "history", "at least one result", history, got="an empty list", **how)
-    metrics = list(metrics) if metrics is not None else _default_metrics(history)
+    names = list(metrics) if metrics is not None and not isinstance(metrics, (str, bytes)) and hasattr(
+        metrics, "__iter__") else metrics
+    expect(names is None or (isinstance(names, list) and all(isinstance(m, str) for m in names)), "metrics",
+           "None or a list of metric names", metrics, TypeError, **how)
+    metrics = names if names is not None else _default_metrics(history)
     if not metrics:
         raise ValueError(f"plot_training_curve found no loss or accuracy keys to draw; the results have "
                          f"{sorted(history[0])}. Pass metrics=[...].")

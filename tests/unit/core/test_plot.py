@@ -49,3 +49,20 @@ def test_bad_input_is_named(tmp_path):
         plot_training_curve(HISTORY, out, metrics=["val_f1"])
     with pytest.raises(ValueError, match="no loss or accuracy keys"):
         plot_training_curve([{"epoch": 1, "throughput": 3.0}], out)
+
+
+def test_numpy_numbers_are_drawn(tmp_path):
+    """A one-worker result keeps a metric's numpy type (np.float32 from a float32 array's mean): drawn as any number."""
+    np = pytest.importorskip("numpy")
+    history = [{"epoch": np.int64(e), "val_loss": np.float32(1.0 / e), "val_accuracy": np.float32(0.5 + e / 10)}
+               for e in (1, 2, 3)]
+    out = tmp_path / "numpy.png"
+    plot_training_curve(history, str(out))
+    assert _png_size(out) == (1100, 400)  # both panels: the numpy losses and accuracies were found
+
+
+def test_metrics_as_one_name_is_an_error_naming_the_argument(tmp_path):
+    with pytest.raises(TypeError, match=r"plot_training_curve\(metrics=...\) expects None or a list of metric names; "
+                                        r"got 'train_loss'"):
+        plot_training_curve(HISTORY, str(tmp_path / "x.png"), metrics="train_loss")
+    plot_training_curve(HISTORY, str(tmp_path / "y.png"), metrics=("train_loss",))  # any iterable of names
