@@ -7,7 +7,8 @@ its own. Files in ``logdir``:
 - ``train.csv`` and ``validate.csv``: one row per call, columns ``step`` (the number of ``train()``
   results logged so far, so a validation row lines up with the epoch before it), ``time`` (Unix
   seconds), then every metric as returned (nested dicts such as ``profile`` flattened to
-  ``profile/mean_fwd_s``). A metric that appears later adds a column (the file is rewritten once).
+  ``profile/mean_fwd_s``; a result's own ``step`` or ``time`` as ``result/step``, ``result/time``).
+  A metric that appears later adds a column (the file is rewritten once).
   An existing file is appended to.
 - TensorBoard event files (``tensorboardX``, ``pip install 'raysgd[logging]'``): every numeric
   metric as the scalar ``train/<name>`` or ``validate/<name>`` at ``step``.
@@ -118,7 +119,8 @@ class ResultLogger:
         if phase == "train":
             self._train_steps += 1
         now = time.time()
-        row = {"step": self._train_steps, "time": now, **flatten(result)}
+        row = {"step": self._train_steps, "time": now,
+               **{(f"result/{key}" if key in _FIXED else key): value for key, value in flatten(result).items()}}
         self._append_csv(phase, row)
         if self._writer is not None:
             for key, value in row.items():

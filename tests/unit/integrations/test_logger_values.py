@@ -65,3 +65,20 @@ def test_nested_metrics_reach_wandb_and_the_result_log_under_the_same_names(tmp_
     log.log("train", result)
     row = read_results(tmp_path)[0]
     assert {key: row[key] for key in numbers(result)} == numbers(result)
+
+
+def test_a_results_own_step_and_time_keep_the_result_log_columns(tmp_path):
+    """A result with a ``step`` of its own (a global step) replaced the log's ``step``, so a validation row no longer
+    lined up with its epoch (and rewind counted the wrong rows), and the user's value had no column."""
+    from raysgd.torch.integrations.results import ResultLogger, read_results
+
+    log = ResultLogger(tmp_path, tensorboard=False)
+    log.log("train", {"step": 400, "time": 12.5, "train_loss": 1.0})
+    log.log("validate", {"val_loss": 0.5, "step": 400})
+    log.log("train", {"step": 800, "time": 25.0, "train_loss": 0.5})
+    train, validate = read_results(tmp_path), read_results(tmp_path, "validate")
+    assert [(row["step"], row["result/step"], row["result/time"]) for row in train] == [(1, 400, 12.5), (2, 800, 25.0)]
+    assert all(row["time"] > 1e9 for row in train)  # the log's wall clock
+    assert [(row["step"], row["result/step"]) for row in validate] == [(1, 400)]
+    by_step = {row["step"]: row for row in train}
+    assert by_step[validate[0]["step"]]["train_loss"] == 1.0  # the docs' join of the two files on step
