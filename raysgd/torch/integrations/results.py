@@ -42,9 +42,12 @@ _FIXED = ["step", "time"]
 
 
 def _parse(text):
-    """A CSV cell back to int, float, or the text itself ('' is None)."""
-    if text == "":
+    """A CSV cell back to what was written: an int, a float, a bool (``True``/``False``, as a bool is written), or
+    the text itself (``''`` and a cell missing from a short row are None)."""
+    if text is None or text == "":
         return None
+    if text in ("True", "False"):
+        return text == "True"
     for kind in (int, float):
         try:
             return kind(text)
@@ -56,6 +59,10 @@ def _parse(text):
 def read_results(logdir, phase="train"):
     """The rows of ``<logdir>/<phase>.csv`` as dicts of numbers (``[]`` when there is no file).
 
+    A cell is read back as it was written: an int, a float (``nan`` and ``inf`` too), a bool, else text; an empty
+    cell is None. A row cut short (a driver killed while writing it) has None for the cells it lacks; cells past
+    the header's columns are left out.
+
     Example:
         >>> read_results("/nonexistent", "train")
         []
@@ -64,7 +71,8 @@ def read_results(logdir, phase="train"):
     if not os.path.exists(path):
         return []
     with open(path, newline="", encoding="utf-8") as handle:
-        return [{key: _parse(value) for key, value in row.items()} for row in csv.DictReader(handle)]
+        return [{key: _parse(value) for key, value in row.items() if key is not None}
+                for row in csv.DictReader(handle)]
 
 
 class ResultLogger:
@@ -152,7 +160,7 @@ class ResultLogger:
                 rows = list(csv.DictReader(handle))
         temp = f"{path}.tmp"
         with open(temp, "w", newline="", encoding="utf-8") as handle:
-            writer = csv.DictWriter(handle, fieldnames=columns)
+            writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")  # cells past the header
             writer.writeheader()
             writer.writerows(rows)
         os.replace(temp, path)

@@ -82,3 +82,36 @@ def test_a_results_own_step_and_time_keep_the_result_log_columns(tmp_path):
     assert [(row["step"], row["result/step"]) for row in validate] == [(1, 400)]
     by_step = {row["step"]: row for row in train}
     assert by_step[validate[0]["step"]]["train_loss"] == 1.0  # the docs' join of the two files on step
+
+
+def test_the_result_log_gives_back_what_was_written(tmp_path):
+    """A bool came back as the text 'False', which is truthy; numbers, NaN, inf and text with commas, quotes,
+    newlines and unicode come back as written."""
+    import math
+
+    from raysgd.torch.integrations.results import ResultLogger, read_results
+
+    written = {"epoch": 3, "train_loss": 0.5, "whole": 2.0, "early_stop": False, "best": True, "nan": float("nan"),
+               "inf": float("-inf"), "note": 'a,b\n"c" é', "none": None, "k" * 300: 1}
+    log = ResultLogger(tmp_path, tensorboard=False)
+    log.log("train", written)
+    row = read_results(tmp_path)[0]
+    assert row["early_stop"] is False and row["best"] is True
+    assert math.isnan(row["nan"]) and row["inf"] == float("-inf")
+    assert {key: row[key] for key in ("epoch", "train_loss", "whole", "note", "none", "k" * 300)} == {
+        key: written[key] for key in ("epoch", "train_loss", "whole", "note", "none", "k" * 300)}
+    assert type(row["epoch"]) is int and type(row["whole"]) is float
+
+
+def test_a_row_cut_short_does_not_stop_the_result_log_from_opening(tmp_path):
+    """A row a killed driver left short made read_results (and so ResultLogger, which counts the rows) raise
+    TypeError: the folder could not be logged to again."""
+    from raysgd.torch.integrations.results import ResultLogger, read_results
+
+    ResultLogger(tmp_path, tensorboard=False).log("train", {"train_loss": 1.0, "val": 2.0})
+    with open(tmp_path / "train.csv", "a", encoding="utf-8") as handle:
+        handle.write("2,1796000000.5\n")  # the row a killed driver was writing
+    assert read_results(tmp_path)[1] == {"step": 2, "time": 1796000000.5, "train_loss": None, "val": None}
+    log = ResultLogger(tmp_path, tensorboard=False)
+    log.log("train", {"train_loss": 0.5})
+    assert [(row["step"], row["train_loss"]) for row in read_results(tmp_path)] == [(1, 1.0), (2, None), (3, 0.5)]
