@@ -57,7 +57,8 @@ def _parse(text):
 
 
 def read_results(logdir, phase="train"):
-    """The rows of ``<logdir>/<phase>.csv`` as dicts of numbers (``[]`` when there is no file).
+    """The rows of ``<logdir>/<phase>.csv`` as dicts of numbers (``[]`` when there is no file); ``phase`` is
+    ``"train"`` or ``"validate"`` (anything else: ``ValueError``).
 
     A cell is read back as it was written: an int, a float (``nan`` and ``inf`` too), a bool, else text; an empty
     cell is None. A row cut short (a driver killed while writing it) has None for the cells it lacks; cells past
@@ -67,6 +68,9 @@ def read_results(logdir, phase="train"):
         >>> read_results("/nonexistent", "train")
         []
     """
+    how = {"caller": "read_results", "call": True}
+    expect(isinstance(logdir, (str, os.PathLike)), "logdir", "a directory path", logdir, TypeError, **how)
+    expect(phase in PHASES, "phase", f"one of {PHASES}", phase, **how)
     path = os.path.join(os.fspath(logdir), f"{phase}.csv")
     if not os.path.exists(path):
         return []
@@ -93,7 +97,8 @@ class ResultLogger:
     def __init__(self, logdir, *, tensorboard="auto"):
         how = {"caller": "ResultLogger", "call": True}
         expect(isinstance(logdir, (str, os.PathLike)), "logdir", "a directory path", logdir, TypeError, **how)
-        expect(tensorboard in ("auto", True, False), "tensorboard", "'auto', True or False", tensorboard, **how)
+        expect(isinstance(tensorboard, bool) or tensorboard in ("auto",), "tensorboard", "'auto', True or False",
+               tensorboard, **how)  # not 0 or 1: 0 would open TensorBoard (only ``False`` is "no")
         self.logdir = os.path.abspath(os.fspath(logdir))
         os.makedirs(self.logdir, exist_ok=True)
         self._columns = {}

@@ -115,3 +115,20 @@ def test_a_row_cut_short_does_not_stop_the_result_log_from_opening(tmp_path):
     log = ResultLogger(tmp_path, tensorboard=False)
     log.log("train", {"train_loss": 0.5})
     assert [(row["step"], row["train_loss"]) for row in read_results(tmp_path)] == [(1, 1.0), (2, None), (3, 0.5)]
+
+
+def test_result_log_arguments_are_checked(tmp_path):
+    """``read_results(logdir, "validation")`` answered ``[]`` (a typo read as a log with no rows), and
+    ``ResultLogger(tensorboard=0)`` opened TensorBoard."""
+    from raysgd.torch.integrations.results import ResultLogger, read_results
+
+    with pytest.raises(ValueError, match=r"read_results\(phase=...\) expects one of \('train', 'validate'\); "
+                                         r"got 'validation'"):
+        read_results(tmp_path, "validation")
+    with pytest.raises(TypeError, match=r"read_results\(logdir=...\) expects a directory path; got None"):
+        read_results(None)
+    for flag in (0, 1):
+        with pytest.raises(ValueError, match=rf"ResultLogger\(tensorboard=...\) expects 'auto', True or False; "
+                                             rf"got {flag}"):
+            ResultLogger(tmp_path, tensorboard=flag)
+    assert ResultLogger(tmp_path, tensorboard=False).tensorboard is False
