@@ -138,7 +138,8 @@ class ResultLogger:
         if self._writer is not None:
             for key, value in row.items():
                 if key not in _FIXED and is_number(value):
-                    self._writer.add_scalar(f"{phase}/{key}", value, global_step=self._train_steps, walltime=now)
+                    self._writer.add_scalar(f"{phase}/{key}", float(value), global_step=self._train_steps,
+                                           walltime=now)  # float: an int past int64 made tensorboardX raise
             self._writer.flush()
 
     def _append_csv(self, phase, row):

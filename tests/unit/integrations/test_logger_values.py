@@ -132,3 +132,31 @@ def test_result_log_arguments_are_checked(tmp_path):
                                              rf"got {flag}"):
             ResultLogger(tmp_path, tensorboard=flag)
     assert ResultLogger(tmp_path, tensorboard=False).tensorboard is False
+
+
+def test_tensorboard_takes_an_int_past_int64(tmp_path):
+    """An int metric past int64 (a run's FLOP count) made tensorboardX raise TypeError: the row's later scalars and
+    the flush were lost."""
+    pytest.importorskip("tensorboardX")
+    import glob
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    from raysgd.torch.integrations.results import ResultLogger, read_results
+
+    log = ResultLogger(tmp_path, tensorboard=True)
+    log.log("train", {"flops": 3 * 10**19, "train_loss": 0.5})
+    log.close()
+    assert read_results(tmp_path)[0]["flops"] == 3 * 10**19
+    scalars = {}
+    for path in glob.glob(str(tmp_path / "events.out.tfevents.*")):
+        with open(path, "rb") as handle:
+            data = handle.read()
+        offset = 0
+        while offset < len(data):  # TFRecord framing: length, its crc, the event, its crc
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            scalars.update({value.tag: (event.step, value.simple_value) for value in event.summary.value})
+    assert scalars == {"train/flops": (1, pytest.approx(3e19)), "train/train_loss": (1, 0.5)}
