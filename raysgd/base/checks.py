@@ -15,6 +15,7 @@ Example:
     Traceback (most recent call last):
     TypeError: ScalingConfig(num_workers=...) expects an int >= 1; got str '2'
 """
+import math
 import numbers
 
 
@@ -28,15 +29,53 @@ def is_int(value, minimum=None):
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and (minimum is None or value >= minimum)
 
 
-def is_number(value, minimum=None, above=None):
-    """Whether ``value`` is a real number (``bool`` is not), at least ``minimum`` and above ``above`` when given.
+def is_number(value, minimum=None, above=None, finite=False):
+    """Whether ``value`` is a real number (``bool`` is not), at least ``minimum`` and above ``above`` when given, and
+    neither infinite nor NaN when ``finite``.
 
     Example:
         >>> is_number(0.5, above=0), is_number(0, above=0), is_number("1"), is_number(False)
         (True, False, False, False)
+        >>> is_number(float("inf"), above=0), is_number(float("inf"), above=0, finite=True)
+        (True, False)
     """
     return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-            and (minimum is None or value >= minimum) and (above is None or value > above))
+            and (minimum is None or value >= minimum) and (above is None or value > above)
+            and (not finite or math.isfinite(value)))
+
+
+def plain(value):
+    """A checked number as Python's own ``int`` or ``float``; anything else (``bool`` too) unchanged.
+
+    :func:`is_int` and :func:`is_number` accept numpy's scalars, which much of what a value is handed to refuses
+    (``datetime.timedelta``, torch's ``DataLoader`` batch size, ``json``): a checker returns ``plain(value)``.
+
+    Example:
+        >>> import fractions
+        >>> plain(2), plain(fractions.Fraction(1, 2)), plain(True), plain("2")
+        (2, 0.5, True, '2')
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
+def is_one_of(value, choices):
+    """Whether ``value`` is one of ``choices`` (a set, a tuple); a value that cannot be looked up (a list given for
+    a name: unhashable; an array: no single truth value) is not, rather than an error inside the check.
+
+    Example:
+        >>> is_one_of("batch", {"batch", "epoch"}), is_one_of(["batch"], {"batch", "epoch"})
+        (True, False)
+    """
+    try:
+        return bool(value in choices)
+    except (TypeError, ValueError):
+        return False
 
 
 def argument(name, caller=None, call=False):

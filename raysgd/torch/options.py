@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from raysgd.base.checks import argument_error, expect, is_int, is_number
+from raysgd.base.checks import argument_error, expect, is_int, is_number, plain
 from raysgd.callbacks import check_callbacks
 from raysgd.torch.constants import BATCH_SIZE, DATA_SEED, VALID_SCHEDULER_STEP
 from raysgd.torch.operator import fsdp
@@ -73,7 +73,8 @@ def check_deprecated(kwargs: dict[str, Any]) -> None:
 
 
 def worker_range(num_workers: Any, caller: str = "TorchTrainer") -> tuple[int, int]:
-    """``(min, max)`` workers: an int ``N`` means ``(1, N)`` (1.x: up to N, down to 1); a tuple is checked.
+    """``(min, max)`` workers as Python ints: an int ``N`` means ``(1, N)`` (1.x: up to N, down to 1); a tuple is
+    checked.
 
     Example:
         >>> worker_range(4), worker_range((2, 4))
@@ -87,10 +88,10 @@ def worker_range(num_workers: Any, caller: str = "TorchTrainer") -> tuple[int, i
         expect(len(num_workers) == 2 and all(is_int(n) for n in num_workers), "num_workers", expected, num_workers,
                TypeError, caller)
         expect(1 <= num_workers[0] <= num_workers[1], "num_workers", expected, num_workers, caller=caller)
-        return tuple(num_workers)
+        return int(num_workers[0]), int(num_workers[1])
     expect(is_int(num_workers), "num_workers", expected, num_workers, TypeError, caller)
     expect(num_workers >= 1, "num_workers", "an int >= 1", num_workers, caller=caller)
-    return 1, num_workers
+    return 1, int(num_workers)
 
 
 def auto_backend(use_gpu: bool, num_gpus_per_worker: float = 1) -> str:
@@ -147,15 +148,16 @@ def _config(v, caller):
 
 
 def _num_workers(v, caller):
-    if worker_range(v["num_workers"], caller)[1] > 1 and not torch.distributed.is_available():
+    low, high = worker_range(v["num_workers"], caller)
+    if high > 1 and not torch.distributed.is_available():
         raise ValueError("num_workers > 1 needs torch.distributed, which this torch build lacks")
-    return v["num_workers"]
+    return (low, high) if isinstance(v["num_workers"], tuple) else high
 
 
 def _cpus(v, caller):
     value = v["num_cpus_per_worker"]
     expect(is_number(value, above=0), "num_cpus_per_worker", "a number > 0", value, caller=caller)
-    return value
+    return plain(value)
 
 
 def _use_gpu(v, caller):
@@ -175,7 +177,7 @@ def _gpus(v, caller):
            "a fraction in (0, 1) or a whole number >= 1", value, caller=caller)
     expect(v["use_gpu"] is not False or value == 1, "num_gpus_per_worker", "its default (1) when use_gpu=False",
            value, caller=caller)
-    return value
+    return plain(value)
 
 
 def _backend(v, caller):
@@ -193,13 +195,13 @@ def _backend(v, caller):
 def _spares(v, caller):
     value = v["num_spares"]
     expect(is_int(value, 0), "num_spares", "an int >= 0", value, caller=caller)
-    return value
+    return int(value)
 
 
 def _timeout(v, caller):
     expect(is_number(v["timeout_s"], above=0), "timeout_s", "a number of seconds > 0", v["timeout_s"],
            caller=caller)
-    return v["timeout_s"]
+    return plain(v["timeout_s"])
 
 
 def _fp16(v, caller):

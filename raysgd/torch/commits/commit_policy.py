@@ -20,7 +20,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from raysgd.base import environment
-from raysgd.base.checks import expect
+from raysgd.base.checks import expect, is_int
 from raysgd.torch.fault_tolerance import stops
 from raysgd.torch.state import checkpoint
 from raysgd.torch.state import training_state as _state
@@ -39,11 +39,11 @@ def commit_interval_s():
 
 
 def check_every_n(value, caller="TorchTrainer"):
-    """``commit_every_n_steps``: None (time-based), 0 (off) or a positive int."""
-    expect(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0),
+    """``commit_every_n_steps``: None (time-based), 0 (off) or a positive int (numpy's too: kept as an ``int``)."""
+    expect(value is None or is_int(value, 0),
            "commit_every_n_steps", "None (about every SGD_COMMIT_INTERVAL_S seconds), 0 (off) or an int > 0", value,
            caller=caller)
-    return value
+    return None if value is None else int(value)
 
 
 class CommitPolicy:

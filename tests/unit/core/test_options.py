@@ -1,0 +1,52 @@
+"""TrainerOptions: every TorchTrainer argument checked before anything starts (no Ray)."""
+import datetime
+
+import numpy as np
+import pytest
+import ray
+from torch.utils.data import DataLoader
+
+from helpers import LinearOperator
+from raysgd.torch.options import TrainerOptions
+from raysgd.torch.sharding.batch_split import splitter
+from raysgd.torch.storage.filesystem import CheckpointStorage
+from raysgd.utils import BATCH_SIZE
+
+
+def checked(**kwargs):
+    return TrainerOptions(training_operator_cls=LinearOperator, **kwargs).checked()
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("num_workers", np.int64(2), 2),
+    ("num_workers", (np.int64(1), np.int32(3)), (1, 3)),
+    ("num_cpus_per_worker", np.float64(1.5), 1.5),
+    ("num_cpus_per_worker", np.int64(2), 2),
+    ("timeout_s", np.int64(30), 30),
+    ("num_spares", np.int64(1), 1),
+    ("commit_every_n_steps", np.int64(5), 5),
+])
+def test_numpy_numbers_are_taken_and_kept_as_python_numbers(name, value, expected):
+    kept = getattr(checked(**{name: value}), name)
+    assert kept == expected and type(kept) is type(expected)
+    if isinstance(kept, tuple):
+        assert [type(n) for n in kept] == [int, int]
+    assert not ray.is_initialized()
+
+
+def test_a_numpy_timeout_reaches_the_process_group_as_a_timedelta():
+    assert datetime.timedelta(seconds=checked(timeout_s=np.int64(1800)).timeout_s).total_seconds() == 1800
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_numpy_global_batch_size_is_taken_and_each_worker_gets_an_int(fixed):
+    options = checked(num_workers=2, fixed_worker_batch=fixed, config={BATCH_SIZE: np.int64(64)})
+    assert options.config[BATCH_SIZE] == 64
+    worker_config, total = splitter(fixed, 2)(options.config, 2, warn=False)
+    assert worker_config[BATCH_SIZE] == 32 and type(worker_config[BATCH_SIZE]) is int and total == 64
+    DataLoader(range(64), batch_size=worker_config[BATCH_SIZE])  # a numpy batch size is refused here
+
+
+def test_num_to_keep_takes_a_numpy_int(tmp_path):
+    storage = CheckpointStorage(str(tmp_path), num_to_keep=np.int64(3))
+    assert storage.num_to_keep == 3 and type(storage.num_to_keep) is int
