@@ -29,19 +29,19 @@ def is_int(value, minimum=None):
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and (minimum is None or value >= minimum)
 
 
-def is_number(value, minimum=None, above=None, finite=False):
-    """Whether ``value`` is a real number (``bool`` is not), at least ``minimum`` and above ``above`` when given, and
-    neither infinite nor NaN when ``finite``.
+def is_number(value, minimum=None, above=None, finite=False, maximum=None):
+    """Whether ``value`` is a real number (``bool`` is not), at least ``minimum``, above ``above`` and at most
+    ``maximum`` when given, and neither infinite nor NaN when ``finite`` (or ``maximum``).
 
     Example:
         >>> is_number(0.5, above=0), is_number(0, above=0), is_number("1"), is_number(False)
         (True, False, False, False)
-        >>> is_number(float("inf"), above=0), is_number(float("inf"), above=0, finite=True)
-        (True, False)
+        >>> is_number(float("inf"), above=0), is_number(float("inf"), above=0, finite=True), is_number(5, maximum=4)
+        (True, False, False)
     """
     return (isinstance(value, numbers.Real) and not isinstance(value, bool)
             and (minimum is None or value >= minimum) and (above is None or value > above)
-            and (not finite or math.isfinite(value)))
+            and (maximum is None or value <= maximum) and (not finite or math.isfinite(value)))
 
 
 def plain(value):

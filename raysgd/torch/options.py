@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import threading
 
 import torch
 
@@ -54,6 +55,9 @@ DEPRECATED = {
 _warned_serialize = False
 #: ``TorchTrainer(placement_strategy=...)``: Ray's placement-group strategies.
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+#: ``TorchTrainer(timeout_s=...)``'s largest value: the longest wait a thread takes (the process group's
+#: ``datetime.timedelta`` holds more); an infinite timeout would fail in the workers, not here.
+MAX_TIMEOUT_S = threading.TIMEOUT_MAX
 
 
 def check_deprecated(kwargs: dict[str, Any]) -> None:
@@ -156,7 +160,8 @@ def _num_workers(v, caller):
 
 def _cpus(v, caller):
     value = v["num_cpus_per_worker"]
-    expect(is_number(value, above=0), "num_cpus_per_worker", "a number > 0", value, caller=caller)
+    expect(is_number(value, above=0, finite=True), "num_cpus_per_worker", "a finite number > 0", value,
+           caller=caller)
     return plain(value)
 
 
@@ -199,8 +204,8 @@ def _spares(v, caller):
 
 
 def _timeout(v, caller):
-    expect(is_number(v["timeout_s"], above=0), "timeout_s", "a number of seconds > 0", v["timeout_s"],
-           caller=caller)
+    expect(is_number(v["timeout_s"], above=0, maximum=MAX_TIMEOUT_S), "timeout_s",
+           f"a number of seconds > 0 (finite: at most {MAX_TIMEOUT_S:.0f})", v["timeout_s"], caller=caller)
     return plain(v["timeout_s"])
 
 

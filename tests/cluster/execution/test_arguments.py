@@ -23,6 +23,9 @@ pytestmark = pytest.mark.usefixtures("ray_2cpus")
     (dict(backend="nccl", use_gpu=False), ValueError, ["backend", "nccl", "GPU"]),
     (dict(use_gpu="yes"), ValueError, ["use_gpu", "'auto'", "'yes'"]),
     (dict(timeout_s=0), ValueError, ["timeout_s", "> 0", "0"]),
+    (dict(timeout_s=float("inf")), ValueError, ["timeout_s", "finite", "inf"]),  # failed in the workers
+    (dict(timeout_s=1e12), ValueError, ["timeout_s", "at most", "1000000000000.0"]),  # a thread cannot wait so long
+    (dict(num_cpus_per_worker=float("inf")), ValueError, ["num_cpus_per_worker", "finite", "inf"]),
     (dict(num_cpus_per_worker=-1), ValueError, ["num_cpus_per_worker", "-1"]),
     (dict(num_gpus_per_worker=1.5), ValueError, ["num_gpus_per_worker", "fraction", "1.5"]),
     (dict(num_gpus_per_worker=0), ValueError, ["num_gpus_per_worker", "whole number", "0"]),
