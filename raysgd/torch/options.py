@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from raysgd.base.checks import argument_error, expect, is_int, is_number, plain
+from raysgd.base.checks import argument_error, expect, is_int, is_number, is_one_of, plain
 from raysgd.callbacks import check_callbacks
 from raysgd.torch.constants import BATCH_SIZE, DATA_SEED, VALID_SCHEDULER_STEP
 from raysgd.torch.operator import fsdp
@@ -226,7 +226,7 @@ def _flag(name):
 
 def _step_freq(v, caller):
     value = v["scheduler_step_freq"]
-    expect(not value or value in VALID_SCHEDULER_STEP, "scheduler_step_freq",
+    expect(not value or is_one_of(value, VALID_SCHEDULER_STEP), "scheduler_step_freq",
            f"one of {sorted(VALID_SCHEDULER_STEP)} or None", value, caller=caller)
     return value
 

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.usefixtures("ray_2cpus")
     (dict(training_operator_cls=None), TypeError, ["training_operator_cls", "None"]),
     (dict(config=[("lr", 1)]), TypeError, ["config", "dict", "[('lr', 1)]"]),
     (dict(scheduler_step_freq="weekly"), ValueError, ["scheduler_step_freq", "'batch'", "'weekly'"]),
+    (dict(scheduler_step_freq=["batch"]), ValueError, ["scheduler_step_freq", "'epoch'", "['batch']"]),  # unhashable
     (dict(use_fp16="fp8"), ValueError, ["use_fp16", "'bf16'", "'fp8'"]),
     (dict(backend="mpi"), ValueError, ["backend", "'gloo'", "'mpi'"]),
     (dict(backend="nccl", use_gpu=False), ValueError, ["backend", "nccl", "GPU"]),
