@@ -46,19 +46,50 @@ def check_dict(name, value):
     return value or {}
 
 
+def is_scheduler(value):
+    """Whether ``value`` is a scheduler instance the trainer can step and checkpoint: ``step()``, ``state_dict()``
+    and ``load_state_dict()`` (torch's, or one of your own); an optimizer (it has all three) or a class is not.
+
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+        >>> is_scheduler(torch.optim.lr_scheduler.StepLR(optimizer, 1)), is_scheduler(optimizer)
+        (True, False)
+        >>> is_scheduler(torch.optim.lr_scheduler.StepLR), is_scheduler("StepLR")
+        (False, False)
+    """
+    return (not isinstance(value, (type, torch.optim.Optimizer))
+            and all(callable(getattr(value, name, None)) for name in ("step", "state_dict", "load_state_dict")))
+
+
+def _what(value):
+    """How a refused item is shown: the class ``StepLR``, an instance of ``SGD``, ``str 'x'``."""
+    if isinstance(value, type):
+        return f"the class {value.__name__} (not an instance)"
+    if isinstance(value, (str, int, float)) or value is None:
+        return f"{type(value).__name__} {value!r}"
+    return f"an instance of {type(value).__name__}"
+
+
 def check_schedulers(schedulers, step_freq):
     """The schedulers as a list (None when none), refusing those the trainer could not step.
 
     A scheduler needs ``scheduler_step_freq``; a ``ReduceLROnPlateau`` needs a metric at each step, which
     only ``"manual"`` (``trainer.update_scheduler(metric)``) gives: stepped per batch or epoch, it would fail
-    only once the first epoch had been trained.
+    only once the first epoch had been trained. So would anything that is no scheduler (:func:`is_scheduler`),
+    and an optimizer passed as one would be stepped again, silently: both are a ``TypeError``.
     """
     if schedulers is None:
         return None
     if not step_freq:
         raise ValueError("register(schedulers=...) needs TorchTrainer(scheduler_step_freq=...) set to "
                          "'batch', 'epoch' or 'manual'; got scheduler_step_freq=None")
-    items = list(schedulers) if isinstance(schedulers, (list, tuple)) else [schedulers]
+    several = isinstance(schedulers, (list, tuple))
+    items = list(schedulers) if several else [schedulers]
+    for index, item in enumerate(items):
+        expect(is_scheduler(item), "schedulers", "a learning-rate scheduler (with step(), state_dict() and "
+               "load_state_dict()) or a list/tuple of them", schedulers, TypeError, caller="register", call=True,
+               got=f"a {type(schedulers).__name__} whose item {index} is {_what(item)}" if several else _what(item))
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
     if step_freq in (SCHEDULER_STEP_BATCH, SCHEDULER_STEP_EPOCH) and any(isinstance(s, plateau) for s in items):
         raise ValueError(f"register(schedulers=...): ReduceLROnPlateau.step() needs a metric, which "

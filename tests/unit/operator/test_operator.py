@@ -209,6 +209,25 @@ def test_plateau_scheduler_stepped_without_a_metric_is_refused_at_register(freq)
         make_worker(Plateau, scheduler_step_freq=freq)
 
 
+@pytest.mark.parametrize("given, words", [
+    ("optimizer", "got an instance of SGD"),  # it has step() and state_dict(): it was stepped again, silently
+    ("text", "got str 'StepLR'"),  # an AttributeError at the end of the first epoch
+    ("class", "got the class StepLR (not an instance)"),  # a TypeError at the end of the first epoch
+    ("listed", "got a list whose item 1 is str 'StepLR'"),
+])
+def test_register_refuses_what_is_no_scheduler(given, words):
+    class NoScheduler(LinearOperator):
+        def setup(self, config):
+            super().setup(config)
+            schedulers = {"optimizer": self.optimizer, "text": "StepLR", "class": torch.optim.lr_scheduler.StepLR,
+                          "listed": [torch.optim.lr_scheduler.StepLR(self.optimizer, 1), "StepLR"]}[given]
+            self.register(models=self.model, optimizers=self.optimizer, schedulers=schedulers)
+
+    with pytest.raises(TypeError, match=r"^register\(schedulers=\.\.\.\) expects a learning-rate scheduler") as info:
+        make_worker(NoScheduler, scheduler_step_freq="epoch")
+    assert words in str(info.value)
+
+
 def test_default_validation_skips_accuracy_for_multi_output_regression():
     class MultiOutput(TrainingOperator):
         def setup(self, config):
