@@ -26,7 +26,19 @@ def is_int(value, minimum=None):
         >>> is_int(3, 1), is_int(True), is_int(2.0), is_int(0, minimum=1)
         (True, False, False, False)
     """
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+    return (isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            and (minimum is None or bool(value >= minimum)))  # numpy compares to np.True_
+
+
+def is_whole(value, minimum=None):
+    """Whether ``value`` is a whole number, at least ``minimum`` when one is given: an int (:func:`is_int`) or a
+    float without a fraction (``2.0``, as Ray Tune's quantized search spaces give); a count takes ``int(value)``.
+
+    Example:
+        >>> is_whole(2.0), is_whole(2.5), is_whole(True), is_whole(float("inf")), is_whole(0.0, minimum=1)
+        (True, False, False, False, False)
+    """
+    return is_int(value, minimum) or (is_number(value, minimum, finite=True) and float(value).is_integer())
 
 
 def is_number(value, minimum=None, above=None, finite=False, maximum=None):
@@ -39,9 +51,9 @@ def is_number(value, minimum=None, above=None, finite=False, maximum=None):
         >>> is_number(float("inf"), above=0), is_number(float("inf"), above=0, finite=True), is_number(5, maximum=4)
         (True, False, False)
     """
-    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-            and (minimum is None or value >= minimum) and (above is None or value > above)
-            and (maximum is None or value <= maximum) and (not finite or math.isfinite(value)))
+    return bool(isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy compares to np.True_
+                and (minimum is None or value >= minimum) and (above is None or value > above)
+                and (maximum is None or value <= maximum) and (not finite or math.isfinite(value)))
 
 
 def plain(value):

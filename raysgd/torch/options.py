@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from raysgd.base.checks import argument_error, expect, is_int, is_number, is_one_of, plain
+from raysgd.base.checks import argument_error, expect, is_int, is_number, is_one_of, is_whole, plain
 from raysgd.callbacks import check_callbacks
 from raysgd.torch.constants import BATCH_SIZE, DATA_SEED, VALID_SCHEDULER_STEP
 from raysgd.torch.operator import fsdp
@@ -89,11 +89,11 @@ def worker_range(num_workers: Any, caller: str = "TorchTrainer") -> tuple[int, i
     """
     expected = "an int >= 1 or a tuple (min, max) with 1 <= min <= max"
     if isinstance(num_workers, tuple):
-        expect(len(num_workers) == 2 and all(is_int(n) for n in num_workers), "num_workers", expected, num_workers,
+        expect(len(num_workers) == 2 and all(is_whole(n) for n in num_workers), "num_workers", expected, num_workers,
                TypeError, caller)
         expect(1 <= num_workers[0] <= num_workers[1], "num_workers", expected, num_workers, caller=caller)
         return int(num_workers[0]), int(num_workers[1])
-    expect(is_int(num_workers), "num_workers", expected, num_workers, TypeError, caller)
+    expect(is_whole(num_workers), "num_workers", expected, num_workers, TypeError, caller)
     expect(num_workers >= 1, "num_workers", "an int >= 1", num_workers, caller=caller)
     return 1, int(num_workers)
 
@@ -122,7 +122,7 @@ def check_num_steps(num_steps: Any) -> int | None:
     if num_steps is None:
         return None
     expected = "None or an int >= 0 (batches per worker)"
-    expect(is_int(num_steps), "num_steps", expected, num_steps, TypeError,
+    expect(is_whole(num_steps), "num_steps", expected, num_steps, TypeError,
            got=f"{num_steps!r} ({type(num_steps).__name__})")
     expect(num_steps >= 0, "num_steps", expected, num_steps)
     return int(num_steps)
@@ -199,7 +199,7 @@ def _backend(v, caller):
 
 def _spares(v, caller):
     value = v["num_spares"]
-    expect(is_int(value, 0), "num_spares", "an int >= 0", value, caller=caller)
+    expect(is_whole(value, 0), "num_spares", "an int >= 0", value, caller=caller)
     return int(value)
 
 
@@ -240,7 +240,7 @@ def _fixed_worker_batch(v, caller):
     expect(v["use_fp16"] != "apex", "fixed_worker_batch=True", "use_fp16 False, True or 'bf16' (apex's loss scaling "
            "is not accumulation-aware here)", v["use_fp16"], caller=caller, got="use_fp16='apex'")
     total = (v["config"] or {}).get(BATCH_SIZE)
-    expect(total is None or (is_int(total, 1) and not total % max_workers), "config[BATCH_SIZE]",
+    expect(total is None or (is_whole(total, 1) and not total % max_workers), "config[BATCH_SIZE]",
            f"a multiple of the maximum number of workers ({max_workers}) with fixed_worker_batch=True", total,
            caller=caller)
     return True

@@ -20,7 +20,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from raysgd.base import environment
-from raysgd.base.checks import expect, is_int
+from raysgd.base.checks import expect, is_whole
 from raysgd.torch.fault_tolerance import stops
 from raysgd.torch.state import checkpoint
 from raysgd.torch.state import training_state as _state
@@ -39,8 +39,9 @@ def commit_interval_s():
 
 
 def check_every_n(value, caller="TorchTrainer"):
-    """``commit_every_n_steps``: None (time-based), 0 (off) or a positive int (numpy's too: kept as an ``int``)."""
-    expect(value is None or is_int(value, 0),
+    """``commit_every_n_steps``: None (time-based), 0 (off) or a positive int (numpy's, or 5.0, too: kept as an
+    ``int``)."""
+    expect(value is None or is_whole(value, 0),
            "commit_every_n_steps", "None (about every SGD_COMMIT_INTERVAL_S seconds), 0 (off) or an int > 0", value,
            caller=caller)
     return None if value is None else int(value)

@@ -16,7 +16,7 @@ Example:
 """
 import warnings
 
-from raysgd.base.checks import expect, is_int
+from raysgd.base.checks import expect, is_whole
 from raysgd.torch.constants import ACCUMULATION_STEPS, BATCH_SIZE
 
 
@@ -50,8 +50,8 @@ def split_batch_size(config, num_workers, warn=True):
     if BATCH_SIZE not in config:
         return worker_config, None
     total = config[BATCH_SIZE]
-    expect(is_int(total, 1), "config[BATCH_SIZE]", "an int > 0 (the global batch size)", total, caller="TorchTrainer")
-    total = int(total)  # numpy's too: a DataLoader refuses a numpy batch size
+    expect(is_whole(total, 1), "config[BATCH_SIZE]", "an int > 0 (the global batch size)", total, caller="TorchTrainer")
+    total = int(total)  # numpy's or 64.0 too: a DataLoader refuses them as a batch size
     expect(total >= num_workers, "config[BATCH_SIZE]", f"an int >= the number of workers ({num_workers}), so that "
            "every worker's batch holds a sample", total, caller="TorchTrainer")
     per_worker = total // num_workers
@@ -85,6 +85,6 @@ def split_fixed(config, num_workers, max_workers, warn=True):
     worker_config[ACCUMULATION_STEPS] = steps
     if BATCH_SIZE not in config:
         return worker_config, None
-    per_worker = int(config[BATCH_SIZE]) // max_workers  # numpy's too: a DataLoader refuses a numpy batch size
+    per_worker = int(config[BATCH_SIZE]) // max_workers  # numpy's or 64.0 too: a DataLoader refuses them
     worker_config[BATCH_SIZE] = per_worker
     return worker_config, per_worker * num_workers * steps

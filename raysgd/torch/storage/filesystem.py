@@ -36,7 +36,7 @@ import uuid
 import zlib
 
 from raysgd import optional
-from raysgd.base.checks import argument_error, expect, is_int
+from raysgd.base.checks import argument_error, expect, is_whole
 from raysgd.base.durable_files import fsync_directory, fsync_file
 from raysgd.torch.errors import CheckpointError
 
@@ -347,9 +347,9 @@ class CheckpointStorage:
     """
 
     def __init__(self, storage_path, num_to_keep=2, marker=MARKER_FILE, keep=None):
-        expect(num_to_keep is None or is_int(num_to_keep, 1), "num_to_keep",
+        expect(num_to_keep is None or is_whole(num_to_keep, 1), "num_to_keep",
                "an int >= 1 (checkpoints kept in storage_path)", num_to_keep, caller="TorchTrainer")
-        num_to_keep = None if num_to_keep is None else int(num_to_keep)  # numpy's too, kept as an int
+        num_to_keep = None if num_to_keep is None else int(num_to_keep)  # numpy's, or 2.0, too: kept as an int
         self.filesystem, self.path = resolve(storage_path)
         self.storage_path = os.fspath(storage_path)
         text = self.storage_path  # what resolve() gives the same filesystem from, on any node

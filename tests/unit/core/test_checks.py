@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from raysgd.base.checks import expect, is_int, is_number, is_one_of, plain
+from raysgd.base.checks import expect, is_int, is_number, is_one_of, is_whole, plain
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -14,6 +14,14 @@ from raysgd.base.checks import expect, is_int, is_number, is_one_of, plain
 ])
 def test_is_int_takes_every_integer_type_but_bool(value, expected):
     assert is_int(value) is expected
+
+
+@pytest.mark.parametrize("value, expected", [
+    (2, True), (np.int64(2), True), (2.0, True), (np.float32(2.0), True), (2.5, False), (True, False),
+    (math.inf, False), (math.nan, False), ("2", False), (None, False), (0.0, False),
+])
+def test_is_whole_takes_ints_and_floats_without_a_fraction(value, expected):
+    assert is_whole(value, minimum=1) is expected
 
 
 @pytest.mark.parametrize("value, finite, expected", [

@@ -1,5 +1,6 @@
 """TrainerOptions: every TorchTrainer argument checked before anything starts (no Ray)."""
 import datetime
+import re
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ import ray
 from torch.utils.data import DataLoader
 
 from helpers import LinearOperator
-from raysgd.torch.options import TrainerOptions
+from raysgd.torch.options import TrainerOptions, check_num_steps
 from raysgd.torch.sharding.batch_split import splitter
 from raysgd.torch.storage.filesystem import CheckpointStorage
 from raysgd.utils import BATCH_SIZE
@@ -34,19 +35,48 @@ def test_numpy_numbers_are_taken_and_kept_as_python_numbers(name, value, expecte
     assert not ray.is_initialized()
 
 
+@pytest.mark.parametrize("name, value, expected", [
+    ("num_workers", 2.0, 2),  # as Ray Tune's quantized search spaces give a count
+    ("num_workers", (1.0, np.float64(3.0)), (1, 3)),
+    ("num_spares", 1.0, 1),
+    ("commit_every_n_steps", 5.0, 5),
+])
+def test_counts_take_floats_without_a_fraction_and_keep_ints(name, value, expected):
+    kept = getattr(checked(**{name: value}), name)
+    assert kept == expected and type(kept) is type(expected)
+    if isinstance(kept, tuple):
+        assert [type(n) for n in kept] == [int, int]
+
+
+@pytest.mark.parametrize("name, value", [("num_workers", 2.5), ("num_workers", (1, 2.5)), ("num_spares", 0.5),
+                                         ("commit_every_n_steps", 2.5)])
+def test_counts_refuse_floats_with_a_fraction(name, value):
+    with pytest.raises((TypeError, ValueError), match=rf"TorchTrainer: {name} expects .*; got {re.escape(str(value))}"):
+        checked(**{name: value})
+
+
+def test_num_steps_takes_a_whole_float_as_an_int():
+    assert check_num_steps(3.0) == 3 and type(check_num_steps(3.0)) is int
+    assert check_num_steps(np.int64(3)) == 3 and type(check_num_steps(np.int64(3))) is int
+    with pytest.raises(TypeError, match="num_steps expects None or an int >= 0"):
+        check_num_steps(2.5)
+
+
 def test_a_numpy_timeout_reaches_the_process_group_as_a_timedelta():
     assert datetime.timedelta(seconds=checked(timeout_s=np.int64(1800)).timeout_s).total_seconds() == 1800
 
 
+@pytest.mark.parametrize("total", [np.int64(64), 64.0])
 @pytest.mark.parametrize("fixed", [False, True])
-def test_a_numpy_global_batch_size_is_taken_and_each_worker_gets_an_int(fixed):
-    options = checked(num_workers=2, fixed_worker_batch=fixed, config={BATCH_SIZE: np.int64(64)})
+def test_a_numpy_or_float_global_batch_size_is_taken_and_each_worker_gets_an_int(fixed, total):
+    options = checked(num_workers=2, fixed_worker_batch=fixed, config={BATCH_SIZE: total})
     assert options.config[BATCH_SIZE] == 64
     worker_config, total = splitter(fixed, 2)(options.config, 2, warn=False)
     assert worker_config[BATCH_SIZE] == 32 and type(worker_config[BATCH_SIZE]) is int and total == 64
     DataLoader(range(64), batch_size=worker_config[BATCH_SIZE])  # a numpy batch size is refused here
 
 
-def test_num_to_keep_takes_a_numpy_int(tmp_path):
-    storage = CheckpointStorage(str(tmp_path), num_to_keep=np.int64(3))
+@pytest.mark.parametrize("num_to_keep", [np.int64(3), 3.0])
+def test_num_to_keep_takes_a_numpy_int_or_a_whole_float(tmp_path, num_to_keep):
+    storage = CheckpointStorage(str(tmp_path), num_to_keep=num_to_keep)
     assert storage.num_to_keep == 3 and type(storage.num_to_keep) is int
