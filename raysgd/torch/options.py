@@ -17,6 +17,7 @@ Example:
 """
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import inspect
 import logging
@@ -126,6 +127,23 @@ def check_num_steps(num_steps: Any) -> int | None:
            got=f"{num_steps!r} ({type(num_steps).__name__})")
     expect(num_steps >= 0, "num_steps", expected, num_steps)
     return int(num_steps)
+
+
+def check_info(info: Any, caller: str = "train") -> dict:
+    """``train()``/``validate()``/``profile()``'s ``info`` (handed to ``train_epoch``/``validate``) as a new dict:
+    a dict (any mapping) or None.
+
+    Example:
+        >>> check_info(None), check_info({"epoch_idx": 2})
+        ({}, {'epoch_idx': 2})
+        >>> check_info("epoch 2")
+        Traceback (most recent call last):
+        ...
+        TypeError: train(info=...) expects a dict or None; got str 'epoch 2'
+    """
+    expect(info is None or isinstance(info, collections.abc.Mapping), "info", "a dict or None", info, TypeError,
+           caller, call=True, typed=True)
+    return dict(info or {})
 
 
 # ----------------------------------------------------------------- the checks: f(values, caller) -> the value kept

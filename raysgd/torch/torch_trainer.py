@@ -33,7 +33,7 @@ from raysgd.torch.execution.worker_group import WorkerGroup
 from raysgd.torch.integrations import progress, ray_data, results
 from raysgd.torch.integrations.ray_metrics import RayMetrics
 from raysgd.torch.operator import tracing
-from raysgd.torch.options import TrainerOptions, check_num_steps
+from raysgd.torch.options import TrainerOptions, check_info, check_num_steps
 from raysgd.torch.sharding import batch_split
 from raysgd.torch.state import checkpoint
 from raysgd.torch.commits.commit_policy import CommitPolicy
@@ -224,6 +224,7 @@ class TorchTrainer:
             >>> stats["train_loss"], stats["num_samples"], stats["profile"]["mean_fwd_s"]  # doctest: +SKIP
         """
         num_steps = check_num_steps(num_steps)  # before any work: None, or an int >= 0 (0: no batch)
+        info = check_info(info)
         data = ray_data.as_input(dataset, self.training_operator_cls, num_steps) if dataset is not None else None
         reporter = self._progress.start(local=self.use_local) if self._progress is not None else None
         completed, started = False, time.monotonic()
@@ -231,7 +232,7 @@ class TorchTrainer:
             rank_kwargs = ray_data.rank_inputs(data, reporter, self._shards, self.worker_group,
                                                dict(self._options.config or {}), self.timeout_s,
                                                self.num_cpus_per_worker)
-            call = dict(num_steps=num_steps, profile=profile, info=dict(info or {}), lockstep=True,
+            call = dict(num_steps=num_steps, profile=profile, info=info, lockstep=True,
                         rank_kwargs=rank_kwargs)
             on_tick = cast("ProgressBar", self._progress).tick if reporter is not None else None  # from the bar
             stats = self._controller.run_call("train_epoch", max_retries, call, replay=data is not None,
@@ -269,9 +270,10 @@ class TorchTrainer:
         num_steps = check_num_steps(num_steps)
         expect(num_steps is not None and num_steps >= 1, "num_steps", "an int >= 1 (batches per worker to profile)",
                num_steps, caller="profile")
+        info = check_info(info, "profile")
         folder, started = tracing.prepare_logdir(logdir), time.monotonic()
         stats = self._controller.run_call("train_epoch", max_retries, dict(
-            num_steps=num_steps, profile=False, info=dict(info or {}), lockstep=True, trace=True))
+            num_steps=num_steps, profile=False, info=info, lockstep=True, trace=True))
         self._last_call_s = time.monotonic() - started
         paths = tracing.write_traces(self._controller.take_traces(), folder)
         logger.info("profile: %d trace(s) written to %s", len(paths), folder)
@@ -285,9 +287,10 @@ class TorchTrainer:
             >>> trainer.validate()["val_loss"]  # doctest: +SKIP
         """
         num_steps = check_num_steps(num_steps)
+        info = check_info(info, "validate")
         started = time.monotonic()
         stats = self._controller.run_call("validate", max_retries, dict(num_steps=num_steps, profile=profile,
-                                                                          info=dict(info or {}), lockstep=True))
+                                                                          info=info, lockstep=True))
         self._last_call_s = time.monotonic() - started
         return self._log_result("validate", stats, reduce_results)
 

@@ -1,6 +1,7 @@
 """TrainerOptions: every TorchTrainer argument checked before anything starts (no Ray)."""
 import datetime
 import re
+import types
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import ray
 from torch.utils.data import DataLoader
 
 from helpers import LinearOperator
-from raysgd.torch.options import TrainerOptions, check_num_steps
+from raysgd.torch.options import TrainerOptions, check_info, check_num_steps
 from raysgd.torch.sharding.batch_split import splitter
 from raysgd.torch.storage.filesystem import CheckpointStorage
 from raysgd.utils import BATCH_SIZE
@@ -80,3 +81,18 @@ def test_a_numpy_or_float_global_batch_size_is_taken_and_each_worker_gets_an_int
 def test_num_to_keep_takes_a_numpy_int_or_a_whole_float(tmp_path, num_to_keep):
     storage = CheckpointStorage(str(tmp_path), num_to_keep=num_to_keep)
     assert storage.num_to_keep == 3 and type(storage.num_to_keep) is int
+
+
+@pytest.mark.parametrize("caller", ["train", "validate", "profile"])
+@pytest.mark.parametrize("info, got", [("epoch 2", "str 'epoch 2'"), (5, "int 5"), (["epoch"], "list ['epoch']")])
+def test_info_that_is_no_dict_is_refused_naming_info(caller, info, got):
+    # dict(info) raised "dictionary update sequence element #0 has length 1; 2 is required" (or "'int' object is not
+    # iterable"), naming neither info nor what it expects
+    with pytest.raises(TypeError, match=rf"^{caller}\(info=\.\.\.\) expects a dict or None; got {re.escape(got)}$"):
+        check_info(info, caller)
+
+
+def test_info_is_copied_from_any_mapping():
+    given = {"epoch_idx": 1}
+    assert check_info(None) == {} and check_info(given) == given and check_info(given) is not given
+    assert check_info(types.MappingProxyType(given)) == given
