@@ -15,6 +15,7 @@ Example:
     Traceback (most recent call last):
     TypeError: ScalingConfig(num_workers=...) expects an int >= 1; got str '2'
 """
+import inspect
 import math
 import numbers
 
@@ -88,6 +89,23 @@ def is_one_of(value, choices):
         return bool(value in choices)
     except (TypeError, ValueError):
         return False
+
+
+def takes_no_arguments(function):
+    """Whether callable ``function`` can be called with no arguments (its signature binds none); True where Python
+    cannot tell (a builtin without a signature).
+
+    Example:
+        >>> takes_no_arguments(lambda: None), takes_no_arguments(lambda config: None), takes_no_arguments(print)
+        (True, False, True)
+    """
+    try:
+        inspect.signature(function).bind()
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read
+        return True
+    return True
 
 
 def argument(name, caller=None, call=False):

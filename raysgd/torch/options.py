@@ -25,7 +25,7 @@ import threading
 
 import torch
 
-from raysgd.base.checks import argument_error, expect, is_int, is_number, is_one_of, is_whole, plain
+from raysgd.base.checks import argument_error, expect, is_int, is_number, is_one_of, is_whole, plain, takes_no_arguments
 from raysgd.callbacks import check_callbacks
 from raysgd.torch.constants import BATCH_SIZE, DATA_SEED, VALID_SCHEDULER_STEP
 from raysgd.torch.operator import fsdp
@@ -151,13 +151,30 @@ def _operator_cls(v, caller):
     value = v["training_operator_cls"]
     expect(isinstance(value, type) and issubclass(value, TrainingOperator), "training_operator_cls",
            "a subclass of raysgd.TrainingOperator", value, TypeError, caller)
+    expect(value.setup is not TrainingOperator.setup, "training_operator_cls",  # else every worker raises
+           "a subclass of raysgd.TrainingOperator that implements setup(self, config)", value, TypeError, caller)
     return value
 
 
+def check_hook(hook: Any, caller: str = "TorchTrainer") -> Callable[[], Any] | None:
+    """``initialization_hook``: None, or a callable every worker calls with no arguments (a hook that needs some
+    failed on every worker, once they had started).
+
+    Example:
+        >>> check_hook(lambda c: None)
+        Traceback (most recent call last):
+        TypeError: TorchTrainer: initialization_hook expects a callable taking no arguments, or None; got <lambda>(c)
+    """
+    expected = "a callable taking no arguments, or None"
+    expect(hook is None or callable(hook), "initialization_hook", expected, hook, TypeError, caller)
+    if hook is not None and not takes_no_arguments(hook):
+        raise argument_error("initialization_hook", expected, hook, TypeError, caller=caller,
+                             got=f"{getattr(hook, '__qualname__', type(hook).__name__)}{inspect.signature(hook)}")
+    return hook
+
+
 def _hook(v, caller):
-    expect(v["initialization_hook"] is None or callable(v["initialization_hook"]), "initialization_hook",
-           "a callable taking no arguments, or None", v["initialization_hook"], TypeError, caller)
-    return v["initialization_hook"]
+    return check_hook(v["initialization_hook"], caller)
 
 
 def _config(v, caller):

@@ -33,7 +33,7 @@ from raysgd.torch.execution.worker_group import WorkerGroup
 from raysgd.torch.integrations import progress, ray_data, results
 from raysgd.torch.integrations.ray_metrics import RayMetrics
 from raysgd.torch.operator import tracing
-from raysgd.torch.options import TrainerOptions, check_info, check_num_steps
+from raysgd.torch.options import TrainerOptions, check_hook, check_info, check_num_steps
 from raysgd.torch.sharding import batch_split
 from raysgd.torch.state import checkpoint
 from raysgd.torch.commits.commit_policy import CommitPolicy
@@ -123,7 +123,7 @@ class TorchTrainer:
 
     @initialization_hook.setter
     def initialization_hook(self, hook: Callable[[], Any] | None) -> None:
-        self._controller.initialization_hook = hook
+        self._controller.initialization_hook = check_hook(hook)
 
     @property
     def worker_group(self) -> WorkerGroup:

@@ -34,6 +34,10 @@ pytestmark = pytest.mark.usefixtures("ray_2cpus")
     (dict(num_gpus_per_worker=0.5, use_gpu=False), ValueError, ["num_gpus_per_worker", "use_gpu=False", "0.5"]),
     (dict(num_gpus_per_worker=0.5, use_gpu=True, backend="nccl"), ValueError, ["backend", "gloo", "0.5", "nccl"]),
     (dict(initialization_hook="setup.sh"), TypeError, ["initialization_hook", "callable", "setup.sh"]),
+    (dict(initialization_hook=lambda config: None), TypeError,  # failed on every worker, once started
+     ["initialization_hook", "no arguments", "<lambda>(config)"]),
+    (dict(training_operator_cls=TrainingOperator), TypeError,  # NotImplementedError on every worker, once started
+     ["training_operator_cls", "implements setup(self, config)", "TrainingOperator"]),
     (dict(use_local="no"), TypeError, ["use_local", "'no'"]),
     (dict(config={BATCH_SIZE: "64"}), ValueError, ["BATCH_SIZE", "'64'"]),
     (dict(config={DATA_SEED: "7"}), TypeError, ["DATA_SEED", "int", "'7'"]),

@@ -1,11 +1,12 @@
 """raysgd.base.checks: the argument checkers every layer uses (no Ray)."""
 import fractions
+import functools
 import math
 
 import numpy as np
 import pytest
 
-from raysgd.base.checks import expect, is_int, is_number, is_one_of, is_whole, plain
+from raysgd.base.checks import expect, is_int, is_number, is_one_of, is_whole, plain, takes_no_arguments
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -52,6 +53,19 @@ def test_plain_leaves_what_is_no_number_as_it_is(value):
 def test_is_one_of_answers_for_unhashable_values_instead_of_raising(value, expected):
     assert is_one_of(value, {"batch", "epoch"}) is expected
     assert is_one_of(value, ("batch", "epoch")) is expected
+
+
+def _needs_one(config):
+    return config
+
+
+@pytest.mark.parametrize("function, expected", [
+    (lambda: None, True), (lambda *args, **kwargs: None, True), (lambda seed=0: None, True), (print, True),
+    (functools.partial(_needs_one, {}), True), (_needs_one, False), (lambda config: None, False),
+    (lambda *, key: None, False),
+])
+def test_takes_no_arguments_reads_the_signature(function, expected):
+    assert takes_no_arguments(function) is expected
 
 
 def test_expect_names_the_argument_the_expectation_and_the_value():
