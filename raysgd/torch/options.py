@@ -78,18 +78,18 @@ def check_deprecated(kwargs: dict[str, Any]) -> None:
 
 
 def worker_range(num_workers: Any, caller: str = "TorchTrainer") -> tuple[int, int]:
-    """``(min, max)`` workers as Python ints: an int ``N`` means ``(1, N)`` (1.x: up to N, down to 1); a tuple is
-    checked.
+    """``(min, max)`` workers as Python ints: an int ``N`` means ``(1, N)`` (1.x: up to N, down to 1); a tuple (or
+    a list, as a JSON or YAML config gives it) is checked.
 
     Example:
-        >>> worker_range(4), worker_range((2, 4))
-        ((1, 4), (2, 4))
+        >>> worker_range(4), worker_range((2, 4)), worker_range([2, 4])
+        ((1, 4), (2, 4), (2, 4))
         >>> worker_range((3, 2))
         Traceback (most recent call last):
         ValueError: TorchTrainer: num_workers expects an int >= 1 or a tuple (min, max) with 1 <= min <= max; got (3, 2)
     """
     expected = "an int >= 1 or a tuple (min, max) with 1 <= min <= max"
-    if isinstance(num_workers, tuple):
+    if isinstance(num_workers, (tuple, list)):
         expect(len(num_workers) == 2 and all(is_whole(n) for n in num_workers), "num_workers", expected, num_workers,
                TypeError, caller)
         expect(1 <= num_workers[0] <= num_workers[1], "num_workers", expected, num_workers, caller=caller)
@@ -190,7 +190,7 @@ def _num_workers(v, caller):
     low, high = worker_range(v["num_workers"], caller)
     if high > 1 and not torch.distributed.is_available():
         raise ValueError("num_workers > 1 needs torch.distributed, which this torch build lacks")
-    return (low, high) if isinstance(v["num_workers"], tuple) else high
+    return (low, high) if isinstance(v["num_workers"], (tuple, list)) else high  # a range is kept as a tuple
 
 
 def _cpus(v, caller):

@@ -63,6 +63,14 @@ def test_num_steps_takes_a_whole_float_as_an_int():
         check_num_steps(2.5)
 
 
+@pytest.mark.parametrize("given", [[2, 4], [2.0, np.int64(4)]])
+def test_a_list_of_two_is_a_worker_range_as_a_tuple_is(given):
+    options = checked(num_workers=given)  # as a JSON or YAML config, or ScalingConfig, gives a range
+    assert options.num_workers == (2, 4) and type(options.num_workers) is tuple and options.worker_range() == (2, 4)
+    with pytest.raises(ValueError, match=r"num_workers expects .*; got \[4, 2\]"):
+        checked(num_workers=[4, 2])
+
+
 def test_a_numpy_timeout_reaches_the_process_group_as_a_timedelta():
     assert datetime.timedelta(seconds=checked(timeout_s=np.int64(1800)).timeout_s).total_seconds() == 1800
 
