@@ -21,6 +21,7 @@ import collections.abc
 import dataclasses
 import inspect
 import logging
+import os
 import threading
 
 import torch
@@ -127,6 +128,23 @@ def check_num_steps(num_steps: Any) -> int | None:
            got=f"{num_steps!r} ({type(num_steps).__name__})")
     expect(num_steps >= 0, "num_steps", expected, num_steps)
     return int(num_steps)
+
+
+def check_checkpoint_path(path: Any, caller: str) -> str | os.PathLike:
+    """``save()``/``load()``'s ``checkpoint_path``: a non-empty ``str`` or ``os.PathLike`` (a local path or a URI),
+    checked before any state is gathered or read.
+
+    Example:
+        >>> check_checkpoint_path(None, "save")
+        Traceback (most recent call last):
+        ...
+        TypeError: save(checkpoint_path=...) expects a path or URI (str or os.PathLike); got NoneType None
+    """
+    expected = "a path or URI (str or os.PathLike)"
+    expect(isinstance(path, (str, os.PathLike)), "checkpoint_path", expected, path, TypeError, caller, call=True,
+           typed=True)
+    expect(os.fspath(path) != "", "checkpoint_path", "a non-empty path or URI", path, caller=caller, call=True)
+    return path
 
 
 def check_info(info: Any, caller: str = "train") -> dict:

@@ -33,7 +33,7 @@ from raysgd.torch.execution.worker_group import WorkerGroup
 from raysgd.torch.integrations import progress, ray_data, results
 from raysgd.torch.integrations.ray_metrics import RayMetrics
 from raysgd.torch.operator import tracing
-from raysgd.torch.options import TrainerOptions, check_hook, check_info, check_num_steps
+from raysgd.torch.options import TrainerOptions, check_checkpoint_path, check_hook, check_info, check_num_steps
 from raysgd.torch.sharding import batch_split
 from raysgd.torch.state import checkpoint
 from raysgd.torch.commits.commit_policy import CommitPolicy
@@ -372,6 +372,7 @@ class TorchTrainer:
         Example:
             >>> trainer.save("ckpt")  # doctest: +SKIP
         """
+        check_checkpoint_path(checkpoint_path, "save")  # before the workers' state is gathered
         return self._controller.save(checkpoint_path, consolidated=consolidated)
 
     def load(self, checkpoint_path: str | os.PathLike, weights_only: bool = True, blocking: bool = False) -> None:
@@ -379,6 +380,7 @@ class TorchTrainer:
         docs/trainer.md), or a checkpoint directory of ``storage_path`` or Tune (a local path or a URI such as ``s3://bucket/run/...``).
         Anything else (a text file, another pickle, a model's weights) raises
         :class:`~raysgd.torch.errors.CheckpointError` naming it, before anything is sent to the workers."""
+        check_checkpoint_path(checkpoint_path, "load")
         self._controller.load_path(checkpoint_path, weights_only=weights_only, blocking=blocking)
 
     def restore(self, *args: Any) -> None:

@@ -1,5 +1,6 @@
 """TrainerOptions: every TorchTrainer argument checked before anything starts (no Ray)."""
 import datetime
+import pathlib
 import re
 import types
 
@@ -9,7 +10,7 @@ import ray
 from torch.utils.data import DataLoader
 
 from helpers import LinearOperator
-from raysgd.torch.options import TrainerOptions, check_info, check_num_steps
+from raysgd.torch.options import TrainerOptions, check_checkpoint_path, check_info, check_num_steps
 from raysgd.torch.sharding.batch_split import splitter
 from raysgd.torch.storage.filesystem import CheckpointStorage
 from raysgd.utils import BATCH_SIZE
@@ -104,3 +105,18 @@ def test_info_is_copied_from_any_mapping():
     given = {"epoch_idx": 1}
     assert check_info(None) == {} and check_info(given) == given and check_info(given) is not given
     assert check_info(types.MappingProxyType(given)) == given
+
+
+@pytest.mark.parametrize("caller", ["save", "load"])
+@pytest.mark.parametrize("path, error, got", [(None, TypeError, "NoneType None"), (3, TypeError, "int 3"),
+                                              ("", ValueError, "''")])
+def test_a_checkpoint_path_that_is_none_is_refused_naming_it(caller, path, error, got):
+    # save(None) gathered the workers' state first, then os.fspath raised "expected str, bytes or os.PathLike
+    # object, not NoneType"; save("") failed renaming its temporary file to ''
+    with pytest.raises(error, match=rf"^{caller}\(checkpoint_path=\.\.\.\) expects .*; got {re.escape(got)}$"):
+        check_checkpoint_path(path, caller)
+
+
+@pytest.mark.parametrize("path", ["ckpt.pt", pathlib.Path("ckpt.pt"), "s3://bucket/run/checkpoint_000001"])
+def test_a_checkpoint_path_may_be_a_str_a_path_or_a_uri(path):
+    assert check_checkpoint_path(path, "save") is path
