@@ -83,19 +83,32 @@ class ReportPlan:
 
 
 def plain(metrics):
-    """The JSON-able form of ``metrics`` for a marker: numbers, strings, bools and None as they are, a one-element
-    tensor or numpy value as its number, anything else as its repr.
+    """The JSON form of ``metrics`` for a marker, what ``Result.from_path`` and the checkpoints' ranking read back:
+    dicts (their keys as str) and lists or tuples (as lists) item by item, bools, ints and floats as Python's (a
+    numpy or one-element tensor value as its number), strings and None as they are, anything else (a complex, a
+    tensor of several values) as its repr.
 
     Example:
-        >>> plain({"loss": torch.tensor(0.5), "note": "x", "shape": (2, 3)})
-        {'loss': 0.5, 'note': 'x', 'shape': '(2, 3)'}
+        >>> import numpy as np
+        >>> plain({"loss": torch.tensor(0.5), "val": {"acc": np.float32(0.75)}, "step": np.int64(3), "shape": (2, 3),
+        ...        "z": 1j})
+        {'loss': 0.5, 'val': {'acc': 0.75}, 'step': 3, 'shape': [2, 3], 'z': '1j'}
     """
     def one(value):
-        if isinstance(value, (numbers.Number, str, bool, type(None))):
+        if value is None or isinstance(value, (str, bool)):
             return value
-        if hasattr(value, "item") and (getattr(value, "ndim", None) == 0 or getattr(value, "size", None) == 1
-                                       or (callable(getattr(value, "numel", None)) and value.numel() == 1)):
-            return value.item()
+        if isinstance(value, dict):
+            return {key if isinstance(key, str) else str(key): one(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [one(item) for item in value]
+        if isinstance(value, numbers.Integral):  # numpy's ints too: JSON writes only Python's
+            return int(value)
+        if isinstance(value, numbers.Real):
+            return float(value)
+        if not isinstance(value, numbers.Number) and hasattr(value, "item") and (
+                getattr(value, "ndim", None) == 0 or getattr(value, "size", None) == 1
+                or (callable(getattr(value, "numel", None)) and value.numel() == 1)):
+            return one(value.item())  # a numpy bool, a 0-d array, a one-element tensor
         return repr(value)
 
     return {key: one(value) for key, value in metrics.items()}

@@ -25,6 +25,7 @@ from raysgd.callbacks import Callback
 from raysgd.train import (Checkpoint, CheckpointConfig, FailureConfig, LoggingConfig, ReportedCheckpoint, Result,
                           RunConfig, ScalingConfig, TrainingFailedError, UserCallback, WorkerGroupError)
 from raysgd.train.callback import TrainRunContext, UserCallbacks, split_callbacks
+from raysgd.train.reporting import plain
 from raysgd.train.retention import best, check_score, checkpoints_to_delete
 from train_functions import RunFolder
 
@@ -304,6 +305,24 @@ def test_result_from_path_reads_a_run_folder_with_metrics_as_reported(tmp_path):
         Result.from_path(tmp_path / "runs" / "empty")
     with pytest.raises(NotImplementedError, match=r"storage_filesystem=...\) is not supported"):
         Result.from_path(folder.path, storage_filesystem=result.filesystem)
+
+
+def test_numpy_and_nested_metrics_read_back_as_numbers_and_rank_checkpoints(tmp_path):
+    """What report() writes of its metrics (reporting.plain, in the marker) reads back as reported: numpy and
+    one-element tensor values as numbers, nested dicts and lists as such, so a score ranks the checkpoints."""
+    reported = [{"loss": np.float32(0.5), "epoch": np.int64(1), "val": {"acc": torch.tensor(0.6)}, "shape": (2, 3)},
+                {"loss": np.float32(0.25), "epoch": np.int64(2), "val": {"acc": torch.tensor(0.9)}, "shape": (2, 3)},
+                {"loss": np.float32(0.75), "epoch": np.int64(3), "val": {"acc": torch.tensor(0.7)}, "shape": (2, 3)}]
+    folder, uris = run_folder(tmp_path, *[plain(metrics) for metrics in reported])
+    result = Result.from_path(folder.path, checkpoint_config=CheckpointConfig(checkpoint_score_attribute="loss",
+                                                                               checkpoint_score_order="min"))
+    assert result.metrics == {"loss": 0.75, "epoch": 3, "val": {"acc": pytest.approx(0.7)}, "shape": [2, 3]}
+    assert type(result.metrics["epoch"]) is int
+    assert [c.path for c, _ in result.best_checkpoints] == [uris[2], uris[0], uris[1]]  # worst first, best last
+    assert result.get_best_checkpoint("val/acc", "max") == Checkpoint(uris[1])
+    by_accuracy = CheckpointConfig(num_to_keep=1, checkpoint_score_attribute="val/acc")
+    by_age = [(index, metrics) for index, (_, metrics) in enumerate(Result.from_path(folder.path).best_checkpoints)]
+    assert checkpoints_to_delete(by_age, by_accuracy) == [0]  # keeps the best (1) and the latest (2)
 
 
 def test_result_prints_as_ray_and_finds_its_best_checkpoint(tmp_path):
