@@ -18,6 +18,7 @@ Example:
 import inspect
 import math
 import numbers
+import os
 
 
 def is_int(value, minimum=None):
@@ -106,6 +107,20 @@ def takes_no_arguments(function):
     except ValueError:  # no signature to read
         return True
     return True
+
+
+def is_path(value):
+    """Whether ``value`` is a non-empty path or URI: a ``str`` or an ``os.PathLike`` (``bytes`` is not).
+
+    Example:
+        >>> import pathlib
+        >>> is_path("/tmp/run"), is_path(pathlib.Path("run")), is_path(""), is_path(b"/tmp"), is_path(3)
+        (True, True, False, False, False)
+    """
+    if not isinstance(value, (str, os.PathLike)) or isinstance(value, bytes):
+        return False
+    text = os.fspath(value)
+    return isinstance(text, str) and bool(text)
 
 
 def argument(name, caller=None, call=False):

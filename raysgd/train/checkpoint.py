@@ -30,7 +30,7 @@ import shutil
 import tempfile
 
 from raysgd import optional
-from raysgd.base.checks import argument_error, expect
+from raysgd.base.checks import argument_error, expect, is_path
 from raysgd.torch.storage import filesystem as _fs
 from typing import Any, Iterator
 
@@ -38,13 +38,16 @@ from typing import Any, Iterator
 _CHECKPOINT = {"caller": "Checkpoint", "call": True, "typed": True}
 
 
-def _is_path(path):
-    """A non-empty path or URI (``str`` or ``os.PathLike``; not ``bytes``)."""
-    return isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes) and bool(os.fspath(path))
+def local_path(path: str | os.PathLike) -> str | None:
+    """The local folder ``path`` names, as the run's storage resolves it (a plain path with ``~`` expanded, made
+    absolute; or a ``file://`` URI's path), or None for a remote URI: how :mod:`raysgd.train` reads a local path.
 
-
-def _local_path(path):
-    """The local folder of ``path`` (a plain path or ``file://``), or None for a remote URI."""
+    Example:
+        >>> local_path("~/runs/exp") == os.path.join(os.path.expanduser("~"), "runs", "exp")
+        True
+        >>> local_path("file:///tmp/runs/exp"), local_path("s3://bucket/runs/exp")
+        ('/tmp/runs/exp', None)
+    """
     text = os.fspath(path)
     if text.startswith("file://"):
         return text[len("file://"):]
@@ -53,7 +56,7 @@ def _local_path(path):
 
 def copy_tree(source: str, destination: str) -> None:
     """Copy the directory ``source`` to ``destination`` (each a local path or a pyarrow.fs URI)."""
-    local_source, local_destination = _local_path(source), _local_path(destination)
+    local_source, local_destination = local_path(source), local_path(destination)
     if local_source is not None and local_destination is not None:
         shutil.copytree(local_source, local_destination, dirs_exist_ok=True)
         return
@@ -84,7 +87,7 @@ class Checkpoint:
     """
 
     def __init__(self, path: str | os.PathLike, filesystem: object = None) -> None:
-        expect(_is_path(path), "path", "a directory path or URI (str)", path, TypeError, **_CHECKPOINT)
+        expect(is_path(path), "path", "a directory path or URI (str)", path, TypeError, **_CHECKPOINT)
         text = os.fspath(path)
         self._filesystem, self._uri = None, None
         if filesystem is not None:
@@ -98,7 +101,7 @@ class Checkpoint:
             self._local = isinstance(filesystem, _fs.pafs.LocalFileSystem)
             self._uri = self.path if self._local else None
             return
-        local = _local_path(text)
+        local = local_path(text)
         if local is not None:  # the local filesystem is made on first use: no pyarrow needed before
             self.path = self._uri = local
             self._local = True
@@ -122,11 +125,12 @@ class Checkpoint:
             FileNotFoundError: Checkpoint.from_directory(path=...) expects an existing local directory; got '/no/such/folder', which does not exist
         """
         how = {"caller": "Checkpoint.from_directory", "call": True}
-        expect(_is_path(path), "path", "a local directory (str)", path, TypeError, typed=True, **how)
+        expect(is_path(path), "path", "a local directory (str)", path, TypeError, typed=True, **how)
         text = os.fspath(path)
-        expect("://" not in text or text.startswith("file://"), "path", "a local directory", text,
-               got=f"the URI {text!r}: use Checkpoint({text!r}) for a directory in remote storage", **how)
-        local = _local_path(text)
+        local = local_path(text)
+        if local is None:
+            raise argument_error("path", "a local directory", text, ValueError, **how,
+                                 got=f"the URI {text!r}: use Checkpoint({text!r}) for a directory in remote storage")
         expect(os.path.exists(local), "path", "an existing local directory", local, FileNotFoundError,
                got=f"{local!r}, which does not exist", **how)
         expect(os.path.isdir(local), "path", "a directory", local, NotADirectoryError, got=f"{local!r}, a file", **how)

@@ -28,10 +28,10 @@ import dataclasses
 import os
 
 from raysgd import optional
-from raysgd.base.checks import expect
+from raysgd.base.checks import expect, is_path
 from raysgd.torch.storage import filesystem as _fs
 from raysgd.train import retention
-from raysgd.train.checkpoint import Checkpoint
+from raysgd.train.checkpoint import Checkpoint, local_path
 from raysgd.train.commits import complete_checkpoints
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -163,10 +163,11 @@ class Result:
         if storage_filesystem is not None:
             raise NotImplementedError("Result.from_path(storage_filesystem=...) is not supported by raysgd.train: "
                                       "pass the run folder as a URI (s3://bucket/path?endpoint_override=...)")
-        expect(isinstance(path, (str, os.PathLike)) and not isinstance(path, bytes) and bool(os.fspath(path)), "path",
-               "a run folder's path or URI", path, TypeError, "Result.from_path", call=True, typed=True)
+        expect(is_path(path), "path", "a run folder's path or URI", path, TypeError, "Result.from_path", call=True,
+               typed=True)
         text = os.fspath(path)
-        base, query = (text.split("?", 1) + [""])[:2] if "://" in text else (os.path.abspath(text), "")
+        local = local_path(text)  # "~/runs/exp" or a relative path: read as the run's storage wrote it
+        base, query = (local, "") if local is not None else (text.split("?", 1) + [""])[:2]
         base = base.rstrip("/")
         filesystem, fs_path = _fs.resolve(base + ("?" + query if query else ""))
         if filesystem.get_file_info(fs_path).type != _fs.pafs.FileType.Directory:

@@ -30,7 +30,7 @@ import time
 import ray
 
 from raysgd import logs
-from raysgd.base.checks import argument_error, expect
+from raysgd.base.checks import argument_error, expect, is_path
 from raysgd.callbacks import Callback, CallbackList
 from raysgd.torch.errors import WorkerFailure, rank_of
 from raysgd.torch.execution import cluster_state, shipping
@@ -43,7 +43,7 @@ from raysgd.torch.restart_points.restart_point import this_node
 from raysgd.torch.storage import durable, filesystem
 from raysgd.train import retention
 from raysgd.train.callback import TrainRunContext, UserCallbacks, split_callbacks
-from raysgd.train.checkpoint import Checkpoint
+from raysgd.train.checkpoint import Checkpoint, local_path
 from raysgd.train.commits import ReportCommits, complete_checkpoints
 from raysgd.train.config import RunConfig, ScalingConfig, TorchConfig
 from raysgd.train.errors import ResourcesError, WorkerGroupError
@@ -130,6 +130,8 @@ class TorchTrainer:
             >>> TorchTrainer.can_restore("/no/such/run")
             False
         """
+        expect(is_path(path), "path", "a run folder's path or URI", path, TypeError, "TorchTrainer.can_restore",
+               call=True, typed=True)
         storage = filesystem.CheckpointStorage(os.fspath(path), None, marker=filesystem.REPORT_MARKER)
         return bool(complete_checkpoints(storage))
 
@@ -146,13 +148,19 @@ class TorchTrainer:
             >>> trainer = TorchTrainer.restore("/data/runs/exp", train_func)  # doctest: +SKIP
             >>> result = trainer.fit()  # doctest: +SKIP
         """
+        expect(is_path(path), "path", "a run folder's path or URI", path, TypeError, "TorchTrainer.restore", call=True,
+               typed=True)
         text = os.fspath(path)
         expect(cls.can_restore(text), "path", "the folder of a raysgd.train run holding a complete reported "
                f"checkpoint (checkpoint_NNNNNN/ with its {filesystem.REPORT_MARKER})", text,
                caller="TorchTrainer.restore", call=True, got=f"{text!r}, which holds none")
-        base, query = text.split("?", 1) if "://" in text and "?" in text else (text, None)
-        storage_path, name = base.rstrip("/").rsplit("/", 1)
-        storage_path = f"{storage_path}?{query}" if query else storage_path
+        local = local_path(text)  # "exp", ".", "~/runs/exp": made absolute first, as the run's storage reads them
+        if local is not None:
+            storage_path, name = os.path.split(local)
+        else:
+            base, query = text.split("?", 1) if "?" in text else (text, None)
+            storage_path, name = base.rstrip("/").rsplit("/", 1)
+            storage_path = f"{storage_path}?{query}" if query else storage_path
         run_config = kwargs.pop("run_config", None) or RunConfig()
         run_config = dataclasses.replace(run_config, name=name, storage_path=storage_path)
         return cls(train_loop_per_worker, run_config=run_config, **kwargs)

@@ -307,6 +307,28 @@ def test_result_from_path_reads_a_run_folder_with_metrics_as_reported(tmp_path):
         Result.from_path(folder.path, storage_filesystem=result.filesystem)
 
 
+def test_a_run_folder_named_by_a_relative_or_home_path_is_read_and_restored(tmp_path, monkeypatch):
+    """Result.from_path and TorchTrainer.restore read "~/..." and a relative path as the run's storage does
+    (RunConfig(storage_path="~/runs") writes to $HOME/runs); a path that is no path is refused naming it."""
+    from raysgd.train.torch import TorchTrainer
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    folder, uris = run_folder(tmp_path, {"loss": 0.5})
+    assert Result.from_path("~/runs/exp").checkpoint == Checkpoint(uris[0])
+    monkeypatch.chdir(tmp_path / "runs" / "exp")
+    for path in ("~/runs/exp", "~/runs/exp/", ".", "../exp", f"file://{folder.path}"):
+        assert TorchTrainer.can_restore(path), path
+        trainer = TorchTrainer.restore(path, lambda: None)
+        assert (trainer.run_config.storage_path, trainer.run_config.name) == (str(tmp_path / "runs"), "exp"), path
+    monkeypatch.chdir(tmp_path / "runs")
+    assert TorchTrainer.restore("exp", lambda: None).run_config.storage_path == str(tmp_path / "runs")
+    for bad in (3, b"exp", ""):
+        with pytest.raises(TypeError, match=r"TorchTrainer.restore\(path=...\) expects a run folder's path or URI"):
+            TorchTrainer.restore(bad, lambda: None)
+    with pytest.raises(TypeError, match=r"can_restore\(path=...\) expects a run folder's path or URI; got NoneType"):
+        TorchTrainer.can_restore(None)
+
+
 def test_numpy_and_nested_metrics_read_back_as_numbers_and_rank_checkpoints(tmp_path):
     """What report() writes of its metrics (reporting.plain, in the marker) reads back as reported: numpy and
     one-element tensor values as numbers, nested dicts and lists as such, so a score ranks the checkpoints."""
