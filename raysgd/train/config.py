@@ -20,7 +20,7 @@ import os
 import time
 
 from raysgd.base import environment
-from raysgd.base.checks import expect, is_int, is_number
+from raysgd.base.checks import expect, is_int, is_number, is_path
 from raysgd.train.callback import check_callbacks
 from typing import Any
 
@@ -328,6 +328,8 @@ class RunConfig:
                "None or a non-empty str without '/'", self.name, TypeError, "RunConfig", **_AS_CALL)
         expect(self.storage_path is None or isinstance(self.storage_path, (str, os.PathLike)), "storage_path",
                "None, a folder path or a URI (str)", self.storage_path, TypeError, "RunConfig", **_AS_CALL)
+        expect(self.storage_path is None or is_path(self.storage_path), "storage_path",  # "" would be the root "/"
+               "None or a non-empty folder path or URI", self.storage_path, ValueError, "RunConfig", **_AS_CALL)
         _unsupported("RunConfig", "storage_filesystem", self.storage_filesystem, None,
                      "pass the location as a URI in storage_path (s3://bucket/path?endpoint_override=...)")
         _unsupported("RunConfig", "worker_runtime_env", self.worker_runtime_env or None, None,

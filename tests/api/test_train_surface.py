@@ -163,6 +163,16 @@ def test_failure_checkpoint_and_run_configs_have_ray_2_58s_fields_and_deprecatio
             LoggingConfig(name)
 
 
+def test_an_empty_storage_path_is_refused_not_taken_for_the_filesystems_root(tmp_path):
+    """RunConfig(storage_path="") put the run folder at "/<name>" (the filesystem's root); Ray Train refuses it."""
+    with pytest.raises(ValueError, match=r"RunConfig\(storage_path=...\) expects None or a non-empty folder path or "
+                                         r"URI; got str ''"):
+        RunConfig(name="exp", storage_path="")
+    with pytest.raises(TypeError, match=r"RunConfig\(storage_path=...\) expects None, a folder path or a URI"):
+        RunConfig(storage_path=b"/tmp")
+    assert RunConfig(storage_path=tmp_path).storage_path == str(tmp_path)
+
+
 # ------------------------------------------------------------------------------------------------ retention policy
 def test_checkpoints_are_kept_by_age_or_by_score_and_the_latest_is_never_deleted():
     entries = [(1, {"acc": 0.5}), (2, {"acc": 0.9}), (3, {"acc": 0.7}), (4, {"acc": 0.2})]
