@@ -131,6 +131,31 @@ class FunctionWorker(TorchWorker):
         return self.train_fn()
 
 
+def signature_problem(fn):
+    """Why ``fn`` cannot run as a training function, called ``fn(config)`` or ``fn()`` (see :func:`_takes_config`):
+    more than one required positional argument (Ray Train refuses them too) or a required keyword-only one; None
+    when it can (or its signature cannot be read).
+
+    Example:
+        >>> signature_problem(lambda config: None) is None, signature_problem(lambda: None) is None
+        (True, True)
+        >>> signature_problem(lambda model, config: None), signature_problem(lambda *, config: None)
+        ('2 required arguments (model, config)', 'the required keyword-only argument config')
+    """
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    required = [p.name for p in parameters if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
+                                                                                  p.POSITIONAL_OR_KEYWORD)]
+    keyword = [p.name for p in parameters if p.default is p.empty and p.kind == p.KEYWORD_ONLY]
+    if len(required) > 1:
+        return f"{len(required)} required arguments ({', '.join(required)})"
+    if keyword:
+        return f"the required keyword-only argument{'s' if len(keyword) > 1 else ''} {', '.join(keyword)}"
+    return None
+
+
 def _takes_config(fn):
     """Whether the training function takes the config (``train_func(config)``) or nothing (``train_func()``)."""
     try:

@@ -47,7 +47,7 @@ from raysgd.train.checkpoint import Checkpoint, local_path
 from raysgd.train.commits import ReportCommits, complete_checkpoints
 from raysgd.train.config import RunConfig, ScalingConfig, TorchConfig
 from raysgd.train.errors import ResourcesError, WorkerGroupError
-from raysgd.train.function_worker import FunctionWorker
+from raysgd.train.function_worker import FunctionWorker, signature_problem
 from raysgd.train.result import Result
 from typing import Any, Callable
 
@@ -87,6 +87,12 @@ class TorchTrainer:
                  metadata: dict | None = None) -> None:
         expect(callable(train_loop_per_worker), "train_loop_per_worker", "a function fn(config) or fn()",
                train_loop_per_worker, **_ARGUMENT)
+        problem = signature_problem(train_loop_per_worker)  # else every worker's call raises TypeError, retried
+        if problem is not None:
+            name = getattr(train_loop_per_worker, "__qualname__", None) or repr(train_loop_per_worker)
+            raise argument_error("train_loop_per_worker", "a function fn(config) or fn() (0 or 1 required "
+                                 "arguments, as in Ray Train)", train_loop_per_worker, ValueError,
+                                 caller="TorchTrainer", call=True, got=f"{name}, which takes {problem}")
         expect(train_loop_config is None or isinstance(train_loop_config, dict), "train_loop_config", "None or a dict",
                train_loop_config, **_ARGUMENT)
         expect(scaling_config is None or isinstance(scaling_config, ScalingConfig), "scaling_config",

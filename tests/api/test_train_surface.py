@@ -163,6 +163,26 @@ def test_failure_checkpoint_and_run_configs_have_ray_2_58s_fields_and_deprecatio
             LoggingConfig(name)
 
 
+def test_a_training_function_that_cannot_be_called_fn_config_or_fn_is_refused_before_fit():
+    """A function of two required arguments (or a required keyword-only one) raised TypeError on every worker,
+    retried under FailureConfig; Ray Train refuses it (ValueError) before any worker starts."""
+    from functools import partial
+
+    from raysgd.train.torch import TorchTrainer
+
+    def two(model, config):
+        return model, config
+
+    with pytest.raises(ValueError, match=r"TorchTrainer\(train_loop_per_worker=...\) expects a function fn\(config\) "
+                                         r"or fn\(\) \(0 or 1 required arguments, as in Ray Train\); got .*two, which "
+                                         r"takes 2 required arguments \(model, config\)"):
+        TorchTrainer(two)
+    with pytest.raises(ValueError, match=r"takes the required keyword-only argument config"):
+        TorchTrainer(lambda *, config: None)
+    for fine in (partial(two, None), lambda config, lr=0.1, *args, **kwargs: None, lambda: None, print):
+        assert TorchTrainer(fine).train_loop_per_worker is fine
+
+
 def test_an_empty_storage_path_is_refused_not_taken_for_the_filesystems_root(tmp_path):
     """RunConfig(storage_path="") put the run folder at "/<name>" (the filesystem's root); Ray Train refuses it."""
     with pytest.raises(ValueError, match=r"RunConfig\(storage_path=...\) expects None or a non-empty folder path or "
