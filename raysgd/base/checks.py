@@ -109,20 +109,6 @@ def takes_no_arguments(function):
     return True
 
 
-def is_path(value):
-    """Whether ``value`` is a non-empty path or URI: a ``str`` or an ``os.PathLike`` (``bytes`` is not).
-
-    Example:
-        >>> import pathlib
-        >>> is_path("/tmp/run"), is_path(pathlib.Path("run")), is_path(""), is_path(b"/tmp"), is_path(3)
-        (True, True, False, False, False)
-    """
-    if not isinstance(value, (str, os.PathLike)) or isinstance(value, bytes):
-        return False
-    text = os.fspath(value)
-    return isinstance(text, str) and bool(text)
-
-
 def argument(name, caller=None, call=False):
     """How a message names argument ``name`` of ``caller``: ``caller: name``, ``caller(name=...)`` (``call``), or
     ``name`` alone.
@@ -175,3 +161,17 @@ def expect(condition, name, expected, value, error=ValueError, caller=None, **ho
     """
     if not condition:
         raise argument_error(name, expected, value, error, caller=caller, **how)
+
+
+def is_path(value):
+    """Whether ``value`` is a non-empty path or URI: a ``str`` or an ``os.PathLike`` (``bytes`` is not).
+
+    Example:
+        >>> import pathlib
+        >>> is_path("/tmp/run"), is_path(pathlib.Path("run")), is_path(""), is_path(b"/tmp"), is_path(3)
+        (True, True, False, False, False)
+    """
+    if not isinstance(value, (str, os.PathLike)) or isinstance(value, bytes):
+        return False
+    text = os.fspath(value)
+    return isinstance(text, str) and bool(text)
