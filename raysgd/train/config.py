@@ -17,6 +17,7 @@ Example:
 """
 import dataclasses
 import os
+import threading
 import time
 
 from raysgd.base import environment
@@ -32,6 +33,13 @@ _MIGRATION = "See https://github.com/ray-project/ray/issues/49454 for the contex
 #: How the configs' errors name an argument and its value, as Ray Train's do: ``ScalingConfig(num_workers=...)``
 #: expects ...; got str '2'.
 _AS_CALL = {"call": True, "typed": True}
+
+
+def _python(value):
+    """A checked number as Python's ``int`` or ``float``: numpy's scalars pass the checks, but what the configs hand
+    their fields to refuses them (``datetime.timedelta`` a ``np.int64`` timeout, Ray's actor options a
+    ``np.float32`` of CPUs, the checkpoint storage a ``np.int64`` to keep)."""
+    return int(value) if is_int(value) else float(value)
 
 
 def _unsupported(owner, name, value, default, why):
@@ -106,6 +114,10 @@ class ScalingConfig:
         _unsupported("ScalingConfig", "accelerator_type", self.accelerator_type, None, why)
         _unsupported("ScalingConfig", "use_tpu", self.use_tpu, False, "raysgd trains on CPUs and CUDA GPUs")
         _unsupported("ScalingConfig", "topology", self.topology, None, "raysgd trains on CPUs and CUDA GPUs")
+        self.num_workers = _python(n) if is_int(n) else tuple(int(x) for x in n)  # numpy's, a list: Python's
+        if self.resources_per_worker is not None:
+            self.resources_per_worker = {key: _python(value) for key, value in self.resources_per_worker.items()}
+        self.num_spares, self.elastic_resize_monitor_interval_s = int(self.num_spares), _python(interval)
         gpus = self.num_gpus_per_worker
         if self.resources_per_worker and not self.use_gpu and gpus > 0:
             raise ValueError("ScalingConfig: `use_gpu` is False but `GPU` was found in `resources_per_worker`. "
@@ -211,6 +223,7 @@ class FailureConfig:
         for name in ("max_failures", "controller_failure_limit", "max_preemption_failures"):
             value = getattr(self, name)
             expect(is_int(value, -1), name, "an int >= -1 (-1: no limit)", value, TypeError, "FailureConfig", **_AS_CALL)
+            setattr(self, name, int(value))  # numpy's: Python's
 
 
 @dataclasses.dataclass
@@ -246,6 +259,7 @@ class CheckpointConfig:
                self.num_to_keep, TypeError, "CheckpointConfig", **_AS_CALL)
         expect(self.num_to_keep is None or self.num_to_keep >= 1, "num_to_keep", "None or an int >= 1",
                self.num_to_keep, ValueError, "CheckpointConfig", **_AS_CALL)
+        self.num_to_keep = None if self.num_to_keep is None else int(self.num_to_keep)  # numpy's: Python's
         score = self.checkpoint_score_attribute
         expect(score is None or (isinstance(score, str) and score), "checkpoint_score_attribute",
                "None or a metric's name (str)", score, TypeError, "CheckpointConfig", **_AS_CALL)
@@ -371,3 +385,7 @@ class TorchConfig:
                "TorchConfig", **_AS_CALL)
         expect(is_number(self.timeout_s, above=0), "timeout_s", "a number of seconds > 0", self.timeout_s, TypeError,
                "TorchConfig", **_AS_CALL)
+        expect(self.timeout_s <= threading.TIMEOUT_MAX, "timeout_s", f"a finite number of seconds (at most "
+               f"{threading.TIMEOUT_MAX:.0f}: the process group's timeout is a datetime.timedelta)", self.timeout_s,
+               ValueError, "TorchConfig", **_AS_CALL)
+        self.timeout_s = _python(self.timeout_s)  # a np.int64: datetime.timedelta refuses it

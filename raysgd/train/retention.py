@@ -35,7 +35,7 @@ import logging
 import math
 from typing import SupportsFloat, cast
 
-from raysgd.base.checks import expect, is_number
+from raysgd.base.checks import expect, is_int, is_number
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def checkpoints_to_delete(entries, config=None):
     num_to_keep = _settings(config)[0]
     if num_to_keep is None or not entries:
         return []
-    expect(isinstance(num_to_keep, int) and num_to_keep >= 1, "num_to_keep", "None or an int >= 1", num_to_keep,
+    expect(is_int(num_to_keep, 1), "num_to_keep", "None or an int >= 1", num_to_keep,
            caller="checkpoints_to_delete")
     kept = {index for index, _ in best(entries, config)}
     latest = entries[-1][0]

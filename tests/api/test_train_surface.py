@@ -183,6 +183,30 @@ def test_a_training_function_that_cannot_be_called_fn_config_or_fn_is_refused_be
         assert TorchTrainer(fine).train_loop_per_worker is fine
 
 
+def test_numpy_numbers_in_the_configs_are_kept_as_pythons_and_an_endless_timeout_is_refused():
+    """numpy's scalars pass the configs' checks; kept as numpy, a np.int64 timeout_s failed in every worker
+    (datetime.timedelta refuses it) and a np.int64 num_to_keep failed the retention's check (no checkpoint pruned)."""
+    import datetime
+
+    from raysgd.train.torch import TorchConfig
+
+    timeout = TorchConfig(timeout_s=np.int64(60)).timeout_s
+    assert type(timeout) is int and datetime.timedelta(seconds=timeout) == datetime.timedelta(minutes=1)
+    keep_one = CheckpointConfig(num_to_keep=np.int64(1))
+    assert type(keep_one.num_to_keep) is int
+    assert checkpoints_to_delete([(1, {}), (2, {}), (3, {})], keep_one) == [1, 2]
+    assert type(FailureConfig(max_failures=np.int64(3)).max_failures) is int
+    scaling = ScalingConfig(num_workers=np.int64(2), resources_per_worker={"CPU": np.float32(0.5)},
+                            num_spares=np.int64(1))
+    assert (scaling.num_workers, scaling.resources_per_worker, scaling.num_spares) == (2, {"CPU": 0.5}, 1)
+    assert [type(v) for v in (scaling.num_workers, scaling.resources_per_worker["CPU"], scaling.num_spares)] == \
+        [int, float, int]
+    assert ScalingConfig(num_workers=[1, np.int64(3)]).num_workers == (1, 3)
+    for endless in (float("inf"), 1e300):
+        with pytest.raises(ValueError, match=r"TorchConfig\(timeout_s=...\) expects a finite number of seconds"):
+            TorchConfig(timeout_s=endless)
+
+
 def test_an_empty_storage_path_is_refused_not_taken_for_the_filesystems_root(tmp_path):
     """RunConfig(storage_path="") put the run folder at "/<name>" (the filesystem's root); Ray Train refuses it."""
     with pytest.raises(ValueError, match=r"RunConfig\(storage_path=...\) expects None or a non-empty folder path or "
