@@ -377,12 +377,14 @@ class TorchConfig:
     """
 
     backend: str | None = None
+    init_method: str = "env"  # Ray Train's order: TorchConfig("gloo", "env", 60) reads as there
     timeout_s: int = 1800
-    init_method: str = "env"
 
     def __post_init__(self):
         expect(self.backend in (None, "gloo", "nccl"), "backend", "None, 'gloo' or 'nccl'", self.backend, ValueError,
                "TorchConfig", **_AS_CALL)
+        expect(self.init_method in ("env", "tcp"), "init_method", "'env' or 'tcp' (as in Ray Train; raysgd forms the "
+               "group its own way with either)", self.init_method, ValueError, "TorchConfig", **_AS_CALL)
         expect(is_number(self.timeout_s, above=0), "timeout_s", "a number of seconds > 0", self.timeout_s, TypeError,
                "TorchConfig", **_AS_CALL)
         expect(self.timeout_s <= threading.TIMEOUT_MAX, "timeout_s", f"a finite number of seconds (at most "

@@ -250,15 +250,17 @@ def get_context() -> TrainContext:
     return current("get_context()").context
 
 
-def get_dataset_shard(name: str = "train") -> Any:
-    """This worker's shard of ``TorchTrainer(datasets={name: ray_dataset})``: a Ray Data ``DataIterator``
-    (``iter_torch_batches(batch_size=...)``). Ray Data shards have no data cursor: a restart re-reads the epoch.
+def get_dataset_shard(dataset_name: str | None = "train") -> Any:
+    """This worker's shard of ``TorchTrainer(datasets={dataset_name: ray_dataset})``: a Ray Data ``DataIterator``
+    (``iter_torch_batches(batch_size=...)``). ``dataset_name`` is Ray Train's argument; None or nothing reads
+    ``"train"``. Ray Data shards have no data cursor: a restart re-reads the epoch.
 
     Example:
         >>> def train_func(config):  # doctest: +SKIP
         ...     for batch in raysgd.train.get_dataset_shard("train").iter_torch_batches(batch_size=32): ...
     """
     shards = current("get_dataset_shard()").dataset_shards
+    name = "train" if dataset_name is None else dataset_name
     if name not in shards:
         raise KeyError(f"raysgd.train.get_dataset_shard({name!r}): no dataset of that name was passed to "
                        f"TorchTrainer(datasets=...); it has {sorted(shards)}")

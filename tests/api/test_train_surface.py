@@ -207,6 +207,26 @@ def test_numpy_numbers_in_the_configs_are_kept_as_pythons_and_an_endless_timeout
             TorchConfig(timeout_s=endless)
 
 
+def test_get_dataset_shard_and_torch_config_take_ray_trains_argument_names_and_order():
+    """get_dataset_shard(dataset_name="train") (Ray Train's keyword) raised TypeError; TorchConfig's positional
+    order is Ray Train's (backend, init_method, timeout_s)."""
+    from raysgd.train.session import Session, TrainContext, running
+    from raysgd.train.torch import TorchConfig
+
+    context = TrainContext(world_size=1, world_rank=0, local_rank=0, local_world_size=1, node_rank=0,
+                           experiment_name="exp", storage_path="/tmp")
+    shards = {"train": object(), "val": object()}
+    with running(Session(context, torch.device("cpu"), dataset_shards=shards)):
+        assert raysgd.train.get_dataset_shard(dataset_name="val") is shards["val"]
+        assert raysgd.train.get_dataset_shard() is raysgd.train.get_dataset_shard(dataset_name=None) is shards["train"]
+        with pytest.raises(KeyError, match=r"get_dataset_shard\('test'\): no dataset .* it has \['train', 'val'\]"):
+            raysgd.train.get_dataset_shard(dataset_name="test")
+    config = TorchConfig("gloo", "tcp", 60)
+    assert (config.backend, config.init_method, config.timeout_s) == ("gloo", "tcp", 60)
+    with pytest.raises(ValueError, match=r"TorchConfig\(init_method=...\) expects 'env' or 'tcp'"):
+        TorchConfig(init_method="file:///tmp/rendezvous")
+
+
 def test_an_empty_storage_path_is_refused_not_taken_for_the_filesystems_root(tmp_path):
     """RunConfig(storage_path="") put the run folder at "/<name>" (the filesystem's root); Ray Train refuses it."""
     with pytest.raises(ValueError, match=r"RunConfig\(storage_path=...\) expects None or a non-empty folder path or "
