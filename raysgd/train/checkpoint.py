@@ -180,11 +180,25 @@ class Checkpoint:
 
     def to_directory(self, path: str | os.PathLike | None = None) -> str:
         """Copy the checkpoint's files to the local directory ``path`` (default: a new temporary one); returns it.
-        raysgd's own files of a reported checkpoint (its marker, the callbacks' state) are not copied."""
-        path = os.path.abspath(os.path.expanduser(os.fspath(path))) if path is not None else \
-            tempfile.mkdtemp(prefix="raysgd-checkpoint-")
+        raysgd's own files of a reported checkpoint (its marker, the callbacks' state) are not copied. The
+        checkpoint's own directory is returned as it is (its files are there).
+
+        Example:
+            >>> Checkpoint.from_directory(tempfile.mkdtemp()).to_directory("s3://bucket/copy")
+            Traceback (most recent call last):
+            ...
+            ValueError: Checkpoint.to_directory(path=...) expects None or a local directory; got 's3://bucket/copy'
+        """
+        how = {"caller": "Checkpoint.to_directory", "call": True}
+        expect(path is None or is_path(path) or path == "", "path", "None or a local directory", path, TypeError,
+               typed=True, **how)  # "": the working directory, as in Ray Train
+        local = local_path(path) if path is not None else tempfile.mkdtemp(prefix="raysgd-checkpoint-")
+        expect(local is not None, "path", "None or a local directory", path, **how)
+        path = str(local)
         if self.is_local:
             top = os.path.abspath(self.path)
+            if os.path.isdir(top) and os.path.isdir(path) and os.path.samefile(top, path):
+                return path  # copying it onto itself: shutil failed with an unreadable error
             shutil.copytree(self.path, path, dirs_exist_ok=True,
                             ignore=lambda folder, names: [name for name in names if name in _fs.REPORT_FILES
                                                           and os.path.abspath(folder) == top])

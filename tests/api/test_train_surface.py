@@ -314,6 +314,25 @@ def test_a_local_checkpoint_prints_as_ray_keeps_metadata_and_pickles(tmp_path):
     assert Checkpoint(str(tmp_path), filesystem=checkpoint.filesystem) == checkpoint
 
 
+def test_to_directory_onto_the_checkpoint_itself_or_to_no_local_path(tmp_path, monkeypatch):
+    """to_directory(checkpoint.path) raised shutil.Error with a message spelt out letter by letter; a path that is
+    no local directory is refused naming the argument."""
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / "model.pt").write_bytes(b"weights")
+    checkpoint = Checkpoint.from_directory(folder)
+    assert checkpoint.to_directory(str(folder) + "/") == str(folder)
+    assert (folder / "model.pt").read_bytes() == b"weights"
+    copy = tmp_path / "copy"
+    assert checkpoint.to_directory(f"file://{copy}") == str(copy) and (copy / "model.pt").read_bytes() == b"weights"
+    monkeypatch.chdir(copy)
+    assert checkpoint.to_directory("") == str(copy)  # the working directory, as in Ray Train
+    with pytest.raises(TypeError, match=r"to_directory\(path=...\) expects None or a local directory; got int 3"):
+        checkpoint.to_directory(3)
+    with pytest.raises(ValueError, match=r"to_directory\(path=...\) expects None or a local directory; got 's3://b/c'"):
+        checkpoint.to_directory("s3://b/c")
+
+
 def test_a_checkpoint_in_s3_has_rays_path_and_filesystem_keeps_metadata_and_reads_back(tmp_path):
     """On a real S3-compatible server (moto): the path inside the filesystem as Ray prints it, the URI's endpoint kept
     in the filesystem, metadata written and read there, a run folder read back by Result.from_path."""
