@@ -33,10 +33,8 @@ from raysgd.torch.storage import filesystem as _fs
 from raysgd.train import retention
 from raysgd.train.checkpoint import Checkpoint, local_path
 from raysgd.train.commits import complete_checkpoints
-from typing import TYPE_CHECKING, Any, Iterable
-
-if TYPE_CHECKING:
-    from raysgd.train.config import CheckpointConfig
+from raysgd.train.config import CheckpointConfig
+from typing import Any, Iterable
 
 #: Metric keys Ray Train's ``repr(Result)`` leaves out (Ray Tune's automatic keys); ``Result.metrics`` keeps them.
 REPR_HIDDEN_KEYS = frozenset({
@@ -139,6 +137,7 @@ class Result:
             >>> result.checkpoint.path, [c.path for c, _ in result.best_checkpoints]
             ('/r/c2', ['/r/c1'])
         """
+        _check_config(checkpoint_config, "Result.from_checkpoints")
         checkpoints = list(checkpoints)
         indexed = [(index, metrics_of) for index, (_, metrics_of) in enumerate(checkpoints)]
         best = [checkpoints[index] for index, _ in retention.best(indexed, checkpoint_config)]
@@ -165,6 +164,7 @@ class Result:
                                       "pass the run folder as a URI (s3://bucket/path?endpoint_override=...)")
         expect(is_path(path), "path", "a run folder's path or URI", path, TypeError, "Result.from_path", call=True,
                typed=True)
+        _check_config(checkpoint_config, "Result.from_path")
         text = os.fspath(path)
         local = local_path(text)  # "~/runs/exp" or a relative path: read as the run's storage wrote it
         base, query = (local, "") if local is not None else (text.split("?", 1) + [""])[:2]
@@ -192,6 +192,11 @@ class Result:
         shown["checkpoint"] = self.checkpoint
         lines = ",\n".join(f"  {key}={value!r}" for key, value in shown.items())
         return f"{type(self).__name__}(\n{lines}\n)"
+
+
+def _check_config(checkpoint_config, caller):
+    expect(checkpoint_config is None or isinstance(checkpoint_config, CheckpointConfig), "checkpoint_config",
+           "None or a raysgd.train.CheckpointConfig", checkpoint_config, TypeError, caller, call=True, typed=True)
 
 
 __all__ = ["Result"]

@@ -422,6 +422,17 @@ def test_a_run_folder_named_by_a_relative_or_home_path_is_read_and_restored(tmp_
         TorchTrainer.can_restore(None)
 
 
+def test_a_result_refuses_a_checkpoint_config_that_is_no_config_naming_it(tmp_path):
+    """A dict given for checkpoint_config raised AttributeError ('dict' object has no attribute 'num_to_keep')."""
+    folder, uris = run_folder(tmp_path, {"loss": 0.5})
+    with pytest.raises(TypeError, match=r"Result.from_path\(checkpoint_config=...\) expects None or a "
+                                        r"raysgd.train.CheckpointConfig; got dict \{'num_to_keep': 1\}"):
+        Result.from_path(folder.path, checkpoint_config={"num_to_keep": 1})
+    with pytest.raises(TypeError, match=r"Result.from_checkpoints\(checkpoint_config=...\) expects None or a"):
+        Result.from_checkpoints([(Checkpoint(uris[0]), {"loss": 0.5})], path=folder.path, checkpoint_config="loss")
+    assert Result.from_path(folder.path, checkpoint_config=CheckpointConfig(1)).checkpoint == Checkpoint(uris[0])
+
+
 def test_numpy_and_nested_metrics_read_back_as_numbers_and_rank_checkpoints(tmp_path):
     """What report() writes of its metrics (reporting.plain, in the marker) reads back as reported: numpy and
     one-element tensor values as numbers, nested dicts and lists as such, so a score ranks the checkpoints."""
