@@ -105,6 +105,8 @@ class Result:
             ...
             RuntimeError: Result.get_best_checkpoint: the run kept no checkpoint (none was reported)
         """
+        expect(isinstance(metric, str), "metric", "a metric's name (str; 'a/b' for a nested one)", metric, TypeError,
+               "Result.get_best_checkpoint", call=True, typed=True)
         expect(mode in retention.ORDERS, "mode", "'max' or 'min'", mode, caller="Result.get_best_checkpoint",
                call=True)
         if not self.best_checkpoints:

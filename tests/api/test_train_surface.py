@@ -467,6 +467,9 @@ def test_result_prints_as_ray_and_finds_its_best_checkpoint(tmp_path):
         result.get_best_checkpoint("loss", "min")
     with pytest.raises(ValueError, match=r"mode=...\) expects 'max' or 'min'; got 'best'"):
         result.get_best_checkpoint("acc", "best")
+    with pytest.raises(TypeError, match=r"get_best_checkpoint\(metric=...\) expects a metric's name \(str; 'a/b' for "
+                                        r"a nested one\); got NoneType None"):  # was AttributeError: no split
+        result.get_best_checkpoint(None, "max")
     empty = Result(metrics={}, checkpoint=None, path="/r/exp")
     assert empty.metrics_dataframe is None and empty.best_checkpoints == []
     assert repr(empty) == "Result(\n  metrics={},\n  path='/r/exp',\n  filesystem='local',\n  checkpoint=None\n)"
