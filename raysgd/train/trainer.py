@@ -167,8 +167,10 @@ class TorchTrainer:
             base, query = text.split("?", 1) if "?" in text else (text, None)
             storage_path, name = base.rstrip("/").rsplit("/", 1)
             storage_path = f"{storage_path}?{query}" if query else storage_path
-        run_config = kwargs.pop("run_config", None) or RunConfig()
-        run_config = dataclasses.replace(run_config, name=name, storage_path=storage_path)
+        run_config = kwargs.pop("run_config", None)
+        expect(run_config is None or isinstance(run_config, RunConfig), "run_config",
+               "None or a raysgd.train.RunConfig", run_config, **{**_ARGUMENT, "caller": "TorchTrainer.restore"})
+        run_config = dataclasses.replace(run_config or RunConfig(), name=name, storage_path=storage_path)
         return cls(train_loop_per_worker, run_config=run_config, **kwargs)
 
     # ----------------------------------------------------------------- what callbacks read

@@ -420,6 +420,9 @@ def test_a_run_folder_named_by_a_relative_or_home_path_is_read_and_restored(tmp_
             TorchTrainer.restore(bad, lambda: None)
     with pytest.raises(TypeError, match=r"can_restore\(path=...\) expects a run folder's path or URI; got NoneType"):
         TorchTrainer.can_restore(None)
+    with pytest.raises(TypeError, match=r"TorchTrainer.restore\(run_config=...\) expects None or a "
+                                        r"raysgd.train.RunConfig; got dict"):  # was dataclasses.replace's TypeError
+        TorchTrainer.restore("exp", lambda: None, run_config={"name": "exp"})
 
 
 def test_a_result_refuses_a_checkpoint_config_that_is_no_config_naming_it(tmp_path):
