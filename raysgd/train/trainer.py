@@ -106,6 +106,12 @@ class TorchTrainer:
                "None or a raysgd.train.torch.TorchConfig", torch_config, **_ARGUMENT)
         expect(resume_from_checkpoint is None or isinstance(resume_from_checkpoint, Checkpoint),
                "resume_from_checkpoint", "None or a raysgd.train.Checkpoint", resume_from_checkpoint, **_ARGUMENT)
+        # the workers open it by its uri: a path inside a remote filesystem object has none (each worker failed)
+        expect(resume_from_checkpoint is None or resume_from_checkpoint.uri is not None, "resume_from_checkpoint",
+               "a Checkpoint the workers can open: a local directory, or made from a URI (Checkpoint('s3://bucket/"
+               "run/checkpoint_000002?region=...'))", resume_from_checkpoint,
+               **{**_ARGUMENT, "error": ValueError, "typed": False,
+                  "got": f"{resume_from_checkpoint!r}, made from a path inside a filesystem object (no URI)"})
         if dataset_config is not None:
             raise NotImplementedError("TorchTrainer(dataset_config=...) is not supported by raysgd.train: every "
                                       "dataset is split equally among the workers (streaming_split)")

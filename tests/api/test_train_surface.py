@@ -227,6 +227,23 @@ def test_get_dataset_shard_and_torch_config_take_ray_trains_argument_names_and_o
         TorchConfig(init_method="file:///tmp/rendezvous")
 
 
+def test_resume_from_a_checkpoint_without_a_uri_is_refused_before_fit(tmp_path):
+    """A Checkpoint(path, filesystem=<remote filesystem object>) has no URI: the workers were handed None to open
+    (get_checkpoint() raised TypeError on each); the constructor refuses it, naming resume_from_checkpoint."""
+    import pyarrow.fs
+
+    from raysgd.train.torch import TorchTrainer
+
+    remote = Checkpoint("ckpt", filesystem=pyarrow.fs.SubTreeFileSystem(str(tmp_path), pyarrow.fs.LocalFileSystem()))
+    assert remote.uri is None
+    with pytest.raises(ValueError, match=r"TorchTrainer\(resume_from_checkpoint=...\) expects a Checkpoint the workers "
+                                         r"can open: .*; got Checkpoint\(filesystem=subtree, path=ckpt\), made from a "
+                                         r"path inside a filesystem object \(no URI\)"):
+        TorchTrainer(lambda: None, resume_from_checkpoint=remote)
+    for fine in (Checkpoint(str(tmp_path)), Checkpoint(str(tmp_path), filesystem=pyarrow.fs.LocalFileSystem())):
+        assert TorchTrainer(lambda: None, resume_from_checkpoint=fine).resume_from_checkpoint is fine
+
+
 def test_an_empty_storage_path_is_refused_not_taken_for_the_filesystems_root(tmp_path):
     """RunConfig(storage_path="") put the run folder at "/<name>" (the filesystem's root); Ray Train refuses it."""
     with pytest.raises(ValueError, match=r"RunConfig\(storage_path=...\) expects None or a non-empty folder path or "
