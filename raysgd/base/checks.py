@@ -18,6 +18,12 @@ Example:
 import inspect
 import math
 import numbers
+import threading
+
+#: The largest ``timeout_s`` raysgd takes (``TorchTrainer``'s, ``raysgd.train.TorchConfig``'s): the longest wait a
+#: thread takes (``threading.TIMEOUT_MAX``; the process group's ``datetime.timedelta`` holds more). An infinite
+#: timeout would fail in the workers, once they had started: ``is_number(value, maximum=MAX_TIMEOUT_S)``.
+MAX_TIMEOUT_S = threading.TIMEOUT_MAX
 import os
 
 

@@ -22,11 +22,11 @@ import dataclasses
 import inspect
 import logging
 import os
-import threading
 
 import torch
 
-from raysgd.base.checks import argument_error, expect, is_int, is_number, is_one_of, is_whole, plain, takes_no_arguments
+from raysgd.base.checks import (MAX_TIMEOUT_S, argument_error, expect, is_int, is_number, is_one_of, is_whole, plain,
+                                takes_no_arguments)
 from raysgd.callbacks import check_callbacks
 from raysgd.torch.constants import BATCH_SIZE, DATA_SEED, VALID_SCHEDULER_STEP
 from raysgd.torch.operator import fsdp
@@ -57,9 +57,6 @@ DEPRECATED = {
 _warned_serialize = False
 #: ``TorchTrainer(placement_strategy=...)``: Ray's placement-group strategies.
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-#: ``TorchTrainer(timeout_s=...)``'s largest value: the longest wait a thread takes (the process group's
-#: ``datetime.timedelta`` holds more); an infinite timeout would fail in the workers, not here.
-MAX_TIMEOUT_S = threading.TIMEOUT_MAX
 
 
 def check_deprecated(kwargs: dict[str, Any]) -> None:

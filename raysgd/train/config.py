@@ -17,11 +17,10 @@ Example:
 """
 import dataclasses
 import os
-import threading
 import time
 
 from raysgd.base import environment
-from raysgd.base.checks import expect, is_int, is_number, is_path
+from raysgd.base.checks import MAX_TIMEOUT_S, expect, is_int, is_number, is_path, plain
 from raysgd.train.callback import check_callbacks
 from typing import Any
 
@@ -33,13 +32,6 @@ _MIGRATION = "See https://github.com/ray-project/ray/issues/49454 for the contex
 #: How the configs' errors name an argument and its value, as Ray Train's do: ``ScalingConfig(num_workers=...)``
 #: expects ...; got str '2'.
 _AS_CALL = {"call": True, "typed": True}
-
-
-def _python(value):
-    """A checked number as Python's ``int`` or ``float``: numpy's scalars pass the checks, but what the configs hand
-    their fields to refuses them (``datetime.timedelta`` a ``np.int64`` timeout, Ray's actor options a
-    ``np.float32`` of CPUs, the checkpoint storage a ``np.int64`` to keep)."""
-    return int(value) if is_int(value) else float(value)
 
 
 def _unsupported(owner, name, value, default, why):
@@ -114,10 +106,10 @@ class ScalingConfig:
         _unsupported("ScalingConfig", "accelerator_type", self.accelerator_type, None, why)
         _unsupported("ScalingConfig", "use_tpu", self.use_tpu, False, "raysgd trains on CPUs and CUDA GPUs")
         _unsupported("ScalingConfig", "topology", self.topology, None, "raysgd trains on CPUs and CUDA GPUs")
-        self.num_workers = _python(n) if is_int(n) else tuple(int(x) for x in n)  # numpy's, a list: Python's
+        self.num_workers = plain(n) if is_int(n) else tuple(int(x) for x in n)  # numpy's, a list: Python's
         if self.resources_per_worker is not None:
-            self.resources_per_worker = {key: _python(value) for key, value in self.resources_per_worker.items()}
-        self.num_spares, self.elastic_resize_monitor_interval_s = int(self.num_spares), _python(interval)
+            self.resources_per_worker = {key: plain(value) for key, value in self.resources_per_worker.items()}
+        self.num_spares, self.elastic_resize_monitor_interval_s = int(self.num_spares), plain(interval)
         gpus = self.num_gpus_per_worker
         if self.resources_per_worker and not self.use_gpu and gpus > 0:
             raise ValueError("ScalingConfig: `use_gpu` is False but `GPU` was found in `resources_per_worker`. "
@@ -387,7 +379,7 @@ class TorchConfig:
                "group its own way with either)", self.init_method, ValueError, "TorchConfig", **_AS_CALL)
         expect(is_number(self.timeout_s, above=0), "timeout_s", "a number of seconds > 0", self.timeout_s, TypeError,
                "TorchConfig", **_AS_CALL)
-        expect(self.timeout_s <= threading.TIMEOUT_MAX, "timeout_s", f"a finite number of seconds (at most "
-               f"{threading.TIMEOUT_MAX:.0f}: the process group's timeout is a datetime.timedelta)", self.timeout_s,
+        expect(is_number(self.timeout_s, maximum=MAX_TIMEOUT_S), "timeout_s", f"a finite number of seconds (at most "
+               f"{MAX_TIMEOUT_S:.0f}: the process group's timeout is a datetime.timedelta)", self.timeout_s,
                ValueError, "TorchConfig", **_AS_CALL)
-        self.timeout_s = _python(self.timeout_s)  # a np.int64: datetime.timedelta refuses it
+        self.timeout_s = plain(self.timeout_s)  # a np.int64: datetime.timedelta refuses it
