@@ -63,7 +63,7 @@ def crc_of(fs, path):
 def check_files(fs, directory, marker):
     """``(total bytes, problem or None)``: every file the marker lists (the state file, a sharded state's parts)
     checked against its size and CRC-32."""
-    listed = [(filesystem.STATE_FILE, marker.get("size"), marker.get("crc32"))]
+    listed = [(filesystem.state_file_of(marker), marker.get("size"), marker.get("crc32"))]
     listed += [(name, *entry) for name, entry in sorted((marker.get("parts") or {}).items())]
     total = 0
     for name, size, crc in listed:
@@ -113,7 +113,8 @@ def inspect_folder(fs, directory, name):
     if problem is not None:
         return {**found, "status": "damaged", "detail": f"{problem}: it cannot be resumed from or exported"}
     try:
-        state = describe_state(load_head(fs, f"{directory}/{filesystem.STATE_FILE}"), marker.get("parts"))
+        head = load_head(fs, f"{directory}/{filesystem.state_file_of(marker)}")
+        state = describe_state(head, marker.get("parts"))
     except Exception as err:  # noqa: BLE001 (its bytes are as written: a state a safe load refuses still counts)
         return {**found, "status": "ok", "detail": f"the state does not load safely ({type(err).__name__}: "
                                                    f"{str(err).splitlines()[0][:200]}): step and workers unknown"}
@@ -137,6 +138,10 @@ def inspect_file(found):
             raise paths.NotACheckpoint(f"{str(err).splitlines()[0]}; {paths.EXPECTED}") from err
         size = os.path.getsize(found.path) if found.fs is None else None
         return {"checkpoint": name, "size": size, "status": "damaged", "detail": str(err).splitlines()[0]}
+    if state_files.is_sharded_head(state):  # save() writes a sharded state as a folder with its marker, always
+        return {"checkpoint": name, **describe_state(state), "size": size, "status": "incomplete",
+                "detail": f"the head of a sharded (FSDP) state without the {filesystem.MARKER_FILE} of its folder "
+                          f"(which lists its parts): a save that did not finish, or the file alone"}
     return {"checkpoint": name, **describe_state(state), "size": size, "reason": "save", "status": "ok",
             "detail": "no marker, so no CRC: checked by loading it"}
 

@@ -5,8 +5,9 @@ Part of :mod:`raysgd.cli`; needs ``safetensors`` (``pip install "raysgd[export]"
 (``storage_path``'s ``checkpoint_NNNNNN``, or what ``save()`` writes under ``strategy="fsdp"``), a run folder (its
 newest checkpoint that passes the CRC-32 check; a damaged newer one is named and skipped), or a file ``save()``
 wrote. A folder is checked against its marker first (:mod:`raysgd.cli.checkpoints`): a damaged checkpoint is never
-exported. A sharded (FSDP) state is consolidated from its parts (:func:`raysgd.torch.storage.dcp_files.consolidate`);
-a whole (DDP) state is read as it is. Loads are safe (``weights_only=True``) unless ``--trust``.
+exported. A sharded (FSDP) state is consolidated from its parts by the DCP metadata of the state file its marker
+names (:func:`models_in`: the save the marker names, never a newer one a killed save left); a whole (DDP) state is
+read as it is. Loads are safe (``weights_only=True``) unless ``--trust``.
 
 With one model the keys are the model's own (``model.load_state_dict(safetensors.torch.load_file(OUT))``); with
 several, each key starts with the model's index (``0.weight``, ``1.weight``), or ``--model I`` exports model ``I``
@@ -30,6 +31,7 @@ from raysgd.base.checks import expect
 from raysgd.base.durable_files import fsync_directory
 from raysgd.cli import checkpoints, paths
 from raysgd.torch.errors import CheckpointError
+from raysgd.torch.state import checkpoint as state_files
 from raysgd.torch.storage import filesystem
 
 FEATURE = "raysgd export (safetensors files)"
@@ -83,22 +85,40 @@ def load_models(path, trust=False):
         if row["status"] != "ok":
             raise CheckpointError(f"{path!r} cannot be exported: {row['status']}: {row['detail']}")
     marker = filesystem.checked_marker(found.fs, directory)
-    if marker.get("parts"):  # sharded: the parts hold the models, consolidated into whole tensors here
-        from raysgd.torch.storage import dcp_files  # noqa: PLC0415 (DCP's import: 1.2 s, for sharded states only)
-
-        uri = found.path if found.kind == "checkpoint" else found.uri(row["checkpoint"])
-        return dcp_files.consolidate(uri, weights_only=not trust)["models"], row
-    return models_in(found.fs, f"{directory}/{filesystem.STATE_FILE}", trust), row
+    return models_in(found.fs, f"{directory}/{filesystem.state_file_of(marker)}", trust, marker), row
 
 
-def models_in(fs, path, trust):
-    """The models of the whole state in the file ``path`` (memory-mapped when local); a state a safe load refuses is a
-    :class:`~raysgd.torch.errors.CheckpointError` saying ``--trust`` loads it."""
+def models_in(fs, path, trust, marker=None):
+    """The models of the state in the file ``path`` (memory-mapped when local). A sharded state's file (the head of a
+    checkpoint folder whose ``marker`` lists its parts) is consolidated into whole tensors from the parts by the DCP
+    metadata it holds: the save the marker names, each part checked against the marker's size and CRC-32 (never
+    DCP's ``.metadata`` file, which a save killed before its marker may have left naming newer parts). A state a safe
+    load refuses is a :class:`~raysgd.torch.errors.CheckpointError` saying ``--trust`` loads it; so is a sharded
+    state's head without its folder's marker (its parts unchecked).
+
+    Example:
+        >>> models_in(None, "run/checkpoint_000002/trainer.checkpoint", trust=False)[0]["weight"]  # doctest: +SKIP
+        tensor([[0.5000]])
+    """
     try:
-        return checkpoints.load_head(fs, path, weights_only=not trust)["models"]
+        state = checkpoints.load_head(fs, path, weights_only=not trust)
     except pickle.UnpicklingError as err:
         raise CheckpointError(f"{path!r} holds objects that a safe load (weights_only=True) refuses: if you trust the "
                               f"checkpoint, pass --trust. Detail: {str(err).splitlines()[0]}") from err
+    if not state_files.is_sharded_head(state):
+        return state["models"]
+    if not (marker or {}).get("parts"):
+        raise CheckpointError(f"{path!r} is the head of a sharded (FSDP) state, whose models are in the parts of its "
+                              f"checkpoint folder: expected that folder with its {filesystem.MARKER_FILE} (which "
+                              f"checks the parts); got the head without it (a save that did not finish, or the file "
+                              f"alone)")
+    from raysgd.torch.state import sharded  # noqa: PLC0415 (DCP's import: 1.2 s, for sharded states only)
+
+    directory = path.rsplit("/", 1)[0]
+    filesystem_ = fs if fs is not None else filesystem.resolve(directory)[0]
+    return sharded.consolidate_parts(
+        state["metadata"], lambda name: filesystem.read_state_file(filesystem_, directory, marker, name),
+        weights_only=not trust, layout=state.get("layout"))["models"]
 
 
 def flatten(models, index=None):

@@ -5,7 +5,8 @@ Part of :mod:`raysgd.cli`. A local path or a URI (``s3://bucket/run``; through
 
 - ``run``: ``TorchTrainer(storage_path=...)``'s folder: ``checkpoint_NNNNNN/`` folders, each complete once its
   ``checkpoint.json`` marker is written (:mod:`raysgd.torch.storage.filesystem`);
-- ``checkpoint``: one such folder (also what ``save()`` writes under ``strategy="fsdp"``);
+- ``checkpoint``: one such folder (also what ``save()`` writes under ``strategy="fsdp"``), or the state file its
+  marker checks (``trainer.checkpoint``: then the folder is what is listed and exported);
 - ``file``: a file ``TorchTrainer.save()`` wrote (or a folder holding only its ``trainer.checkpoint``);
 - ``train-run`` / ``train-checkpoint``: a ``raysgd.train`` run folder (``storage_path/name``) or one of its
   checkpoints (:mod:`raysgd.cli.train_folders`).
@@ -58,6 +59,17 @@ class Found:
         return "/".join([base.rstrip("/"), *names]) + mark + query
 
 
+def parent(text):
+    """The folder holding the path or URI ``text`` (a URI's query options kept at its end).
+
+    Example:
+        >>> parent("s3://bucket/run/checkpoint_000002/trainer.checkpoint?scheme=http")
+        's3://bucket/run/checkpoint_000002?scheme=http'
+    """
+    base, mark, query = text.partition("?") if "://" in text else (text, "", "")
+    return base.rstrip("/").rsplit("/", 1)[0] + mark + query
+
+
 def is_checkpoint_name(name):
     """Whether ``name`` is a checkpoint folder's name (``checkpoint_000003``)."""
     return name.startswith(filesystem.PREFIX) and name[len(filesystem.PREFIX):].isdigit()
@@ -77,6 +89,10 @@ def locate(path):
     text = os.fspath(path)
     if "://" not in text:
         if os.path.isfile(text):
+            folder = os.path.dirname(text) or "."
+            if os.path.basename(text) in filesystem.STATE_FILES and \
+                    os.path.isfile(os.path.join(folder, filesystem.MARKER_FILE)):
+                return locate(folder)  # a checkpoint folder's state file: the folder, checked against its marker
             return Found("file", text)
         if not os.path.exists(text):
             raise NotACheckpoint(f"{text!r} does not exist: {EXPECTED}")
@@ -85,6 +101,10 @@ def locate(path):
     if info.type == filesystem.pafs.FileType.NotFound:
         raise NotACheckpoint(f"{text!r} does not exist: {EXPECTED}")
     if info.type == filesystem.pafs.FileType.File:
+        folder = fs_path.rsplit("/", 1)[0]
+        if info.base_name in filesystem.STATE_FILES and \
+                fs.get_file_info(f"{folder}/{filesystem.MARKER_FILE}").type == filesystem.pafs.FileType.File:
+            return Found("checkpoint", parent(text), fs, folder)  # a checkpoint folder's state file: the folder
         return Found("file", text, fs, fs_path)
     inside = children(fs, fs_path)
     if filesystem.MARKER_FILE in inside:

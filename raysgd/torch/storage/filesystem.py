@@ -262,12 +262,23 @@ def checked_marker(filesystem, directory):
     return marker
 
 
+def state_file_of(marker):
+    """The name of the state file a checkpoint's ``marker`` names: ``trainer.checkpoint``, or the other of
+    :data:`STATE_FILES` for a sharded state saved over an existing one (see :func:`checked_marker`).
+
+    Example:
+        >>> state_file_of({"file": "trainer.1.checkpoint"}), state_file_of({})
+        ('trainer.1.checkpoint', 'trainer.checkpoint')
+    """
+    return marker.get("file", STATE_FILE)
+
+
 def read_state_file(filesystem, directory, marker, name=None):
     """The state file the marker names (or, with ``name``, a sharded state's part that ``marker["parts"]`` lists)
     of ``directory``, checked against the marker's size and CRC-32 (not loaded); :class:`DamagedCheckpoint` when it
     is missing or does not match."""
-    if name is None or name == marker.get("file", STATE_FILE):
-        name = marker.get("file", STATE_FILE)
+    if name is None or name == state_file_of(marker):
+        name = state_file_of(marker)
         size, crc32 = marker.get("size"), marker.get("crc32")
     else:
         listed = (marker.get("parts") or {}).get(name)

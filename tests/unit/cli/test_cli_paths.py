@@ -1,0 +1,111 @@
+"""The ``raysgd`` command's checkpoints and export on folders written in this process: no Ray cluster, no subprocess.
+
+The command runs as its entry point's function (``raysgd.cli.main``) with its output captured. A whole state's run
+folder is written by :class:`~raysgd.torch.storage.filesystem.CheckpointStorage`; a sharded (FSDP) state's folder by
+:class:`LocalShardedSave`, which writes one rank's DCP part, the head and ``.metadata`` as ``save()`` does under
+``strategy="fsdp"`` (a save over an existing one takes the other set of names: ``__0_1.distcp``,
+``trainer.1.checkpoint``), then the marker, through the same ``write_checkpoint_dir``.
+"""
+import json
+import os
+
+import torch
+from safetensors.torch import load_file
+
+from raysgd import cli
+from raysgd.torch.state import dcp_blobs, sharded
+from raysgd.torch.state.checkpoint import state_to_bytes
+from raysgd.torch.storage import dcp_files, filesystem, parts
+
+
+class LocalShardedSave:
+    """A one-rank sharded state (one model whose weight is ``weight``) written into a checkpoint folder in this
+    process, in the set of names its existing marker does not use; ``write_checkpoint_dir`` writes the marker."""
+
+    def __init__(self, weight, epoch):
+        self.weight, self.epoch = weight, epoch
+
+    def write_to(self, directory, name):
+        fs, _ = filesystem.resolve(directory)
+        try:
+            generation = 1 - filesystem.read_marker(fs, directory).get("generation", 0)
+        except filesystem.DamagedCheckpoint:
+            generation = 0
+        part = sharded.save_parts({"models": [{"weight": self.weight}], "optimizers": [{}]})
+        file = parts.part_file(0, generation)
+        metadata = dcp_blobs.renamed_files(part.metadata, {part.file_name: file})
+        written = dcp_files.write_file(fs, f"{directory}/{file}", part.blob)
+        head = {"rest": {"epoch": self.epoch, "global_step": 2 * self.epoch, "sharded": True},
+                "metadata": bytes(metadata), "layout": part.layout}
+        head_file = filesystem.STATE_FILES[generation]
+        size, crc32 = filesystem.write_state_file(fs, f"{directory}/{head_file}", state_to_bytes(head))
+        dcp_files.write_file(fs, f"{directory}/{parts.DCP_METADATA}", metadata)
+        return size, crc32, {"parts": {file: list(written)}, "file": head_file, "generation": generation}
+
+    def after_marker(self, directory, marker):
+        named = {marker["file"], *marker["parts"]}
+        for name in os.listdir(directory):
+            if name.startswith(("__", "trainer")) and name not in named:
+                os.unlink(os.path.join(directory, name))
+
+
+def save_sharded(folder, value, epoch):
+    """What ``save(folder)`` writes under ``strategy="fsdp"`` for a model whose weight is ``value`` everywhere."""
+    fs, directory = filesystem.resolve(folder)
+    filesystem.write_checkpoint_dir(fs, directory, LocalShardedSave(torch.full((2,), float(value)), epoch),
+                                    {"reason": "save", "epoch": epoch})
+
+
+def whole_run(folder, epochs=2):
+    """A run folder of whole (DDP) states, one checkpoint per epoch, the model's weight the epoch's number."""
+    store = filesystem.CheckpointStorage(str(folder), num_to_keep=None)
+    for epoch in range(1, epochs + 1):
+        state = {"epoch": epoch, "global_step": 2 * epoch, "operator": None, "optimizers": [{}],
+                 "models": [{"weight": torch.full((2,), float(epoch))}]}
+        store.write(state_to_bytes(state), {"epoch": epoch, "reason": "train"})
+    return store
+
+
+def command(capsys, *args):
+    """``(exit status, stdout, stderr)`` of ``raysgd args...`` run in this process."""
+    code = cli.main([str(arg) for arg in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_an_fsdp_checkpoint_saved_over_an_older_one_is_listed_ok_and_exported(tmp_path, capsys):
+    folder = tmp_path / "fsdp saved é"
+    save_sharded(folder, 1, epoch=1)
+    save_sharded(folder, 3, epoch=3)  # the other set of names: trainer.1.checkpoint, __0_1.distcp
+    assert "trainer.checkpoint" not in os.listdir(folder)
+    code, out, err = command(capsys, "checkpoints", folder, "--json")
+    row = json.loads(out)
+    assert code == 0 and row["status"] == "ok", out + err
+    assert (row["epoch"], row["step"], row["workers"], row["strategy"]) == (3, 6, 1, "fsdp"), row
+    for path in (folder, folder / "trainer.1.checkpoint"):  # the folder, or the state file its marker names
+        target = tmp_path / "model.safetensors"
+        code, out, err = command(capsys, "export", path, target, "--overwrite")
+        assert code == 0 and "(epoch 3, step 6)" in out, err
+        assert torch.equal(load_file(str(target))["weight"], torch.full((2,), 3.0))
+
+
+def test_export_reads_the_save_the_marker_names_not_a_newer_unfinished_one(tmp_path, capsys):
+    folder = tmp_path / "fsdp"
+    save_sharded(folder, 1, epoch=1)
+    LocalShardedSave(torch.full((2,), 2.0), 2).write_to(str(folder), filesystem.STATE_FILE)  # killed before its marker
+    target = tmp_path / "model.safetensors"
+    code, out, err = command(capsys, "export", folder, target)
+    assert code == 0 and "(epoch 1, step 2)" in out, err
+    assert torch.equal(load_file(str(target))["weight"], torch.ones(2))  # epoch 1's weights, as the marker says
+
+
+def test_a_sharded_head_without_its_marker_is_incomplete_and_not_exported(tmp_path, capsys):
+    folder = tmp_path / "fsdp"
+    folder.mkdir()
+    LocalShardedSave(torch.ones(2), 1).write_to(str(folder), filesystem.STATE_FILE)  # the first save, killed
+    code, out, err = command(capsys, "checkpoints", folder)
+    assert code == 0 and "1 checkpoint(s): 1 incomplete" in out and "a save that did not finish" in out, out + err
+    target = tmp_path / "model.safetensors"
+    code, out, err = command(capsys, "export", folder, target)
+    assert code == 2 and err.startswith("raysgd export: error: ") and "a save that did not finish" in err, err
+    assert "Traceback" not in err and not target.exists()
