@@ -22,7 +22,7 @@ import sys
 
 import raysgd
 from raysgd.cli import checkpoints, export, run
-from raysgd.cli.paths import NotACheckpoint
+from raysgd.cli.paths import BadArgument, NotACheckpoint
 from raysgd.optional import MissingExtra
 from raysgd.torch.errors import CheckpointError
 
@@ -58,6 +58,6 @@ def main(argv=None):
         return run.main(options) or 0
     try:
         return COMMANDS[options.command].main(options) or 0
-    except (NotACheckpoint, CheckpointError, MissingExtra, FileExistsError) as err:
+    except (NotACheckpoint, BadArgument, CheckpointError, MissingExtra, FileExistsError) as err:
         sys.stderr.write(f"raysgd {options.command}: error: {err}\n")
         return 2

@@ -12,8 +12,8 @@ read as it is. Loads are safe (``weights_only=True``) unless ``--trust``.
 With one model the keys are the model's own (``model.load_state_dict(safetensors.torch.load_file(OUT))``); with
 several, each key starts with the model's index (``0.weight``, ``1.weight``), or ``--model I`` exports model ``I``
 alone. The file's metadata records the source, its epoch and step. Tensors sharing memory (tied weights) are
-written once each under every key. ``OUT`` is written atomically (a temporary file, then a rename); an existing
-``OUT`` is kept unless ``--overwrite``.
+written once each under every key. ``OUT`` is a local file path (not a folder, not a URI), checked before anything is
+read, and written atomically (a temporary file, then a rename); an existing ``OUT`` is kept unless ``--overwrite``.
 
 Example:
     $ raysgd export /data/runs/mnist model.safetensors
@@ -27,7 +27,7 @@ import uuid
 import torch
 
 from raysgd import optional
-from raysgd.base.checks import expect
+from raysgd.base.checks import argument_error, expect
 from raysgd.base.durable_files import fsync_directory
 from raysgd.cli import checkpoints, paths
 from raysgd.torch.errors import CheckpointError
@@ -127,7 +127,7 @@ def flatten(models, index=None):
     models = list(models.values()) if isinstance(models, dict) else list(models)
     if index is not None:
         expect(0 <= index < len(models), "--model", f"an index below {len(models)} (the checkpoint holds "
-               f"{len(models)} model(s))", index)
+               f"{len(models)} model(s))", index, paths.BadArgument)
         chosen = {"": models[index]}
     else:
         chosen = {"" if len(models) == 1 else f"{i}.": state for i, state in enumerate(models)}
@@ -155,20 +155,44 @@ def writable(tensors):
     return ready
 
 
-def write(tensors, out, metadata, overwrite=False):
-    """Write ``tensors`` to ``out`` atomically (a temporary file renamed); ``FileExistsError`` unless ``overwrite``."""
-    save_file = optional.require("safetensors.torch", FEATURE, extra="export").save_file
+def check_out(out, overwrite=False):
+    """Check the ``OUT`` argument before anything is read: a local file path (no URI, no folder), not an existing file
+    unless ``overwrite``; :class:`~raysgd.cli.paths.BadArgument` or ``FileExistsError`` naming it otherwise.
+
+    Example:
+        >>> check_out("s3://bucket/model.safetensors")
+        Traceback (most recent call last):
+        ...
+        raysgd.cli.paths.BadArgument: OUT expects the path of a local file to write ...
+    """
+    expected = "the path of a local file to write (such as model.safetensors)"
+    if "://" in out:
+        raise argument_error("OUT", expected, out, paths.BadArgument,
+                             got=f"{out!r}, a URI (export writes a local file: copy it to the object store after)")
+    if out.endswith(("/", os.sep)) or os.path.isdir(out):
+        raise argument_error("OUT", expected, out, paths.BadArgument, got=f"{out!r}, a folder")
     if os.path.exists(out) and not overwrite:
         raise FileExistsError(f"OUT {out!r} exists: pass --overwrite to replace it, or another path")
+
+
+def write(tensors, out, metadata, overwrite=False):
+    """Write ``tensors`` to ``out`` atomically (a temporary file renamed); ``FileExistsError`` unless ``overwrite``,
+    :class:`~raysgd.cli.paths.BadArgument` for an ``out`` that is no file path or cannot be written (see
+    :func:`check_out`)."""
+    save_file = optional.require("safetensors.torch", FEATURE, extra="export").save_file
+    check_out(out, overwrite)
     folder = os.path.dirname(os.path.abspath(out))
-    os.makedirs(folder, exist_ok=True)
     temporary = os.path.join(folder, f".{os.path.basename(out)}.{uuid.uuid4().hex[:12]}.tmp")
     try:
+        os.makedirs(folder, exist_ok=True)
         save_file(tensors, temporary, metadata=metadata)
         os.replace(temporary, out)
-    except BaseException:
+    except BaseException as err:
         if os.path.exists(temporary):
             os.unlink(temporary)
+        if isinstance(err, OSError):
+            raise argument_error("OUT", "the path of a file this process can write", out, paths.BadArgument,
+                                 got=f"{out!r}: {type(err).__name__}: {err}") from err
         raise
     fsync_directory(folder)
 
@@ -177,6 +201,7 @@ def main(options, out=None):
     """Export ``options.path``'s models to ``options.out``; says what it wrote on ``out`` (stdout)."""
     out = sys.stdout if out is None else out
     optional.require("safetensors.torch", FEATURE, extra="export")  # before any checkpoint is read
+    check_out(options.out, options.overwrite)  # so is OUT
     models, row = load_models(options.path, trust=options.trust)
     tensors, skipped, count = flatten(models, options.model)
     metadata = {"format": "pt", "raysgd.source": f"{options.path} ({row['checkpoint']})",

@@ -34,6 +34,18 @@ class NotACheckpoint(ValueError):
     """A path given to the ``raysgd`` command is no raysgd run folder, checkpoint or checkpoint file."""
 
 
+class BadArgument(ValueError):
+    """An argument of the ``raysgd`` command is not what the command expects; the message names the argument, what
+    it expects and what it was given.
+
+    Example:
+        >>> raise BadArgument("--model expects an index below 1 (the checkpoint holds 1 model(s)); got 3")
+        Traceback (most recent call last):
+        ...
+        raysgd.cli.paths.BadArgument: --model expects an index below 1 (the checkpoint holds 1 model(s)); got 3
+    """
+
+
 @dataclasses.dataclass
 class Found:
     """A located path: ``kind`` (see the module docstring), the path as given, and for a folder its filesystem and

@@ -9,6 +9,7 @@ folder is written by :class:`~raysgd.torch.storage.filesystem.CheckpointStorage`
 import json
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -109,3 +110,29 @@ def test_a_sharded_head_without_its_marker_is_incomplete_and_not_exported(tmp_pa
     code, out, err = command(capsys, "export", folder, target)
     assert code == 2 and err.startswith("raysgd export: error: ") and "a save that did not finish" in err, err
     assert "Traceback" not in err and not target.exists()
+
+
+@pytest.mark.parametrize("out, said", [
+    ("folder", "got '{tmp}/folder', a folder"), ("new/", "got 'new/', a folder"),
+    ("s3://bucket/model.safetensors", "got 's3://bucket/model.safetensors', a URI"),
+    ("notes.txt/model.safetensors", "got 'notes.txt/model.safetensors': FileExistsError: ")])
+def test_an_out_that_is_no_file_to_write_is_refused_naming_it(tmp_path, capsys, monkeypatch, out, said):
+    whole_run(tmp_path / "run")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "notes.txt").write_text("epoch 1 went well")
+    monkeypatch.chdir(tmp_path)
+    out = out.replace("folder", str(tmp_path / "folder")) if out == "folder" else out
+    before = sorted(os.listdir(tmp_path))
+    code, _, err = command(capsys, "export", tmp_path / "run", out, "--overwrite")
+    assert code == 2 and err.startswith("raysgd export: error: OUT expects "), err
+    assert said.format(tmp=tmp_path) in err and "Traceback" not in err, err
+    assert sorted(os.listdir(tmp_path)) == before and os.listdir(tmp_path / "folder") == []  # nothing written
+
+
+def test_a_model_index_out_of_range_is_refused_naming_it(tmp_path, capsys):
+    whole_run(tmp_path / "run")
+    for index in ("1", "-1"):
+        code, _, err = command(capsys, "export", tmp_path / "run", tmp_path / "model.safetensors", "--model", index)
+        assert code == 2 and err == (f"raysgd export: error: --model expects an index below 1 (the checkpoint holds "
+                                     f"1 model(s)); got {index}\n"), err
+    assert not (tmp_path / "model.safetensors").exists()
