@@ -155,9 +155,9 @@ def rows(found):
     if found.kind == "train-checkpoint":
         parent, name = found.fs_path.rsplit("/", 1)
         return train_folders.rows(found.fs, parent, [name])
-    names = sorted(name for name in paths.children(found.fs, found.fs_path) if paths.is_checkpoint_name(name))
     if found.kind == "train-run":
-        return train_folders.rows(found.fs, found.fs_path, names)
+        return train_folders.rows(found.fs, found.fs_path, train_folders.checkpoint_names(found.path))
+    names = sorted(name for name in paths.children(found.fs, found.fs_path) if paths.is_checkpoint_name(name))
     return [inspect_folder(found.fs, found.join(name), name) for name in names]
 
 

@@ -8,8 +8,9 @@ Part of :mod:`raysgd.cli`. A local path or a URI (``s3://bucket/run``; through
 - ``checkpoint``: one such folder (also what ``save()`` writes under ``strategy="fsdp"``), or the state file its
   marker checks (``trainer.checkpoint``: then the folder is what is listed and exported);
 - ``file``: a file ``TorchTrainer.save()`` wrote (or a folder holding only its ``trainer.checkpoint``);
-- ``train-run`` / ``train-checkpoint``: a ``raysgd.train`` run folder (``storage_path/name``) or one of its
-  checkpoints (:mod:`raysgd.cli.train_folders`).
+- ``train-run`` / ``train-checkpoint``: a ``raysgd.train`` run folder (``storage_path/name``: its checkpoints
+  ``checkpoint_NNNNNN`` or named by ``report(checkpoint_dir_name=...)``) or one of its checkpoints
+  (:mod:`raysgd.cli.train_folders`).
 
 Anything else raises :class:`NotACheckpoint` saying what was expected and what was found.
 
@@ -126,12 +127,22 @@ def locate(path):
     if filesystem.STATE_FILE in inside:  # a folder holding the file save() wrote
         return Found("file", text.rstrip("/") + "/" + filesystem.STATE_FILE, fs, fs_path + "/" + filesystem.STATE_FILE)
     folders = sorted(name for name, entry in inside.items()
-                     if entry.type == filesystem.pafs.FileType.Directory and is_checkpoint_name(name))
-    if folders:
-        train = any(train_folders.MARKER in children(fs, f"{fs_path}/{name}") for name in folders)
-        return Found("train-run" if train else "run", text, fs, fs_path)
-    runs = sorted(name for name, entry in inside.items() if entry.type == filesystem.pafs.FileType.Directory
-                  and any(is_checkpoint_name(child) for child in children(fs, f"{fs_path}/{name}")))
+                     if entry.type == filesystem.pafs.FileType.Directory and not name.startswith("."))
+    listings: dict = {}
+
+    def inner(name):  # each subfolder listed once, when first asked
+        if name not in listings:
+            listings[name] = children(fs, f"{fs_path}/{name}")
+        return listings[name]
+
+    numbered = [name for name in folders if is_checkpoint_name(name)]
+    # raysgd.train's checkpoints: checkpoint_NNNNNN, or the name report(checkpoint_dir_name=...) gave, with its marker
+    if any(train_folders.MARKER in inner(name) for name in numbered) or \
+            any(train_folders.MARKER in inner(name) for name in folders if not is_checkpoint_name(name)):
+        return Found("train-run", text, fs, fs_path)
+    if numbered:
+        return Found("run", text, fs, fs_path)
+    runs = [name for name in folders if any(is_checkpoint_name(child) for child in inner(name))]
     if runs:
         raise NotACheckpoint(f"{text!r} holds run folders ({', '.join(runs[:5])}{', ...' if len(runs) > 5 else ''}): "
                              f"pass one of them, e.g. {text.rstrip('/')}/{runs[0]}")

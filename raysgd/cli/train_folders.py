@@ -30,6 +30,20 @@ def row(marker, name, size):
             "reason": "report", "status": "complete", "detail": f"{len(marker.get('files') or {})} file(s) checked"}
 
 
+def checkpoint_names(path):
+    """The names of the checkpoint folders of the run folder ``path`` (a local path or a URI), oldest first:
+    ``checkpoint_NNNNNN`` (complete or not) and those named by ``report(checkpoint_dir_name=...)`` (ordered by their
+    marker's index; one without a readable marker is no checkpoint of the run).
+
+    Example:
+        >>> import tempfile
+        >>> checkpoint_names(tempfile.mkdtemp())
+        []
+    """
+    storage = filesystem.CheckpointStorage(path, None, marker=MARKER)
+    return [directory.rsplit("/", 1)[-1] for _, directory in storage.list()]
+
+
 def rows(fs, run_path, names):
     """The rows of the checkpoint folders ``names`` under ``run_path`` (oldest first)."""
     found = []

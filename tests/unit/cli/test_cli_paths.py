@@ -8,6 +8,7 @@ folder is written by :class:`~raysgd.torch.storage.filesystem.CheckpointStorage`
 """
 import json
 import os
+import zlib
 
 import pytest
 import torch
@@ -136,3 +137,33 @@ def test_a_model_index_out_of_range_is_refused_naming_it(tmp_path, capsys):
         assert code == 2 and err == (f"raysgd export: error: --model expects an index below 1 (the checkpoint holds "
                                      f"1 model(s)); got {index}\n"), err
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def reported(run, name, index, step):
+    """A checkpoint folder as ``raysgd.train.report(..., checkpoint_dir_name=name)`` leaves it: the function's file
+    and the marker (written last) listing it with its size and CRC-32, the metrics and the checkpoint's index."""
+    folder = run / name
+    folder.mkdir(parents=True)
+    data = f"weights of step {step}".encode()
+    (folder / "weights.pt").write_bytes(data)
+    fs, directory = filesystem.resolve(str(folder))
+    filesystem.write_marker(fs, directory, {"weights.pt": [len(data), zlib.crc32(data)]},
+                            {"kind": "report", "index": index, "metrics": {"epoch": index, "step": step},
+                             "world_size": 1}, name=filesystem.REPORT_MARKER)
+
+
+def test_a_train_runs_checkpoints_named_by_the_function_are_listed_in_order(tmp_path, capsys):
+    run = tmp_path / "train" / "fn"
+    reported(run, "best", 1, 4)  # report(..., checkpoint_dir_name="best")
+    code, out, err = command(capsys, "checkpoints", run, "--json")
+    assert code == 0 and [json.loads(line)["checkpoint"] for line in out.splitlines()] == ["best"], out + err
+    reported(run, "checkpoint_000002", 2, 8)
+    reported(run, "a later one", 3, 12)
+    (run / "checkpoint_000004").mkdir()  # a copy that did not finish
+    code, out, err = command(capsys, "checkpoints", run, "--json")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and [(row["checkpoint"], row.get("step"), row["status"]) for row in rows] == [
+        ("best", 4, "complete"), ("checkpoint_000002", 8, "complete"), ("a later one", 12, "complete"),
+        ("checkpoint_000004", None, "incomplete")], rows
+    code, _, err = command(capsys, "export", run, tmp_path / "model.safetensors")
+    assert code == 2 and "is a raysgd.train run folder" in err, err
