@@ -99,7 +99,7 @@ def children(fs, path):
 
 def locate(path):
     """The :class:`Found` that ``path`` is; :class:`NotACheckpoint` otherwise (see the module docstring)."""
-    text = os.fspath(path)
+    text = filesystem.expand_path(path)
     if "://" not in text:
         if os.path.isfile(text):
             folder = os.path.dirname(text) or "."

@@ -135,8 +135,9 @@ def checked_stream(state, weights_only=True):
 
 
 def save_state(state, path):
-    """Write ``state`` to ``path`` atomically: a crash mid-write leaves any older file at ``path`` intact."""
-    path = os.fspath(path)
+    """Write ``state`` to ``path`` (``~`` expanded) atomically: a crash mid-write leaves any older file at ``path``
+    intact. Returns the path written."""
+    path = os.path.expanduser(os.fspath(path))
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f"{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")
@@ -161,9 +162,9 @@ def load_state(path, weights_only=True):
 
     With ``weights_only=True`` (the default) the file can hold only tensors, numbers, strings and
     containers, so loading it cannot run code. Pass ``weights_only=False`` only for files you trust
-    whose operator state needs arbitrary pickled objects.
+    whose operator state needs arbitrary pickled objects. A path's ``~`` is expanded, as ``save_state`` does.
     """
-    path = os.fspath(path)
+    path = os.path.expanduser(os.fspath(path))
     if os.path.isdir(path):
         raise CheckpointError(f"checkpoint file {path!r} is a directory: pass the file save() wrote (a checkpoint "
                               f"directory of storage_path or Tune loads with TorchTrainer.load)")

@@ -76,6 +76,19 @@ class DamagedCheckpoint(CheckpointError):
     """A checkpoint directory that is incomplete or whose state file does not match its marker."""
 
 
+def expand_path(path):
+    """``path`` (a str or ``os.PathLike``) as text, a local path's ``~`` expanded (a URI as it is): how raysgd reads
+    every checkpoint path, so ``~/ckpt`` is the same place for ``storage_path``, ``save()``, ``load()`` and the
+    ``raysgd`` command (never a folder named ``~`` in the working directory).
+
+    Example:
+        >>> expand_path("~/run") == os.path.join(os.path.expanduser("~"), "run"), expand_path("s3://b/~x")
+        (True, 's3://b/~x')
+    """
+    text = os.fspath(path)
+    return text if "://" in text else os.path.expanduser(text)
+
+
 def resolve(storage_path):
     """``(filesystem, path)`` for a folder path or a URI (``s3://``, ``gs://``, ``hdfs://``, ``file://``).
 
@@ -230,7 +243,7 @@ def read_path(path, weights_only=True):
         ...
         raysgd.torch.errors.CheckpointError: checkpoint path '/tmp' is a directory without checkpoint.json ...
     """
-    text = os.fspath(path)
+    text = expand_path(path)
     if "://" in text or os.path.isfile(os.path.join(text, MARKER_FILE)):
         filesystem, directory = resolve(text)
         return read_checkpoint_dir(filesystem, directory, weights_only=weights_only)[0]

@@ -167,3 +167,12 @@ def test_a_train_runs_checkpoints_named_by_the_function_are_listed_in_order(tmp_
         ("checkpoint_000004", None, "incomplete")], rows
     code, _, err = command(capsys, "export", run, tmp_path / "model.safetensors")
     assert code == 2 and "is a raysgd.train run folder" in err, err
+
+
+def test_a_tilde_path_is_the_home_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    whole_run(tmp_path / "runs" / "mnist")
+    code, out, err = command(capsys, "checkpoints", "~/runs/mnist", "--json")  # as a quoted or configured path
+    assert code == 0 and [json.loads(line)["epoch"] for line in out.splitlines()] == [1, 2], out + err
+    code, out, err = command(capsys, "export", "~/runs/mnist/checkpoint_000001", tmp_path / "model.safetensors")
+    assert code == 0 and "(epoch 1, step 2)" in out, err

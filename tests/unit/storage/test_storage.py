@@ -10,7 +10,7 @@ import torch
 from raysgd.torch.storage import async_writer
 from raysgd.torch.storage import durable
 from raysgd.torch.storage import filesystem as storage
-from raysgd.torch.state.checkpoint import state_to_bytes
+from raysgd.torch.state.checkpoint import load_state, save_state, state_to_bytes
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.integrations.results import ResultLogger, read_results
 from s3_server import moto_s3
@@ -330,3 +330,20 @@ def test_a_write_that_fails_at_exit_is_an_error_and_exit_status_1(fail):
         assert "checkpoint 7" in done.stderr and "disk full" in done.stderr, done.stderr
     else:
         assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def test_a_tilde_path_is_the_home_folder_for_storage_save_and_load(tmp_path, monkeypatch):
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    store = storage.CheckpointStorage("~/run", num_to_keep=2)
+    store.write(state_to_bytes(state(1)), {"epoch": 1})
+    assert os.listdir(home / "run") == ["checkpoint_000001"]
+    assert save_state(state(2), "~/saved/model.pt") == str(home / "saved" / "model.pt")
+    assert os.listdir(work) == []  # never a folder named ~ in the working directory
+    assert load_state("~/saved/model.pt")["epoch"] == 2
+    assert storage.read_path("~/saved/model.pt")["epoch"] == 2
+    stream = storage.read_path("~/run/checkpoint_000001")  # a checkpoint directory: checked against its marker
+    assert torch.load(__import__("io").BytesIO(stream), weights_only=True)["epoch"] == 1
