@@ -138,6 +138,13 @@ def save_state(state, path):
     """Write ``state`` to ``path`` (``~`` expanded) atomically: a crash mid-write leaves any older file at ``path``
     intact. Returns the path written."""
     path = os.path.expanduser(os.fspath(path))
+    expected = ("the path of a file to write (a sharded state, strategy='fsdp', is saved as a folder unless "
+                "consolidated)")
+    if not path:
+        raise argument_error("checkpoint_path", expected, path, caller="TorchTrainer.save")
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise argument_error("checkpoint_path", expected, path, IsADirectoryError, caller="TorchTrainer.save",
+                             got=f"{path!r}, a folder")
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f"{os.path.basename(path)}.{uuid.uuid4().hex[:12]}.tmp")

@@ -153,3 +153,17 @@ def test_1x_checkpoint_formats_still_load(tmp_path):
     open(tmp_path / "old.checkpoint", "wb").write(truncated[: len(truncated) // 2])
     with pytest.raises(CheckpointError, match="corrupted or truncated"):  # a damaged torch file stays "damaged"
         checkpoint.load_state(tmp_path / "old.checkpoint")
+
+
+@pytest.mark.parametrize("name, error, said", [
+    ("folder", IsADirectoryError, "got '{tmp}/folder', a folder"),
+    ("new/", IsADirectoryError, "got '{tmp}/new/', a folder"),
+    ("", ValueError, "got ''")])
+def test_a_path_that_is_no_file_is_refused_naming_the_argument(tmp_path, name, error, said):
+    (tmp_path / "folder").mkdir()
+    path = f"{tmp_path}/{name}" if name else name
+    with pytest.raises(error) as raised:
+        checkpoint.save_state(state(), path)
+    assert str(raised.value).startswith("TorchTrainer.save: checkpoint_path expects the path of a file to write")
+    assert str(raised.value).endswith(said.format(tmp=tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["folder"] and os.listdir(tmp_path / "folder") == []  # nothing written
