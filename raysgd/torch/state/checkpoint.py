@@ -142,6 +142,10 @@ def save_state(state, path):
                 "consolidated)")
     if not path:
         raise argument_error("checkpoint_path", expected, path, caller="TorchTrainer.save")
+    if "://" in path:  # os.makedirs would make a local folder named after the scheme ('s3:')
+        raise argument_error("checkpoint_path", "a local file path: a whole state's file is written here (a URI takes "
+                             "a sharded state's folder, strategy='fsdp'; storage_path='s3://...' keeps whole states in "
+                             "an object store)", path, caller="TorchTrainer.save")
     if path.endswith(("/", os.sep)) or os.path.isdir(path):
         raise argument_error("checkpoint_path", expected, path, IsADirectoryError, caller="TorchTrainer.save",
                              got=f"{path!r}, a folder")

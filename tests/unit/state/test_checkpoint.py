@@ -167,3 +167,11 @@ def test_a_path_that_is_no_file_is_refused_naming_the_argument(tmp_path, name, e
     assert str(raised.value).startswith("TorchTrainer.save: checkpoint_path expects the path of a file to write")
     assert str(raised.value).endswith(said.format(tmp=tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["folder"] and os.listdir(tmp_path / "folder") == []  # nothing written
+
+
+def test_a_uri_is_refused_not_written_to_a_local_folder_named_after_its_scheme(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^TorchTrainer.save: checkpoint_path expects a local file path: .*; "
+                                         r"got 's3://bucket/model.pt'$"):
+        checkpoint.save_state(state(), "s3://bucket/model.pt")
+    assert os.listdir(tmp_path) == []  # no folder 's3:' here
