@@ -50,7 +50,13 @@ def main(argv=None):
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     top = parser()
+    program = None
+    if argv and argv[0] == "run":  # the program's own arguments (and -m module) are never raysgd run's options
+        own, program = run.split_argv(argv[1:])
+        argv = ["run", *own]
     options = top.parse_args(argv)
+    if program is not None:
+        options.program = program
     if options.command is None:
         top.print_help(sys.stderr)
         return 2

@@ -38,6 +38,26 @@ def add_parser(commands, name):
                         help="the program and its arguments")
 
 
+def split_argv(argv):
+    """``(options, program)`` of ``raysgd run``'s arguments: its own options (``--legacy``, ``--train``, ``--log-level
+    LEVEL``, ``--help``) up to the program, and the program with its arguments (``script.py ...`` or ``-m module
+    ...``), which argparse alone would take ``-m`` of for an option of ``raysgd run``.
+
+    Example:
+        >>> split_argv(["--legacy", "-m", "my_module", "--epochs", "2"])
+        (['--legacy'], ['-m', 'my_module', '--epochs', '2'])
+    """
+    argv = list(argv)
+    for index, token in enumerate(argv):
+        if token == "--log-level" and index + 1 < len(argv):
+            continue  # its value follows
+        if index and argv[index - 1] == "--log-level":
+            continue
+        if token not in ("--legacy", "--train", "-h", "--help", "--log-level") and not token.startswith("--log-level="):
+            return argv[:index], argv[index:]
+    return argv, []
+
+
 def _level(text):
     try:
         logs.parse_level(text, what="--log-level")

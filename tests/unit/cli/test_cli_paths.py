@@ -1,4 +1,5 @@
-"""The ``raysgd`` command's checkpoints and export on folders written in this process: no Ray cluster, no subprocess.
+"""The ``raysgd`` command in this process: checkpoints and export on folders written here, run of a module; no Ray
+cluster, no subprocess.
 
 The command runs as its entry point's function (``raysgd.cli.main``) with its output captured. A whole state's run
 folder is written by :class:`~raysgd.torch.storage.filesystem.CheckpointStorage`; a sharded (FSDP) state's folder by
@@ -8,12 +9,14 @@ folder is written by :class:`~raysgd.torch.storage.filesystem.CheckpointStorage`
 """
 import json
 import os
+import sys
 import zlib
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import raysgd.logs
 from raysgd import cli
 from raysgd.torch.state import dcp_blobs, sharded
 from raysgd.torch.state.checkpoint import state_to_bytes
@@ -176,3 +179,17 @@ def test_a_tilde_path_is_the_home_folder(tmp_path, capsys, monkeypatch):
     assert code == 0 and [json.loads(line)["epoch"] for line in out.splitlines()] == [1, 2], out + err
     code, out, err = command(capsys, "export", "~/runs/mnist/checkpoint_000001", tmp_path / "model.safetensors")
     assert code == 0 and "(epoch 1, step 2)" in out, err
+
+
+@pytest.mark.parametrize("flags", [[], ["--log-level", "WARNING"]])
+def test_run_runs_a_module_as_its_usage_says(tmp_path, capsys, monkeypatch, flags):
+    (tmp_path / "cli_run_probe.py").write_text("import sys\nprint('probe ran with', sys.argv[1:])\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))  # where python -m finds it (the working directory), taken back after
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the program's sys.argv, taken back after
+    levels = raysgd.logs.current_levels()
+    try:
+        code, out, err = command(capsys, "run", *flags, "-m", "cli_run_probe", "--epochs", "2", "-m", "x")
+    finally:
+        raysgd.logs.set_log_level(*levels)
+    assert code == 0 and "probe ran with ['--epochs', '2', '-m', 'x']" in out, out + err
