@@ -201,16 +201,17 @@ def main(options, out=None):
     """Export ``options.path``'s models to ``options.out``; says what it wrote on ``out`` (stdout)."""
     out = sys.stdout if out is None else out
     optional.require("safetensors.torch", FEATURE, extra="export")  # before any checkpoint is read
-    check_out(options.out, options.overwrite)  # so is OUT
+    target = filesystem.expand_path(options.out)  # ~ is the home folder, as in PATH
+    check_out(target, options.overwrite)  # so is OUT
     models, row = load_models(options.path, trust=options.trust)
     tensors, skipped, count = flatten(models, options.model)
     metadata = {"format": "pt", "raysgd.source": f"{options.path} ({row['checkpoint']})",
                 "raysgd.epoch": str(row.get("epoch")), "raysgd.step": str(row.get("step")),
                 "raysgd.strategy": str(row.get("strategy"))}
-    write(writable(tensors), options.out, metadata, overwrite=options.overwrite)
+    write(writable(tensors), target, metadata, overwrite=options.overwrite)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     out.write(f"exported {row['checkpoint']} (epoch {row.get('epoch')}, step {row.get('step')}): {count} model(s), "
-              f"{len(tensors)} tensors, {checkpoints.human_size(size)} -> {options.out}\n")
+              f"{len(tensors)} tensors, {checkpoints.human_size(size)} -> {target}\n")
     if skipped:
         out.write(f"left out (not tensors): {', '.join(skipped)}\n")
     return 0

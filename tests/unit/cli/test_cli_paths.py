@@ -177,8 +177,11 @@ def test_a_tilde_path_is_the_home_folder(tmp_path, capsys, monkeypatch):
     whole_run(tmp_path / "runs" / "mnist")
     code, out, err = command(capsys, "checkpoints", "~/runs/mnist", "--json")  # as a quoted or configured path
     assert code == 0 and [json.loads(line)["epoch"] for line in out.splitlines()] == [1, 2], out + err
-    code, out, err = command(capsys, "export", "~/runs/mnist/checkpoint_000001", tmp_path / "model.safetensors")
+    monkeypatch.chdir(tmp_path / "runs")
+    code, out, err = command(capsys, "export", "~/runs/mnist/checkpoint_000001", "~/model.safetensors")
     assert code == 0 and "(epoch 1, step 2)" in out, err
+    assert torch.equal(load_file(str(tmp_path / "model.safetensors"))["weight"], torch.ones(2))
+    assert sorted(os.listdir(tmp_path / "runs")) == ["mnist"]  # never a folder named ~ here
 
 
 @pytest.mark.parametrize("flags", [[], ["--log-level", "WARNING"]])
