@@ -109,7 +109,10 @@ def locate(path):
             return Found("file", text)
         if not os.path.exists(text):
             raise NotACheckpoint(f"{text!r} does not exist: {EXPECTED}")
-    fs, fs_path = filesystem.resolve(text)
+    try:
+        fs, fs_path = filesystem.resolve(text, "PATH", caller=None)
+    except ValueError as err:  # a URI pyarrow cannot open: a bad argument of the command, not a traceback
+        raise BadArgument(str(err)) from err
     info = fs.get_file_info(fs_path)
     if info.type == filesystem.pafs.FileType.NotFound:
         raise NotACheckpoint(f"{text!r} does not exist: {EXPECTED}")

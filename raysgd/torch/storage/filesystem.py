@@ -89,27 +89,34 @@ def expand_path(path):
     return text if "://" in text else os.path.expanduser(text)
 
 
-def resolve(storage_path):
-    """``(filesystem, path)`` for a folder path or a URI (``s3://``, ``gs://``, ``hdfs://``, ``file://``).
+def resolve(storage_path, argument="storage_path", caller="TorchTrainer"):
+    """``(filesystem, path)`` for a folder path or a URI (``s3://``, ``gs://``, ``hdfs://``, ``file://``). A path
+    that is neither raises an error naming ``argument`` of ``caller`` (what the user passed it as: ``storage_path``
+    of ``TorchTrainer`` by default).
 
     Example:
         >>> fs, path = resolve("/tmp/run")
         >>> type(fs).__name__, path
         ('LocalFileSystem', '/tmp/run')
+        >>> resolve("foo://bucket/ckpt", "checkpoint_path", "TorchTrainer.load")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: TorchTrainer.load: checkpoint_path expects a local folder or a URI that pyarrow.fs understands ...
     """
-    expect(isinstance(storage_path, (str, os.PathLike)) and not isinstance(storage_path, bytes), "storage_path",
-           "a folder path or a URI such as 's3://bucket/run'", storage_path, TypeError, "TorchTrainer")
+    expect(isinstance(storage_path, (str, os.PathLike)) and not isinstance(storage_path, bytes), argument,
+           "a folder path or a URI such as 's3://bucket/run'", storage_path, TypeError, caller)
     text = os.fspath(storage_path)
-    expect(text, "storage_path", "a folder path or a URI", text, caller="TorchTrainer")
+    expect(text, argument, "a folder path or a URI", text, caller=caller)
     if "://" not in text:
         text = os.path.abspath(os.path.expanduser(text))
     optional.require("pyarrow.fs", FEATURE)  # a missing pyarrow says what to install, before anything else
     try:
         filesystem, path = pafs.FileSystem.from_uri(text)
     except (pyarrow.ArrowException, ValueError, OSError) as err:
-        raise argument_error("storage_path", "a local folder or a URI that pyarrow.fs understands (s3://, gs://, "
-                             "hdfs://, file://)", storage_path, caller="TorchTrainer",
-                             got=f"{storage_path!r}: {err}") from err
+        hint = " (a URI writes a space as %20)" if " " in text else ""
+        raise argument_error(argument, "a local folder or a URI that pyarrow.fs understands (s3://, gs://, "
+                             "hdfs://, file://)", storage_path, caller=caller,
+                             got=f"{storage_path!r}: {err}{hint}") from err
     return filesystem, path.rstrip("/")
 
 
@@ -245,7 +252,7 @@ def read_path(path, weights_only=True):
     """
     text = expand_path(path)
     if "://" in text or os.path.isfile(os.path.join(text, MARKER_FILE)):
-        filesystem, directory = resolve(text)
+        filesystem, directory = resolve(text, "checkpoint_path", "TorchTrainer.load")
         return read_checkpoint_dir(filesystem, directory, weights_only=weights_only)[0]
     if os.path.isdir(text):
         if os.path.isfile(os.path.join(text, STATE_FILE)):  # a directory holding a file save() wrote

@@ -264,7 +264,7 @@ def find_sharded(path):
     text = filesystem.expand_path(path)
     if "://" not in text and not os.path.isfile(os.path.join(text, filesystem.MARKER_FILE)):
         return None
-    fs, directory = filesystem.resolve(text)
+    fs, directory = filesystem.resolve(text, "checkpoint_path", "TorchTrainer.load")
     marker = filesystem.checked_marker(fs, directory)
     if not marker.get("parts"):
         return None

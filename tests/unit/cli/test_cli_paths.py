@@ -196,3 +196,13 @@ def test_run_runs_a_module_as_its_usage_says(tmp_path, capsys, monkeypatch, flag
     finally:
         raysgd.logs.set_log_level(*levels)
     assert code == 0 and "probe ran with ['--epochs', '2', '-m', 'x']" in out, out + err
+
+
+@pytest.mark.parametrize("uri, said", [("foo://bucket/run", "Unrecognized filesystem type"),
+                                       ("file:///data/my run", "(a URI writes a space as %20)")])
+def test_a_uri_pyarrow_cannot_open_is_a_bad_path_argument(tmp_path, capsys, uri, said):
+    for args in (["checkpoints", uri], ["export", uri, tmp_path / "model.safetensors"]):
+        code, _, err = command(capsys, *args)
+        assert code == 2 and err.startswith(f"raysgd {args[0]}: error: PATH expects a local folder or a URI that "
+                                            f"pyarrow.fs understands"), err
+        assert said in err and "Traceback" not in err and "storage_path" not in err, err

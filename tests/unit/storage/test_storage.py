@@ -347,3 +347,9 @@ def test_a_tilde_path_is_the_home_folder_for_storage_save_and_load(tmp_path, mon
     assert storage.read_path("~/saved/model.pt")["epoch"] == 2
     stream = storage.read_path("~/run/checkpoint_000001")  # a checkpoint directory: checked against its marker
     assert torch.load(__import__("io").BytesIO(stream), weights_only=True)["epoch"] == 1
+
+
+def test_a_checkpoint_uri_pyarrow_cannot_open_names_the_argument_of_load():
+    with pytest.raises(ValueError, match=r"^TorchTrainer.load: checkpoint_path expects a local folder or a URI that "
+                                         r"pyarrow.fs understands .*; got 'foo://bucket/ckpt': "):
+        storage.read_path("foo://bucket/ckpt")
