@@ -157,7 +157,7 @@ def rows(found):
         return train_folders.rows(found.fs, parent, [name])
     if found.kind == "train-run":
         return train_folders.rows(found.fs, found.fs_path, train_folders.checkpoint_names(found.path))
-    names = sorted(name for name in paths.children(found.fs, found.fs_path) if paths.is_checkpoint_name(name))
+    names = paths.checkpoint_folders(found.fs, found.fs_path)
     return [inspect_folder(found.fs, found.join(name), name) for name in names]
 
 

@@ -54,8 +54,7 @@ def add_parser(commands, name):
 def newest_good(found):
     """``(row, directory)`` of a run folder's newest checkpoint that passes its check; the skipped newer ones are
     written to stderr. :class:`~raysgd.torch.errors.CheckpointError` when none does."""
-    names = sorted((name for name in paths.children(found.fs, found.fs_path) if paths.is_checkpoint_name(name)),
-                   reverse=True)
+    names = paths.checkpoint_folders(found.fs, found.fs_path)[::-1]
     for name in names:
         row = checkpoints.inspect_folder(found.fs, found.join(name), name)
         if row["status"] == "ok":

@@ -97,6 +97,19 @@ def children(fs, path):
     return {info.base_name: info for info in infos}
 
 
+def checkpoint_folders(fs, path):
+    """The names of the checkpoint folders (``checkpoint_NNNNNN``) in the folder ``path``, oldest first; a file of such
+    a name is none.
+
+    Example:
+        >>> import tempfile
+        >>> checkpoint_folders(filesystem.pafs.LocalFileSystem(), tempfile.mkdtemp())
+        []
+    """
+    return sorted(name for name, info in children(fs, path).items()
+                  if info.type == filesystem.pafs.FileType.Directory and is_checkpoint_name(name))
+
+
 def locate(path):
     """The :class:`Found` that ``path`` is; :class:`NotACheckpoint` otherwise (see the module docstring)."""
     text = filesystem.expand_path(path)

@@ -206,3 +206,13 @@ def test_a_uri_pyarrow_cannot_open_is_a_bad_path_argument(tmp_path, capsys, uri,
         assert code == 2 and err.startswith(f"raysgd {args[0]}: error: PATH expects a local folder or a URI that "
                                             f"pyarrow.fs understands"), err
         assert said in err and "Traceback" not in err and "storage_path" not in err, err
+
+
+def test_a_file_named_like_a_checkpoint_in_a_run_folder_is_no_checkpoint(tmp_path, capsys):
+    whole_run(tmp_path / "run")
+    (tmp_path / "run" / "checkpoint_000007").write_bytes(b"a file of the user's, named like a checkpoint folder")
+    code, out, err = command(capsys, "checkpoints", tmp_path / "run", "--json")
+    assert code == 0 and [json.loads(line)["checkpoint"] for line in out.splitlines()] == [
+        "checkpoint_000001", "checkpoint_000002"], out + err
+    code, out, err = command(capsys, "export", tmp_path / "run", tmp_path / "model.safetensors")
+    assert code == 0 and "exported checkpoint_000002" in out and err == "", err
