@@ -420,16 +420,24 @@ class CheckpointStorage:
     def list(self):
         """``[(index, directory)]`` of every checkpoint directory, complete or not, oldest first: the numbered ones
         by their name, one of another name by its marker's ``index`` (without a readable marker it is left out)."""
+        return self._scan()[0]
+
+    def _scan(self):
+        """``(list(), highest index)``: the highest index is also that of any other entry of a checkpoint's name (a
+        file ``checkpoint_000007`` is no checkpoint, but a new one must not take its name); 0 when there is none."""
         try:
             infos = self.filesystem.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
         except OSError as err:
             raise CheckpointError(f"cannot list storage_path {self.storage_path!r}: {err}") from err
-        found = []
+        found, highest = [], 0
         for info in infos:
             name = info.base_name
+            numbered_name = name.startswith(PREFIX) and name[len(PREFIX):].isdigit()
+            if numbered_name:
+                highest = max(highest, int(name[len(PREFIX):]))
             if info.type != pafs.FileType.Directory or name.startswith("."):
                 continue
-            if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
+            if numbered_name:
                 found.append((int(name[len(PREFIX):]), _join(self.path, name)))
             elif self.marker != MARKER_FILE:  # a reported checkpoint's own name: its marker numbers it
                 try:
@@ -438,7 +446,8 @@ class CheckpointStorage:
                     continue
                 if isinstance(index, int):
                     found.append((index, _join(self.path, name)))
-        return sorted(found)
+                    highest = max(highest, index)
+        return sorted(found), highest
 
     def write_note(self, name, note):
         """Keep the small JSON-able ``note`` as the hidden file ``name`` of the folder (a driver's state beside the
@@ -466,16 +475,16 @@ class CheckpointStorage:
             return None
 
     def next_index(self):
-        """The index a new checkpoint takes: one past every directory's (complete or not)."""
-        existing = self.list()
-        return existing[-1][0] + 1 if existing else 1
+        """The index a new checkpoint takes: one past every directory's (complete or not), and past any other entry
+        of a checkpoint's name (a file there is never overwritten, nor a checkpoint's place)."""
+        return self._scan()[1] + 1
 
     def write(self, stream, meta=None):
         """Write a new checkpoint (numbered after every existing one), then prune; returns its directory.
 
         Older checkpoints are pruned only after the new one is durable (see :func:`write_checkpoint_dir`)."""
-        existing = self.list()
-        index = existing[-1][0] + 1 if existing else 1
+        existing, highest = self._scan()
+        index = highest + 1
         directory = _join(self.path, numbered(index))
         started = time.monotonic()
         marker = write_checkpoint_dir(self.filesystem, directory, stream, {**(meta or {}), "index": index})

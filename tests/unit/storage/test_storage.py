@@ -353,3 +353,14 @@ def test_a_checkpoint_uri_pyarrow_cannot_open_names_the_argument_of_load():
     with pytest.raises(ValueError, match=r"^TorchTrainer.load: checkpoint_path expects a local folder or a URI that "
                                          r"pyarrow.fs understands .*; got 'foo://bucket/ckpt': "):
         storage.read_path("foo://bucket/ckpt")
+
+
+def test_a_file_named_like_a_checkpoint_keeps_its_name_and_is_no_checkpoint(tmp_path):
+    store = storage.CheckpointStorage(str(tmp_path), num_to_keep=2)
+    store.write(state_to_bytes(state(1)), {"epoch": 1})
+    (tmp_path / "checkpoint_000002").write_bytes(b"a file of the user's, named like a checkpoint")
+    assert store.next_index() == 3
+    written = store.write(state_to_bytes(state(2)), {"epoch": 2})  # never into the file's name
+    assert written.endswith("checkpoint_000003") and store.latest().marker["epoch"] == 2
+    assert [index for index, _ in store.list()] == [1, 3]
+    assert (tmp_path / "checkpoint_000002").read_bytes() == b"a file of the user's, named like a checkpoint"
