@@ -8,6 +8,8 @@
   checkpoint holds follows, and the save and restore of a named mapping of them.
 - :mod:`raysgd.base.durable_files`: the ``fsync`` of a written file and of a folder's entries (a rename into it),
   for every module that writes a file in place.
+- :mod:`raysgd.base.paths`: how a path a user gives is read (``~`` the home folder, a relative path from the
+  working directory, a URI as it is), the same everywhere.
 
 Layer -1: below the exceptions, keys and meters of layer 0, so that every module may import it; it imports nothing
 of raysgd and nothing outside the standard library.

@@ -29,6 +29,7 @@ import torch
 from raysgd import optional
 from raysgd.base.checks import argument_error, expect
 from raysgd.base.durable_files import fsync_directory
+from raysgd.base.paths import expand_path
 from raysgd.cli import checkpoints, paths
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.state import checkpoint as state_files
@@ -200,7 +201,7 @@ def main(options, out=None):
     """Export ``options.path``'s models to ``options.out``; says what it wrote on ``out`` (stdout)."""
     out = sys.stdout if out is None else out
     optional.require("safetensors.torch", FEATURE, extra="export")  # before any checkpoint is read
-    target = filesystem.expand_path(options.out)  # ~ is the home folder, as in PATH
+    target = expand_path(options.out)  # ~ is the home folder, as in PATH
     check_out(target, options.overwrite)  # so is OUT
     models, row = load_models(options.path, trust=options.trust)
     tensors, skipped, count = flatten(models, options.model)

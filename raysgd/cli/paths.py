@@ -24,6 +24,7 @@ import dataclasses
 import os
 from typing import cast
 
+from raysgd.base.paths import expand_path
 from raysgd.cli import train_folders
 from raysgd.torch.storage import filesystem
 
@@ -112,7 +113,7 @@ def checkpoint_folders(fs, path):
 
 def locate(path):
     """The :class:`Found` that ``path`` is; :class:`NotACheckpoint` otherwise (see the module docstring)."""
-    text = filesystem.expand_path(path)
+    text = expand_path(path)
     if "://" not in text:
         if os.path.isfile(text):
             folder = os.path.dirname(text) or "."

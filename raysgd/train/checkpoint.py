@@ -31,27 +31,12 @@ import tempfile
 
 from raysgd import optional
 from raysgd.base.checks import argument_error, expect, is_path
+from raysgd.base.paths import local_path
 from raysgd.torch.storage import filesystem as _fs
 from typing import Any, Iterator
 
 #: How ``Checkpoint(...)``'s errors name an argument and its value: ``Checkpoint(path=...) expects ...; got int 3``.
 _CHECKPOINT = {"caller": "Checkpoint", "call": True, "typed": True}
-
-
-def local_path(path: str | os.PathLike) -> str | None:
-    """The local folder ``path`` names, as the run's storage resolves it (a plain path with ``~`` expanded, made
-    absolute; or a ``file://`` URI's path), or None for a remote URI: how :mod:`raysgd.train` reads a local path.
-
-    Example:
-        >>> local_path("~/runs/exp") == os.path.join(os.path.expanduser("~"), "runs", "exp")
-        True
-        >>> local_path("file:///tmp/runs/exp"), local_path("s3://bucket/runs/exp")
-        ('/tmp/runs/exp', None)
-    """
-    text = os.fspath(path)
-    if text.startswith("file://"):
-        return text[len("file://"):]
-    return None if "://" in text else os.path.abspath(os.path.expanduser(text))
 
 
 def copy_tree(source: str, destination: str) -> None:

@@ -31,7 +31,8 @@ from raysgd import optional
 from raysgd.base.checks import expect, is_path
 from raysgd.torch.storage import filesystem as _fs
 from raysgd.train import retention
-from raysgd.train.checkpoint import Checkpoint, local_path
+from raysgd.base.paths import local_path
+from raysgd.train.checkpoint import Checkpoint
 from raysgd.train.commits import complete_checkpoints
 from raysgd.train.config import CheckpointConfig
 from typing import Any, Iterable

@@ -43,7 +43,8 @@ from raysgd.torch.restart_points.restart_point import this_node
 from raysgd.torch.storage import durable, filesystem
 from raysgd.train import retention
 from raysgd.train.callback import TrainRunContext, UserCallbacks, split_callbacks
-from raysgd.train.checkpoint import Checkpoint, local_path
+from raysgd.base.paths import local_path
+from raysgd.train.checkpoint import Checkpoint
 from raysgd.train.commits import ReportCommits, complete_checkpoints
 from raysgd.train.config import RunConfig, ScalingConfig, TorchConfig
 from raysgd.train.errors import ResourcesError, WorkerGroupError

@@ -140,7 +140,7 @@ def test_changelog_keeps_a_changelog_form():
 
 
 DOCTESTED = ["raysgd.base", "raysgd.base.checks", "raysgd.base.environment", "raysgd.base.stateful",
-             "raysgd.base.durable_files", "raysgd.utils",
+             "raysgd.base.durable_files", "raysgd.base.paths", "raysgd.utils",
              "raysgd.logs", "raysgd.cli.paths", "raysgd.cli.train_folders",
              "raysgd.optional", "raysgd.meters", "raysgd.timers", "raysgd.torch.constants",
              "raysgd.torch.errors", "raysgd.torch.options", "raysgd.torch.lightning_operator",

@@ -26,6 +26,7 @@ import torch
 
 from raysgd.base.checks import argument_error
 from raysgd.base.durable_files import fsync_directory
+from raysgd.base.paths import expand_path
 from raysgd.torch.errors import CheckpointError
 
 _REQUIRED = ("epoch", "models", "optimizers")
@@ -137,7 +138,7 @@ def checked_stream(state, weights_only=True):
 def save_state(state, path):
     """Write ``state`` to ``path`` (``~`` expanded) atomically: a crash mid-write leaves any older file at ``path``
     intact. Returns the path written."""
-    path = os.path.expanduser(os.fspath(path))
+    path = expand_path(path)
     expected = ("the path of a file to write (a sharded state, strategy='fsdp', is saved as a folder unless "
                 "consolidated)")
     if not path:
@@ -175,7 +176,7 @@ def load_state(path, weights_only=True):
     containers, so loading it cannot run code. Pass ``weights_only=False`` only for files you trust
     whose operator state needs arbitrary pickled objects. A path's ``~`` is expanded, as ``save_state`` does.
     """
-    path = os.path.expanduser(os.fspath(path))
+    path = expand_path(path)
     if os.path.isdir(path):
         raise CheckpointError(f"checkpoint file {path!r} is a directory: pass the file save() wrote (a checkpoint "
                               f"directory of storage_path or Tune loads with TorchTrainer.load)")

@@ -38,6 +38,7 @@ import zlib
 from raysgd import optional
 from raysgd.base.checks import argument_error, expect, is_whole
 from raysgd.base.durable_files import fsync_directory, fsync_file
+from raysgd.base.paths import absolute_path, expand_path
 from raysgd.torch.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -76,19 +77,6 @@ class DamagedCheckpoint(CheckpointError):
     """A checkpoint directory that is incomplete or whose state file does not match its marker."""
 
 
-def expand_path(path):
-    """``path`` (a str or ``os.PathLike``) as text, a local path's ``~`` expanded (a URI as it is): how raysgd reads
-    every checkpoint path, so ``~/ckpt`` is the same place for ``storage_path``, ``save()``, ``load()`` and the
-    ``raysgd`` command (never a folder named ``~`` in the working directory).
-
-    Example:
-        >>> expand_path("~/run") == os.path.join(os.path.expanduser("~"), "run"), expand_path("s3://b/~x")
-        (True, 's3://b/~x')
-    """
-    text = os.fspath(path)
-    return text if "://" in text else os.path.expanduser(text)
-
-
 def resolve(storage_path, argument="storage_path", caller="TorchTrainer"):
     """``(filesystem, path)`` for a folder path or a URI (``s3://``, ``gs://``, ``hdfs://``, ``file://``). A path
     that is neither raises an error naming ``argument`` of ``caller`` (what the user passed it as: ``storage_path``
@@ -107,8 +95,7 @@ def resolve(storage_path, argument="storage_path", caller="TorchTrainer"):
            "a folder path or a URI such as 's3://bucket/run'", storage_path, TypeError, caller)
     text = os.fspath(storage_path)
     expect(text, argument, "a folder path or a URI", text, caller=caller)
-    if "://" not in text:
-        text = os.path.abspath(os.path.expanduser(text))
+    text = absolute_path(text)
     optional.require("pyarrow.fs", FEATURE)  # a missing pyarrow says what to install, before anything else
     try:
         filesystem, path = pafs.FileSystem.from_uri(text)
@@ -384,7 +371,7 @@ class CheckpointStorage:
         self.filesystem, self.path = resolve(storage_path)
         self.storage_path = os.fspath(storage_path)
         text = self.storage_path  # what resolve() gives the same filesystem from, on any node
-        self.root = text if "://" in text else os.path.abspath(os.path.expanduser(text))
+        self.root = absolute_path(text)
         self.local = _is_local(self.filesystem)
         self.num_to_keep = num_to_keep
         self.marker = marker

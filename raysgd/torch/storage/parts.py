@@ -33,6 +33,7 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raysgd.base.paths import expand_path
 from raysgd.torch.restart_points import restart_point
 from raysgd.torch.storage import filesystem
 
@@ -261,7 +262,7 @@ def sharded_files(root, directory, marker):
 def find_sharded(path):
     """:func:`sharded_files` of ``path`` (a local folder or a URI) when it is a sharded state's checkpoint directory,
     else None (a file, a whole state's directory): what ``TorchTrainer.load(path)`` loads on the workers."""
-    text = filesystem.expand_path(path)
+    text = expand_path(path)
     if "://" not in text and not os.path.isfile(os.path.join(text, filesystem.MARKER_FILE)):
         return None
     fs, directory = filesystem.resolve(text, "checkpoint_path", "TorchTrainer.load")
