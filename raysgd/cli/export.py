@@ -29,7 +29,7 @@ import torch
 from raysgd import optional
 from raysgd.base.checks import argument_error, expect
 from raysgd.base.durable_files import fsync_directory
-from raysgd.base.paths import expand_path
+from raysgd.base.paths import expand_path, is_uri
 from raysgd.cli import checkpoints, paths
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.state import checkpoint as state_files
@@ -166,7 +166,7 @@ def check_out(out, overwrite=False):
         raysgd.cli.paths.BadArgument: OUT expects the path of a local file to write ...
     """
     expected = "the path of a local file to write (such as model.safetensors)"
-    if "://" in out:
+    if is_uri(out):
         raise argument_error("OUT", expected, out, paths.BadArgument,
                              got=f"{out!r}, a URI (export writes a local file: copy it to the object store after)")
     if out.endswith(("/", os.sep)) or os.path.isdir(out):

@@ -24,7 +24,7 @@ import dataclasses
 import os
 from typing import cast
 
-from raysgd.base.paths import expand_path
+from raysgd.base.paths import expand_path, is_uri
 from raysgd.cli import train_folders
 from raysgd.torch.storage import filesystem
 
@@ -69,7 +69,7 @@ class Found:
             >>> Found("run", "s3://bucket/run?scheme=http").uri("checkpoint_000002")
             's3://bucket/run/checkpoint_000002?scheme=http'
         """
-        base, mark, query = self.path.partition("?") if "://" in self.path else (self.path, "", "")
+        base, mark, query = self.path.partition("?") if is_uri(self.path) else (self.path, "", "")
         return "/".join([base.rstrip("/"), *names]) + mark + query
 
 
@@ -80,7 +80,7 @@ def parent(text):
         >>> parent("s3://bucket/run/checkpoint_000002/trainer.checkpoint?scheme=http")
         's3://bucket/run/checkpoint_000002?scheme=http'
     """
-    base, mark, query = text.partition("?") if "://" in text else (text, "", "")
+    base, mark, query = text.partition("?") if is_uri(text) else (text, "", "")
     return base.rstrip("/").rsplit("/", 1)[0] + mark + query
 
 
@@ -114,7 +114,7 @@ def checkpoint_folders(fs, path):
 def locate(path):
     """The :class:`Found` that ``path`` is; :class:`NotACheckpoint` otherwise (see the module docstring)."""
     text = expand_path(path)
-    if "://" not in text:
+    if not is_uri(text):
         if os.path.isfile(text):
             folder = os.path.dirname(text) or "."
             if os.path.basename(text) in filesystem.STATE_FILES and \

@@ -31,7 +31,7 @@ import tempfile
 
 from raysgd import optional
 from raysgd.base.checks import argument_error, expect, is_path
-from raysgd.base.paths import local_path
+from raysgd.base.paths import is_uri, local_path
 from raysgd.torch.storage import filesystem as _fs
 from typing import Any, Iterator
 
@@ -79,7 +79,7 @@ class Checkpoint:
             optional.require("pyarrow.fs", _fs.FEATURE)
             expect(isinstance(filesystem, _fs.pafs.FileSystem), "filesystem", "a pyarrow.fs.FileSystem", filesystem,
                    TypeError, **_CHECKPOINT)
-            if "://" in text:
+            if is_uri(text):
                 raise ValueError(f"Checkpoint(path=..., filesystem=...): with a filesystem the path is a path inside "
                                  f"it, without a scheme; got {text!r} (pass the URI alone instead)")
             self._filesystem, self.path = filesystem, text.rstrip("/") or "/"

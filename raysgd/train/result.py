@@ -29,9 +29,9 @@ import os
 
 from raysgd import optional
 from raysgd.base.checks import expect, is_path
+from raysgd.base.paths import is_uri, local_path
 from raysgd.torch.storage import filesystem as _fs
 from raysgd.train import retention
-from raysgd.base.paths import local_path
 from raysgd.train.checkpoint import Checkpoint
 from raysgd.train.commits import complete_checkpoints
 from raysgd.train.config import CheckpointConfig
@@ -76,7 +76,7 @@ class Result:
 
     def __post_init__(self):
         text = os.fspath(self.path) if self.path is not None else None
-        if text is not None and self._storage_filesystem is None and "://" in text:
+        if text is not None and self._storage_filesystem is None and is_uri(text):
             self._storage_filesystem, text = _fs.resolve(text)  # Ray Train's path: inside the filesystem
         self.path = text
 

@@ -21,6 +21,7 @@ import os
 import shutil
 
 from raysgd.base.checks import expect
+from raysgd.base.paths import is_uri
 from raysgd.torch.restart_points import restart_point
 from raysgd.torch.storage import rank_files
 from raysgd.train.checkpoint import Checkpoint
@@ -137,7 +138,7 @@ class Session:
             return None
         uri, directory, marker = self.resume
         plan = self.plan
-        if marker is None or plan.home is None or "://" in plan.storage_root or \
+        if marker is None or plan.home is None or is_uri(plan.storage_root) or \
                 plan.home == restart_point.this_node():
             return Checkpoint(uri)
         if self._fetched is None:

@@ -31,6 +31,7 @@ import ray
 
 from raysgd import logs
 from raysgd.base.checks import argument_error, expect, is_path
+from raysgd.base.paths import local_path
 from raysgd.callbacks import Callback, CallbackList
 from raysgd.torch.errors import WorkerFailure, rank_of
 from raysgd.torch.execution import cluster_state, shipping
@@ -43,7 +44,6 @@ from raysgd.torch.restart_points.restart_point import this_node
 from raysgd.torch.storage import durable, filesystem
 from raysgd.train import retention
 from raysgd.train.callback import TrainRunContext, UserCallbacks, split_callbacks
-from raysgd.base.paths import local_path
 from raysgd.train.checkpoint import Checkpoint
 from raysgd.train.commits import ReportCommits, complete_checkpoints
 from raysgd.train.config import RunConfig, ScalingConfig, TorchConfig

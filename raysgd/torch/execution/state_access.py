@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 
 from raysgd.base import stateful
+from raysgd.base.paths import is_uri
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.state import checkpoint
 from raysgd.torch.restart_points.restart_point import RestartPoint, ShardedPoint
@@ -155,7 +156,7 @@ class StateAccess:
             self.durable.submit(lambda: self._part_of(point), states=self.component_states, reason="save",
                                 epoch=epoch)  # storage_path too
             filesystem_, directory = filesystem.resolve(path)
-            part = parts.ShardedRemoteParts(point, os.fspath(path), local="://" not in os.fspath(path),
+            part = parts.ShardedRemoteParts(point, os.fspath(path), local=not is_uri(os.fspath(path)),
                                             timeout_s=self._timeout_s)
             filesystem.write_checkpoint_dir(filesystem_, directory, part, {"reason": "save", "epoch": epoch})
             return path

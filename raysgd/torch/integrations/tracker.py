@@ -29,6 +29,7 @@ import threading
 from typing import Any, Callable
 
 from raysgd.base.checks import is_number
+from raysgd.base.paths import is_uri
 from raysgd.callbacks import Callback
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def local_folder(path):
         True
     """
     local = path[len("file://"):] if path.startswith("file://") else path
-    return local if "://" not in local and os.path.isdir(local) else None
+    return local if not is_uri(local) and os.path.isdir(local) else None
 
 
 class EpochLogger(Callback):

@@ -26,7 +26,7 @@ import torch
 
 from raysgd.base.checks import argument_error
 from raysgd.base.durable_files import fsync_directory
-from raysgd.base.paths import expand_path
+from raysgd.base.paths import expand_path, is_uri
 from raysgd.torch.errors import CheckpointError
 
 _REQUIRED = ("epoch", "models", "optimizers")
@@ -143,7 +143,7 @@ def save_state(state, path):
                 "consolidated)")
     if not path:
         raise argument_error("checkpoint_path", expected, path, caller="TorchTrainer.save")
-    if "://" in path:  # os.makedirs would make a local folder named after the scheme ('s3:')
+    if is_uri(path):  # os.makedirs would make a local folder named after the scheme ('s3:')
         raise argument_error("checkpoint_path", "a local file path: a whole state's file is written here (a URI takes "
                              "a sharded state's folder, strategy='fsdp'; storage_path='s3://...' keeps whole states in "
                              "an object store)", path, caller="TorchTrainer.save")

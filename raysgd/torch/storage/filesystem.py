@@ -38,7 +38,7 @@ import zlib
 from raysgd import optional
 from raysgd.base.checks import argument_error, expect, is_whole
 from raysgd.base.durable_files import fsync_directory, fsync_file
-from raysgd.base.paths import absolute_path, expand_path
+from raysgd.base.paths import absolute_path, expand_path, is_uri
 from raysgd.torch.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -238,7 +238,7 @@ def read_path(path, weights_only=True):
         raysgd.torch.errors.CheckpointError: checkpoint path '/tmp' is a directory without checkpoint.json ...
     """
     text = expand_path(path)
-    if "://" in text or os.path.isfile(os.path.join(text, MARKER_FILE)):
+    if is_uri(text) or os.path.isfile(os.path.join(text, MARKER_FILE)):
         filesystem, directory = resolve(text, "checkpoint_path", "TorchTrainer.load")
         return read_checkpoint_dir(filesystem, directory, weights_only=weights_only)[0]
     if os.path.isdir(text):
@@ -324,7 +324,7 @@ def child_uri(storage_path, name):
         '/tmp/runs/exp'
     """
     text = os.fspath(storage_path)
-    if "://" in text and "?" in text:
+    if is_uri(text) and "?" in text:
         base, query = text.split("?", 1)
         return f"{_join(base, name)}?{query}"
     return _join(text, name)
@@ -383,7 +383,7 @@ class CheckpointStorage:
     def uri(self, directory):
         """The path or URI of ``directory`` (a path inside the filesystem, as :meth:`list` gives) as a user names it:
         a URI keeps its scheme and query options."""
-        if "://" not in self.storage_path:
+        if not is_uri(self.storage_path):
             return directory
         relative = directory[len(self.path):].lstrip("/")
         return child_uri(self.storage_path, relative)

@@ -33,7 +33,7 @@ import time
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from raysgd.base.paths import expand_path
+from raysgd.base.paths import expand_path, is_uri
 from raysgd.torch.restart_points import restart_point
 from raysgd.torch.storage import filesystem
 
@@ -263,7 +263,7 @@ def find_sharded(path):
     """:func:`sharded_files` of ``path`` (a local folder or a URI) when it is a sharded state's checkpoint directory,
     else None (a file, a whole state's directory): what ``TorchTrainer.load(path)`` loads on the workers."""
     text = expand_path(path)
-    if "://" not in text and not os.path.isfile(os.path.join(text, filesystem.MARKER_FILE)):
+    if not is_uri(text) and not os.path.isfile(os.path.join(text, filesystem.MARKER_FILE)):
         return None
     fs, directory = filesystem.resolve(text, "checkpoint_path", "TorchTrainer.load")
     marker = filesystem.checked_marker(fs, directory)
