@@ -31,7 +31,7 @@ def ready_spare_pids(trainer, count=1, other_than=(), timeout_s=120):
         assert time.monotonic() < deadline, f"{ready} of {count} new spares became ready within {timeout_s} s"
 
 
-@pytest.mark.parametrize("num_spares", [-1, 1.0, True, "1"])
+@pytest.mark.parametrize("num_spares", [-1, 1.5, True, "1"])  # a whole float (1.0) is a count: test_options.py
 def test_num_spares_is_checked_before_any_actor_starts(num_spares):
     with pytest.raises(ValueError, match=rf"num_spares expects an int >= 0; got {num_spares!r}"):
         TorchTrainer(training_operator_cls=CountingOperator, num_spares=num_spares)
