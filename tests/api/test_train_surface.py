@@ -1,10 +1,10 @@
 """raysgd.train's Ray Train 2.x surface: configs, errors, callbacks, the retention policy, collectives, Lightning FSDP
 (Checkpoint and Result: test_train_checkpoints.py).
 
-The configs, the retention policy, errors and callbacks are tested without Ray; the collectives, ``get_all_reported_checkpoints`` and Lightning's FSDP strategy run in
-real training functions on one shared 2-CPU cluster. ``docs/coming-from-ray-train.md`` is checked against the
-installed Ray's public names both ways (every name listed; what it says works is there, what it says is missing is
-not).
+The configs, the retention policy, errors and callbacks are tested without Ray; the collectives,
+``get_all_reported_checkpoints`` and Lightning's FSDP strategy run in real training functions on one shared 2-CPU
+cluster. ``docs/coming-from-ray-train.md`` is checked against the installed Ray's public names both ways (every name
+listed; what it says works is there, what it says is missing is not).
 """
 import importlib
 import json
