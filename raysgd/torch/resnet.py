@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch.nn as nn
 import torch.nn.functional as F
 
-from raysgd.base.checks import expect
+from raysgd.base.checks import expect, is_int
 
 __all__ = ["BasicBlock", "Bottleneck", "ResNet", "ResNet18", "ResNet34", "ResNet50", "ResNet101", "ResNet152"]
 
@@ -114,9 +114,11 @@ class ResNet(nn.Module):
     def __init__(self, block, num_blocks, num_classes=10, in_channels=3):
         super().__init__()
         how = {"caller": "ResNet", "call": True}
-        expect(len(num_blocks) == 4 and all(isinstance(n, int) and n >= 1 for n in num_blocks), "num_blocks",
-               "four ints >= 1", num_blocks, **how)
-        expect(isinstance(num_classes, int) and num_classes >= 1, "num_classes", "an int >= 1", num_classes, **how)
+        expect(isinstance(num_blocks, (list, tuple)) and len(num_blocks) == 4 and all(is_int(n, 1) for n in num_blocks),
+               "num_blocks", "four ints >= 1", num_blocks, **how)
+        expect(is_int(num_classes, 1), "num_classes", "an int >= 1", num_classes, **how)
+        expect(is_int(in_channels, 1), "in_channels", "an int >= 1", in_channels, **how)
+        num_blocks, num_classes = [int(n) for n in num_blocks], int(num_classes)  # numpy's (labels.max() + 1): Python's
         self.conv1 = _conv3x3(in_channels, 64)  # no stride, no max-pool: 32x32 inputs stay 32x32
         self.bn1 = nn.BatchNorm2d(64)
         in_planes = 64

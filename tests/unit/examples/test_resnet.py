@@ -54,3 +54,17 @@ def test_bad_arguments_name_what_was_expected():
         resnet.ResNet(resnet.BasicBlock, [2, 2])
     with pytest.raises(ValueError, match="num_classes"):
         resnet.ResNet(resnet.BasicBlock, [1, 1, 1, 1], num_classes=0)
+    with pytest.raises(ValueError, match=r"num_blocks=\.\.\.\) expects four ints >= 1; got 4"):  # no len() inside
+        resnet.ResNet(resnet.BasicBlock, 4)
+    with pytest.raises(ValueError, match=r"num_blocks=\.\.\.\) expects four ints >= 1; got \[1, True, 1, 1\]"):
+        resnet.ResNet(resnet.BasicBlock, [1, True, 1, 1])
+
+
+def test_numpy_ints_are_sizes_as_pythons_are():
+    """``num_classes=labels.max() + 1`` is a numpy int: it was refused ("expects an int >= 1; got np.int64(4)")."""
+    import numpy as np
+
+    labels = np.array([0, 3, 1])
+    model = resnet.ResNet(resnet.BasicBlock, np.array([1, 1, 1, 1]).tolist(), num_classes=labels.max() + 1)
+    assert model(torch.zeros(2, 3, 8, 8)).shape == (2, 4)
+    assert resnet.ResNet18({"num_classes": np.int64(3)})(torch.zeros(2, 3, 8, 8)).shape == (2, 3)  # 1.x config
