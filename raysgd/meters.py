@@ -268,11 +268,6 @@ def to_host(values):
 _UNWEIGHTED = {BATCH_COUNT, "epoch"}
 
 
-def _is_plain_number(value):
-    """A real non-bool Python number (what :func:`to_host` leaves of a one-element real tensor)."""
-    return is_number(value)
-
-
 def _as_numbers(metrics):
     """``metrics`` with one-element tensors and numpy arrays as Python numbers (``to_host``), others as given."""
     if not metrics:
@@ -289,15 +284,15 @@ def reduce_worker_stats(stats):
     stats = [_as_numbers(s) for s in stats]
     samples = [s.get(NUM_SAMPLES) for s in stats]
     reduced = {}
-    if any(_is_plain_number(n) for n in samples):
-        reduced[NUM_SAMPLES] = sum(n for n in samples if _is_plain_number(n))
-    weights = np.array(samples, dtype=float) if all(_is_plain_number(n) for n in samples) else None
+    if any(is_number(n) for n in samples):
+        reduced[NUM_SAMPLES] = sum(n for n in samples if is_number(n))
+    weights = np.array(samples, dtype=float) if all(is_number(n) for n in samples) else None
     nan_ranks = {}  # key -> ranks that reported NaN (a missing key is not NaN: that rank had no batches)
     for key, first in stats[0].items():
         if key == NUM_SAMPLES:
             continue
         values = [s.get(key) for s in stats]
-        if not all(_is_plain_number(v) or v is None for v in values) or not _is_plain_number(first):
+        if not all(is_number(v) or v is None for v in values) or not is_number(first):
             reduced[key] = first
             continue
         array = np.array([np.nan if v is None else v for v in values], dtype=float)
@@ -341,9 +336,9 @@ def merge_partial(earlier, later):
     merged = dict(earlier)
     for key, value in later.items():
         old = earlier.get(key)
-        if key in (NUM_SAMPLES, BATCH_COUNT) and _is_plain_number(old) and _is_plain_number(value):
+        if key in (NUM_SAMPLES, BATCH_COUNT) and is_number(old) and is_number(value):
             merged[key] = old + value
-        elif key.startswith("last_") or not (_is_plain_number(old) and _is_plain_number(value)) or n1 + n2 <= 0:
+        elif key.startswith("last_") or not (is_number(old) and is_number(value)) or n1 + n2 <= 0:
             merged[key] = value
         else:
             merged[key] = (old * n1 + value * n2) / (n1 + n2)

@@ -175,12 +175,10 @@ def check_out(out, overwrite=False):
         raise FileExistsError(f"OUT {out!r} exists: pass --overwrite to replace it, or another path")
 
 
-def write(tensors, out, metadata, overwrite=False):
-    """Write ``tensors`` to ``out`` atomically (a temporary file renamed); ``FileExistsError`` unless ``overwrite``,
-    :class:`~raysgd.cli.paths.BadArgument` for an ``out`` that is no file path or cannot be written (see
-    :func:`check_out`)."""
+def write(tensors, out, metadata):
+    """Write ``tensors`` to ``out`` (checked first: :func:`check_out`) atomically, a temporary file renamed;
+    :class:`~raysgd.cli.paths.BadArgument` for an ``out`` that cannot be written."""
     save_file = optional.require("safetensors.torch", FEATURE, extra="export").save_file
-    check_out(out, overwrite)
     folder = os.path.dirname(os.path.abspath(out))
     temporary = os.path.join(folder, f".{os.path.basename(out)}.{uuid.uuid4().hex[:12]}.tmp")
     try:
@@ -208,7 +206,7 @@ def main(options, out=None):
     metadata = {"format": "pt", "raysgd.source": f"{options.path} ({row['checkpoint']})",
                 "raysgd.epoch": str(row.get("epoch")), "raysgd.step": str(row.get("step")),
                 "raysgd.strategy": str(row.get("strategy"))}
-    write(writable(tensors), target, metadata, overwrite=options.overwrite)
+    write(writable(tensors), target, metadata)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     out.write(f"exported {row['checkpoint']} (epoch {row.get('epoch')}, step {row.get('step')}): {count} model(s), "
               f"{len(tensors)} tensors, {checkpoints.human_size(size)} -> {target}\n")

@@ -35,6 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from raysgd.base.checks import plain as python_number
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.commits import preemption
 from raysgd.torch.storage import filesystem, rank_files
@@ -101,10 +102,8 @@ def plain(metrics):
             return {key if isinstance(key, str) else str(key): one(item) for key, item in value.items()}
         if isinstance(value, (list, tuple)):
             return [one(item) for item in value]
-        if isinstance(value, numbers.Integral):  # numpy's ints too: JSON writes only Python's
-            return int(value)
-        if isinstance(value, numbers.Real):
-            return float(value)
+        if isinstance(value, numbers.Real):  # numpy's too: JSON writes only Python's
+            return python_number(value)
         if not isinstance(value, numbers.Number) and hasattr(value, "item") and (
                 getattr(value, "ndim", None) == 0 or getattr(value, "size", None) == 1
                 or (callable(getattr(value, "numel", None)) and value.numel() == 1)):
