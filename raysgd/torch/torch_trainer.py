@@ -225,6 +225,7 @@ class TorchTrainer:
         """
         num_steps = check_num_steps(num_steps)  # before any work: None, or an int >= 0 (0: no batch)
         info = check_info(info)
+        RunController.check_max_retries(max_retries)  # before the dataset is split and the bar starts
         data = ray_data.as_input(dataset, self.training_operator_cls, num_steps) if dataset is not None else None
         reporter = self._progress.start(local=self.use_local) if self._progress is not None else None
         completed, started = False, time.monotonic()
@@ -271,6 +272,7 @@ class TorchTrainer:
         expect(num_steps is not None and num_steps >= 1, "num_steps", "an int >= 1 (batches per worker to profile)",
                num_steps, caller="profile")
         info = check_info(info, "profile")
+        RunController.check_max_retries(max_retries)  # before the logdir is made
         folder, started = tracing.prepare_logdir(logdir), time.monotonic()
         stats = self._controller.run_call("train_epoch", max_retries, dict(
             num_steps=num_steps, profile=False, info=info, lockstep=True, trace=True))

@@ -141,6 +141,25 @@ def test_load_state_dict_checks_what_it_is_given(trainer):
     trainer.train()  # the workers never saw any of it
 
 
+
+@pytest.mark.parametrize("max_retries", [-1, 1.5, "3"])
+def test_a_bad_max_retries_is_refused_before_the_dataset_is_read_or_the_logdir_made(trainer, tmp_path, max_retries):
+    """``train(max_retries=...)`` was checked after ``dataset`` had been asked for its input (a 1.x Dataset splits
+    its shards there) and the progress bar started; ``profile`` made its ``logdir`` first."""
+    asked = []
+
+    class Shards:  # what ``train(dataset=...)`` asks of a 1.x ``raysgd.data.Dataset``
+        def as_dataset_input(self, repeat):
+            asked.append(repeat)
+            raise AssertionError("the dataset was read before max_retries was checked")
+
+    for call in (lambda: trainer.train(max_retries=max_retries, dataset=Shards()),
+                 lambda: trainer.validate(max_retries=max_retries),
+                 lambda: trainer.profile(num_steps=1, logdir=tmp_path / "traces", max_retries=max_retries)):
+        with pytest.raises(ValueError, match="max_retries expects an int >= 0"):
+            call()
+    assert asked == [] and not (tmp_path / "traces").exists()
+
 class _Opaque:
     """Operator state a safe load refuses (a class of this module)."""
 
