@@ -24,7 +24,7 @@ import time
 
 import ray
 
-from raysgd.base.checks import expect
+from raysgd.base.checks import MAX_TIMEOUT_S, expect, is_number
 from raysgd.callbacks import CallbackList
 from raysgd.meters import reduce_worker_stats
 from raysgd.torch.execution import cluster_state, shipping
@@ -299,11 +299,15 @@ class TorchTrainer:
     # ----------------------------------------------------------------- operators and models
     def apply_all_workers(self, fn: Callable[[], Any]) -> list:
         """Call ``fn()`` on every worker; returns the results in rank order."""
+        expect(callable(fn), "fn", "a function taking no arguments", fn, TypeError, caller="apply_all_workers",
+               got=type(fn).__name__)  # before it is sent (each worker raised)
         shipping.install()  # fn may be sent by value (see raysgd.torch.execution.shipping)
         return self._controller.run("apply", fn)
 
     def apply_all_operators(self, fn: Callable[[Any], Any]) -> list:
         """Call ``fn(operator)`` on every worker's operator; returns the results in rank order."""
+        expect(callable(fn), "fn", "a function taking the operator", fn, TypeError, caller="apply_all_operators",
+               got=type(fn).__name__)
         shipping.install()
         return self._controller.run("apply_operator", fn)
 
@@ -327,6 +331,8 @@ class TorchTrainer:
             >>> threading.Thread(target=trainer.train).start()  # doctest: +SKIP
             >>> print(trainer.stack_traces()[1])  # doctest: +SKIP
         """
+        expect(is_number(timeout_s, minimum=0, maximum=MAX_TIMEOUT_S), "timeout_s", "a number of seconds >= 0",
+               timeout_s, caller="stack_traces")  # a hung run's diagnosis must not fail inside Ray's wait
         return self.worker_group.stack_traces(timeout_s)
 
     def get_local_operator(self) -> TrainingOperator:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -159,6 +160,20 @@ def test_a_bad_max_retries_is_refused_before_the_dataset_is_read_or_the_logdir_m
         with pytest.raises(ValueError, match="max_retries expects an int >= 0"):
             call()
     assert asked == [] and not (tmp_path / "traces").exists()
+
+
+def test_the_calls_on_every_worker_check_their_function_and_stack_traces_its_timeout(trainer):
+    """A non-callable ``fn`` was sent to every worker (each raised ``'int' object is not callable``), and
+    ``stack_traces(timeout_s="5")`` failed inside Ray's wait, on the run it was meant to diagnose."""
+    for call, name in ((trainer.apply_all_workers, "apply_all_workers"),
+                       (trainer.apply_all_operators, "apply_all_operators")):
+        with pytest.raises(TypeError, match=rf"{name}: fn expects a function .*; got int"):
+            call(3)
+    for timeout_s in ("5", -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="stack_traces: timeout_s expects a number of seconds >= 0"):
+            trainer.stack_traces(timeout_s)
+    assert trainer.apply_all_operators(lambda operator: operator.world_rank) == [0]
+    assert list(trainer.stack_traces(np.float32(0.5))) == [0]
 
 class _Opaque:
     """Operator state a safe load refuses (a class of this module)."""
