@@ -9,7 +9,9 @@ The outermost layer (the command line): it imports down, nothing imports it. One
 - ``raysgd export PATH OUT``: :mod:`raysgd.cli.export` (the models' weights, consolidated, as safetensors).
 
 A path that is not a raysgd checkpoint, or bad arguments, end the command with exit status 2 and one line on stderr
-saying what was expected and what was given; a damaged checkpoint found by ``checkpoints`` makes it exit 1.
+saying what was expected and what was given; a damaged checkpoint found by ``checkpoints`` makes it exit 1, and so
+does a read or write that failed (an ``OSError``: a network error or a refusal of object storage, a full disk), with
+one line on stderr, not a traceback.
 
 Example:
     >>> main(["--version"])  # doctest: +SKIP
@@ -67,3 +69,6 @@ def main(argv=None):
     except (NotACheckpoint, BadArgument, CheckpointError, MissingExtra, FileExistsError) as err:
         sys.stderr.write(f"raysgd {options.command}: error: {err}\n")
         return 2
+    except OSError as err:  # reading or writing failed: a network error or a refusal (S3), a full disk ...
+        sys.stderr.write(f"raysgd {options.command}: error: {type(err).__name__}: {err}\n")
+        return 1

@@ -7,9 +7,11 @@ folder is written by :class:`~raysgd.torch.storage.filesystem.CheckpointStorage`
 ``strategy="fsdp"`` (a save over an existing one takes the other set of names: ``__0_1.distcp``,
 ``trainer.1.checkpoint``), then the marker, through the same ``write_checkpoint_dir``.
 """
+import http.server
 import json
 import os
 import sys
+import threading
 import zlib
 
 import pytest
@@ -216,3 +218,50 @@ def test_a_file_named_like_a_checkpoint_in_a_run_folder_is_no_checkpoint(tmp_pat
         "checkpoint_000001", "checkpoint_000002"], out + err
     code, out, err = command(capsys, "export", tmp_path / "run", tmp_path / "model.safetensors")
     assert code == 0 and "exported checkpoint_000002" in out and err == "", err
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """An S3 endpoint that refuses every request (403 Access Denied), as one does for a wrong key."""
+
+    def _refuse(self):
+        body = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
+                b"<Message>Access Denied</Message></Error>")
+        self.send_response(403)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _refuse
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+@pytest.fixture
+def refusing_s3():
+    """``s3://bucket/run?...``: a URI whose endpoint (on 127.0.0.1) refuses every request."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"s3://bucket/run?endpoint_override=127.0.0.1:{server.server_port}&scheme=http&region=us-east-1"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("command", ["checkpoints", "export"])
+def test_a_read_that_object_storage_refuses_is_one_line_and_exit_status_1(command, refusing_s3, tmp_path, capsys,
+                                                                           monkeypatch):
+    """A network error or a refusal while reading S3 printed pyarrow's traceback (exit status 1 from Python)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "wrong")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    argv = [command, refusing_s3] + ([str(tmp_path / "model.safetensors")] if command == "export" else [])
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"raysgd {command}: error: OSError: ") and "Traceback" not in err, err
+    assert "ACCESS_DENIED" in err or "Access Denied" in err, err
+    assert len(err.strip().splitlines()) == 1, err
