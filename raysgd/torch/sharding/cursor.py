@@ -52,7 +52,7 @@ import logging
 
 from torch.utils.data import Sampler
 
-from raysgd.base.checks import expect
+from raysgd.base.checks import expect, is_int
 from raysgd.torch.sharding.epoch_order import draw_stream, seeded, stream_length
 
 logger = logging.getLogger(__name__)
@@ -60,8 +60,9 @@ _END = object()
 
 
 def _cursor_int(value):
-    """A plain ``int`` >= 0 (an epoch, a cursor: they go into JSON markers, where numpy's ints do not)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """An int >= 0 (an epoch, a cursor), numpy's too; it is kept as ``int(value)``: it goes into JSON markers,
+    where numpy's ints do not."""
+    return is_int(value, 0)
 
 
 def shard_positions(total, start, rank, world_size, *, batch_size=1, drop_last=False, lockstep=False):
@@ -82,6 +83,7 @@ def shard_positions(total, start, rank, world_size, *, batch_size=1, drop_last=F
         [[0, 3, 6], [1, 4, 7], [2, 5]]
     """
     _check_shard_args(total, start, rank, world_size, batch_size)
+    total, start, rank, world_size, batch_size = (int(v) for v in (total, start, rank, world_size, batch_size))
     positions, pad = _plan(total, start, rank, world_size, batch_size, drop_last, lockstep)
     return positions if pad is None else [*positions, pad]
 
@@ -102,7 +104,7 @@ def _plan(total, start, rank, world_size, batch_size, drop_last, lockstep):
 def _check_shard_args(total, start, rank, world_size, batch_size):
     for name, value in (("total", total), ("start", start), ("rank", rank), ("world_size", world_size),
                         ("batch_size", batch_size)):
-        if not isinstance(value, int) or isinstance(value, bool):
+        if not is_int(value):
             raise TypeError(f"shard_positions: {name} must be an int; got {type(value).__name__} {value!r}")
     if world_size < 1 or batch_size < 1:
         raise ValueError(f"shard_positions: world_size and batch_size must be >= 1; got {world_size}, {batch_size}")
@@ -152,7 +154,7 @@ class DataCursor:
         state = {"call_steps": 0, **state}
         for name in self.FIELDS:
             expect(_cursor_int(state.get(name)), name, "an int >= 0", state.get(name), caller="DataCursor")
-        self.epoch, self.consumed, self.steps, self.call_steps = (state[name] for name in self.FIELDS)
+        self.epoch, self.consumed, self.steps, self.call_steps = (int(state[name]) for name in self.FIELDS)
         self.tags = {key: value for key, value in state.items() if key not in self.FIELDS}
 
     def __repr__(self):
@@ -182,13 +184,13 @@ class ShardSampler(Sampler):
 
     def __init__(self, base, rank, world_size, *, seed=0, batch_size=1, drop_last=False, lockstep=False):
         _check_shard_args(0, 0, rank, world_size, batch_size)
-        if not isinstance(seed, int) or isinstance(seed, bool):
+        if not is_int(seed):
             raise TypeError(f"ShardSampler: seed must be an int; got {type(seed).__name__} {seed!r}")
         self.base = base
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = seed
-        self.batch_size = batch_size
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.seed = int(seed)
+        self.batch_size = int(batch_size)
         self.drop_last = bool(drop_last)
         self.lockstep = bool(lockstep)
         self.epoch = 0
@@ -200,7 +202,7 @@ class ShardSampler(Sampler):
     def set_epoch(self, epoch):
         """Use ``epoch``'s stream from the next pass; the cursor goes back to 0 unless :meth:`set_start` set it."""
         expect(_cursor_int(epoch), "ShardSampler.set_epoch", "an int >= 0", epoch)
-        self.epoch = epoch
+        self.epoch = int(epoch)
         self.set_epoch_calls += 1
         if not self._pinned:
             self.start = 0
@@ -208,7 +210,7 @@ class ShardSampler(Sampler):
     def set_start(self, consumed):
         """Start the next pass at the global cursor ``consumed`` (positions already read by all ranks)."""
         expect(_cursor_int(consumed), "ShardSampler.set_start", "an int >= 0 (a cursor)", consumed)
-        self.start = consumed
+        self.start = int(consumed)
         self._pinned = True
 
     def stream(self):
@@ -236,7 +238,7 @@ class ShardSampler(Sampler):
         batch_size = self.batch_size if batch_size is None else batch_size
         expect(num_batches >= 0 and batch_size >= 1, "position_after", "num_batches >= 0 and batch_size >= 1",
                (num_batches, batch_size), got=f"{num_batches}, {batch_size}")
-        return min(self.start + num_batches * batch_size * self.world_size, self.total)
+        return int(min(self.start + num_batches * batch_size * self.world_size, self.total))
 
     def __iter__(self):
         if not self._pinned:
@@ -275,15 +277,15 @@ class StreamShardSampler(Sampler):
 
     def __init__(self, base, rank, world_size, *, seed=0, batch_size=1, drop_last=False, lockstep=False):
         _check_shard_args(0, 0, rank, world_size, batch_size)
-        self.base, self.rank, self.world_size, self.seed = base, rank, world_size, int(seed)
-        self.batch_size, self.drop_last, self.lockstep = batch_size, bool(drop_last), bool(lockstep)
+        self.base, self.rank, self.world_size, self.seed = base, int(rank), int(world_size), int(seed)
+        self.batch_size, self.drop_last, self.lockstep = int(batch_size), bool(drop_last), bool(lockstep)
         self.epoch = 0
         self.set_epoch_calls = 0  # see ShardSampler
 
     def set_epoch(self, epoch):
         """Seed the next pass from ``epoch``."""
         expect(_cursor_int(epoch), "StreamShardSampler.set_epoch", "an int >= 0", epoch)
-        self.epoch = epoch
+        self.epoch = int(epoch)
         self.set_epoch_calls += 1
 
     def _plan(self):

@@ -253,3 +253,27 @@ def test_a_sampler_with_a_random_object_of_its_own_does_not_repeat(make):
     assert draw_stream(make(), 3, 0) != draw_stream(base, 3, 0)  # why: a fresh process draws another order
     with pytest.raises(epoch_order.StreamTooLong):
         epoch_order.draws_repeat(Endless(), 0, limit=50)
+
+
+def test_numpy_ints_are_ints_and_the_cursor_keeps_plain_ones():
+    """An epoch from ``np.arange`` (``for epoch in np.arange(3): loader.sampler.set_epoch(epoch)``), a cursor or a seed
+    read back as numpy's int is taken like Python's, and kept as a plain int (it goes into JSON markers)."""
+    shard = ShardSampler(RandomSampler(range(10)), np.int64(1), np.int64(2), seed=np.int64(3), batch_size=np.int64(2))
+    plain = ShardSampler(RandomSampler(range(10)), 1, 2, seed=3, batch_size=2)
+    for sampler, epoch in ((shard, np.int64(4)), (plain, 4)):
+        sampler.set_epoch(epoch)
+        sampler.set_start(np.int32(2))
+    assert list(shard) == list(plain) and type(shard.epoch) is int and type(shard.start) is int
+    assert shard.position_after(np.int64(1)) == 6 and type(shard.position_after(np.int64(1))) is int
+    lazy = cursor.StreamShardSampler(SequentialSampler(range(6)), 0, 2)
+    lazy.set_epoch(np.uint8(1))
+    assert type(lazy.epoch) is int and list(lazy) == [0, 2, 4]
+    state = cursor.DataCursor(np.int64(2), np.int64(16), np.int32(2)).state_dict()
+    assert state == {"epoch": 2, "consumed": 16, "steps": 2, "call_steps": 0}
+    assert all(type(value) is int for value in state.values())
+    assert shard_positions(np.int64(5), np.int64(0), np.int64(1), np.int64(2), batch_size=np.int64(1),
+                           lockstep=True) == [1, 3, 0]
+    with pytest.raises(ValueError, match="set_epoch"):
+        shard.set_epoch(np.int64(-1))
+    with pytest.raises(ValueError, match="set_epoch"):
+        shard.set_epoch(True)
