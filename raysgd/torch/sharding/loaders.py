@@ -72,7 +72,7 @@ def shard_loader(loader, rank, world_size, training, seed=None):
     """Rebuild ``loader`` so that this rank reads only its shard; loaders that cannot be sharded pass through.
 
     Passed through: anything that is not a ``DataLoader``, iterable-style datasets, and loaders whose
-    sampler is already a ``DistributedSampler`` (sharded by the user). ``training`` keeps every rank at
+    sampler, or custom ``batch_sampler``'s inner sampler, is already a ``DistributedSampler`` (sharded by the user). ``training`` keeps every rank at
     the same batch count; validation shards are exact. ``seed``: see :func:`resolve_seed`. A sampler
     that is endless or longer than ``SGD_MAX_CURSOR_POSITIONS`` is sharded lazily, without a cursor.
 
@@ -86,7 +86,7 @@ def shard_loader(loader, rank, world_size, training, seed=None):
     """
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return loader
-    if isinstance(loader.sampler, DistributedSampler):
+    if _user_sharded(loader):
         logger.debug("DataLoader already has a DistributedSampler: it is used as it is, not sharded again.")
         return loader
     seed = resolve_seed(loader, seed)
@@ -108,6 +108,12 @@ def shard_loader(loader, rank, world_size, training, seed=None):
     # Validation drops one process's partial batch in the shard (exact); a rank's own partial batch is kept.
     return DataLoader(loader.dataset, sampler=shard, batch_size=loader.batch_size,
                       drop_last=loader.drop_last and training, shuffle=False, **kwargs)
+
+
+def _user_sharded(loader):
+    """Whether the loader's sampler, or its custom batch sampler's inner ``sampler``, is a ``DistributedSampler``."""
+    inner = getattr(loader.batch_sampler, "sampler", None) if loader.batch_size is None else None
+    return isinstance(loader.sampler, DistributedSampler) or isinstance(inner, DistributedSampler)
 
 
 def _sharding(base, dataset, seed, rank):
@@ -163,11 +169,14 @@ def shard_sampler(loader, kinds=(ShardSampler,)):
 
 
 def set_sampler_epoch(loader, epoch):
-    """Call ``set_epoch(epoch)`` on the loader's shard sampler, or its own sampler when it has one."""
+    """Call ``set_epoch(epoch)`` on the loader's shard sampler, else on its own sampler when it has one, else on
+    its batch sampler or that one's inner sampler (a ``DistributedSampler`` under a custom ``batch_sampler``)."""
     sampler = shard_sampler(loader, (ShardSampler, StreamShardSampler))
     if sampler is None:  # not "or": a sampler's truth is its length, which may be 0 or unknown
-        sampler = getattr(loader, "sampler", None)
-    if hasattr(sampler, "set_epoch"):
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        owners = (getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
+        sampler = next((owner for owner in owners if hasattr(owner, "set_epoch")), None)
+    if sampler is not None:
         sampler.set_epoch(epoch)
 
 

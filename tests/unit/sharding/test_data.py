@@ -277,3 +277,20 @@ def test_to_device_keeps_container_types():
     default = data.to_device(collections.defaultdict(list, x=[torch.ones(1)]), "cpu")
     assert type(default) is collections.defaultdict and default.default_factory is list
     assert data.to_device(batch, None) is batch
+
+
+def test_a_batch_sampler_over_a_distributed_sampler_is_not_sharded_again():
+    """A custom batch_sampler over the user's own DistributedSampler is theirs already: sharding it again read a
+    W-th of each rank's batches (and padded), so samples were never trained."""
+    def loader(rank):
+        own = DistributedSampler(DATASET, num_replicas=2, rank=rank, shuffle=True, seed=1)
+        return DataLoader(DATASET, batch_sampler=BatchSampler(own, 4, drop_last=False))
+
+    loaders = [loader(r) for r in range(2)]
+    shards = [data.shard_loader(loaders[r], r, 2, training=True) for r in range(2)]
+    assert shards[0] is loaders[0] and data.loader_cursor(shards[0], 1) is None
+    read = [int(i) for shard in shards for batch in shard for i in batch[0]]
+    assert sorted(read) == list(range(len(DATASET)))
+    first = [batch[0].tolist() for batch in shards[0]]
+    data.set_sampler_epoch(shards[0], 1)  # reaches the DistributedSampler under the batch sampler
+    assert shards[0].batch_sampler.sampler.epoch == 1 and [batch[0].tolist() for batch in shards[0]] != first
