@@ -28,8 +28,6 @@ Example:
     >>> trainer.train(dataset=ds, num_steps=100)  # doctest: +SKIP
 """
 import itertools
-import numbers
-from typing import cast
 
 import numpy as np
 import torch
@@ -148,24 +146,34 @@ class Dataset:
 
     def set_num_shards(self, num_shards):
         """Split the items into ``num_shards`` shards (``train(dataset=...)`` splits by the worker count itself)."""
-        expect(isinstance(num_shards, numbers.Integral) and cast(int, num_shards) >= 1, "set_num_shards", "an int >= 1",
-               num_shards)  # (the cast: typeshed's numbers.Integral declares no >=)
+        expect(is_int(num_shards, 1), "set_num_shards", "an int >= 1", num_shards)
         self.num_shards = int(num_shards)
 
     def get_shard(self, i):
         """Shard ``i`` as an endless iterator of batches, each a list of ``batch_size`` ``(x, y)`` tensor pairs.
 
-        Every ``num_shards``-th item from item ``i``, read in the driver (1.12's ``get_shard``).
+        Every ``num_shards``-th item from item ``i``, read in the driver (1.12's ``get_shard``). A shard that holds
+        no item (more shards than items) yields nothing. ``i`` out of range raises ``IndexError`` at once.
         """
+        expect(is_int(i), "get_shard", "a shard index (an int)", i, TypeError)
         if not 0 <= i < self.num_shards:
             raise IndexError(f"shard {i} of {self.num_shards}: call set_num_shards first")
+        return self._batches(int(i))
 
+    def _batches(self, i):
         def items():
             while True:
+                empty = True
                 for row in itertools.islice(self.ray_dataset().iter_rows(), i, None, self.num_shards):
+                    empty = False
                     x = torch.tensor(row["x"])  # a copy: Ray's arrays are read-only
                     yield (torch.as_tensor(self.transform(x)) if self.transform else x), torch.tensor(row["y"])
+                if empty:  # a shard with no item: repeating it would never yield (a hang)
+                    return
 
         stream = items()
         while True:
-            yield list(itertools.islice(stream, self.batch_size))
+            batch = list(itertools.islice(stream, self.batch_size))
+            if not batch:
+                return
+            yield batch
