@@ -89,10 +89,15 @@ def isolated_random_streams(seed: int) -> Iterator[None]:
 
 
 def _generator_holders(base):
-    """The objects (the sampler, a batch sampler's inner sampler) whose ``generator`` attribute is set."""
+    """The objects (the sampler, a batch sampler's inner sampler) whose ``generator`` attribute is a
+    ``torch.Generator`` or None (torch's samplers then draw one from torch's stream). Another object there (numpy's
+    ``default_rng``, a ``random.Random``) is the sampler's own and left alone: a torch generator in its place broke
+    the sampler (``'Generator' object has no attribute 'permutation'``)."""
     holders = []
     for obj in (base, getattr(base, "sampler", None)):
-        if obj is not None and "generator" in getattr(obj, "__dict__", {}):
+        attributes = getattr(obj, "__dict__", {}) if obj is not None else {}
+        if "generator" in attributes and (attributes["generator"] is None
+                                          or isinstance(attributes["generator"], torch.Generator)):
             holders.append(obj)
     return holders
 

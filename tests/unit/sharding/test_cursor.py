@@ -239,6 +239,16 @@ class NumpyOwn(OwnGenerator):
         return iter(self.rng.permutation(9).tolist())
 
 
+class NumpyOwnNamedGenerator(OwnGenerator):
+    """Its own numpy random object in an attribute named ``generator`` (where torch's samplers keep theirs)."""
+
+    def __init__(self):
+        self.generator = np.random.default_rng(4)
+
+    def __iter__(self):
+        return iter(self.generator.permutation(9).tolist())
+
+
 @pytest.mark.parametrize("name", sorted(samplers()))
 def test_samplers_raysgd_can_seed_draw_the_same_stream_twice(name):
     base = samplers()[name]
@@ -246,9 +256,14 @@ def test_samplers_raysgd_can_seed_draw_the_same_stream_twice(name):
     assert epoch_order.draws_repeat(BatchSampler(base, batch_size=4, drop_last=False), seed=3)  # lists of indices
 
 
-@pytest.mark.parametrize("make", [OwnGenerator, NumpyOwn], ids=["random.Random", "numpy-default_rng"])
+@pytest.mark.parametrize("make", [OwnGenerator, NumpyOwn, NumpyOwnNamedGenerator],
+                         ids=["random.Random", "numpy-default_rng", "numpy-default_rng-as-generator"])
 def test_a_sampler_with_a_random_object_of_its_own_does_not_repeat(make):
+    """A numpy Generator in ``generator`` is the sampler's own: it was replaced by a torch one while drawing, and the
+    sampler raised AttributeError ('Generator' object has no attribute 'permutation')."""
     base = make()
+    assert sorted(draw_stream(base, 3, 0)) == list(range(9)) and isinstance(getattr(base, "generator", None),
+                                                                           (type(None), np.random.Generator))
     assert not epoch_order.draws_repeat(base, seed=3)
     assert draw_stream(make(), 3, 0) != draw_stream(base, 3, 0)  # why: a fresh process draws another order
     with pytest.raises(epoch_order.StreamTooLong):
