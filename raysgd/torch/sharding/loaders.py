@@ -72,9 +72,10 @@ def shard_loader(loader, rank, world_size, training, seed=None):
     """Rebuild ``loader`` so that this rank reads only its shard; loaders that cannot be sharded pass through.
 
     Passed through: anything that is not a ``DataLoader``, iterable-style datasets, and loaders whose
-    sampler, or custom ``batch_sampler``'s inner sampler, is already a ``DistributedSampler`` (sharded by the user). ``training`` keeps every rank at
-    the same batch count; validation shards are exact. ``seed``: see :func:`resolve_seed`. A sampler
-    that is endless or longer than ``SGD_MAX_CURSOR_POSITIONS`` is sharded lazily, without a cursor.
+    sampler, or custom ``batch_sampler``'s inner sampler, is already a ``DistributedSampler`` (sharded by the
+    user). ``training`` keeps every rank at the same batch count; validation shards are exact. ``seed``: see
+    :func:`resolve_seed`. A sampler that is endless or longer than ``SGD_MAX_CURSOR_POSITIONS`` is sharded lazily,
+    without a cursor.
 
     Example:
         >>> import itertools
