@@ -28,12 +28,12 @@ Example:
 """
 import collections.abc
 import logging
-import numbers
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from raysgd.base import environment
+from raysgd.base.checks import is_int
 from raysgd.torch.sharding.cursor import ShardSampler, StreamShardSampler
 from raysgd.torch.sharding.epoch_order import StreamTooLong, draws_repeat, stream_length
 
@@ -57,7 +57,7 @@ def resolve_seed(loader, seed=None):
         5
     """
     if seed is not None:
-        if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        if not is_int(seed):
             raise TypeError(f"the data seed (config key 'data_seed') must be an int; got {type(seed).__name__} "
                             f"{seed!r}")
         return int(seed)
