@@ -87,8 +87,15 @@ def shard_loader(loader, rank, world_size, training, seed=None):
     """
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         return loader
-    if _user_sharded(loader):
+    own = _user_sampler(loader)
+    if own is not None:
         logger.debug("DataLoader already has a DistributedSampler: it is used as it is, not sharded again.")
+        if (getattr(own, "num_replicas", world_size), getattr(own, "rank", rank)) != (world_size, rank):
+            logger.warning("The DataLoader's DistributedSampler reads shard %s of %s, but this worker is rank %d of "
+                           "%d: it is used as it is, so some samples are read by no worker or by several. Build it "
+                           "without num_replicas and rank (they come from the process group), or let raysgd shard "
+                           "the loader's sampler.", getattr(own, "rank", "?"), getattr(own, "num_replicas", "?"),
+                           rank, world_size)
         return loader
     seed = resolve_seed(loader, seed)
     kwargs = {name: getattr(loader, name) for name in _COPIED if hasattr(loader, name)}
@@ -111,10 +118,11 @@ def shard_loader(loader, rank, world_size, training, seed=None):
                       drop_last=loader.drop_last and training, shuffle=False, **kwargs)
 
 
-def _user_sharded(loader):
-    """Whether the loader's sampler, or its custom batch sampler's inner ``sampler``, is a ``DistributedSampler``."""
+def _user_sampler(loader):
+    """The loader's sampler, or its custom batch sampler's inner ``sampler``, that is a ``DistributedSampler``;
+    None when neither is."""
     inner = getattr(loader.batch_sampler, "sampler", None) if loader.batch_size is None else None
-    return isinstance(loader.sampler, DistributedSampler) or isinstance(inner, DistributedSampler)
+    return next((s for s in (loader.sampler, inner) if isinstance(s, DistributedSampler)), None)
 
 
 def _sharding(base, dataset, seed, rank):

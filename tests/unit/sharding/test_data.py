@@ -294,3 +294,16 @@ def test_a_batch_sampler_over_a_distributed_sampler_is_not_sharded_again():
     first = [batch[0].tolist() for batch in shards[0]]
     data.set_sampler_epoch(shards[0], 1)  # reaches the DistributedSampler under the batch sampler
     assert shards[0].batch_sampler.sampler.epoch == 1 and [batch[0].tolist() for batch in shards[0]] != first
+
+
+def test_a_distributed_sampler_built_for_another_world_is_used_but_warned_about(caplog):
+    """A DistributedSampler made with num_replicas=4 on 2 workers reads half the data, silently; now it warns."""
+    loader = DataLoader(DATASET, sampler=DistributedSampler(DATASET, num_replicas=4, rank=1))
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.sharding.loaders"):
+        assert data.shard_loader(loader, 1, 2, training=True) is loader
+    assert "reads shard 1 of 4, but this worker is rank 1 of 2" in caplog.text
+    caplog.clear()
+    matching = DataLoader(DATASET, sampler=DistributedSampler(DATASET, num_replicas=2, rank=1))
+    with caplog.at_level(logging.WARNING, logger="raysgd.torch.sharding.loaders"):
+        assert data.shard_loader(matching, 1, 2, training=True) is matching
+    assert not caplog.text
