@@ -25,7 +25,7 @@ import logging
 import sys
 
 from raysgd.base import environment
-from raysgd.base.checks import argument_error
+from raysgd.base.checks import argument_error, is_int
 
 #: The driver's level (default ``INFO``): what ``raysgd`` logs and the console shows in this process.
 LEVEL_ENV = "RAYSGD_LOG_LEVEL"
@@ -43,16 +43,21 @@ logger = logging.getLogger("raysgd")
 
 
 def parse_level(level, what="set_log_level(level)"):
-    """A level given as a name (any case) or a number, as a number; ``ValueError`` naming ``what`` otherwise.
+    """A level given as a name (any case) or a number (a numpy int too, or its text: ``"15"``, as
+    ``RAYSGD_LOG_LEVEL`` takes it and :func:`forwarded_env` hands it on), as an int; ``ValueError`` naming ``what``
+    otherwise.
 
     Example:
-        >>> parse_level("warning"), parse_level(10), parse_level("off") > logging.CRITICAL
-        (30, 10, True)
+        >>> parse_level("warning"), parse_level(10), parse_level("15"), parse_level("off") > logging.CRITICAL
+        (30, 10, 15, True)
     """
-    if isinstance(level, int) and not isinstance(level, bool):
-        return level
-    if isinstance(level, str) and level.strip().upper() in NAMES:
-        return NAMES[level.strip().upper()]
+    if is_int(level):
+        return int(level)
+    if isinstance(level, str):
+        try:
+            return environment.level().parse(level.strip())
+        except ValueError as err:
+            raise argument_error(what, environment.level().expected, level) from err
     raise argument_error(what, environment.level().expected, level)
 
 
@@ -105,9 +110,15 @@ def _console():
     return next((h for h in logger.handlers if isinstance(h, ConsoleHandler)), None)
 
 
-def _from_env(name, default):
+def _from_env(name, default, given=None):
+    """The level of variable ``name``: ``given`` (its value handed on by the driver), else this process's
+    environment, else ``default``; a bad value is logged and ``default`` kept (a worker never fails to start for
+    it)."""
     try:
-        value = environment.get(name)
+        if str(given if given is not None else "").strip():
+            value = parse_level(given, what=f"the environment variable {name}")
+        else:
+            value = environment.get(name)
     except ValueError as err:
         logger.warning("%s; using %s", err, logging.getLevelName(default))
         return default
@@ -183,13 +194,8 @@ def as_worker(levels=None):
     """
     install()
     levels = levels or {}
-
-    def given(name, default):
-        if str(levels.get(name, "")).strip():
-            return parse_level(levels[name], what=name)
-        return _from_env(name, default)
-
-    logger.setLevel(given(WORKER_LEVEL_ENV, worker_level(given(LEVEL_ENV, logging.INFO))))
+    driver = _from_env(LEVEL_ENV, logging.INFO, levels.get(LEVEL_ENV))
+    logger.setLevel(_from_env(WORKER_LEVEL_ENV, worker_level(driver), levels.get(WORKER_LEVEL_ENV)))
 
 
 def forwarded_env():
