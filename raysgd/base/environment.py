@@ -17,14 +17,14 @@ Example:
     >>> get("SGD_GROW_CHECK_S")
     Traceback (most recent call last):
     ...
-    ValueError: the environment variable SGD_GROW_CHECK_S expects a number of seconds >= 0; got 'soon'
+    ValueError: the environment variable SGD_GROW_CHECK_S expects a number of seconds >= 0 ...; got 'soon'
     >>> del os.environ["SGD_GROW_CHECK_S"]
 """
 import dataclasses
 import logging
 import os
 
-from raysgd.base.checks import argument_error
+from raysgd.base.checks import MAX_TIMEOUT_S, argument_error, is_number
 
 #: Log levels by name (any case), for the ``RAYSGD_*LOG_LEVEL`` variables and :func:`raysgd.set_log_level`;
 #: ``OFF``: nothing from raysgd reaches any handler.
@@ -43,18 +43,19 @@ class Kind:
 
 
 def seconds(minimum=0.0):
-    """A number of seconds >= ``minimum``.
+    """A number of seconds >= ``minimum``, finite: at most :data:`~raysgd.base.checks.MAX_TIMEOUT_S` (``inf`` or
+    ``1e300`` would fail a wait that Ray or a thread takes with it, late: in a restart, at shutdown).
 
     Example:
         >>> seconds().parse("2.5"), seconds().expected
-        (2.5, 'a number of seconds >= 0')
+        (2.5, 'a number of seconds >= 0 (finite: at most 9223372036)')
     """
     def parse(text):
         value = float(text)
-        if not value >= minimum:  # NaN too
+        if not is_number(value, minimum, maximum=MAX_TIMEOUT_S):  # NaN too
             raise ValueError(text)
         return value
-    return Kind(f"a number of seconds >= {minimum:g}", parse)
+    return Kind(f"a number of seconds >= {minimum:g} (finite: at most {MAX_TIMEOUT_S:.0f})", parse)
 
 
 def count(minimum=1):
