@@ -24,10 +24,11 @@ Example:
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import threading
 
-from raysgd.base.checks import argument_error, expect
+from raysgd.base.checks import argument_error, expect, is_number, plain
 from typing import Any, Iterable
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,10 @@ class Callback:
         """At ``trainer.shutdown()``, once the workers stopped and the last durable checkpoint is written."""
 
     def state_dict(self) -> dict | None:
-        """A JSON-able dict kept with every durable checkpoint (``storage_path``), or None (nothing to keep)."""
+        """A JSON-able dict kept with every durable checkpoint (``storage_path``), or None (nothing to keep).
+
+        Numpy and torch scalars in it are kept as Python numbers; a state JSON cannot hold (a tensor, an object,
+        keys of mixed types) is not kept, with a warning naming the callback."""
         return None
 
     def load_state_dict(self, state: dict) -> None:
@@ -150,8 +154,17 @@ class CallbackList:
                     logger.warning("Callback %s.state_dict raised; its state is not saved", type(callback).__name__,
                                    exc_info=True)
                     continue
-                if state is not None:
-                    states[f"{index}:{type(callback).__name__}"] = state
+                if state is None:
+                    continue
+                state = _plain_state(state)
+                try:
+                    json.dumps(state, sort_keys=True)  # as the checkpoint's marker keeps it
+                except (TypeError, ValueError) as err:
+                    logger.warning("Callback %s.state_dict returned what JSON cannot hold (%s: %s); its state is not "
+                                   "saved (return plain numbers, strings, lists and dicts with string keys)",
+                                   type(callback).__name__, type(err).__name__, err)
+                    continue
+                states[f"{index}:{type(callback).__name__}"] = state
         return states or None
 
     def load_state_dict(self, states: dict | None) -> None:
@@ -178,6 +191,21 @@ class CallbackList:
                 except Exception:  # noqa: BLE001 (a callback never corrupts the run)
                     logger.warning("Callback %s.rewind raised; it goes on as it is", type(callback).__name__,
                                    exc_info=True)
+
+
+def _plain_state(value):
+    """``value`` with its numpy and torch scalars (``np.int64``, a 0-d tensor...) as Python's numbers, through its
+    dicts, lists and tuples: JSON would keep their repr, and a resumed run would get a string back."""
+    if isinstance(value, dict):
+        return {key: _plain_state(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_state(item) for item in value]
+    if is_number(value):
+        return plain(value)
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):  # np.bool_, a 0-d array/tensor
+        item = value.item()
+        return plain(item) if is_number(item) or isinstance(item, bool) else value
+    return value
 
 
 def check_callbacks(callbacks: list | tuple | None, caller: str = "TorchTrainer") -> list[Callback]:
