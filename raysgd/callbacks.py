@@ -135,7 +135,7 @@ class CallbackList:
         with self._lock:
             for callback in self.callbacks:
                 method = getattr(callback, hook, None)
-                if method is None or getattr(type(callback), hook, None) is getattr(Callback, hook):
+                if method is None or _is_base_hook(method, Callback, hook):
                     continue  # the base class's no-op: skip the call
                 try:
                     method(*args)
@@ -184,13 +184,19 @@ class CallbackList:
         logged and the rest are rewound."""
         with self._lock:
             for callback in self.callbacks:
-                if type(callback).rewind is Callback.rewind:
+                if _is_base_hook(callback.rewind, Callback, "rewind"):
                     continue
                 try:
                     callback.rewind()
                 except Exception:  # noqa: BLE001 (a callback never corrupts the run)
                     logger.warning("Callback %s.rewind raised; it goes on as it is", type(callback).__name__,
                                    exc_info=True)
+
+
+def _is_base_hook(method, base, hook):
+    """Whether the bound ``method`` is ``base``'s own no-op ``hook`` (neither overridden in a subclass nor replaced on
+    the instance: ``callback.on_train_result = function``)."""
+    return getattr(method, "__func__", None) is getattr(base, hook)
 
 
 def _plain_state(value):

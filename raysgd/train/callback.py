@@ -144,8 +144,8 @@ class UserCallbacks:
 
     def _call(self, hook, *args):
         for callback in self.callbacks:
-            if getattr(type(callback), hook) is getattr(UserCallback, hook):
-                continue  # the base class's no-op
+            if getattr(getattr(callback, hook), "__func__", None) is getattr(UserCallback, hook):
+                continue  # the base class's no-op (a function set on the instance is called)
             try:
                 getattr(callback, hook)(*args)
             except Exception:  # noqa: BLE001 (a callback never ends the run, as raysgd's callbacks)

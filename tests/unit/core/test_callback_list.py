@@ -56,3 +56,20 @@ def test_a_state_json_cannot_hold_is_named_and_not_saved_and_the_others_are(capl
     through_a_marker(states)  # MixedKeys' state made the marker's json.dumps raise TypeError: no checkpoint
     assert "Callback Weights.state_dict returned what JSON cannot hold (TypeError" in caplog.text
     assert "Callback MixedKeys.state_dict returned what JSON cannot hold (TypeError" in caplog.text
+
+
+def test_a_hook_set_on_the_instance_is_called_and_the_base_no_ops_are_not():
+    from raysgd.train.callback import UserCallback, UserCallbacks
+
+    seen = []
+    quick = Callback()  # a hook given as a function, without a subclass: it was skipped as the base class's no-op
+    quick.on_train_result = lambda trainer, result: seen.append(("train", result["loss"]))
+    quick.rewind = lambda: seen.append("rewind")
+    callbacks = CallbackList([quick, Callback(), Best()])
+    callbacks.call("on_train_result", None, {"loss": 0.5})
+    callbacks.call("on_shutdown", None)
+    callbacks.rewind()
+    reports = UserCallback()
+    reports.after_report = lambda context, metrics, checkpoint: seen.append(("report", metrics[0]["loss"]))
+    UserCallbacks([reports, UserCallback()]).after_report(None, [{"loss": 0.25}], None)
+    assert seen == [("train", 0.5), "rewind", ("report", 0.25)]
