@@ -24,6 +24,7 @@ Example:
     ...                    run_config=tune.RunConfig(stop={"training_iteration": 2}))
     >>> tuner.fit().get_best_result(metric="val_loss", mode="min").config  # doctest: +SKIP
 """
+import dataclasses
 import inspect
 import logging
 import os
@@ -283,6 +284,45 @@ def _check_step_function(override_tune_step):
            override_tune_step, got=f"{len(params)}: {list(params)}", **how)
 
 
+#: TorchTrainer's options whose check reads no other option, and that no Tune config changes: checked by
+#: ``as_trainable`` itself (the others, with a trial's config, when it starts).
+FIXED_OPTIONS = ("training_operator_cls", "initialization_hook", "config", "placement_strategy", "timeout_s",
+                 "callbacks")
+
+
+def check_trainer_arguments(trainer_cls, args, kwargs):
+    """Refuse, in ``as_trainable``, the arguments that every trial's ``trainer_cls(*args, **kwargs)`` would refuse
+    when it starts (after Tune reserved its resources, once per trial and retry): arguments its signature cannot
+    take (TorchTrainer's options are keywords), and for TorchTrainer's options an unknown or removed keyword and a
+    bad :data:`FIXED_OPTIONS` value (no ``training_operator_cls``, say).
+
+    Example:
+        >>> check_trainer_arguments(lambda *, lr: None, (), {"lr": 0.1})
+        >>> check_trainer_arguments(lambda *, lr: None, (0.1,), {})
+        Traceback (most recent call last):
+        ...
+        TypeError: as_trainable: every trial would call <lambda>(...) with arguments it cannot take: too many ...
+    """
+    try:
+        signature = inspect.signature(trainer_cls)
+    except (TypeError, ValueError):  # no signature to read: the trial will tell
+        return
+    name = getattr(trainer_cls, "__name__", type(trainer_cls).__name__)
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as err:
+        raise TypeError(f"as_trainable: every trial would call {name}(...) with arguments it cannot take: {err} "
+                        f"(TorchTrainer's options are keywords: as_trainable(training_operator_cls=MyOperator, "
+                        f"...))") from err
+    if getattr(trainer_cls.__init__, "__signature__", None) != options.TrainerOptions.signature():
+        return  # a trainer class with a constructor of its own
+    known = {field.name for field in dataclasses.fields(options.TrainerOptions)}
+    options.check_deprecated({key: value for key, value in kwargs.items() if key not in known})
+    values = {key: kwargs.get(key, options.TrainerOptions.default(key)) for key in FIXED_OPTIONS}
+    for key in FIXED_OPTIONS:
+        options.TrainerOptions.field(key).metadata["check"](values, "as_trainable")
+
+
 def make_trainable(trainer_cls, *args, override_tune_step=None, **kwargs):
     """The class behind ``TorchTrainer.as_trainable``: a :class:`BaseTorchTrainable` building ``trainer_cls(**kwargs)``.
 
@@ -300,7 +340,8 @@ def make_trainable(trainer_cls, *args, override_tune_step=None, **kwargs):
     expect(kwargs.get("storage_path") is None, "storage_path", "None under Tune (every trial would write to the "
            "same place); Tune keeps trial checkpoints itself (RunConfig(storage_path=...))", kwargs.get("storage_path"),
            caller="as_trainable")
-    resolve_resources({}, kwargs)  # a bad resource argument fails here, not in every trial
+    check_trainer_arguments(trainer_cls, args, kwargs)  # a bad argument fails here, not in every trial
+    resolve_resources({}, kwargs)
     shipping.install()  # Tune pickles the trainable, with the operator class, in this process
     captured_args, captured_kwargs = tuple(args), dict(kwargs)
 
