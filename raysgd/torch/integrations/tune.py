@@ -259,14 +259,19 @@ class BaseTorchTrainable(Trainable):
 
 
 def checkpoint_state(path, weights_only=True):
-    """The trainer state in a trial checkpoint file (a safe load by default, as ``TorchTrainer.load``).
+    """The trainer state in a trial checkpoint: the directory :meth:`BaseTorchTrainable.save_checkpoint` wrote
+    (``result.checkpoint.path``, what Tune hands ``load_checkpoint``; checked against its marker) or its
+    ``trainer.checkpoint`` file; a safe load by default, as ``TorchTrainer.load``.
 
     Example:
-        >>> state = checkpoint_state(os.path.join(result.checkpoint.path, CHECKPOINT_FILE))  # doctest: +SKIP
+        >>> state = checkpoint_state(result.checkpoint.path)  # doctest: +SKIP
         >>> state["epoch"]  # doctest: +SKIP
         2
     """
-    return checkpoint.load_state(path, weights_only=weights_only)
+    from raysgd.torch.storage import filesystem as storage  # noqa: PLC0415 (pyarrow comes with ray[tune])
+
+    loaded = storage.read_path(path, weights_only=weights_only)  # a directory's bytes, checked; a file's state
+    return loaded if isinstance(loaded, dict) else checkpoint.state_from_bytes(loaded, weights_only=weights_only)
 
 
 def _check_step_function(override_tune_step):
