@@ -7,8 +7,9 @@ imported (a tensor cannot exist otherwise). The meters are public through :mod:`
 Reducing the workers' results (:func:`reduce_worker_stats`): ``num_samples`` is summed; ``last_*``, ``batch_count``
 and ``epoch`` are averaged over workers; every other real number is averaged weighted by each worker's
 ``num_samples``. One-element tensors and numpy arrays (a custom loop's ``total / n``) count as the numbers they
-hold; NaN or missing values are left out (1.12's nanmean); other values (``profile``, a string, a complex number)
-come from rank 0. A NaN (a diverging rank) is logged, one warning per call naming each metric's ranks.
+hold; NaN or missing values are left out (1.12's nanmean), so a metric only some ranks report (rank 0 having
+run no batch, say) is theirs; other values (``profile``, a string, a complex number) come from rank 0, or from the
+first rank that reports them. A NaN (a diverging rank) is logged, one warning per call naming each metric's ranks.
 
 Example:
     >>> import torch
@@ -28,7 +29,7 @@ from typing import cast
 
 import numpy as np
 
-from raysgd.base.checks import is_number
+from raysgd.base.checks import is_number, plain
 
 logger = logging.getLogger(__name__)
 
@@ -285,19 +286,21 @@ def reduce_worker_stats(stats):
     samples = [s.get(NUM_SAMPLES) for s in stats]
     reduced = {}
     if any(is_number(n) for n in samples):
-        reduced[NUM_SAMPLES] = sum(n for n in samples if is_number(n))
+        reduced[NUM_SAMPLES] = plain(sum(n for n in samples if is_number(n)))
     weights = np.array(samples, dtype=float) if all(is_number(n) for n in samples) else None
     nan_ranks = {}  # key -> ranks that reported NaN (a missing key is not NaN: that rank had no batches)
-    for key, first in stats[0].items():
+    keys = dict.fromkeys(key for s in stats for key in s)  # rank 0's first; a rank without batches lacks them
+    for key in keys:
         if key == NUM_SAMPLES:
             continue
         values = [s.get(key) for s in stats]
+        first = next((v for v in values if v is not None), None)  # rank 0's, or the first rank's that has it
         if not all(is_number(v) or v is None for v in values) or not is_number(first):
             reduced[key] = first
             continue
         array = np.array([np.nan if v is None else v for v in values], dtype=float)
         if all(v == first for v in values):
-            reduced[key] = first
+            reduced[key] = plain(first)
             continue
         valid = ~np.isnan(array)
         reported_nan = [rank for rank, v in enumerate(values) if v is not None and np.isnan(v)]

@@ -99,3 +99,21 @@ def test_merge_partial_counts_tensor_samples():
     merged = merge_partial({"num_samples": torch.tensor(30), "loss": torch.tensor(1.0)},
                            {"num_samples": 10, "loss": torch.tensor(3.0)})
     assert merged == {"num_samples": 40, "loss": pytest.approx(1.5)}
+
+
+def test_a_metric_rank_0_lacks_is_reduced_over_the_ranks_that_report_it():
+    """Rank 0 ran no batch (its summary holds only the counts) or reported None: the other ranks' metrics are kept.
+    Before, only rank 0's keys were reduced: ``loss`` vanished from the result, or came back None."""
+    import numpy as np
+
+    out = reduce_worker_stats([{"num_samples": 0, "batch_count": 0},
+                               {"num_samples": 30, "batch_count": 3, "loss": 1.0, "profile": "p1"},
+                               {"num_samples": 10, "batch_count": 1, "loss": 3.0, "profile": "p2"}])
+    assert out == {"num_samples": 40, "batch_count": pytest.approx(4 / 3), "loss": pytest.approx(1.5),
+                   "profile": "p1"}
+    out = reduce_worker_stats([{"num_samples": 2, "loss": None}, {"num_samples": 2, "loss": 2.0}])
+    assert out == {"num_samples": 4, "loss": pytest.approx(2.0)}
+    assert reduce_worker_stats([{"x": None}, {"x": None}]) == {"x": None}
+    out = reduce_worker_stats([{"num_samples": np.int64(3), "epoch": np.int64(1)},
+                               {"num_samples": np.int64(1), "epoch": np.int64(1)}])
+    assert out == {"num_samples": 4, "epoch": 1} and type(out["num_samples"]) is int and type(out["epoch"]) is int
