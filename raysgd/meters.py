@@ -106,7 +106,7 @@ class AverageMeter:
     @property
     def sum(self):
         """The weighted sum (reads the device sums: a host sync when tensors were added)."""
-        return self._sum + sum(to_host(self._device_parts()))
+        return sum(to_host([self._sum] + self._device_parts()))  # _sum is a tensor after a tensor weight
 
     @property
     def avg(self):
@@ -179,13 +179,14 @@ class AverageMeterCollection:
         values, layout = [self.n], []
         for key, meter in self._meters.items():
             sums = meter._device_parts()
-            layout.append((key, meter._sum, len(sums)))
-            values += sums + [meter.count, meter.val]
+            layout.append((key, len(sums)))
+            values += [meter._sum] + sums + [meter.count, meter.val]  # _sum and count hold a tensor n's tensors
         tensors = [key for key, value in self._latest.items() if _is_tensor(value) and value.numel() == 1]
         values += [self._latest[key] for key in tensors]
-        host = iter(to_host(values))
+        host = iter([plain(v) for v in to_host(values)])  # numpy's numbers as Python's too
         state = {BATCH_COUNT: self._batch_count, NUM_SAMPLES: next(host), "meters": {}, "latest": dict(self._latest)}
-        for key, total, num_sums in layout:
+        for key, num_sums in layout:
+            total = next(host)
             for _ in range(num_sums):
                 total += next(host)
             state["meters"][key] = {"sum": total, "count": next(host), "val": next(host)}

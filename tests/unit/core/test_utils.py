@@ -89,3 +89,25 @@ def test_meter_collection_accepts_tensors_and_keeps_last_non_numbers():
     summary = meters.summary()
     assert summary["loss"] == pytest.approx(2.0) and isinstance(summary["loss"], float)
     assert summary["acc"] == pytest.approx(0.75) and summary["phase"] == "main"
+
+
+def test_a_tensor_or_numpy_weight_gives_python_numbers():
+    """``num_samples`` as a tensor (``mask.sum()``) or a numpy int weighs like an int, and the summary holds Python
+    numbers. Before, a tensor weight left the mean of Python-number metrics a tensor, and a numpy one numpy's."""
+    import numpy as np
+    import torch
+
+    meters = AverageMeterCollection()
+    meters.update({"loss": 0.5}, n=torch.tensor(4))
+    meters.update({"loss": torch.tensor(1.5)}, n=torch.tensor(4))
+    summary = meters.summary()
+    assert summary == {"batch_count": 2, "num_samples": 8, "loss": pytest.approx(1.0), "last_loss": 1.5}
+    assert type(summary["loss"]) is float and type(summary["num_samples"]) is int
+    meter = AverageMeter()
+    meter.update(0.5, n=torch.tensor(2))
+    assert type(meter.sum) is float and meter.avg == pytest.approx(0.5)
+    meters = AverageMeterCollection()
+    meters.update({"loss": 0.5}, n=np.int64(4))
+    summary = meters.summary()
+    assert summary == {"batch_count": 1, "num_samples": 4, "loss": 0.5, "last_loss": 0.5}
+    assert type(summary["num_samples"]) is int and type(summary["loss"]) is float
