@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from raysgd.base.checks import expect
 from raysgd.meters import NUM_SAMPLES, AverageMeterCollection
 from raysgd.torch.operator import lightning_bridge as lightning
+from raysgd.torch.operator.registration import is_scheduler
 
 if TYPE_CHECKING:
     from raysgd.torch.operator.precision import Precision
@@ -105,7 +106,12 @@ class LightningLoops:
         if self._module.automatic_optimization and len(optimizers) > 1:
             raise ValueError(f"configure_optimizers returned {len(optimizers)} optimizers: several optimizers "
                              "need manual optimization (self.automatic_optimization = False), as in Lightning 2.x")
+        custom_step = lightning.is_overridden(self._module, "lr_scheduler_step", self._base)
         for config in configs:
+            if not (custom_step or is_scheduler(config.scheduler)):  # else it would fail once an epoch had trained
+                raise TypeError(f"configure_optimizers: an lr_scheduler must be a learning-rate scheduler (with "
+                                f"step(), state_dict() and load_state_dict()), or the LightningModule must override "
+                                f"lr_scheduler_step; got {lightning.describe(config.scheduler)}")
             if config.reduce_on_plateau and config.interval == "step":
                 raise ValueError("from_ptl steps ReduceLROnPlateau per epoch only (interval='epoch'); got "
                                  f"interval='step' for monitor {config.monitor!r}")

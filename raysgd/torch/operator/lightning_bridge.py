@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from raysgd import optional
+from raysgd.base.checks import is_whole
 
 logger = logging.getLogger(__name__)
 
@@ -196,9 +197,10 @@ def _scheduler_config(item, monitor):
     if config.interval not in ("step", "epoch"):
         raise ValueError(f"configure_optimizers: lr_scheduler 'interval' must be 'step' or 'epoch'; got "
                          f"{config.interval!r}")
-    if not isinstance(config.frequency, int) or config.frequency < 1:
+    if not is_whole(config.frequency, minimum=1):  # numpy's int (or 2.0) counts as Python's
         raise ValueError(f"configure_optimizers: lr_scheduler 'frequency' must be an int >= 1; got "
                          f"{config.frequency!r}")
+    config.frequency = int(config.frequency)
     plateau = isinstance(config.scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
     config.reduce_on_plateau = bool(config.reduce_on_plateau or plateau)
     if config.reduce_on_plateau and not config.monitor:

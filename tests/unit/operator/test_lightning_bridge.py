@@ -1,0 +1,95 @@
+"""from_ptl's configure_optimizers parsing and scheduler stepping in one process (a local TorchWorker, no Ray)."""
+import numpy as np
+import pytest
+
+pl = pytest.importorskip("pytorch_lightning", reason="the Lightning tests need pip install 'raysgd[test]'")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from raysgd import TrainingOperator  # noqa: E402
+from raysgd.torch.execution.worker import TorchWorker  # noqa: E402
+from raysgd.torch.operator.lightning_bridge import parse_optimizers  # noqa: E402
+
+
+class Scheduled(pl.LightningModule):
+    """``config["lr_scheduler"](optimizer)`` is what configure_optimizers returns as its lr_scheduler."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.net = nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=1.0)
+        return {"optimizer": optimizer, "lr_scheduler": self.config["lr_scheduler"](optimizer)}
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(64, 4, generator=generator), torch.randint(0, 2, (64,), generator=generator))
+        return DataLoader(data, batch_size=8)
+
+
+def in_process(module_cls, config):
+    worker = TorchWorker(TrainingOperator.from_ptl(module_cls), dict(config), is_local=True)
+    worker.setup_operator()
+    return worker
+
+
+@pytest.mark.parametrize("frequency", [np.int64(2), np.int32(2), 2.0])
+def test_a_numpy_scheduler_frequency_counts_as_an_int(frequency):
+    """``{"interval": "step", "frequency": np.int64(2)}`` (a frequency computed with numpy, or Tune's 2.0) steps
+    every 2nd batch. Before, it was refused as no int ('frequency' must be an int >= 1; got np.int64(2))."""
+    def lr_scheduler(optimizer):
+        return {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5), "interval": "step",
+                "frequency": frequency}
+
+    worker = in_process(Scheduled, {"lr_scheduler": lr_scheduler})
+    worker.train_epoch()
+    assert worker.operator.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.5 ** 4)  # 8 batches, every 2nd
+    assert type(worker.operator.scheduler_dicts[0].frequency) is int
+
+
+@pytest.mark.parametrize("frequency", [True, 0, 1.5, "2"])
+def test_a_frequency_that_is_no_whole_number_above_zero_is_refused(frequency):
+    optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    with pytest.raises(ValueError, match="'frequency' must be an int >= 1"):
+        parse_optimizers({"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "frequency": frequency}})
+
+
+@pytest.mark.parametrize("given, words", [
+    (lambda opt: [torch.optim.lr_scheduler.StepLR(opt, 1)], r"got \[<torch.optim.lr_scheduler.StepLR"),
+    (lambda opt: {"scheduler": torch.optim.lr_scheduler.StepLR}, "got class torch.optim.lr_scheduler.StepLR"),
+    (lambda opt: "cosine", "got 'cosine'"),
+])
+def test_an_lr_scheduler_that_is_no_scheduler_is_refused_at_setup(given, words):
+    """A list (``"lr_scheduler": [sched]``), a class or a name was accepted, and the first epoch trained before
+    ``scheduler.step()`` failed with AttributeError at its end."""
+    with pytest.raises(TypeError, match="an lr_scheduler must be a learning-rate scheduler.*" + words):
+        in_process(Scheduled, {"lr_scheduler": given})
+
+
+def test_an_own_lr_scheduler_step_takes_any_scheduler():
+    class OwnStep(Scheduled):
+        def lr_scheduler_step(self, scheduler, metric):
+            scheduler.steps += 1
+
+    class Counter:  # no step(): the module's lr_scheduler_step steps it
+        steps = 0
+
+        def state_dict(self):
+            return {"steps": self.steps}
+
+        def load_state_dict(self, state):
+            self.steps = state["steps"]
+
+    counter = Counter()
+    worker = in_process(OwnStep, {"lr_scheduler": lambda opt: counter})
+    worker.train_epoch()
+    assert counter.steps == 1
