@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity
 
 from raysgd.base.checks import expect
-from raysgd.base.paths import is_uri
+from raysgd.base.paths import expand_path, is_uri
 
 #: How a trace file of rank ``r`` is named (``*.pt.trace.json``, as ``torch.profiler.tensorboard_trace_handler``
 #: names its files, so TensorBoard's profiler plugin finds them).
@@ -70,7 +70,7 @@ def prepare_logdir(logdir):
     """
     expect(isinstance(logdir, (str, os.PathLike)), "logdir", "a local folder path (str or os.PathLike)", logdir,
            TypeError, caller="profile", got=f"{logdir!r} ({type(logdir).__name__})")
-    path = os.fspath(logdir)
+    path = expand_path(logdir)  # ~/traces is the home folder's, not a folder named ~ here
     expect(not is_uri(path), "logdir", "a local folder path (the driver writes the traces)", path, caller="profile")
     try:
         os.makedirs(path, exist_ok=True)
