@@ -356,14 +356,18 @@ class TrainerStandIn:
         self._operator.lightning_backward(tensor, *args, **kwargs)
 
     def clip_gradients(self, module, optimizer, clip_val=None, max_norm=None, norm_type=2.0,
-                       error_if_nonfinite=True):
-        """``LightningModule.clip_gradients``: by value (``clip_val``) or by norm (``max_norm``), unscaled first."""
+                       error_if_nonfinite=False):
+        """``LightningModule.clip_gradients``: by value (``clip_val``) or by norm (``max_norm``), unscaled first.
+
+        As under Lightning's ``Trainer``: a value of 0 (or below) clips nothing, and a non-finite norm (an fp16
+        overflow, whose step the scaler skips) is no error.
+        """
         optimizer = getattr(optimizer, "optimizer", optimizer)
         self._operator.unscale_once(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if clip_val is not None:
+        if clip_val is not None and clip_val > 0:
             torch.nn.utils.clip_grad_value_(params, clip_val)
-        if max_norm is not None:
+        if max_norm is not None and max_norm > 0:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type,
                                                   error_if_nonfinite=error_if_nonfinite)
         return None

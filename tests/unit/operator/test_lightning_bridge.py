@@ -93,3 +93,47 @@ def test_an_own_lr_scheduler_step_takes_any_scheduler():
     worker = in_process(OwnStep, {"lr_scheduler": lambda opt: counter})
     worker.train_epoch()
     assert counter.steps == 1
+
+
+class Clipped(Scheduled):
+    """``self.clip_gradients(optimizer, gradient_clip_val=config["clip"], ...)`` at every step."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=self.config["clip"],
+                            gradient_clip_algorithm=self.config["algorithm"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def trained_weight(config):
+    torch.manual_seed(0)
+    worker = in_process(Clipped, config)
+    worker.train_epoch()
+    return worker.operator.get_model().net.weight.detach()
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_a_gradient_clip_value_of_0_clips_nothing_as_under_lightnings_trainer(algorithm):
+    """``gradient_clip_val=0`` (a config's "off") is no clipping under Lightning's Trainer. Before, it reached
+    clip_grad_norm_(max_norm=0) (or clip_grad_value_(0)), which zeroed every gradient: the model never trained."""
+    unclipped = trained_weight({"clip": None, "algorithm": None})
+    assert torch.equal(trained_weight({"clip": 0.0, "algorithm": algorithm}), unclipped)
+    assert not torch.equal(trained_weight({"clip": 0.01, "algorithm": algorithm}), unclipped)  # a real clip clips
+
+
+def test_a_non_finite_gradient_norm_is_clipped_without_an_error():
+    """An fp16 overflow leaves inf gradients, whose step the GradScaler skips: under Lightning's Trainer clipping
+    them is no error. Before, the stand-in asked clip_grad_norm_ to raise (error_if_nonfinite=True)."""
+    from raysgd.torch.operator.lightning_bridge import TrainerStandIn
+
+    class Operator:
+        def unscale_once(self, optimizer):
+            pass
+
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    model.weight.grad[0, 0] = float("inf")
+    norm = TrainerStandIn(Operator()).clip_gradients(model, optimizer, max_norm=1.0)
+    assert not torch.isfinite(norm)
