@@ -30,6 +30,8 @@ import logging
 
 import torch
 
+from raysgd.base.checks import expect, is_number
+
 logger = logging.getLogger(__name__)
 
 VALID_FP16 = (False, True, "apex", "bf16")
@@ -220,6 +222,8 @@ class PrecisionHelpers:
         update to a later step of the iteration. Example (a GAN's train_batch):
             >>> # self.backward_and_step(d_loss, opt_d, update_scale=False); self.backward_and_step(g_loss, opt_g)
         """
+        expect(clip_grad_norm is None or is_number(clip_grad_norm, above=0), "clip_grad_norm",
+               "a number > 0 or None (no clipping)", clip_grad_norm, caller="backward_and_step")  # 0 or less: no step
         optimizer.zero_grad()
         self.backward(loss, optimizer)
         if clip_grad_norm is not None:

@@ -1,0 +1,37 @@
+"""The precision helpers in one process: clipping in backward_and_step (raysgd.torch.operator.precision)."""
+import numpy as np
+import pytest
+import torch
+
+from raysgd.torch.operator.precision import Precision, PrecisionHelpers
+
+
+class Helpers(PrecisionHelpers):
+    def __init__(self, precision):
+        self._precision = precision
+
+
+def one_step(clip_grad_norm, precision=None):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(4, 2)
+    Helpers(precision or Precision(False)).backward_and_step((model(x) ** 2).mean(), optimizer,
+                                                             clip_grad_norm=clip_grad_norm)
+    return (model(x) ** 2).mean().item()
+
+
+@pytest.mark.parametrize("clip_grad_norm", [0, -1.0, float("nan"), "1.0", True])
+def test_a_clip_grad_norm_that_is_no_number_above_0_is_refused(clip_grad_norm):
+    """0 zeroed the gradients (no training) and a negative norm flipped them (the loss went up), silently."""
+    with pytest.raises(ValueError, match=r"backward_and_step: clip_grad_norm expects a number > 0 or None"):
+        one_step(clip_grad_norm)
+
+
+def test_clipping_takes_numpy_numbers_and_unscales_first():
+    unclipped = one_step(None)
+    assert one_step(np.float64(1e6)) == pytest.approx(unclipped)  # a norm above the gradient's changes nothing
+    assert one_step(np.float32(1e-3)) > unclipped  # a small one slows the step
+    scaled = Precision(False)
+    scaled.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)  # an enabled scaler, as fp16 on CUDA has
+    assert one_step(1e-3, scaled) == pytest.approx(one_step(1e-3))  # clipped after unscaling: the same step
