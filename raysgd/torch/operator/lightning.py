@@ -302,7 +302,8 @@ class LightningLoops:
                 self._module.lr_scheduler_step(config.scheduler, None)
 
     def _step_schedulers_per_epoch(self, epoch, stats):
-        """Epoch schedulers at the end of ``train()``; a plateau whose metric training lacks waits for validate."""
+        """Epoch schedulers at the end of ``train()``; a plateau whose metric training lacks waits for validate, once
+        however many epochs it waits (it steps once per value of its metric, as under Lightning's Trainer)."""
         if not self._module.automatic_optimization:
             return
         for index, config in enumerate(self.scheduler_dicts):
@@ -310,7 +311,7 @@ class LightningLoops:
                 continue
             if not config.reduce_on_plateau:
                 self._module.lr_scheduler_step(config.scheduler, None)
-            elif not self._step_plateau(config, stats):
+            elif not self._step_plateau(config, stats) and index not in self._pending_plateau:
                 self._pending_plateau.append(index)
 
     def _step_plateau(self, config, stats):

@@ -137,3 +137,32 @@ def test_a_non_finite_gradient_norm_is_clipped_without_an_error():
     model.weight.grad[0, 0] = float("inf")
     norm = TrainerStandIn(Operator()).clip_gradients(model, optimizer, max_norm=1.0)
     assert not torch.isfinite(norm)
+
+
+class ValidatedPlateau(Scheduled):
+    """A ReduceLROnPlateau on ``val_loss``, which only validate() reports."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+
+    def val_dataloader(self):
+        return self.train_dataloader()
+
+
+def test_a_plateau_waiting_for_validate_over_several_epochs_steps_once_per_validation():
+    """train() three times, then validate(): the plateau scheduler sees one value of its metric, so it steps once,
+    as under Lightning's Trainer. Before, it stepped once per waiting epoch with that one value: three steps, and
+    with patience=1 the learning rate was cut on a single measurement."""
+    def lr_scheduler(optimizer):
+        return {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=1), "monitor": "val_loss"}
+
+    worker = in_process(ValidatedPlateau, {"lr_scheduler": lr_scheduler})
+    scheduler = worker.operator.scheduler_dicts[0].scheduler
+    for _ in range(3):
+        worker.train_epoch()
+    worker.validate()
+    assert scheduler.last_epoch == 1 and worker.operator.optimizers[0].param_groups[0]["lr"] == 1.0
+    worker.train_epoch()
+    worker.validate()
+    assert scheduler.last_epoch == 2
