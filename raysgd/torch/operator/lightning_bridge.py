@@ -246,7 +246,7 @@ def parse_optimizers(conf):
             opts, scheds, item_monitor = _from_dict(item)
             optimizers += opts
             schedulers += [s if isinstance(s, dict) else {"scheduler": s} for s in scheds]
-            if item_monitor:
+            if item_monitor and scheds:  # this dict's own schedulers ([-0:] would be every earlier one)
                 schedulers[-len(scheds):] = [{"monitor": item_monitor, **s} for s in schedulers[-len(scheds):]]
     elif isinstance(conf, (list, tuple)) and all(_is_optimizer(o) for o in conf):
         optimizers, schedulers = list(conf), []

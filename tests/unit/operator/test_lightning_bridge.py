@@ -166,3 +166,17 @@ def test_a_plateau_waiting_for_validate_over_several_epochs_steps_once_per_valid
     worker.train_epoch()
     worker.validate()
     assert scheduler.last_epoch == 2
+
+
+def test_a_monitor_in_a_list_of_dicts_applies_to_its_own_dicts_schedulers_only():
+    """A dict's ``monitor`` without an ``lr_scheduler`` of its own went to every earlier dict's schedulers: a
+    ReduceLROnPlateau given no monitor silently watched another optimizer's metric instead of being refused."""
+    model = nn.Linear(2, 1)
+    first, second = (torch.optim.SGD(model.parameters(), lr=0.1) for _ in range(2))
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(first)
+    with pytest.raises(ValueError, match="ReduceLROnPlateau scheduler needs a 'monitor'"):
+        parse_optimizers([{"optimizer": first, "lr_scheduler": plateau}, {"optimizer": second, "monitor": "other"}])
+    step = torch.optim.lr_scheduler.StepLR(first, 1)
+    _, configs = parse_optimizers([{"optimizer": first, "lr_scheduler": step},
+                                   {"optimizer": second, "lr_scheduler": plateau, "monitor": "val_loss"}])
+    assert [c.monitor for c in configs] == [None, "val_loss"]
