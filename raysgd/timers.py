@@ -1,6 +1,6 @@
 """Timers: how long the named parts of a worker's call took (``train(profile=True)``'s ``profile`` dict).
 
-Layer 0: the standard library and numpy. Public through :mod:`raysgd.utils`, as in RaySGD 1.x.
+Layer 0: the standard library, numpy and :mod:`raysgd.base`. Public through :mod:`raysgd.utils`, as in RaySGD 1.x.
 
 Example:
     >>> timers = TimerCollection()
@@ -16,9 +16,11 @@ from typing import cast
 
 import numpy as np
 
+from raysgd.base.checks import expect, is_int, plain
+
 
 class TimerStat:
-    """A context-manager timer keeping the last ``window_size`` durations.
+    """A context-manager timer keeping the last ``window_size`` durations (an int >= 1; None keeps them all).
 
     Example:
         >>> t = TimerStat()
@@ -29,7 +31,9 @@ class TimerStat:
     """
 
     def __init__(self, window_size=10):
-        self._window_size = window_size
+        expect(window_size is None or is_int(window_size, minimum=1), "window_size", "an int >= 1 or None",
+               window_size, TypeError, caller="TimerStat", typed=True)
+        self._window_size = window_size = plain(window_size)  # numpy's int too: deque takes Python's only
         self._samples: collections.deque[float] = collections.deque(maxlen=window_size)
         self._units_processed: collections.deque[float] = collections.deque(maxlen=window_size)
         self._start_time: float | None = None

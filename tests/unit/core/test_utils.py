@@ -111,3 +111,17 @@ def test_a_tensor_or_numpy_weight_gives_python_numbers():
     summary = meters.summary()
     assert summary == {"batch_count": 1, "num_samples": 4, "loss": 0.5, "last_loss": 0.5}
     assert type(summary["num_samples"]) is int and type(summary["loss"]) is float
+
+
+def test_timer_stat_takes_a_numpy_window_and_refuses_a_bad_one():
+    """``TimerStat(window_size=np.int64(3))`` raised TypeError ('an integer is required') from inside deque."""
+    import numpy as np
+
+    timer = TimerStat(window_size=np.int64(2))
+    for _ in range(3):
+        timer.push(1.0)
+    assert timer.size == 2 and timer.count == 3
+    assert TimerStat(window_size=None).size == 0
+    for bad in (0, 2.5, "3", True):
+        with pytest.raises(TypeError, match="TimerStat: window_size expects an int >= 1 or None"):
+            TimerStat(window_size=bad)
