@@ -180,3 +180,18 @@ def test_a_monitor_in_a_list_of_dicts_applies_to_its_own_dicts_schedulers_only()
     _, configs = parse_optimizers([{"optimizer": first, "lr_scheduler": step},
                                    {"optimizer": second, "lr_scheduler": plateau, "monitor": "val_loss"}])
     assert [c.monitor for c in configs] == [None, "val_loss"]
+
+
+class Overflowing(Clipped):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * (1e36 if batch_idx == 0 else 1.0)  # inf once scaled
+
+
+def test_an_fp16_overflow_with_clipping_skips_that_step_and_training_goes_on():
+    """The first step's scaled gradients overflow: clipping them raised (error_if_nonfinite=True) and train()
+    failed; as under Lightning's Trainer the scaler now skips that step and halves its scale."""
+    worker = in_process(Overflowing, {"clip": 1.0, "algorithm": "norm", "lr_scheduler": None})
+    worker.operator.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)  # CUDA's fp16 scaler
+    assert worker.train_epoch()["num_samples"] == 64
+    assert worker.operator.precision.scaler.get_scale() == 2.0 ** 15
+    assert torch.isfinite(worker.operator.get_model().net.weight).all()
