@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
 from raysgd.base.checks import expect
 from raysgd.meters import NUM_SAMPLES, AverageMeterCollection
@@ -129,13 +130,13 @@ class LightningLoops:
 
     def _loader(self, which):
         """From ``from_ptl``'s arguments, else the datamodule, else the module's own ``*_dataloader()``."""
+        name = f"{which}_dataloader"
         given = self._train_dataloader if which == "train" else self._val_dataloader
         if given is not None:
-            return given
-        name = f"{which}_dataloader"
+            return _one_loader(given, f"from_ptl({name}=...)")
         for obj in (self._datamodule, self._module):
             if obj is not None and lightning.is_overridden(obj, name, lightning.lightning_default_owner(obj)):
-                return getattr(obj, name)()
+                return _one_loader(getattr(obj, name)(), f"{type(obj).__name__}.{name}()")
         return None
 
     def registered_loader(self, kind="train", required=True):
@@ -400,6 +401,17 @@ class LightningLoops:
         self._pending_plateau = list(state_dict.get("pending_plateau", []))
         if self._datamodule is not None and "datamodule" in state_dict:
             self._datamodule.load_state_dict(state_dict["datamodule"])
+
+
+def _one_loader(loader, source):
+    """``loader``, unless it is Lightning's several loaders (a list, tuple or dict of DataLoaders), which raysgd
+    would iterate as if each loader were a batch: a ``TypeError`` naming ``source``."""
+    several = list(loader.values()) if isinstance(loader, dict) else loader if isinstance(loader, (list, tuple)) else []
+    if several and all(isinstance(item, DataLoader) for item in several):
+        raise TypeError(f"{source} returned a {type(loader).__name__} of {len(several)} DataLoaders; from_ptl runs "
+                        "one loader per phase (Lightning's several loaders and dataloader_idx are not supported): "
+                        "return one DataLoader, e.g. over a torch.utils.data.ConcatDataset")
+    return loader
 
 
 def make_lightning_operator(base, lightning_module_cls, train_dataloader=None, val_dataloader=None, datamodule=None,

@@ -195,3 +195,25 @@ def test_an_fp16_overflow_with_clipping_skips_that_step_and_training_goes_on():
     assert worker.train_epoch()["num_samples"] == 64
     assert worker.operator.precision.scaler.get_scale() == 2.0 ** 15
     assert torch.isfinite(worker.operator.get_model().net.weight).all()
+
+
+class TwoValLoaders(ValidatedPlateau):
+    def val_dataloader(self):
+        return [self.train_dataloader(), self.train_dataloader()]
+
+
+def test_several_validation_loaders_are_refused_at_setup_naming_the_hook():
+    """Lightning's list of loaders was taken as one loader whose batches were DataLoaders: validate() handed a
+    whole DataLoader to validation_step ('too many values to unpack')."""
+    with pytest.raises(TypeError, match=r"TwoValLoaders.val_dataloader\(\) returned a list of 2 DataLoaders"):
+        in_process(TwoValLoaders, {"lr_scheduler": lambda opt: None})
+    loader = Scheduled({}).train_dataloader()
+    with pytest.raises(TypeError, match=r"from_ptl\(train_dataloader=...\) returned a dict of 1 DataLoaders"):
+        worker = TorchWorker(TrainingOperator.from_ptl(Scheduled, train_dataloader={"a": loader}),
+                             {"lr_scheduler": lambda opt: None}, is_local=True)
+        worker.setup_operator()
+    batches = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))] * 2  # a list of batches is one loader
+    worker = TorchWorker(TrainingOperator.from_ptl(Scheduled, train_dataloader=batches),
+                         {"lr_scheduler": lambda opt: None}, is_local=True)
+    worker.setup_operator()
+    assert worker.train_epoch()["num_samples"] == 16
