@@ -108,11 +108,14 @@ class LightningLoops:
             raise ValueError(f"configure_optimizers returned {len(optimizers)} optimizers: several optimizers "
                              "need manual optimization (self.automatic_optimization = False), as in Lightning 2.x")
         custom_step = lightning.is_overridden(self._module, "lr_scheduler_step", self._base)
-        for config in configs:
-            if not (custom_step or is_scheduler(config.scheduler)):  # else it would fail once an epoch had trained
-                raise TypeError(f"configure_optimizers: an lr_scheduler must be a learning-rate scheduler (with "
-                                f"step(), state_dict() and load_state_dict()), or the LightningModule must override "
-                                f"lr_scheduler_step; got {lightning.describe(config.scheduler)}")
+        for config in configs:  # else it would fail once an epoch had trained, or at the first checkpoint
+            scheduler = config.scheduler
+            stateful = not isinstance(scheduler, type) and all(
+                callable(getattr(scheduler, name, None)) for name in ("state_dict", "load_state_dict"))
+            if not (is_scheduler(scheduler) or (custom_step and stateful)):
+                raise TypeError("configure_optimizers: an lr_scheduler must be a learning-rate scheduler (with step(), "
+                                "state_dict() and load_state_dict(); with an overridden lr_scheduler_step, the last "
+                                f"two), as in Lightning; got {lightning.describe(scheduler)}")
             if config.reduce_on_plateau and config.interval == "step":
                 raise ValueError("from_ptl steps ReduceLROnPlateau per epoch only (interval='epoch'); got "
                                  f"interval='step' for monitor {config.monitor!r}")

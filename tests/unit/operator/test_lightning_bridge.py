@@ -75,7 +75,7 @@ def test_an_lr_scheduler_that_is_no_scheduler_is_refused_at_setup(given, words):
         in_process(Scheduled, {"lr_scheduler": given})
 
 
-def test_an_own_lr_scheduler_step_takes_any_scheduler():
+def test_an_own_lr_scheduler_step_takes_any_scheduler_with_a_state():
     class OwnStep(Scheduled):
         def lr_scheduler_step(self, scheduler, metric):
             scheduler.steps += 1
@@ -93,6 +93,8 @@ def test_an_own_lr_scheduler_step_takes_any_scheduler():
     worker = in_process(OwnStep, {"lr_scheduler": lambda opt: counter})
     worker.train_epoch()
     assert counter.steps == 1
+    with pytest.raises(TypeError, match="with an overridden lr_scheduler_step, the last two.*got 'cosine'"):
+        in_process(OwnStep, {"lr_scheduler": lambda opt: "cosine"})  # it could not be checkpointed
 
 
 class Clipped(Scheduled):
