@@ -33,7 +33,7 @@ from raysgd.torch.operator import fsdp
 from raysgd.torch.operator.precision import validate_fp16
 from raysgd.torch.sharding import batch_split
 from raysgd.torch.commits.commit_policy import check_every_n
-from raysgd.torch.training_operator import TrainingOperator
+from raysgd.torch.training_operator import LightningOperator, TrainingOperator
 from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
@@ -289,6 +289,11 @@ def _fixed_worker_batch(v, caller):
         return False
     expect(v["use_fp16"] != "apex", "fixed_worker_batch=True", "use_fp16 False, True or 'bf16' (apex's loss scaling "
            "is not accumulation-aware here)", v["use_fp16"], caller=caller, got="use_fp16='apex'")
+    operator = v["training_operator_cls"]  # the Lightning loop steps at every batch: the global batch would shrink
+    expect(not (isinstance(operator, type) and issubclass(operator, LightningOperator)), "fixed_worker_batch=True",
+           "a TrainingOperator whose loop accumulates gradients (TrainingOperator.from_ptl's Lightning loop steps the "
+           "optimizer at every batch, and the module's own loaders set the batch size)", operator, caller=caller,
+           got=f"{operator.__name__} (from_ptl)" if isinstance(operator, type) else None)
     total = (v["config"] or {}).get(BATCH_SIZE)
     expect(total is None or (is_whole(total, 1) and not total % max_workers), "config[BATCH_SIZE]",
            f"a multiple of the maximum number of workers ({max_workers}) with fixed_worker_batch=True", total,

@@ -86,6 +86,20 @@ def test_a_numpy_or_float_global_batch_size_is_taken_and_each_worker_gets_an_int
     DataLoader(range(64), batch_size=worker_config[BATCH_SIZE])  # a numpy batch size is refused here
 
 
+def test_fixed_worker_batch_is_refused_for_a_lightning_operator_whose_loop_steps_every_batch():
+    """``from_ptl``'s loop ignores the accumulation: after a downsize every micro-batch stepped the optimizer, and
+    the global batch shrank silently."""
+    pytest.importorskip("pytorch_lightning", reason="the test extra's Lightning is not installed")
+    from lightning_modules import Classifier
+    from raysgd import TrainingOperator
+
+    operator = TrainingOperator.from_ptl(Classifier)
+    with pytest.raises(ValueError, match=r"fixed_worker_batch=True expects a TrainingOperator whose loop "
+                                         r"accumulates.*; got ClassifierOperator \(from_ptl\)"):
+        TrainerOptions(training_operator_cls=operator, num_workers=(1, 2), fixed_worker_batch=True).checked()
+    assert TrainerOptions(training_operator_cls=operator, num_workers=(1, 2)).checked().fixed_worker_batch is False
+
+
 @pytest.mark.parametrize("num_to_keep", [np.int64(3), 3.0])
 def test_num_to_keep_takes_a_numpy_int_or_a_whole_float(tmp_path, num_to_keep):
     storage = CheckpointStorage(str(tmp_path), num_to_keep=num_to_keep)
