@@ -177,6 +177,8 @@ class LegacyAmp:
         return self._precision.autocast()
 
     def __getattr__(self, name):
+        if name == "_precision":  # not set yet (a copy or an unpickled one): no recursion
+            raise AttributeError(name)
         if self._precision.apex_amp is not None:
             return getattr(self._precision.apex_amp, name)
         raise AttributeError(name)

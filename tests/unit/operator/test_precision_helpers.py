@@ -1,9 +1,12 @@
 """The precision helpers in one process: clipping in backward_and_step (raysgd.torch.operator.precision)."""
+import copy
+import pickle
+
 import numpy as np
 import pytest
 import torch
 
-from raysgd.torch.operator.precision import Precision, PrecisionHelpers
+from raysgd.torch.operator.precision import LegacyAmp, Precision, PrecisionHelpers
 
 
 class Helpers(PrecisionHelpers):
@@ -35,3 +38,14 @@ def test_clipping_takes_numpy_numbers_and_unscales_first():
     scaled = Precision(False)
     scaled.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)  # an enabled scaler, as fp16 on CUDA has
     assert one_step(1e-3, scaled) == pytest.approx(one_step(1e-3))  # clipped after unscaling: the same step
+
+
+def test_the_1x_amp_object_can_be_copied_and_pickled():
+    """``copy.deepcopy(self._amp)`` (a 1.x loop keeping a copy of its operator's parts) recursed until
+    ``RecursionError``: the copy's ``__getattr__`` read ``_precision`` before it was set."""
+    amp = LegacyAmp(Precision(False))
+    for copied in (copy.deepcopy(amp), pickle.loads(pickle.dumps(amp))):
+        with copied.autocast():
+            pass
+        with pytest.raises(AttributeError):
+            copied.scale_loss  # no apex: as on the original
