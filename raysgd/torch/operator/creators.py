@@ -10,6 +10,8 @@ Example:
     >>> Op = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator, ex.data_creator,
     ...                                     loss_creator=torch.nn.MSELoss)
 """
+import copy
+import inspect
 import os
 import tempfile
 from typing import Any, Callable, Optional, cast
@@ -73,9 +75,7 @@ class CreatorLoops:
         optimizers = cast(Callable[..., Any], self._optimizer_creator)(models, config)
         kwargs = {"models": models, "optimizers": optimizers}
         if self._loss_creator is not None:
-            loss = self._loss_creator
-            is_loss_class = isinstance(loss, type) and issubclass(loss, torch.nn.modules.loss._Loss)
-            kwargs["criterion"] = loss() if is_loss_class else loss(config)
+            kwargs["criterion"] = _create_loss(self._loss_creator, config)
         if self._scheduler_creator is not None:
             kwargs["schedulers"] = self._scheduler_creator(optimizers, config)
         registered = list(self.register(**kwargs))
@@ -89,6 +89,32 @@ class CreatorLoops:
         self.model = _first(self.models)
         self.optimizer = _first(self.optimizers)
         self.register_data(train_loader=train_loader, validation_loader=val_loader)
+
+
+def _create_loss(loss_creator, config):
+    """The criterion ``loss_creator`` gives (as in RaySGD 1.x, a function or class is called with ``config``), except:
+    a torch loss class (``torch.nn.MSELoss``), or a class whose constructor takes no config (a module with only a
+    ``forward``), is instantiated with no argument, and a loss module (``torch.nn.MSELoss()``) is used as it is (a
+    copy: the worker moves it to its device)."""
+    if isinstance(loss_creator, torch.nn.Module):
+        return copy.deepcopy(loss_creator)
+    if isinstance(loss_creator, type) and (issubclass(loss_creator, torch.nn.modules.loss._Loss)
+                                           or not _takes_config(loss_creator)):
+        return loss_creator()
+    return loss_creator(config)
+
+
+def _takes_config(cls):
+    """Whether class ``cls`` is built with one positional argument (the config); nn.Module's own constructor is not."""
+    if cls.__init__ is torch.nn.Module.__init__:  # its (*args, **kwargs) refuses any argument
+        return False
+    try:
+        inspect.signature(cls).bind(None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read: as 1.x, call it with the config
+        return True
+    return True
 
 
 def _first(value):
@@ -111,10 +137,10 @@ def make_creator_operator(base, model_creator, optimizer_creator, data_creator=N
     return type("CustomCreatorOperator", (base,), {
         "_model_creator": staticmethod(model_creator),
         "_optimizer_creator": staticmethod(optimizer_creator),
-        "_data_creator": staticmethod(data_creator) if data_creator else None,
+        "_data_creator": staticmethod(data_creator) if data_creator is not None else None,
         "_loss_creator": loss_creator if isinstance(loss_creator, type) else (
-            staticmethod(loss_creator) if loss_creator else None),
-        "_scheduler_creator": staticmethod(scheduler_creator) if scheduler_creator else None,
+            staticmethod(loss_creator) if loss_creator is not None else None),  # a loss module too (bool() may len())
+        "_scheduler_creator": staticmethod(scheduler_creator) if scheduler_creator is not None else None,
         "_serialize_data_creation": serialize_data_creation,
     })
 

@@ -1,0 +1,52 @@
+"""TrainingOperator.from_creators (RaySGD 1.x's creator functions) in one process: the loss creator's forms."""
+import pytest
+import torch
+import torch.nn as nn
+
+from raysgd.torch import TrainingOperator
+from raysgd.torch.examples import train_example as ex
+from raysgd.torch.execution.worker import TorchWorker
+
+CONFIG = {"batch_size": 8, "data_size": 32, "val_size": 8}
+
+
+def make_worker(operator_cls, config=CONFIG):
+    worker = TorchWorker(operator_cls, dict(config), is_local=True)
+    worker.setup_operator()
+    return worker
+
+
+class ForwardOnly(nn.Module):  # a loss of one's own: nn.Module's constructor, takes no config
+    def forward(self, output, target):
+        return ((output - target) ** 2).mean()
+
+
+class TakesConfig(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.scale = config.get("scale", 1.0)
+
+    def forward(self, output, target):
+        return self.scale * ((output - target) ** 2).mean()
+
+
+@pytest.mark.parametrize("loss_creator, expected", [
+    (nn.MSELoss, nn.MSELoss),  # a torch loss class: instantiated with no argument (1.x)
+    (lambda config: nn.SmoothL1Loss(), nn.SmoothL1Loss),  # a function of the config (1.x)
+    (TakesConfig, TakesConfig),  # a class taking the config (1.x)
+    (nn.MSELoss(), nn.MSELoss),  # a loss module: was called with the config, TypeError "missing 'target'"
+    (ForwardOnly, ForwardOnly),  # was ForwardOnly(config): TypeError "takes 1 positional argument"
+], ids=["loss-class", "function", "class-of-config", "loss-instance", "module-class"])
+def test_loss_creator_forms_train(loss_creator, expected):
+    Op = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator, ex.data_creator,  # noqa: N806
+                                        loss_creator=loss_creator)
+    worker = make_worker(Op)
+    assert isinstance(worker.operator.criterion, expected)
+    assert worker.train_epoch()["num_samples"] == 32
+
+
+def test_a_loss_instance_is_copied_not_shared():
+    loss = nn.CrossEntropyLoss(weight=torch.ones(2))
+    Op = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator, ex.data_creator,  # noqa: N806
+                                        loss_creator=loss)
+    assert make_worker(Op).operator.criterion is not loss
