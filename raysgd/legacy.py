@@ -36,6 +36,8 @@ def parse_program(argv, prog="python -m raysgd.legacy", usage=_USAGE):
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script as sys.argv[1:]")
     if argv and argv[0] == "-m" and len(argv) >= 2:  # everything after the module name belongs to it
         return argparse.Namespace(module=argv[1], script=None, args=list(argv[2:]))
+    if argv and argv[0].startswith("-m") and len(argv[0]) > 2:  # -mmodule, as python -mmodule
+        return argparse.Namespace(module=argv[0][2:], script=None, args=list(argv[1:]))
     options = parser.parse_args(argv)
     if options.module is not None:
         parser.error(f"-m must come first: {usage}")
@@ -55,7 +57,11 @@ def run_program(program, legacy=True, train=False):
     if train:
         compat.install_train()
     if program.module is not None:
-        module = (compat.translate(program.module) or program.module) if legacy or train else program.module
+        module = program.module
+        if (legacy or train) and compat.translate(module) is not None:
+            # a removed or unknown 1.x path raises ModuleNotFoundError saying what replaced it or what exists
+            compat.LegacyFinder().find_spec(module)
+            module = compat.translate(module)
         sys.argv = [program.module, *program.args]
         if os.getcwd() not in sys.path:
             sys.path.insert(0, os.getcwd())  # as python -m does
