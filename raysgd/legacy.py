@@ -6,7 +6,8 @@ Outside the layers: imports :mod:`raysgd.compat` and the standard library.
 :func:`raysgd.compat.install_train`),
 then runs ``script.py`` as ``__main__`` with ``sys.argv == ["script.py", *args]`` and the script's
 directory first on ``sys.path``, as ``python script.py [args]`` would. ``-m module`` runs a module
-instead (a 1.x module name such as ``ray.util.sgd.torch.examples.train_example`` works).
+instead (a 1.x module name such as ``ray.util.sgd.torch.examples.train_example`` works). The script's
+``multiprocessing`` children (spawn, forkserver: they run its imports again) get the mapping too.
 
 Example:
     $ python -m raysgd.legacy my_raysgd1_script.py --num-workers 2
@@ -16,6 +17,7 @@ Example:
 The ``raysgd run --legacy`` and ``raysgd run --train`` commands (:mod:`raysgd.cli`) are the same.
 """
 import argparse
+import functools
 import os
 import runpy
 import sys
@@ -48,6 +50,34 @@ def parse_program(argv, prog="python -m raysgd.legacy", usage=_USAGE):
     return options
 
 
+class _MappingInChild:
+    """Unpickled by a ``multiprocessing`` child (spawn, forkserver: a ``Pool``, a ``DataLoader``'s workers) with its
+    preparation data, before the child runs the script's imports again: installs the mapping there too (the child
+    inherits ``RAYSGD_LEGACY_IMPORTS``, not the finder; without it ``import ray.util.sgd`` raised Ray's
+    ``DeprecationWarning`` in every child, and a ``Pool`` restarted them for ever)."""
+
+    def __reduce__(self):
+        return compat.install_if_requested, ()
+
+
+def _map_in_multiprocessing_children():
+    """Make every ``multiprocessing`` child started from now on install the mapping first (idempotent)."""
+    from multiprocessing import spawn  # noqa: PLC0415
+
+    original = spawn.get_preparation_data
+    if getattr(original, "raysgd_mapping", False):
+        return
+
+    @functools.wraps(original)
+    def get_preparation_data(name):
+        data = original(name)
+        data["raysgd_mapping"] = _MappingInChild()  # a key multiprocessing's prepare() ignores
+        return data
+
+    get_preparation_data.raysgd_mapping = True  # type: ignore[attr-defined]
+    spawn.get_preparation_data = get_preparation_data
+
+
 def run_program(program, legacy=True, train=False):
     """Run ``program`` (from :func:`parse_program`) as ``__main__``, as ``python script.py [args]`` (or ``python -m``)
     would, with ``ray.util.sgd`` mapped to raysgd (``legacy``) and, with ``train``, also Ray Train's ``ray.train``
@@ -56,6 +86,8 @@ def run_program(program, legacy=True, train=False):
         compat.install()
     if train:
         compat.install_train()
+    if legacy or train:
+        _map_in_multiprocessing_children()
     if program.module is not None:
         module = program.module
         if (legacy or train) and compat.translate(module) is not None:
