@@ -91,6 +91,35 @@ class CreatorLoops:
         self.register_data(train_loader=train_loader, validation_loader=val_loader)
 
 
+    def _component(self, attr, registered):
+        """The operator's own (see TrainingOperator), saying which creator is missing when it has none."""
+        try:
+            return cast(Any, super())._component(attr, registered)
+        except RuntimeError as err:
+            if attr != "criterion" or self._loss_creator is not None:
+                raise
+            raise RuntimeError("The default train_batch/validate_batch need a loss: pass loss_creator= to "
+                               "TrainingOperator.from_creators (a torch loss class such as torch.nn.MSELoss, or a "
+                               "function of config returning one), or override train_batch/validate_batch.") from err
+
+    def registered_loader(self, kind="train", required=True):
+        """The operator's own (see TrainingOperator), saying which creator is missing when no loader was created."""
+        try:
+            return cast(Any, super()).registered_loader(kind, required)
+        except RuntimeError as err:
+            if self._data_creator is not None:  # it returned no validation loader
+                if kind == "train":
+                    raise
+                raise RuntimeError("validate() needs a validation loader: the data_creator given to "
+                                   "TrainingOperator.from_creators returned only a training loader; return "
+                                   "(train_loader, validation_loader).") from err
+            creator = ("pass data_creator= to TrainingOperator.from_creators (a function of config returning "
+                       "train_loader or (train_loader, validation_loader))")
+            if kind == "train":
+                raise RuntimeError(f"No training loader: {creator}, or pass train(dataset=...).") from err
+            raise RuntimeError(f"validate() needs a validation loader: {creator}.") from err
+
+
 def _create_loss(loss_creator, config):
     """The criterion ``loss_creator`` gives (as in RaySGD 1.x, a function or class is called with ``config``), except:
     a torch loss class (``torch.nn.MSELoss``), or a class whose constructor takes no config (a module with only a

@@ -50,3 +50,23 @@ def test_a_loss_instance_is_copied_not_shared():
     Op = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator, ex.data_creator,  # noqa: N806
                                         loss_creator=loss)
     assert make_worker(Op).operator.criterion is not loss
+
+
+def test_a_missing_creator_is_named_not_setup():
+    """The default loop's errors spoke of self.criterion / register_data in setup(), which a creator user never wrote."""
+    NoLoss = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator, ex.data_creator)  # noqa: N806
+    with pytest.raises(RuntimeError, match="pass loss_creator= to TrainingOperator.from_creators") as info:
+        make_worker(NoLoss).train_epoch()
+    assert isinstance(info.value.__cause__, RuntimeError)
+    NoData = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator,  # noqa: N806
+                                            loss_creator=nn.MSELoss)
+    with pytest.raises(RuntimeError, match="No training loader: pass data_creator= to"):
+        make_worker(NoData).train_epoch()
+    with pytest.raises(RuntimeError, match="validate.. needs a validation loader: pass data_creator= to"):
+        make_worker(NoData).validate()
+    TrainOnly = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator,  # noqa: N806
+                                               lambda config: ex.data_creator(config)[0], loss_creator=nn.MSELoss)
+    worker = make_worker(TrainOnly)
+    assert worker.train_epoch()["num_samples"] == 32
+    with pytest.raises(RuntimeError, match="data_creator given to TrainingOperator.from_creators returned only"):
+        worker.validate()
