@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
+from raysgd.base.checks import is_whole
 from raysgd.torch import TorchTrainer, TrainingOperator
 from raysgd.utils import BATCH_SIZE
 
@@ -60,9 +61,8 @@ def loader_batch_size(config, default=32):
         >>> loader_batch_size({"batch_size": 4}), loader_batch_size({BATCH_SIZE: 64}), loader_batch_size({})
         (4, 64, 32)
     """
-    if "batch_size" in config:
-        return config["batch_size"]
-    return config.get(BATCH_SIZE, default)
+    size = config["batch_size"] if "batch_size" in config else config.get(BATCH_SIZE, default)
+    return int(size) if is_whole(size, 1) else size  # numpy's (a Tune sample) or 8.0: DataLoader takes only an int
 
 
 def data_creator(config):

@@ -107,6 +107,15 @@ def test_train_example_reads_batch_size_and_else_the_share_of_batch_size():
     assert train_example.data_creator({"batch_size": 4, BATCH_SIZE: 64})[0].batch_size == 4
 
 
+@pytest.mark.parametrize("size", [np.int64(8), np.float32(8.0), 8.0])
+def test_train_example_takes_a_numpy_or_whole_float_batch_size(size):
+    """A Tune sample (numpy) or 8.0: DataLoader refused it ("batch_size should be a positive integer value")."""
+    from raysgd.torch.examples import train_example
+
+    loader = train_example.data_creator({"batch_size": size, "data_size": 16})[0]
+    assert loader.batch_size == 8 and type(loader.batch_size) is int
+
+
 def test_dcgan_operator_takes_1_12s_config(tmp_path):
     from raysgd.torch.examples import dcgan
 
