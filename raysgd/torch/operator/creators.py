@@ -94,7 +94,7 @@ class CreatorLoops:
     def _component(self, attr, registered):
         """The operator's own (see TrainingOperator), saying which creator is missing when it has none."""
         try:
-            return cast(Any, super())._component(attr, registered)
+            return super()._component(attr, registered)  # type: ignore[misc]  # the host class's
         except RuntimeError as err:
             if attr != "criterion" or self._loss_creator is not None:
                 raise
