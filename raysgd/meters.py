@@ -145,6 +145,7 @@ class AverageMeterCollection:
         One-element tensors and numpy scalars count as numbers; any other non-number (a string, say)
         is not averaged: the summary reports its last value.
         """
+        n = _scalar(n)  # a numpy count (np.sum of a mask) as a Python one: summary() gives Python values
         self._batch_count += 1
         self.n += n
         for key, value in metrics.items():
@@ -271,11 +272,12 @@ _UNWEIGHTED = {BATCH_COUNT, "epoch"}
 
 
 def _as_numbers(metrics):
-    """``metrics`` with one-element tensors and numpy arrays as Python numbers (``to_host``), others as given."""
+    """``metrics`` with one-element tensors, numpy arrays and numpy scalars as Python numbers (``to_host``), others
+    as given."""
     if not metrics:
         return metrics
     values = to_host(metrics.values())  # one device read per worker dict, not one per metric
-    values = [v.item() if isinstance(v, np.ndarray) and v.size == 1 else v for v in values]
+    values = [v.item() if isinstance(v, (np.ndarray, np.generic)) and v.size == 1 else v for v in values]
     return dict(zip(metrics.keys(), values))
 
 

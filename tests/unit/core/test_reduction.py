@@ -117,3 +117,24 @@ def test_a_metric_rank_0_lacks_is_reduced_over_the_ranks_that_report_it():
     out = reduce_worker_stats([{"num_samples": np.int64(3), "epoch": np.int64(1)},
                                {"num_samples": np.int64(1), "epoch": np.int64(1)}])
     assert out == {"num_samples": 4, "epoch": 1} and type(out["num_samples"]) is int and type(out["epoch"]) is int
+
+
+def test_numpy_scalars_come_back_as_python_numbers():
+    """A custom loop's ``np.sum(mask)`` as ``num_samples``: the results held np.int64, which json.dumps refuses."""
+    import json
+
+    import numpy as np
+
+    from raysgd.meters import AverageMeterCollection
+
+    meters = AverageMeterCollection()
+    meters.update({"acc": np.float32(0.5)}, n=np.int64(4))
+    meters.update({"acc": np.float32(1.0)}, n=np.int64(4))
+    summary = meters.summary()
+    assert summary == {"batch_count": 2, "num_samples": 8, "acc": 0.75, "last_acc": 1.0}
+    assert type(summary["num_samples"]) is int and type(summary["acc"]) is float
+    out = reduce_worker_stats([{"num_samples": np.int64(3), "epoch": np.int64(1), "x": np.int64(2)},
+                               {"num_samples": np.int64(3), "epoch": np.int64(1), "x": np.int64(4)}])
+    assert out == {"num_samples": 6, "epoch": 1, "x": 3.0}
+    assert [type(v) for v in out.values()] == [int, int, float]
+    json.dumps([summary, out])
