@@ -48,7 +48,9 @@ UNSUPPORTED = {
     "DataParallelTrainer": "use raysgd.train.torch.TorchTrainer",
     "SyncConfig": "checkpoints go straight to RunConfig(storage_path=...) (a folder or a pyarrow.fs URI)",
     "DataConfig": "datasets are split equally among the workers (streaming_split)",
-    "_internal": "Ray Train's internals are not part of raysgd.train: use its public names",
+    "_internal": "Ray Train's internals are not part of raysgd.train: use its public names. Ray Tune imports them, so "
+                 "a script that uses Ray Tune cannot run under --train: run it without --train, importing "
+                 "raysgd.train where it imports ray.train",
     "BackendConfig": "raysgd.train runs torch.distributed only: its one backend config is raysgd.train.torch.TorchConfig",
     "ControllerError": "raysgd's run controller runs in the driver process: an error of its own is raised as it is",
     "PreemptionError": "raysgd has no preemption error type: a preempted or drained node is a failure the run recovers "

@@ -71,3 +71,9 @@ def test_multiprocessing_children_of_a_legacy_script_get_the_mapping(tmp_path, m
                             capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert out.read_text() == "*batch_size"
+
+
+def test_ray_trains_internals_under_train_say_that_ray_tune_cannot_run_there():
+    """Ray Tune's own import of ray.train._internal said only "use its public names", as if the script had not."""
+    with pytest.raises(ModuleNotFoundError, match="Ray Tune imports them.*run it without --train"):
+        compat.TrainFinder().find_spec("ray.train._internal.session")
