@@ -31,7 +31,8 @@ class CreatorLoops:
 
     After setup, ``models``/``optimizers``/``schedulers`` hold what ``register`` returned and
     ``model``/``optimizer``/``scheduler``/``criterion`` the first (or only) one; an attribute whose
-    creator was not given is absent.
+    creator was not given is absent, and so are ``schedulers``/``scheduler`` when ``scheduler_creator`` returned None
+    or an empty list (a conditional scheduler).
 
     Example:
         >>> class Op(CreatorLoops):
@@ -76,8 +77,12 @@ class CreatorLoops:
         kwargs = {"models": models, "optimizers": optimizers}
         if self._loss_creator is not None:
             kwargs["criterion"] = _create_loss(self._loss_creator, config)
-        if self._scheduler_creator is not None:
-            kwargs["schedulers"] = self._scheduler_creator(optimizers, config)
+            if kwargs["criterion"] is None:  # register would leave it out, and the schedulers be taken for it
+                raise ValueError(f"from_creators: loss_creator {self._loss_creator!r} returned None; expected the "
+                                 "loss (a module such as torch.nn.MSELoss() or a function of (output, target))")
+        schedulers = self._scheduler_creator(optimizers, config) if self._scheduler_creator is not None else None
+        if schedulers is not None and not (isinstance(schedulers, (list, tuple)) and not schedulers):
+            kwargs["schedulers"] = schedulers  # None or none at all (a conditional scheduler): as without a creator
         registered = list(self.register(**kwargs))
         self.models, self.optimizers = registered[0], registered[1]
         rest = registered[2:]

@@ -70,3 +70,28 @@ def test_a_missing_creator_is_named_not_setup():
     assert worker.train_epoch()["num_samples"] == 32
     with pytest.raises(RuntimeError, match="data_creator given to TrainingOperator.from_creators returned only"):
         worker.validate()
+
+
+@pytest.mark.parametrize("no_scheduler", [None, [], ()], ids=["None", "empty-list", "empty-tuple"])
+@pytest.mark.parametrize("loss_creator", [None, nn.MSELoss], ids=["no-loss", "loss"])
+def test_a_scheduler_creator_may_return_no_scheduler(no_scheduler, loss_creator):
+    """A conditional scheduler (``StepLR(...) if config["decay"] else None``) crashed setup: IndexError."""
+    Op = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator, ex.data_creator,  # noqa: N806
+                                        loss_creator=loss_creator,
+                                        scheduler_creator=lambda optimizer, config: no_scheduler)
+    for freq in (None, "epoch"):
+        worker = TorchWorker(Op, dict(CONFIG), is_local=True, scheduler_step_freq=freq)
+        worker.setup_operator()
+        op = worker.operator
+        assert not hasattr(op, "scheduler") and not hasattr(op, "schedulers")
+        assert hasattr(op, "criterion") == (loss_creator is not None)
+        if loss_creator is not None:
+            assert worker.train_epoch()["num_samples"] == 32
+
+
+def test_a_loss_creator_returning_none_is_named():
+    """Its None was left out by register, so the scheduler after it was taken for the loss (or IndexError)."""
+    Op = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator, ex.data_creator,  # noqa: N806
+                                        loss_creator=lambda config: None, scheduler_creator=ex.scheduler_creator)
+    with pytest.raises(ValueError, match="loss_creator .* returned None"):
+        TorchWorker(Op, dict(CONFIG), is_local=True, scheduler_step_freq="epoch").setup_operator()
