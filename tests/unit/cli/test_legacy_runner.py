@@ -63,7 +63,8 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_multiprocessing_children_of_a_legacy_script_get_the_mapping(tmp_path, method):
-    """A child re-imports the script: it died on Ray's ``DeprecationWarning`` (a ``Pool`` then restarted it for ever)."""
+    """A child re-imports the script: it died on Ray's ``DeprecationWarning`` (a ``Pool`` then restarted it for
+    ever)."""
     script, out = tmp_path / "script.py", tmp_path / "out.txt"
     script.write_text(CHILD_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYSGD_LEGACY_IMPORTS")}

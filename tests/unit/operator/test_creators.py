@@ -53,7 +53,8 @@ def test_a_loss_instance_is_copied_not_shared():
 
 
 def test_a_missing_creator_is_named_not_setup():
-    """The default loop's errors spoke of self.criterion / register_data in setup(), which a creator user never wrote."""
+    """The default loop's errors spoke of self.criterion / register_data in setup(), which a creator user never
+    wrote."""
     NoLoss = TrainingOperator.from_creators(ex.model_creator, ex.optimizer_creator, ex.data_creator)  # noqa: N806
     with pytest.raises(RuntimeError, match="pass loss_creator= to TrainingOperator.from_creators") as info:
         make_worker(NoLoss).train_epoch()
