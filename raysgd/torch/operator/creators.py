@@ -95,7 +95,6 @@ class CreatorLoops:
         self.optimizer = _first(self.optimizers)
         self.register_data(train_loader=train_loader, validation_loader=val_loader)
 
-
     def _component(self, attr, registered):
         """The operator's own (see TrainingOperator), saying which creator is missing when it has none."""
         try:
