@@ -78,6 +78,13 @@ def _cursor_of(loader, batches_taken):
     return _data.loader_cursor(loader, batches_taken) if loader is not None else None
 
 
+def _positions_tag(loader):
+    """``{"positions": n}``, the length of ``loader``'s epoch stream, for a cursor taken on it (empty when unknown):
+    a resume checks it (:meth:`Committer.begin_epoch`)."""
+    positions = _data.cursor_positions(loader) if loader is not None else None
+    return {} if positions is None else {"positions": int(positions)}
+
+
 def set_start(loader, consumed):
     """Start ``loader``'s epoch at global cursor ``consumed``; False when the loader cannot (no cursor)."""
     return _data.set_sampler_start(loader, consumed)
@@ -115,7 +122,7 @@ class Committer:
             self.epoch_steps = 0
             return
         cursor = self.resume["cursor"]
-        if not set_start(loader, cursor["consumed"]):
+        if not set_start(loader, self._start_of(cursor, loader)):
             raise ValueError(
                 f"The loaded state resumes epoch {cursor['epoch']} at data cursor {cursor['consumed']} (positions of "
                 f"the epoch's order already trained), but the train loader ({type(loader).__name__}) has no data "
@@ -124,6 +131,24 @@ class Committer:
                 "state into a trainer whose train loader has a cursor (as the one it was taken with), or drop the "
                 "cursor to train that epoch again from its start: state.pop('cursor'); state['epoch'] -= 1")
         self.epoch_steps = cursor["steps"]
+
+    def _start_of(self, cursor, loader):
+        """Where the loaded ``cursor`` starts ``loader``'s epoch: its ``consumed``, or, when the loader's stream has
+        another length than the one the cursor was taken on, the same share of it, rounded down (warned about: a
+        custom ``batch_sampler`` counts batches, whose size follows ``config[BATCH_SIZE]`` split over the workers)."""
+        recorded, now = cursor.get("positions"), _data.cursor_positions(loader)
+        if not recorded or now is None or recorded == now:
+            return cursor["consumed"]
+        start = cursor["consumed"] * now // recorded
+        if cast(dict, self.resume).get("rank", 0) == 0:
+            logger.warning(
+                "The loaded state's data cursor (%d of %d positions of epoch %d) was taken on an epoch stream of "
+                "another length than this train loader's (%d): it starts at %d, the same share of the epoch, rounded "
+                "down (a few samples may be trained again). A custom batch_sampler's stream counts batches, whose "
+                "size follows config[BATCH_SIZE] split over the workers; with TorchTrainer(fixed_worker_batch=True) "
+                "or DataLoader(batch_size=...), whose cursor counts samples, the cursor is exact.",
+                cursor["consumed"], recorded, cursor["epoch"], now, start)
+        return start
 
     def after_iter(self):
         """Just after the epoch's iterator was made (it draws from torch's stream): restore the loaded streams and
@@ -155,13 +180,13 @@ class Committer:
         consumed = _cursor_of(loader, self.iter_batches) if loader is not None else None
         if consumed is None:
             return None
-        return DataCursor(epochs, int(consumed), self.epoch_steps).state_dict()
+        return DataCursor(epochs, int(consumed), self.epoch_steps, **_positions_tag(loader)).state_dict()
 
     def load(self, cursor, rng, meters=None, rank=0, world_size=1):
         """Remember a loaded commit: the next epoch starts at its cursor with its random streams, and the call that
         resumes it reports its committed metrics too (``meters``: per rank of the group that committed)."""
         self.resume = {"cursor": DataCursor.of(cursor).state_dict(), "rng": rng, "meters": list(meters) if meters else None,
-                       "share": _state.meters_share(meters, rank, world_size)} if cursor else None
+                       "share": _state.meters_share(meters, rank, world_size), "rank": rank} if cursor else None
         self.carried = None
         if cursor is None and rng is not None:
             _state.RANDOM_STREAMS.load_state_dict(rng)
@@ -243,7 +268,7 @@ class Committer:
         meters = None if partial is None else merge_partial(self.carried, partial)
         record = {"rng": _state.RANDOM_STREAMS.state_dict(), "meters": meters,
                   "cursor": DataCursor(worker.epochs, int(consumed), self.epoch_steps, self.call_steps,
-                                       attempt=plan.attempt, call=plan.call_tag).state_dict()}
+                                       attempt=plan.attempt, call=plan.call_tag, **_positions_tag(loader)).state_dict()}
         self.flush()  # at most one commit in flight: its buffer is gone before the next one is made
         key = (plan.call_id, plan.attempt, self.call_steps)  # records of one attempt only complete a commit
         try:

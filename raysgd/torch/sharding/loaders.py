@@ -241,6 +241,18 @@ def loader_cursor(loader, batches_taken):
     return int(sampler.position_after(batches_taken, loader.batch_size))
 
 
+def cursor_positions(loader):
+    """How many positions the loader's epoch stream has (what its cursor counts: samples, or batches of a custom
+    ``batch_sampler``); None when it has no cursor of raysgd's.
+
+    Example:
+        >>> cursor_positions(shard_loader(DataLoader(range(6), batch_size=2), rank=0, world_size=2, training=True))
+        6
+    """
+    sampler = shard_sampler(loader)
+    return sampler.total if sampler is not None else None
+
+
 def to_device(batch, device, non_blocking=True):
     """Move every tensor in a (nested) batch to ``device``; containers keep their type, other objects pass through.
 
