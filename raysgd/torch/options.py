@@ -399,8 +399,8 @@ class TrainerOptions:
                           opened_by="the durable run")
     fixed_worker_batch: bool = option(
         False, "every worker trains on `BATCH_SIZE / max_workers` samples at every size of an elastic range, and "
-        "accumulates micro-batches below the largest size, so the global batch stays the same (see Global batch)",
-        _fixed_worker_batch)
+        "accumulates micro-batches below the largest size, so the global batch stays the same (see Global batch); "
+        "refused for `from_ptl`'s Lightning loop, which steps at every batch", _fixed_worker_batch)
     num_gpus_per_worker: float = option(
         1, "with `use_gpu`: a fraction in (0, 1) lets workers share a GPU (small models, or 2 ranks on a 1-GPU "
         "machine; the backend is then gloo, since nccl takes one rank per GPU), a whole number ≥ 1 reserves that "
