@@ -251,7 +251,7 @@ def read_path(path, weights_only=True):
 
 def read_checkpoint_dir(filesystem, directory, weights_only=True):
     """``(stream, marker)`` of a complete checkpoint directory, checked against its marker and loaded (safely by
-    default). The marker may name only the state file (``"file": "trainer.checkpoint"``, or no ``file``):
+    default). The marker may name only the state file (``"file"``: one of :data:`STATE_FILES`, or no ``file``):
     any other name is a damaged checkpoint, never a path to follow."""
     marker = checked_marker(filesystem, directory)
     stream = read_state_file(filesystem, directory, marker)
