@@ -46,14 +46,19 @@ def kill_later(trainer, delay_s):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--address", default=None, help="Ray address (default: start a local cluster)")
     parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--use-gpu", action="store_true")
     parser.add_argument("--num-epochs", type=int, default=4)
     parser.add_argument("--smoke-test", action="store_true")
     args = parser.parse_args()
-    ray.init(address="local", num_cpus=max(2, args.num_workers), include_dashboard=False)
+    if args.address:
+        ray.init(address=args.address)
+    else:
+        ray.init(address="local", num_cpus=max(2, args.num_workers), include_dashboard=False)
     size, batch_sleep = (320, 0.02) if args.smoke_test else (3200, 0.01)
     trainer = TorchTrainer(training_operator_cls=SlowLinearOperator, num_workers=args.num_workers, timeout_s=30,
-                           config={"size": size, "batch_sleep": batch_sleep})
+                           use_gpu=args.use_gpu, config={"size": size, "batch_sleep": batch_sleep})
     for epoch in range(1, args.num_epochs + 1):
         if epoch == 2:
             kill_later(trainer, delay_s=0.2)

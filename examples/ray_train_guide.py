@@ -93,6 +93,7 @@ def train_func(config):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke-test", action="store_true", help="a small model and data set, 2 epochs")
+    parser.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
     parser.add_argument("--num-workers", type=int, default=2)
     parser.add_argument("--use-gpu", action="store_true")
     parser.add_argument("--name", default=None)
@@ -103,6 +104,8 @@ def main():
     config = {"smoke_test": args.smoke_test, "samples": 64 if args.smoke_test else 60000,
               "batch_size": 16 if args.smoke_test else 128, "epochs": args.epochs or (2 if args.smoke_test else 10),
               "pause_after_epoch": args.pause_after_epoch}
+    if args.address:  # else the trainer starts a local cluster (or joins $RAY_ADDRESS)
+        ray.init(address=args.address)
 
     # [4] Configure scaling and resource requirements.
     scaling_config = ray.train.ScalingConfig(num_workers=args.num_workers, use_gpu=args.use_gpu)

@@ -249,6 +249,18 @@ def test_documented_commands_name_real_scripts_and_options():
             assert f'"{option}"' in source, f"{page}: {command!r} passes {option}, which the script lacks"
 
 
+def test_every_example_takes_the_options_readme_promises():
+    """README: every script in examples/ takes --smoke-test, starts a local cluster or joins yours with --address,
+    and takes --num-workers and --use-gpu (each script's options, or those of the raysgd module it runs)."""
+    import importlib.util
+    for script in sorted((REPO / "examples").glob("*.py")):
+        source = script.read_text()
+        imported = re.findall(r"^from (raysgd[\w.]*) import main$", source, flags=re.M)
+        source += "".join(pathlib.Path(importlib.util.find_spec(name).origin).read_text() for name in imported)
+        missing = [o for o in ("--smoke-test", "--address", "--num-workers", "--use-gpu") if f'"{o}"' not in source]
+        assert not missing, f"examples/{script.name} lacks {missing}, which README says every example takes"
+
+
 def test_readmes_api_example_runs(tmp_path):
     """README's Python example trains as shown (a local Ray cluster of its own, in a fresh process)."""
     (block,) = re.findall(r"```python\n(.+?)\n```", (REPO / "README.md").read_text(), flags=re.S)
