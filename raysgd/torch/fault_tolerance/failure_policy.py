@@ -98,6 +98,10 @@ class FailureDecision:
         return f"restart ({self.kind} {self.retry} of {limit}{delay})"
 
 
+#: Doublings past which a backoff is the cap anyway (2.0 ** 1000 is a float; 2 ** 1025 as one overflows).
+_MAX_DOUBLINGS = 1000
+
+
 def backoff_s(in_a_row: int, base_s: float = 1.0, cap_s: float = 60.0) -> float:
     """The wait before a restart after ``in_a_row`` failures without progress: none after the first, then ``base_s``,
     doubling, at most ``cap_s``.
@@ -108,7 +112,8 @@ def backoff_s(in_a_row: int, base_s: float = 1.0, cap_s: float = 60.0) -> float:
     """
     if in_a_row <= 1:
         return 0.0
-    return float(min(cap_s, base_s * 2 ** (in_a_row - 2)))
+    # a float power, its exponent bounded: an unlimited run's thousandth failure in a row raised OverflowError
+    return float(min(cap_s, base_s * 2.0 ** min(in_a_row - 2, _MAX_DOUBLINGS)))
 
 
 def _exceeded(used, limit):

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 def backoff_delays(tries, base_s=1.0, cap_s=60.0):
     """Capped exponential delays ``base, 2*base, 4*base, ...`` (at most ``cap_s``), ``tries`` of them."""
     for attempt in range(tries):
-        yield min(cap_s, base_s * (2 ** attempt))
+        yield min(cap_s, base_s * 2 ** min(attempt, 1000))  # bounded: 2 ** 1025 overflows a float
 
 
 def workers_that_fit(nodes, cpus_per_worker, gpus_per_worker, limit, per_node=None):
