@@ -317,7 +317,7 @@ class RunController(StateAccess):
         ``FailureConfig``)."""
         if limits is None:
             self.check_max_retries(max_retries)
-            limits = failure_policy.FailureLimits(max_failures=max_retries, cap_s=environment.get("SGD_BACKOFF_CAP_S"))
+            limits = failure_policy.FailureLimits(max_failures=max_retries)  # the backoff's cap: SGD_BACKOFF_CAP_S
         self.ensure_workers()
         self.commits.begin_call(method == "train_epoch", replay=replay)  # its store answers during the call (check_store)
         if not self._move_off_draining():

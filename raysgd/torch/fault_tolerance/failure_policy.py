@@ -1,6 +1,6 @@
 """The failure policy: after an attempt of a run's work ended badly, restart the workers or raise, and after how long.
 
-Layer 1: the standard library only (no Ray, no torch), so every rule is tested with plain values. The controller
+Layer 1: the standard library and layer 0 (no Ray, no torch), so every rule is tested with plain values. The controller
 (:mod:`raysgd.torch.execution.controller`) says what happened (:data:`FAILURE`: a worker died or a collective broke;
 :data:`PREEMPTION`: a worker was preempted (SIGTERM) after committing; :data:`RESIZE`: the ranks stopped at a commit
 point because the driver asked them to grow or move; :data:`USER_ERROR`: the user's code raised), how many of each it
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from raysgd.base import environment
+
 FAILURE, PREEMPTION, RESIZE, USER_ERROR = "failure", "preemption", "resize", "user error"
 RESTART, RAISE = "restart", "raise"
 UNLIMITED = -1
@@ -42,14 +44,15 @@ class FailureLimits:
             a preemption counts as a failure.
         retry_user_errors: whether an error of the user's code is recovered from like a failure (Ray Train's
             ``max_failures``) or raised at once (RaySGD's ``train()``).
-        base_s, cap_s: the backoff's first delay and its cap (see the module docstring).
+        base_s, cap_s: the backoff's first delay and its cap (see the module docstring; by default
+            ``SGD_BACKOFF_CAP_S``, read when the limits are made, for both APIs).
     """
 
     max_failures: int = 0
     max_preemptions: int | None = None
     retry_user_errors: bool = False
     base_s: float = 1.0
-    cap_s: float = 60.0
+    cap_s: float = dataclasses.field(default_factory=lambda: environment.get("SGD_BACKOFF_CAP_S"))
 
 
 @dataclasses.dataclass(frozen=True)

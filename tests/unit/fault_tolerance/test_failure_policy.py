@@ -35,3 +35,12 @@ def test_max_retries_zero_raises_at_the_first_failure_and_n_allows_n():
         counts = decision.counts
     assert fp.decide(fp.FAILURE, counts, limits).gave_up
 
+
+def test_both_apis_backoff_is_capped_by_sgd_backoff_cap_s(monkeypatch):
+    # raysgd.train's fit() made its limits without a cap, so it waited up to 60 s whatever SGD_BACKOFF_CAP_S said
+    monkeypatch.setenv("SGD_BACKOFF_CAP_S", "5")
+    limits = fp.FailureLimits(max_failures=-1, retry_user_errors=True, max_preemptions=-1)  # as fit() makes them
+    assert limits.cap_s == 5.0
+    assert fp.decide(fp.FAILURE, fp.Counts(in_a_row=20), limits).delay_s == 5.0
+    monkeypatch.delenv("SGD_BACKOFF_CAP_S")
+    assert fp.FailureLimits().cap_s == 60.0
