@@ -118,6 +118,10 @@ class ScalingConfig:
             raise ValueError("ScalingConfig: `use_gpu` is True but `GPU` is set to 0 in `resources_per_worker`. "
                              "Either set `use_gpu` to False or request a positive number of `GPU` in "
                              "`resources_per_worker`.")
+        if self.num_cpus_per_worker == 0 and gpus == 0:  # Ray refuses a placement group bundle of nothing
+            raise ValueError(f"ScalingConfig(resources_per_worker=...): a worker must reserve a 'CPU' or a 'GPU' "
+                             f"amount above 0 (Ray places no bundle of zero resources); got "
+                             f"{self.resources_per_worker!r}")
 
     @staticmethod
     def _check_resources(resources):

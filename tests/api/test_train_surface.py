@@ -121,6 +121,16 @@ def test_scaling_config_resources_as_ray_train_checks_them():
         ScalingConfig(elastic_resize_monitor_interval_s=-1)
 
 
+def test_a_worker_that_reserves_no_resource_is_refused_by_the_scaling_config():
+    # it was accepted, and fit() failed with "the training function raised (ValueError: Bundles cannot be an empty
+    # dictionary or resources with only 0 values ...)" from Ray's placement group
+    for resources in ({"CPU": 0}, {"CPU": 0, "GPU": 0}, {"CPU": np.float64(0.0)}):
+        with pytest.raises(ValueError, match=r"a worker must reserve a 'CPU' or a 'GPU' amount above 0"):
+            ScalingConfig(num_workers=2, resources_per_worker=resources)
+    assert ScalingConfig(resources_per_worker={"CPU": 0.5}).num_cpus_per_worker == 0.5
+    assert ScalingConfig(use_gpu=True, resources_per_worker={"CPU": 0}).num_gpus_per_worker == 1
+
+
 def test_failure_checkpoint_and_run_configs_have_ray_2_58s_fields_and_deprecations():
     failure = FailureConfig(max_failures=3, controller_failure_limit=0, max_preemption_failures=5)
     assert (failure.max_failures, failure.controller_failure_limit, failure.max_preemption_failures) == (3, 0, 5)
