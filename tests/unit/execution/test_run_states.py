@@ -31,3 +31,36 @@ def test_resize_decisions_are_values_with_their_reason():
     move = recovery.move_decision(3, leaving=2, fit=lambda limit: 1, low=2, high=3)
     assert move == recovery.ResizeDecision(2, "to leave draining nodes", 3) and "from 3 to 2" in move.describe()
     assert recovery.move_decision(2, leaving=2, fit=lambda limit: 1, low=2, high=2) is None  # stays until they go
+
+
+def test_a_resize_that_could_not_restart_the_workers_leaves_a_run_the_next_call_restarts():
+    # a grow or move between calls whose restart gave up left the run "resizing"; the next call's restart of the
+    # lost group then raised InvalidTransition ("the run cannot go from resizing to restarting")
+    from raysgd.torch.execution.controller import RunController
+
+    class Group:
+        broken, num_workers = False, 2
+
+    class Commits:
+        active = False
+
+    group, targets = Group(), []
+
+    def restart(state, max_retries=None, target=None):
+        targets.append(target)
+        if len(targets) == 1:
+            group.broken, group.num_workers = True, 0
+            raise recovery.RestartGaveUp("could not start any worker after 10 tries")
+        group.broken, group.num_workers = False, 2
+        return 2
+
+    controller = RunController(group, operator_cls=object, initialization_hook=None, config={}, split=None,
+                               worker_range=(1, 4), is_range=True, timeout_s=10, commits=Commits(), durable=None,
+                               stateless=True)
+    controller.status = RunStatus(state=RunState.IDLE, size=2)
+    controller._restart, controller.take_snapshot = restart, lambda: None  # no workers: the restarts stand in
+    with pytest.raises(recovery.RestartGaveUp):
+        controller._resize_between_calls(4, "to grow")  # what a call does first when more workers fit
+    controller.ensure_workers()  # the next call
+    assert (controller.state, targets) == (RunState.IDLE, [4, None])
+    assert [state for state, _ in controller.history][-3:] == [RunState.RESIZING, RunState.RESTARTING, RunState.IDLE]
