@@ -346,6 +346,7 @@ class RunController(StateAccess):
                 stop = next((w for w in watches if w.requested), None)
                 if stop is not None and stops.was_resize(failure):
                     self._enter(RunState.RESIZING, f"stopped at a commit point {stop.reason}")
+                    counts = failure_policy.decide(failure_policy.RESIZE, counts, limits).counts  # its commit: progress
                     logger.debug("Restarting at %d workers from the commit point (%s)", stop.size, stop.reason)
                     self._restart_in_call(state, kwargs, failure, stop.size)
                     self._enter(RunState.RUNNING, f"{method} goes on at {self.group.num_workers} worker(s)")
