@@ -53,6 +53,10 @@ def prepare_model(model: torch.nn.Module, move_to_device: bool | torch.device = 
     """Move ``model`` to this worker's device and wrap it in ``DistributedDataParallel`` when there are several
     workers (``parallel_strategy=None``: no wrap). FSDP is not supported here (``NotImplementedError``).
 
+    ``move_to_device``: True moves the model to :func:`get_device`, a ``torch.device`` to that device (as in Ray
+    Train), False leaves it where it is. ``parallel_strategy_kwargs`` go to ``DistributedDataParallel``; on a GPU
+    its ``device_ids`` and ``output_device`` default to the model's device, and a value given there wins.
+
     Example:
         >>> def train_func(config):  # doctest: +SKIP
         ...     model = raysgd.train.torch.prepare_model(torch.nn.Linear(4, 1))
@@ -64,11 +68,17 @@ def prepare_model(model: torch.nn.Module, move_to_device: bool | torch.device = 
         raise NotImplementedError(f"prepare_model(parallel_strategy={parallel_strategy!r}): raysgd.train supports "
                                   "'ddp' or None; for FSDP wrap the model yourself (torch.distributed.fsdp) inside "
                                   "the training function")
+    kwargs = parallel_strategy_kwargs if parallel_strategy_kwargs is not None else {}
+    expect(isinstance(kwargs, dict) and all(isinstance(key, str) for key in kwargs), "parallel_strategy_kwargs",
+           "None or a dict of DistributedDataParallel's keyword arguments", parallel_strategy_kwargs, TypeError,
+           "prepare_model", call=True, typed=True)
+    device = move_to_device if isinstance(move_to_device, torch.device) else session.device
     if move_to_device:
-        model = model.to(session.device)
+        model = model.to(device)
     if parallel_strategy == "ddp" and session.context.get_world_size() > 1:
-        device_ids = [session.device.index] if session.device.type == "cuda" else None
-        model = DistributedDataParallel(model, device_ids=device_ids, **(parallel_strategy_kwargs or {}))
+        if device.type == "cuda":  # the user's device_ids or output_device win, as in Ray Train
+            kwargs = {"device_ids": [device], "output_device": device, **kwargs}
+        model = DistributedDataParallel(model, **kwargs)
     return model
 
 
