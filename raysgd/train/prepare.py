@@ -169,7 +169,7 @@ class PreparedLoader:
         self._taken, self._in_pass = 0, True
         progress = self._progress
         if progress is not None:
-            progress.begin(total=len(self.loader))
+            progress.begin(total=_length(self.loader))
         info = {"epoch_idx": self._pass_epoch or 0}
         for batch in self.loader:
             self._taken += 1
@@ -197,3 +197,12 @@ class PreparedLoader:
         if name == "loader":  # not set yet: no recursion
             raise AttributeError(name)
         return getattr(self.loader, name)
+
+
+def _length(loader):
+    """``len(loader)``, or None for a loader without one (an ``IterableDataset`` without ``__len__``)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+

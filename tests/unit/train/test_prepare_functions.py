@@ -47,3 +47,26 @@ def test_prepare_model_passes_ddps_own_arguments_and_refuses_kwargs_that_are_no_
         assert isinstance(model, DistributedDataParallel) and model.find_unused_parameters
         with pytest.raises(TypeError, match=r"prepare_model\(parallel_strategy_kwargs=...\) expects None or a dict"):
             prepare.prepare_model(torch.nn.Linear(2, 2), parallel_strategy_kwargs=[("device_ids", None)])
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """An iterable-style dataset without a length."""
+
+    def __iter__(self):
+        return iter(range(5))
+
+
+def test_a_loader_without_a_length_runs_under_the_progress_bar():
+    """With RunConfig(progress_bar=True), rank 0's pass over a prepared loader of an IterableDataset without
+    __len__ raised TypeError("object of type ... has no len()") before its first batch; its total is unknown."""
+    from raysgd.torch.integrations.progress import ProgressReporter
+
+    sent = []
+    feed = ProgressReporter(lambda state, final: sent.append((state["n"], state["total"], final)), call_id=1,
+                            interval_s=0)
+    context = TrainContext(world_size=1, world_rank=0, local_rank=0, local_world_size=1, node_rank=0,
+                           experiment_name="exp", storage_path="/tmp")
+    with running(Session(context, torch.device("cpu"), progress=feed)):
+        loader = prepare.prepare_data_loader(torch.utils.data.DataLoader(_Stream(), batch_size=2))
+        assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4]]
+    assert sent[-1] == (3, None, True)
