@@ -40,7 +40,9 @@ def get_devices() -> list[torch.device]:
 
 
 def enable_reproducibility(seed: int = 0) -> None:
-    """Seed torch, numpy and random, and make torch's algorithms deterministic where it can.
+    """Seed torch, numpy and random, and make torch's algorithms deterministic where it can: as Ray Train, turn
+    cuDNN's benchmarking off and set ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (cuBLAS is deterministic only with it; a
+    value already set is kept).
 
     Example:
         >>> enable_reproducibility(0)
@@ -53,6 +55,8 @@ def enable_reproducibility(seed: int = 0) -> None:
     numpy.random.seed(seed)
     random.seed(seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False  # it picks the fastest kernels, not always deterministic ones
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 def accelerate(amp: bool = False) -> None:

@@ -1,5 +1,6 @@
 """raysgd.train.torch's prepare_model and prepare_data_loader in one process, on a session built here (no Ray)."""
 import contextlib
+import os
 
 import pytest
 import torch
@@ -70,3 +71,21 @@ def test_a_loader_without_a_length_runs_under_the_progress_bar():
         loader = prepare.prepare_data_loader(torch.utils.data.DataLoader(_Stream(), batch_size=2))
         assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4]]
     assert sent[-1] == (3, None, True)
+
+
+def test_enable_reproducibility_makes_cudnn_and_cublas_deterministic_as_ray_train(monkeypatch):
+    """enable_reproducibility left cuDNN's benchmarking on (when it was) and CUBLAS_WORKSPACE_CONFIG unset, without
+    which cuBLAS is not deterministic: a GPU run asked to be reproducible was not, with a warning at most."""
+    from raysgd.train.torch import enable_reproducibility
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    try:
+        enable_reproducibility(3)
+        assert torch.backends.cudnn.benchmark is False
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the user's own value is kept
+        enable_reproducibility(3)
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
