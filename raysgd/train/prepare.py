@@ -89,7 +89,8 @@ def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True, 
     ``exactly_once``: save the loader's data cursor with every checkpoint reported, and continue a restored
     epoch from it after a restart (see the module docstring). ``add_dist_sampler=False`` keeps the loader's own
     sampler (no sharding, no cursor). A loader that cannot be sharded (an ``IterableDataset``, a
-    ``DistributedSampler`` of the user's) passes through without a cursor.
+    ``DistributedSampler`` of the user's) passes through without a cursor. A loader this function returned is
+    returned as it is (not sharded twice).
 
     Example:
         >>> def train_func(config):  # doctest: +SKIP
@@ -99,6 +100,8 @@ def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True, 
         ...         for x, y in loader: ...
     """
     session = _session.current("torch.prepare_data_loader()")
+    if isinstance(data_loader, PreparedLoader) and data_loader in session.loaders:
+        return data_loader  # prepared already (a loop preparing it again, as Ray Train allows): sharded once
     expect(isinstance(data_loader, DataLoader), "data_loader", "a torch.utils.data.DataLoader", data_loader,
            TypeError, "prepare_data_loader", call=True, got=type(data_loader).__name__)
     context = session.context

@@ -89,3 +89,13 @@ def test_enable_reproducibility_makes_cudnn_and_cublas_deterministic_as_ray_trai
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_a_prepared_loader_prepared_again_is_returned_as_it_is():
+    """prepare_data_loader(prepare_data_loader(loader)) (a loop preparing its loader every epoch, which Ray Train
+    allows) raised TypeError "expects a torch.utils.data.DataLoader; got PreparedLoader"."""
+    with session(world_size=2):
+        loader = prepare.prepare_data_loader(torch.utils.data.DataLoader(range(6), batch_size=2))
+        again = prepare.prepare_data_loader(loader)
+        assert again is loader
+        assert [batch.tolist() for batch in again] == [[0, 2], [4]]  # rank 0's shard, not sharded twice
