@@ -32,10 +32,13 @@ from torch.utils.data import DataLoader
 
 from raysgd.base.checks import expect
 from raysgd.torch.sharding import loaders as _loaders
+from raysgd.torch.sharding.cursor import ShardSampler, StreamShardSampler
 from raysgd.train import session as _session
 from typing import Any, Iterator, cast
 
 logger = logging.getLogger(__name__)
+
+_SHARDS = (ShardSampler, StreamShardSampler)  # the samplers raysgd shards a loader with
 
 
 def get_device() -> torch.device:
@@ -117,7 +120,9 @@ def prepare_data_loader(data_loader: DataLoader, add_dist_sampler: bool = True, 
 
 class PreparedLoader:
     """A sharded ``DataLoader`` that moves batches to the device and keeps its data cursor (see the module
-    docstring). Other attributes (``sampler``, ``dataset``, ``batch_size``) are the sharded loader's."""
+    docstring). Other attributes (``sampler``, ``dataset``, ``batch_size``) are the sharded loader's, except that
+    ``sampler`` is raysgd's shard of a custom ``batch_sampler`` (so ``loader.sampler.set_epoch(epoch)``, Ray Train's
+    loop, works for every loader raysgd shards)."""
 
     def __init__(self, loader, world_rank, world_size, device, shard=True, move_to_device=True, exactly_once=True,
                  restored=None, progress=None):
@@ -199,6 +204,10 @@ class PreparedLoader:
     def __getattr__(self, name):
         if name == "loader":  # not set yet: no recursion
             raise AttributeError(name)
+        if name == "sampler":  # a custom batch_sampler's shard, not the SequentialSampler DataLoader made beside it
+            shard = _loaders.shard_sampler(self.loader, _SHARDS)
+            if shard is not None:
+                return shard
         return getattr(self.loader, name)
 
 

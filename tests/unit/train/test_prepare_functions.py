@@ -99,3 +99,20 @@ def test_a_prepared_loader_prepared_again_is_returned_as_it_is():
         again = prepare.prepare_data_loader(loader)
         assert again is loader
         assert [batch.tolist() for batch in again] == [[0, 2], [4]]  # rank 0's shard, not sharded twice
+
+
+def test_ray_trains_sampler_set_epoch_names_the_epoch_of_a_custom_batch_sampler():
+    """With a custom batch_sampler, loader.sampler was the SequentialSampler DataLoader makes beside it: Ray Train's
+    loop, loader.sampler.set_epoch(epoch), raised AttributeError on every run of several workers."""
+    def prepared():
+        batches = torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(range(8)), 2, drop_last=False)
+        return prepare.prepare_data_loader(torch.utils.data.DataLoader(range(8), batch_sampler=batches))
+
+    with session(world_size=2):
+        by_sampler, by_loader = prepared(), prepared()
+        by_sampler.sampler.set_epoch(3)
+        by_loader.set_epoch(3)
+        assert [b.tolist() for b in by_sampler] == [b.tolist() for b in by_loader]
+        assert by_sampler.cursor_state()["epoch"] == 3
+        plain = prepare.prepare_data_loader(torch.utils.data.DataLoader(range(4), batch_size=2))
+        assert plain.sampler is plain.loader.sampler  # a loader without a batch_sampler: its own sampler
