@@ -46,11 +46,14 @@ class ReportCommits:
             components the checkpoint keeps are restored from it. ``on_resume(None)`` when an attempt after a
             failure starts from the call's beginning (no checkpoint of the run folder yet: from ``initial`` or
             from nothing): they go back to their start.
+        checkpoint_config: the run's ``CheckpointConfig``, handed to the workers in each plan (the checkpoints
+            ``get_all_reported_checkpoints()`` lists are those it keeps).
     """
 
-    def __init__(self, storage, home, initial=None, on_report=None, score_attribute=None, on_resume=None):
+    def __init__(self, storage, home, initial=None, on_report=None, score_attribute=None, on_resume=None,
+                 checkpoint_config=None):
         self.storage, self.home, self.initial = storage, home, initial
-        self.score_attribute = score_attribute
+        self.score_attribute, self.checkpoint_config = score_attribute, checkpoint_config
         self._on_report, self._on_resume = on_report, on_resume
         self.active = False
         self.resumed_preemption = False  # a function's preemption commit is durable already: nothing to write
@@ -191,7 +194,8 @@ class ReportCommits:
             ((self.initial[0], None, None) if self.initial is not None else None)
         return ReportPlan(storage_root=self.storage.root, fs_path=self.storage.path, home=self.home,
                           call_id=self._call, attempt=self._attempt, first_index=self.storage.next_index(),
-                          resume=resume, reported=list(self.reported), score_attribute=self.score_attribute)
+                          resume=resume, reported=list(self.reported), score_attribute=self.score_attribute,
+                          checkpoint_config=self.checkpoint_config)
 
     def newest_good(self, candidates=None):
         """``(uri, directory, marker)`` of the newest complete checkpoint whose files match its marker, or None; a

@@ -20,9 +20,10 @@ Example:
 from __future__ import annotations
 
 from raysgd.base.checks import expect, is_number
-from raysgd.train import collective
+from raysgd.train import collective, retention
 from raysgd.train import session as _session
 from raysgd.train.checkpoint import Checkpoint, ReportedCheckpoint
+from raysgd.train.reporting import plain
 
 #: Ray Train's consistency modes (``ray.train.CheckpointConsistencyMode``), by name.
 CONSISTENCY_MODES = ("COMMITTED", "VALIDATED")
@@ -30,7 +31,8 @@ CONSISTENCY_MODES = ("COMMITTED", "VALIDATED")
 
 def get_all_reported_checkpoints(consistency_mode: object = "VALIDATED",
                                  timeout_s: float | None = None) -> list[ReportedCheckpoint]:
-    """``[ReportedCheckpoint(checkpoint, metrics)]`` of the checkpoints the run keeps, oldest first.
+    """``[ReportedCheckpoint(checkpoint, metrics)]`` of the checkpoints the run keeps, oldest first: those
+    ``CheckpointConfig(num_to_keep)`` deletes are left out, as in Ray Train.
 
     Args:
         consistency_mode: ``"COMMITTED"`` or ``"VALIDATED"`` (or Ray's enum of them): the same here.
@@ -43,8 +45,13 @@ def get_all_reported_checkpoints(consistency_mode: object = "VALIDATED",
     expect(timeout_s is None or is_number(timeout_s, above=0), "timeout_s", "None or seconds > 0", timeout_s, **how)
     session = _session.current("get_all_reported_checkpoints()")
     collective.barrier()
-    reported = session.reporter.reported if session.reporter is not None else []
-    return [ReportedCheckpoint(Checkpoint(uri), metrics) for uri, metrics in reported]
+    if session.reporter is None:
+        return []
+    reported, config = session.reporter.reported, session.reporter.plan.checkpoint_config
+    deleted = set(retention.checkpoints_to_delete([(index, plain(metrics)) for index, (_, metrics)
+                                                   in enumerate(reported)], config))
+    return [ReportedCheckpoint(Checkpoint(uri), metrics) for index, (uri, metrics) in enumerate(reported)
+            if index not in deleted]
 
 
 __all__ = ["get_all_reported_checkpoints"]

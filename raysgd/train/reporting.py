@@ -57,6 +57,8 @@ class ReportPlan:
         resume: ``(uri, directory, marker)`` of the checkpoint the attempt starts from, or None.
         reported: ``[(uri, metrics)]`` of the complete checkpoints before this attempt, oldest first.
         score_attribute: ``CheckpointConfig(checkpoint_score_attribute)``, checked before a checkpoint is written.
+        checkpoint_config: the run's ``CheckpointConfig`` (None: keep all): which of :attr:`Reporter.reported` the
+            driver has deleted, or will (``get_all_reported_checkpoints()`` leaves them out).
     """
 
     storage_root: str
@@ -68,6 +70,7 @@ class ReportPlan:
     resume: tuple | None = None
     reported: list = dataclasses.field(default_factory=list)
     score_attribute: str | None = None
+    checkpoint_config: object = None
 
     def directory_name(self, name, reported):
         """The directory of the attempt's checkpoint after ``reported`` earlier ones: ``name`` when given, else

@@ -285,7 +285,8 @@ class TorchTrainer:
         initial = (self.resume_from_checkpoint.uri, None) if self.resume_from_checkpoint is not None else None
         reports = ReportCommits(storage, home=this_node() if storage.local else None, initial=initial,
                                 on_report=self._on_report, on_resume=self._resume_callbacks,
-                                score_attribute=self.run_config.checkpoint_config.checkpoint_score_attribute)
+                                score_attribute=self.run_config.checkpoint_config.checkpoint_score_attribute,
+                                checkpoint_config=self.run_config.checkpoint_config)
         if self.datasets and ray.cluster_resources().get("CPU", 0) <= \
                 self.scaling_config.worker_range[1] * self.scaling_config.num_cpus_per_worker:
             logger.warning("TorchTrainer(datasets=...): the workers hold every CPU of the cluster, and Ray Data's "
