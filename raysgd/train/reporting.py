@@ -29,6 +29,7 @@ Example:
 import dataclasses
 import logging
 import numbers
+import pickle
 import threading
 import time
 
@@ -146,9 +147,9 @@ class Reporter:
         return self._group
 
     def exchange(self, mine):
-        """Every rank's ``mine``, in rank order (one ``all_gather_object``; just ``[mine]`` alone)."""
+        """Every rank's ``mine``, in rank order (one ``all_gather_object``; alone, ``[a copy of mine]``)."""
         if self.world_size == 1:
-            return [mine]
+            return [_copy(mine)]
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, mine, group=self._cpu_group())
         return gathered
@@ -240,6 +241,24 @@ class Reporter:
         with self._records_lock:
             taken, self.records = self.records, []
         return taken
+
+
+def _copy(value):
+    """``value`` as a gather gives it: a copy made by pickle (a training function that updates its metrics dict after
+    ``report()`` changes no report already made), or ``value`` itself when it cannot be pickled.
+
+    Example:
+        >>> metrics = {"loss": 0.5}
+        >>> copied = _copy(metrics)
+        >>> metrics["loss"] = 0.1
+        >>> copied
+        {'loss': 0.5}
+    """
+    try:
+        return pickle.loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as err:  # noqa: BLE001 (unpicklable metrics stay as they were given)
+        logger.debug("report(): the metrics cannot be pickled (%s); they are kept as given, not copied", err)
+        return value
 
 
 class _Rank:
