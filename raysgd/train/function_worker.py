@@ -12,7 +12,8 @@ any other exception is the user's (retried under ``FailureConfig(max_failures)``
 
 As in Ray Train, ``MASTER_ADDR``/``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``
 and ``NODE_RANK`` are set, and with GPUs every worker of a node sees the GPUs of all the node's workers
-(``CUDA_VISIBLE_DEVICES``), its own at index ``local_rank``, so ``cuda:{local_rank}`` works.
+(``CUDA_VISIBLE_DEVICES``, each GPU once), and its device is its own first GPU there, as Ray Train's
+``get_device()``: ``cuda:{local_rank}`` with one GPU per worker.
 
 Example:
     >>> import torch
@@ -69,33 +70,38 @@ class FunctionWorker(TorchWorker):
         self.local_rank = local_rank
         self._pick_device()
 
-    def _pick_device(self, node_gpus=None):
+    def _pick_device(self, node_gpus=None, own_gpus=None):
         """The device: the CPU, or with GPUs this worker's. ``node_gpus`` (the GPU ids of this node's workers in
-        local-rank order) are all made visible while CUDA has not started in this process, so this worker's own is
-        ``cuda:{local_rank}`` as in Ray Train; a process whose CUDA already started keeps its device."""
+        local-rank order; a GPU that fractional workers share comes once) are all made visible while CUDA has not
+        started in this process, and the device is the first of ``own_gpus`` (this worker's ids) there, as in Ray
+        Train (``cuda:{local_rank}`` without them); a process whose CUDA already started keeps its device."""
         self.device = torch.device("cpu")
         if not self.use_gpu:
             return
-        if node_gpus and not torch.cuda.is_initialized():
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus)
+        visible = list(dict.fromkeys(node_gpus or ()))  # CUDA stops reading CUDA_VISIBLE_DEVICES at a repeated id
+        if visible and not torch.cuda.is_initialized():
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible)
         if torch.cuda.is_available():
+            own = [visible.index(gpu) for gpu in own_gpus or () if gpu in visible]
             if torch.cuda.is_initialized():
                 index = torch.cuda.current_device()
+            elif own:  # GPUs 2 and 3 of a worker of two GPUs: cuda:2, not cuda:{local_rank} (another worker's)
+                index = min(own)
             else:
                 index = self.local_rank if self.local_rank < torch.cuda.device_count() else 0
             torch.cuda.set_device(index)
             self.device = torch.device("cuda", index)
 
     def run_loop(self, run_info, plan=None, local_world_size=1, node_rank=0, dataset_shards=None, node_gpus=None,
-                 progress=None):
+                 progress=None, own_gpus=None):
         """Run the training function once (one attempt); returns ``{"reports", "return_value"}`` of this rank:
         rank 0's reports the driver has not taken yet, and the function's return value.
 
         ``run_info``: ``{"name", "storage_path"}`` (its context); ``plan``: the attempt's
-        :class:`~raysgd.train.reporting.ReportPlan`; ``node_gpus``: see :meth:`_pick_device`; ``progress``: rank 0's
-        feed of the driver's progress bar (``RunConfig(progress_bar=True)``)."""
+        :class:`~raysgd.train.reporting.ReportPlan`; ``node_gpus``, ``own_gpus``: see :meth:`_pick_device`;
+        ``progress``: rank 0's feed of the driver's progress bar (``RunConfig(progress_bar=True)``)."""
         if node_gpus:
-            self._pick_device(node_gpus)
+            self._pick_device(node_gpus, own_gpus)
         context = _session.TrainContext(self.world_size, self.world_rank, self.local_rank, local_world_size,
                                         node_rank, run_info["name"], run_info["storage_path"])
         session = _session.Session(context, self.device, plan, dataset_shards=dataset_shards, backend=self.backend,

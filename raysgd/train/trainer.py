@@ -262,7 +262,8 @@ class TorchTrainer:
                     node_gpus.setdefault(gpus[rank][0], []).extend(gpus[rank][1])
             return [{"local_world_size": nodes.count(nodes[rank]), "node_rank": order.index(nodes[rank]),
                      "dataset_shards": {name: split[rank] for name, split in shards.items()},
-                     **({"node_gpus": node_gpus.get(gpus[rank][0])} if rank in gpus else {}),
+                     **({"node_gpus": node_gpus.get(gpus[rank][0]), "own_gpus": gpus[rank][1]} if rank in gpus
+                        else {}),
                      **({"progress": feed} if rank == 0 and feed is not None else {})} for rank in range(n)]
 
         return per_rank
