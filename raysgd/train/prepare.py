@@ -217,4 +217,3 @@ def _length(loader):
         return len(loader)
     except TypeError:
         return None
-
