@@ -32,7 +32,9 @@ What the choices are and why:
 - **fp16.** A ``torch.amp.GradScaler`` works on FSDP2's DTensor gradients (checked on CPU/gloo with an enabled
   scaler: an inf in one rank's shard skips the step on every rank), so ``use_fp16=True`` means what it means
   for DDP: float16 (``MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32)``) and the scaler on CUDA,
-  fp32 on CPU. ``"bf16"`` maps to ``param_dtype=bfloat16, reduce_dtype=float32`` on both.
+  fp32 on CPU. ``"bf16"`` maps to ``param_dtype=bfloat16, reduce_dtype=float32`` on both. Under any policy
+  with a ``param_dtype``, a BatchNorm layer (one with running statistics) gets its own ``fully_shard`` with float32
+  parameters (:func:`keeps_float32`), as FSDP1's ``MixedPrecision`` and autocast keep it.
 
 Example:
     >>> check_strategy("ddp"), check_fsdp_args(None, "ddp")
@@ -48,6 +50,7 @@ Example:
 """
 import contextlib
 import copy
+import dataclasses
 import itertools
 import logging
 from typing import Any, Callable
@@ -191,6 +194,34 @@ def blocks(model, policy):
             and next(module.parameters(), None) is not None and chosen(module)]
 
 
+def keeps_float32(module, mp_policy):
+    """Whether ``module`` is sharded on its own with float32 parameters under ``mp_policy``: a normalisation layer
+    with running statistics (BatchNorm, an InstanceNorm that tracks them) whose parameters the policy would cast to
+    a lower ``param_dtype``. Its float32 running statistics and lower-precision weights fail in ``batch_norm``
+    (``expected scalar type BFloat16 but found Float``); float32 weights take a bfloat16 or float16 input, as under
+    autocast with DDP and as FSDP1's ``MixedPrecision`` keeps them (``_module_classes_to_ignore``).
+
+    Example:
+        >>> from torch.distributed.fsdp import MixedPrecisionPolicy
+        >>> bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        >>> keeps_float32(torch.nn.BatchNorm1d(3), bf16), keeps_float32(torch.nn.LayerNorm(3), bf16)
+        (True, False)
+        >>> keeps_float32(torch.nn.BatchNorm1d(3), MixedPrecisionPolicy())  # nothing cast: nothing to keep
+        False
+    """
+    norm = isinstance(module, torch.nn.modules.batchnorm._NormBase)  # BatchNorm*d, SyncBatchNorm, InstanceNorm*d
+    return (mp_policy.param_dtype is not None and norm and module.track_running_stats
+            and next(module.parameters(recurse=False), None) is not None)
+
+
+def _with_policy(options, module):
+    """``fully_shard``'s ``options`` for ``module``: float32 parameters where :func:`keeps_float32` says so."""
+    policy = options["mp_policy"]
+    if not keeps_float32(module, policy):
+        return options
+    return {**options, "mp_policy": dataclasses.replace(policy, param_dtype=None, output_dtype=None)}
+
+
 def meta_skeleton(module):
     """A deep copy of ``module`` whose parameters and buffers are on the meta device (no memory, no data copied):
     what :meth:`Sharding.gather` fills with the gathered state to give back a plain module of the user's class.
@@ -289,9 +320,12 @@ class Sharding:
             before = {id(p): name for name, p in root.named_parameters(remove_duplicate=False)}
             # None means FSDP2's own default, spelt out (older fully_shard takes no None): blocks free their
             # gathered parameters after their forward, the root keeps them (its backward needs them at once)
-            for _, block in blocks(root, self._args.get("shard_policy")):
-                fully_shard(block, reshard_after_forward=True if given is None else given, **options)
-            fully_shard(root, reshard_after_forward=False if given is None else given, **options)
+            picked = {id(block) for _, block in blocks(root, self._args.get("shard_policy"))}
+            for _, module in reversed(list(root.named_modules())):  # deepest first, as blocks() orders them
+                if module is not root and (id(module) in picked or keeps_float32(module, options["mp_policy"])):
+                    fully_shard(module, reshard_after_forward=True if given is None else given,
+                                **_with_policy(options, module))
+            fully_shard(root, reshard_after_forward=False if given is None else given, **_with_policy(options, root))
             after = dict(root.named_parameters(remove_duplicate=False))
             sharded.update({key: after[name] for key, name in before.items()})
             self._sharded.append((root, skeleton))
