@@ -175,6 +175,8 @@ def load_models_and_optimizers(models, optimizers, state, full=False):
     # momentum keeps none), and DCP's strict check would refuse that
     options = StateDictOptions(full_state_dict=full, strict=False)
     for optimizer, optimizer_state in zip(optimizers, state["optimizers"]):
+        if full:  # a whole state may come from strategy="ddp": torch's own form, its parameters numbered
+            optimizer_state = keyed_by_name(_owner(models, optimizer), optimizer, optimizer_state)
         if not optimizer_state.get("state"):
             optimizer.state.clear()
             for group, saved in zip(optimizer.param_groups, optimizer_state.get("param_groups", ())):
@@ -188,6 +190,46 @@ def load_models_and_optimizers(models, optimizers, state, full=False):
                 with_state.setdefault(name, {})
         set_optimizer_state_dict(_owner(models, optimizer), optimizer, {**optimizer_state, "state": with_state},
                                  options=options)
+
+
+#: The prefixes DCP leaves out of a parameter's name (``torch.compile``'s and activation checkpointing's wrappers).
+_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
+
+
+def keyed_by_name(owner, optimizer, optimizer_state):
+    """``optimizer_state`` in DCP's form (state and ``param_groups`` keyed by ``owner``'s parameter names) when it
+    is in torch's own (``optimizer.state_dict()``: parameters numbered in the order of the groups, as a
+    ``strategy="ddp"`` run saves them); as it is otherwise. The numbers map to ``optimizer``'s parameters by
+    position, as ``optimizer.load_state_dict`` maps them, and the groups must match in number and size.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> model(torch.ones(1, 2)).sum().backward(); sgd.step()
+        >>> named = keyed_by_name(model, sgd, sgd.state_dict())
+        >>> sorted(named["state"]), named["param_groups"][0]["params"]
+        (['bias', 'weight'], ['weight', 'bias'])
+    """
+    saved = optimizer_state.get("param_groups", ())
+    if not any(isinstance(key, int) for group in saved for key in group.get("params", ())):
+        return optimizer_state
+    sizes = [len(group["params"]) for group in optimizer.param_groups]
+    if [len(group.get("params", ())) for group in saved] != sizes:
+        raise ValueError(f"load_models_and_optimizers: the state of {type(optimizer).__name__} holds parameter groups "
+                         f"of {[len(group.get('params', ())) for group in saved]} parameters; the optimizer has "
+                         f"groups of {sizes}")
+    names = {}
+    for name, param in owner.named_parameters():
+        for prefix in _WRAPPER_PREFIXES:
+            name = name.replace(prefix, "")
+        names[id(param)] = name
+    current = [param for group in optimizer.param_groups for param in group["params"]]
+    by_number = {number: names[id(param)] for number, param in
+                 zip((key for group in saved for key in group["params"]), current)}
+    return {**optimizer_state,
+            "state": {by_number.get(key, key): value for key, value in optimizer_state.get("state", {}).items()},
+            "param_groups": [{**group, "params": [by_number[key] for key in group["params"]]} for group in saved]}
 
 
 # ----------------------------------------------------------------- parts
