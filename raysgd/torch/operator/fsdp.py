@@ -48,6 +48,7 @@ Example:
     >>> meta_skeleton(model)[0].weight.device.type, model[0].weight.device.type
     ('meta', 'cpu')
 """
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -173,12 +174,18 @@ def blocks(model, policy):
     """``[(name, module)]`` that get their own ``fully_shard`` before the root, deepest first (FSDP2 shards
     bottom-up). ``policy``: see :func:`check_fsdp_args`; None picks every child of an ``nn.Sequential`` or
     ``nn.ModuleList`` that holds parameters (a model's repeated blocks). The root and modules without parameters
-    are never picked; containers without ``forward`` (``ModuleList``, ``ModuleDict``) neither.
+    are never picked; containers without ``forward`` (``ModuleList``, ``ModuleDict``) neither; nor a module that
+    shares a parameter with the rest of the model (tied weights, :func:`shares_outside`): FSDP2 manages a parameter
+    in one group, and an enclosing one (at last the root) holds it.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.Linear(2, 1)))
         >>> [name for name, _ in blocks(model, None)], [name for name, _ in blocks(model, torch.nn.Linear)]
         (['1.0', '1', '0'], ['1.0', '0'])
+        >>> model[1][0].weight = torch.nn.Parameter(torch.ones(2, 2))
+        >>> model[0].weight = model[1][0].weight  # tied: both stay with the root
+        >>> [name for name, _ in blocks(model, None)]
+        []
     """
     if policy is None:
         containers = (torch.nn.Sequential, torch.nn.ModuleList)
@@ -191,7 +198,24 @@ def blocks(model, policy):
         chosen = policy
     return [(name, module) for name, module in reversed(list(model.named_modules()))
             if module is not model and not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))
-            and next(module.parameters(), None) is not None and chosen(module)]
+            and next(module.parameters(), None) is not None and chosen(module) and not shares_outside(module, model)]
+
+
+def shares_outside(module, model):
+    """Whether one of ``module``'s parameters is also one of ``model``'s outside ``module`` (tied weights: an
+    embedding and an output layer holding one tensor), which FSDP2 refuses to shard in two groups.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        >>> shares_outside(model[0], model)
+        False
+        >>> model[1].weight = model[0].weight
+        >>> shares_outside(model[0], model), shares_outside(model[1], model)
+        (True, True)
+    """
+    everywhere = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    inside = collections.Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+    return any(count < everywhere[key] for key, count in inside.items())
 
 
 def keeps_float32(module, mp_policy):
@@ -222,21 +246,28 @@ def _with_policy(options, module):
     return {**options, "mp_policy": dataclasses.replace(policy, param_dtype=None, output_dtype=None)}
 
 
-def meta_skeleton(module):
+def meta_skeleton(module, device="meta"):
     """A deep copy of ``module`` whose parameters and buffers are on the meta device (no memory, no data copied):
     what :meth:`Sharding.gather` fills with the gathered state to give back a plain module of the user's class.
+    ``device``: empty tensors there instead (the skeleton made real, ``skeleton`` given). Tied parameters stay tied
+    (one tensor), which ``to_empty`` would untie.
 
     Example:
         >>> skeleton = meta_skeleton(torch.nn.Linear(3, 2))
         >>> skeleton.weight.shape, skeleton.weight.is_meta, type(skeleton).__name__
         (torch.Size([2, 3]), True, 'Linear')
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        >>> model[1].weight = model[0].weight
+        >>> real = meta_skeleton(meta_skeleton(model), device="cpu")
+        >>> real[0].weight.device.type, real[0].weight is real[1].weight
+        ('cpu', True)
     """
     memo = {}
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         if id(tensor) not in memo:
-            meta = tensor.detach().to("meta")
-            memo[id(tensor)] = torch.nn.Parameter(meta, tensor.requires_grad) \
-                if isinstance(tensor, torch.nn.Parameter) else meta
+            empty = torch.empty_like(tensor.detach(), device=device)
+            memo[id(tensor)] = torch.nn.Parameter(empty, tensor.requires_grad) \
+                if isinstance(tensor, torch.nn.Parameter) else empty
     return copy.deepcopy(module, memo)
 
 
@@ -322,7 +353,8 @@ class Sharding:
             # gathered parameters after their forward, the root keeps them (its backward needs them at once)
             picked = {id(block) for _, block in blocks(root, self._args.get("shard_policy"))}
             for _, module in reversed(list(root.named_modules())):  # deepest first, as blocks() orders them
-                if module is not root and (id(module) in picked or keeps_float32(module, options["mp_policy"])):
+                if module is not root and (id(module) in picked or keeps_float32(module, options["mp_policy"])
+                                           and not shares_outside(module, root)):
                     fully_shard(module, reshard_after_forward=True if given is None else given,
                                 **_with_policy(options, module))
             fully_shard(root, reshard_after_forward=False if given is None else given, **_with_policy(options, root))
@@ -359,7 +391,7 @@ class Sharding:
             elif torch.distributed.get_rank() != 0:
                 copies.append(None)
                 continue
-            plain = copy.deepcopy(skeleton).to_empty(device="cpu")
+            plain = meta_skeleton(skeleton, device="cpu")  # (tied parameters stay one tensor)
             plain.load_state_dict(state)
             for name, buffer in model.named_buffers():  # non-persistent buffers are in no state dict
                 if name not in state and buffer is not None:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from raysgd.torch.operator import fsdp
 from raysgd.torch.operator.fsdp import Sharding
 from raysgd.torch.operator.precision import Precision
 from raysgd.torch.state import sharded
@@ -52,6 +53,34 @@ def _ddp_state(steps):
     _train(model, optimizer, steps)
     state = {"models": [model.state_dict()], "optimizers": [optimizer.state_dict()]}
     return copy.deepcopy(state), model, optimizer  # as a checkpoint holds it: no tensor shared with the optimizer
+
+
+class _Head(torch.nn.Module):
+    """An output layer whose weight is the embedding's (tied, as a language model's)."""
+
+    def __init__(self, embedding):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.out = torch.nn.Linear(4, 10, bias=False)
+        self.out.weight = embedding.weight
+
+    def forward(self, x):
+        return self.out(self.proj(x))
+
+
+def _tied_net(seed):
+    """A Sequential whose first and last blocks share a weight: the default policy picks both blocks."""
+    torch.manual_seed(seed)
+    embedding = torch.nn.Embedding(10, 4)
+    return torch.nn.Sequential(embedding, torch.nn.Linear(4, 4), _Head(embedding))
+
+
+def _train_tied(model, optimizer, steps):
+    torch.manual_seed(7)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randint(0, 10, (6,))).square().mean().backward()
+        optimizer.step()
 
 
 def _check(results, name, action):
@@ -92,6 +121,17 @@ def _ranks(rank, port, out):
         stepped = sharded.models_and_optimizers_state([model], [optimizer], full=True)
         return {"state": state, "loaded": loaded, "stepped": stepped, "reference_stepped": reference.state_dict()}
 
+    def tied_weights():  # tied weights in two blocks stay with the root; get_model() keeps them tied
+        model = _tied_net(0)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        sharding = Sharding("fsdp", None, world_size=2)
+        sharding.shard([model], [optimizer])
+        _train_tied(model, optimizer, 2)
+        gathered = sharding.gather([model])
+        return {"model": gathered[0] if rank == 0 else None}
+
+    _check(results, "tied_weights", tied_weights)
+    dist.barrier()
     _check(results, "bf16_batchnorm", bf16_batchnorm)
     dist.barrier()
     _check(results, "ddp_state_into_shards", ddp_state_into_shards)
@@ -182,3 +222,24 @@ def test_a_ddp_checkpoint_loads_into_a_one_worker_fsdp_run():
     with pytest.raises(ValueError, match=r"holds parameter groups of \[2, 4\] parameters; the optimizer has groups "
                                          r"of \[6\]"):
         sharded.load_models_and_optimizers([model], [torch.optim.Adam(model.parameters())], state, full=True)
+
+
+def test_tied_weights_in_two_blocks_are_sharded_with_the_root_and_get_model_keeps_them_tied(world):
+    """The default policy gave both blocks of a tied weight their own fully_shard, which FSDP2 refuses ("Parameter
+    '2.out.weight' is shared with a parameter already managed by another FSDP group"), and get_model()'s copy
+    held two tensors where the model has one."""
+    model = _result(world, "tied_weights")["model"]
+    assert model[0].weight is model[2].out.weight
+    reference = _tied_net(0)
+    _train_tied(reference, torch.optim.Adam(reference.parameters(), lr=0.01), 2)
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(model.state_dict()[name], value, atol=1e-6), name
+
+
+def test_the_default_policy_leaves_tied_blocks_to_the_root_and_an_unsharded_copy_keeps_them_tied():
+    model = _tied_net(0)
+    assert [name for name, _ in fsdp.blocks(model, None)] == ["1"]
+    assert [name for name, _ in fsdp.blocks(model, torch.nn.Linear)] == ["2.proj", "1"]
+    copied = Sharding("fsdp", None, world_size=1).gather([model])[0]  # one worker: nothing sharded
+    assert copied[0].weight is copied[2].out.weight
+    assert all(torch.equal(a, b) for a, b in zip(copied.state_dict().values(), model.state_dict().values()))
