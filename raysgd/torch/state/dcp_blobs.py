@@ -8,7 +8,9 @@ rank's file is therefore byte for byte the ``__{rank}_0.distcp`` that ``FileSyst
 coordinator's ``.metadata`` is DCP's own, records included: nothing of DCP's layout is reproduced here, so a torch
 upgrade that changes it changes both sides together. The only addition is the *layout*: for each tensor item, where
 its raw bytes start inside the item (``torch.save`` stores a tensor's data uncompressed in a zip record, found
-through the zip's central directory right after the item is written).
+through the zip's central directory right after the item is written). Only a tensor stored row-major has one:
+``torch.save`` keeps a tensor's strides, so a channels_last or transposed tensor's bytes are not its rows; such an
+item is read whole.
 
 The metadata is read back with a safe unpickler (:func:`metadata_from_bytes`): DCP's metadata classes only, and the
 storage record ``FileSystemWriter`` puts in it (``_StorageInfo``, allowed by name: it is never constructed here; a
@@ -365,7 +367,10 @@ class BlobWriter(FileSystemWriter):
         self.rank = int(self.file_name.split("_")[2])
         self.blob = self.fs.files.pop(self.file_name)
         view = memoryview(self.blob)
-        tensors = {item.index: item for item in plan.items if item.type != WriteItemType.BYTE_IO}
+        # a tensor whose bytes are not stored row-major (channels_last, a transposed buffer: torch.save keeps its
+        # strides) has no layout: its rows are not a byte range, so it is read whole and torch.load puts it back
+        tensors = {item.index: item for item in plan.items if item.type != WriteItemType.BYTE_IO
+                   and planner.resolve_data(item).is_contiguous()}
         marked = []
         for result in results:
             item, start = tensors.get(result.index), None
