@@ -209,7 +209,8 @@ def test_a_ddp_checkpoint_loads_into_sharded_models_and_training_goes_on_as_befo
 
 def test_a_ddp_checkpoint_loads_into_a_one_worker_fsdp_run():
     """With one worker strategy="fsdp" trains unsharded but keeps the sharded state's form: a whole state of a
-    strategy="ddp" run (torch's optimizer form, parameters numbered) loads into it (it raised KeyError 'state.0.step')."""
+    strategy="ddp" run (torch's optimizer form, parameters numbered) loads into it (it raised KeyError
+    'state.0.step')."""
     state, reference, reference_optimizer = _ddp_state(2)
     model = _batchnorm_net(1)
     optimizer = _adam_with_groups(model)
