@@ -188,6 +188,10 @@ def load_models_and_optimizers(models, optimizers, state, full=False):
         for group in optimizer_state.get("param_groups", ()):
             for name in group.get("params", ()):
                 with_state.setdefault(name, {})
+        # a group setting the optimizer lacks (a scheduler's initial_lr, saved by a run with one) is added first, as
+        # torch's load_state_dict adds it: DCP maps the saved values onto the optimizer's own keys only
+        for group, saved in zip(optimizer.param_groups, optimizer_state.get("param_groups", ())):
+            group.update({key: value for key, value in saved.items() if key != "params" and key not in group})
         set_optimizer_state_dict(_owner(models, optimizer), optimizer, {**optimizer_state, "state": with_state},
                                  options=options)
 

@@ -317,3 +317,26 @@ def test_tensors_not_stored_row_major_load_bit_exact_with_the_layout():
     full = sharded.consolidate_parts(part.metadata, {part.file_name: part.blob}.__getitem__, layout=part.layout)
     assert _differences(model.state_dict(), full["models"][0]) == []
     assert not any(key.startswith(("models.0.0.weight", "models.0.projection")) for key in part.layout)
+
+
+def test_a_whole_state_with_a_group_setting_the_optimizer_lacks_loads_as_torch_loads_it():
+    """A run with an LR scheduler saves its groups' ``initial_lr``; loading that whole state (a consolidated one, or
+    a strategy="ddp" run's) into an optimizer without a scheduler raised KeyError 'param_groups.0.initial_lr' inside
+    DCP. torch's load_state_dict adds the setting; so does this load."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(sgd, 1, 0.5)
+    for _ in range(2):
+        sgd.zero_grad()
+        model(torch.randn(4, 3)).sum().backward()
+        sgd.step()
+        scheduler.step()
+    part = sharded.save_parts(sharded.models_and_optimizers_state([model], [sgd]))
+    whole = sharded.consolidate_parts(part.metadata, {part.file_name: part.blob}.__getitem__)
+    for state in (whole, {"models": [model.state_dict()], "optimizers": [sgd.state_dict()]}):
+        fresh = torch.nn.Linear(3, 2)
+        fresh_sgd = torch.optim.SGD(fresh.parameters(), lr=0.7, momentum=0.9)
+        sharded.load_models_and_optimizers([fresh], [fresh_sgd], pickle.loads(pickle.dumps(state)), full=True)
+        assert fresh_sgd.param_groups[0]["lr"] == 0.025 and fresh_sgd.param_groups[0]["initial_lr"] == 0.1
+        assert torch.equal(fresh_sgd.state[fresh.weight]["momentum_buffer"], sgd.state[model.weight]["momentum_buffer"])
