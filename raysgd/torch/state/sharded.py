@@ -128,6 +128,13 @@ def models_and_optimizers_state(models, optimizers, full=False, metadata=None):
     models, optimizers = list(models), list(optimizers)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True) if full else None
     with_state = optimizers_with_state(metadata) if metadata is not None else None
+    if metadata is not None:  # DCP would load what matches and leave the rest of the checkpoint unread, silently
+        for kind, given in saved_counts(metadata).items():
+            registered = len(models if kind == "models" else optimizers)
+            if given != registered:
+                raise ValueError(f"load: the checkpoint holds {given} {kind} but {registered} "
+                                 f"{'is' if registered == 1 else 'are'} registered; a partial load would be silently "
+                                 f"wrong (was the checkpoint written by a different operator?)")
     states = []
     for index, optimizer in enumerate(optimizers):
         fresh = not optimizer.state
@@ -139,6 +146,23 @@ def models_and_optimizers_state(models, optimizers, full=False, metadata=None):
             state = {**state, "state": {}}  # the checkpoint holds none: loading it clears this optimizer's
         states.append(state)
     return {"models": [get_model_state_dict(model, options=options) for model in models], "optimizers": states}
+
+
+def saved_counts(metadata):
+    """``{"models": n, "optimizers": m}``: how many models and optimizers a checkpoint's ``metadata`` holds.
+
+    Example:
+        >>> import torch
+        >>> saved_counts(save_parts(models_and_optimizers_state([torch.nn.Linear(1, 1)], [])).metadata)
+        {'models': 1, 'optimizers': 0}
+    """
+    counts = {"models": 0, "optimizers": 0}
+    for key in as_metadata(metadata).state_dict_metadata:
+        kind, _, rest = key.partition(".")
+        index = rest.partition(".")[0]
+        if kind in counts and index.isdigit():
+            counts[kind] = max(counts[kind], int(index) + 1)
+    return counts
 
 
 def optimizers_with_state(metadata):

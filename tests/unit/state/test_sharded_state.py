@@ -340,3 +340,18 @@ def test_a_whole_state_with_a_group_setting_the_optimizer_lacks_loads_as_torch_l
         sharded.load_models_and_optimizers([fresh], [fresh_sgd], pickle.loads(pickle.dumps(state)), full=True)
         assert fresh_sgd.param_groups[0]["lr"] == 0.025 and fresh_sgd.param_groups[0]["initial_lr"] == 0.1
         assert torch.equal(fresh_sgd.state[fresh.weight]["momentum_buffer"], sgd.state[model.weight]["momentum_buffer"])
+
+
+def test_a_checkpoint_of_more_models_or_optimizers_than_registered_is_refused_not_loaded_in_part():
+    """DCP loads the keys the target asks for: a checkpoint of 2 models and 2 optimizers loaded into an operator
+    registering 1 of each loaded the first and dropped the rest, silently (a whole state is refused so)."""
+    models = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)]
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in models]
+    part = sharded.save_parts(sharded.models_and_optimizers_state(models, optimizers))
+    fresh = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"the checkpoint holds 2 models but 1 is registered; a partial load"):
+        sharded.models_and_optimizers_state([fresh], [torch.optim.SGD(fresh.parameters(), lr=0.1)],
+                                            metadata=part.metadata)
+    with pytest.raises(ValueError, match=r"the checkpoint holds 2 optimizers but 1 is registered"):
+        sharded.models_and_optimizers_state(models, optimizers[:1], metadata=part.metadata)
+    assert sharded.saved_counts(part.metadata) == {"models": 2, "optimizers": 2}
