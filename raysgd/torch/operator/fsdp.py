@@ -196,14 +196,14 @@ def blocks(model, policy):
         chosen = lambda m: isinstance(m, policy)  # noqa: E731
     else:
         chosen = policy
-    picked = [(name, module) for name, module in reversed(list(model.named_modules()))
-              if module is not model and not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))
-              and next(module.parameters(), None) is not None and chosen(module)]
-    tied = [name for name, module in picked if shares_outside(module, model)]
+    chosen_modules = [(name, module) for name, module in reversed(list(model.named_modules()))
+                      if module is not model and not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict))
+                      and next(module.parameters(), None) is not None and chosen(module)]
+    tied = [name for name, module in chosen_modules if shares_outside(module, model)]
     if tied:
         logger.info("fsdp: %s share%s a parameter with the rest of the model (tied weights): sharded with an "
                     "enclosing module, not on their own", ", ".join(tied), "s" if len(tied) == 1 else "")
-    return [(name, module) for name, module in picked if name not in tied]
+    return [(name, module) for name, module in chosen_modules if name not in tied]
 
 
 def shares_outside(module, model):
