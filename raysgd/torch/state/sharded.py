@@ -127,6 +127,7 @@ def models_and_optimizers_state(models, optimizers, full=False, metadata=None):
     """
     models, optimizers = list(models), list(optimizers)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True) if full else None
+    metadata = as_metadata(metadata) if metadata is not None else None  # (read once)
     with_state = optimizers_with_state(metadata) if metadata is not None else None
     if metadata is not None:  # DCP would load what matches and leave the rest of the checkpoint unread, silently
         for kind, given in saved_counts(metadata).items():
@@ -144,8 +145,23 @@ def models_and_optimizers_state(models, optimizers, full=False, metadata=None):
             state = {**state, "state": {}}
         elif with_state is not None and index not in with_state:
             state = {**state, "state": {}}  # the checkpoint holds none: loading it clears this optimizer's
+        if metadata is not None:  # a group setting the checkpoint lacks (an older torch's optimizer saved it) is
+            state = {**state, "param_groups": _saved_settings(state.get("param_groups", ()), metadata, index)}
         states.append(state)
     return {"models": [get_model_state_dict(model, options=options) for model in models], "optimizers": states}
+
+
+def _saved_settings(groups, metadata, index):
+    """``groups`` (optimizer ``index``'s ``param_groups``) without the settings the checkpoint's ``metadata`` lacks:
+    DCP would refuse the load (``Missing key in checkpoint state_dict``); the optimizer keeps its own values, as
+    torch's ``load_state_dict`` keeps its defaults for them."""
+    keys = as_metadata(metadata).state_dict_metadata
+    prefix = f"optimizers.{index}.param_groups."
+    saved = {key[len(prefix):] for key in keys if key.startswith(prefix)}
+    # "{group}.{setting}" of each saved item (a setting that is a dict is saved as its items, one key deeper)
+    held = {".".join(name.split(".")[:depth]) for name in saved for depth in range(2, name.count(".") + 2)}
+    return [{key: value for key, value in group.items() if key == "params" or f"{number}.{key}" in held}
+            for number, group in enumerate(groups)]
 
 
 def saved_counts(metadata):
@@ -214,10 +230,14 @@ def load_models_and_optimizers(models, optimizers, state, full=False):
                 with_state.setdefault(name, {})
         # a group setting the optimizer lacks (a scheduler's initial_lr, saved by a run with one) is added first, as
         # torch's load_state_dict adds it: DCP maps the saved values onto the optimizer's own keys only
+        own = [dict(group) for group in optimizer.param_groups]
         for group, saved in zip(optimizer.param_groups, optimizer_state.get("param_groups", ())):
             group.update({key: value for key, value in saved.items() if key != "params" and key not in group})
         set_optimizer_state_dict(_owner(models, optimizer), optimizer, {**optimizer_state, "state": with_state},
                                  options=options)
+        for group, before in zip(optimizer.param_groups, own):  # one the state lacks keeps the optimizer's value
+            for key, value in before.items():
+                group.setdefault(key, value)
 
 
 #: The prefixes DCP leaves out of a parameter's name (``torch.compile``'s and activation checkpointing's wrappers).

@@ -355,3 +355,30 @@ def test_a_checkpoint_of_more_models_or_optimizers_than_registered_is_refused_no
     with pytest.raises(ValueError, match=r"the checkpoint holds 2 optimizers but 1 is registered"):
         sharded.models_and_optimizers_state(models, optimizers[:1], metadata=part.metadata)
     assert sharded.saved_counts(part.metadata) == {"models": 2, "optimizers": 2}
+
+
+def test_a_checkpoint_lacking_a_group_setting_the_optimizer_has_loads_keeping_the_optimizers_value():
+    """An older torch's optimizer saves fewer settings per group (Adam before ``decoupled_weight_decay``): DCP
+    refused the load ("Missing key in checkpoint state_dict: optimizers.0.param_groups.0.decoupled_weight_decay")
+    where torch's own load_state_dict keeps the optimizer's default for it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    adam = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    adam.step()
+    state = sharded.models_and_optimizers_state([model], [adam])
+    for group in state["optimizers"][0]["param_groups"]:
+        del group["decoupled_weight_decay"]  # as an older torch saved it
+    part = sharded.save_parts(state)
+    fresh = torch.nn.Linear(3, 2)
+    fresh_adam = torch.optim.Adam(fresh.parameters(), lr=0.5)
+    target = sharded.models_and_optimizers_state([fresh], [fresh_adam], metadata=part.metadata)
+    sharded.load_parts(target, part.metadata, {part.file_name: part.blob}.__getitem__)
+    sharded.load_models_and_optimizers([fresh], [fresh_adam], target)
+    assert fresh_adam.param_groups[0]["lr"] == 0.1 and fresh_adam.param_groups[0]["decoupled_weight_decay"] is False
+    assert torch.equal(fresh_adam.state[fresh.weight]["exp_avg"], adam.state[model.weight]["exp_avg"])
+    for optimizer, module in ((adam, model), (fresh_adam, fresh)):  # the same next step
+        optimizer.zero_grad()
+        module(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+    assert torch.equal(fresh.weight, model.weight)
