@@ -24,11 +24,10 @@ Example:
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import threading
 
-from raysgd.base.checks import argument_error, expect, is_number, plain
+from raysgd.base.checks import argument_error, expect, plain_json
 from typing import Any, Iterable
 
 logger = logging.getLogger(__name__)
@@ -80,8 +79,9 @@ class Callback:
     def state_dict(self) -> dict | None:
         """A JSON-able dict kept with every durable checkpoint (``storage_path``), or None (nothing to keep).
 
-        Numpy and torch scalars in it are kept as Python numbers; a state JSON cannot hold (a tensor, an object,
-        keys of mixed types) is not kept, with a warning naming the callback."""
+        It is kept as JSON holds it (:func:`raysgd.base.checks.plain_json`): numpy and torch scalars as Python
+        numbers, tuples as lists, keys as strings, any other object (a tensor of several values, a path) as its
+        repr."""
         return None
 
     def load_state_dict(self, state: dict) -> None:
@@ -156,15 +156,7 @@ class CallbackList:
                     continue
                 if state is None:
                     continue
-                state = _plain_state(state)
-                try:
-                    json.dumps(state, sort_keys=True)  # as the checkpoint's marker keeps it
-                except (TypeError, ValueError) as err:
-                    logger.warning("Callback %s.state_dict returned what JSON cannot hold (%s: %s); its state is not "
-                                   "saved (return plain numbers, strings, lists and dicts with string keys)",
-                                   type(callback).__name__, type(err).__name__, err)
-                    continue
-                states[f"{index}:{type(callback).__name__}"] = state
+                states[f"{index}:{type(callback).__name__}"] = plain_json(state)  # as the marker keeps it
         return states or None
 
     def load_state_dict(self, states: dict | None) -> None:
@@ -197,21 +189,6 @@ def _is_base_hook(method, base, hook):
     """Whether the bound ``method`` is ``base``'s own no-op ``hook`` (neither overridden in a subclass nor replaced on
     the instance: ``callback.on_train_result = function``)."""
     return getattr(method, "__func__", None) is getattr(base, hook)
-
-
-def _plain_state(value):
-    """``value`` with its numpy and torch scalars (``np.int64``, a 0-d tensor...) as Python's numbers, through its
-    dicts, lists and tuples: JSON would keep their repr, and a resumed run would get a string back."""
-    if isinstance(value, dict):
-        return {key: _plain_state(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain_state(item) for item in value]
-    if is_number(value):
-        return plain(value)
-    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):  # np.bool_, a 0-d array/tensor
-        item = value.item()
-        return plain(item) if is_number(item) or isinstance(item, bool) else value
-    return value
 
 
 def check_callbacks(callbacks: list | tuple | None, caller: str = "TorchTrainer") -> list[Callback]:

@@ -84,6 +84,32 @@ def plain(value):
     return value
 
 
+def plain_json(value):
+    """``value`` as JSON holds it, as a checkpoint's marker keeps it and a resumed run reads it back: dicts (their
+    keys as str) and lists or tuples (as lists) item by item, bools, ints and floats as Python's (a numpy or
+    one-element tensor value as its number), strings and None as they are, anything else (a complex, a tensor of
+    several values, a path) as its repr.
+
+    Example:
+        >>> import numpy as np
+        >>> plain_json({"acc": np.float32(0.75), 3: (np.int64(2), np.bool_(True)), "z": 1j})
+        {'acc': 0.75, '3': [2, True], 'z': '1j'}
+    """
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, dict):
+        return {key if isinstance(key, str) else str(key): plain_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_json(item) for item in value]
+    if isinstance(value, numbers.Real):  # numpy's too: JSON writes only Python's
+        return plain(value)
+    if not isinstance(value, numbers.Number) and hasattr(value, "item") and (
+            getattr(value, "ndim", None) == 0 or getattr(value, "size", None) == 1
+            or (callable(getattr(value, "numel", None)) and value.numel() == 1)):
+        return plain_json(value.item())  # a numpy bool, a 0-d array, a one-element tensor
+    return repr(value)
+
+
 def is_one_of(value, choices):
     """Whether ``value`` is one of ``choices`` (a set, a tuple); a value that cannot be looked up (a list given for
     a name: unhashable; an array: no single truth value) is not, rather than an error inside the check.

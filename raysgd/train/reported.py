@@ -19,11 +19,10 @@ Example:
 """
 from __future__ import annotations
 
-from raysgd.base.checks import expect, is_number
+from raysgd.base.checks import expect, is_number, plain_json
 from raysgd.train import collective, retention
 from raysgd.train import session as _session
 from raysgd.train.checkpoint import Checkpoint, ReportedCheckpoint
-from raysgd.train.reporting import plain
 
 #: Ray Train's consistency modes (``ray.train.CheckpointConsistencyMode``), by name.
 CONSISTENCY_MODES = ("COMMITTED", "VALIDATED")
@@ -48,7 +47,7 @@ def get_all_reported_checkpoints(consistency_mode: object = "VALIDATED",
     if session.reporter is None:
         return []
     reported, config = session.reporter.reported, session.reporter.plan.checkpoint_config
-    deleted = set(retention.checkpoints_to_delete([(index, plain(metrics)) for index, (_, metrics)
+    deleted = set(retention.checkpoints_to_delete([(index, plain_json(metrics)) for index, (_, metrics)
                                                    in enumerate(reported)], config))
     return [ReportedCheckpoint(Checkpoint(uri), metrics) for index, (uri, metrics) in enumerate(reported)
             if index not in deleted]

@@ -28,15 +28,13 @@ Example:
 """
 import dataclasses
 import logging
-import numbers
 import pickle
 import threading
 import time
 
-import torch
 import torch.distributed as dist
 
-from raysgd.base.checks import plain as python_number
+from raysgd.base.checks import plain_json
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.commits import preemption
 from raysgd.torch.storage import filesystem, rank_files
@@ -85,36 +83,6 @@ class ReportPlan:
     def uri(self, name):
         """The path or URI a user names the checkpoint directory ``name`` by."""
         return filesystem.child_uri(self.storage_root, name)
-
-
-def plain(metrics):
-    """The JSON form of ``metrics`` for a marker, what ``Result.from_path`` and the checkpoints' ranking read back:
-    dicts (their keys as str) and lists or tuples (as lists) item by item, bools, ints and floats as Python's (a
-    numpy or one-element tensor value as its number), strings and None as they are, anything else (a complex, a
-    tensor of several values) as its repr.
-
-    Example:
-        >>> import numpy as np
-        >>> plain({"loss": torch.tensor(0.5), "val": {"acc": np.float32(0.75)}, "step": np.int64(3), "shape": (2, 3),
-        ...        "z": 1j})
-        {'loss': 0.5, 'val': {'acc': 0.75}, 'step': 3, 'shape': [2, 3], 'z': '1j'}
-    """
-    def one(value):
-        if value is None or isinstance(value, (str, bool)):
-            return value
-        if isinstance(value, dict):
-            return {key if isinstance(key, str) else str(key): one(item) for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [one(item) for item in value]
-        if isinstance(value, numbers.Real):  # numpy's too: JSON writes only Python's
-            return python_number(value)
-        if not isinstance(value, numbers.Number) and hasattr(value, "item") and (
-                getattr(value, "ndim", None) == 0 or getattr(value, "size", None) == 1
-                or (callable(getattr(value, "numel", None)) and value.numel() == 1)):
-            return one(value.item())  # a numpy bool, a 0-d array, a one-element tensor
-        return repr(value)
-
-    return {key: one(value) for key, value in metrics.items()}
 
 
 class Reporter:
@@ -217,7 +185,8 @@ class Reporter:
                 merged = {file: size_crc for part, _ in written for file, size_crc in part.items()}
                 meta = {"kind": "report", "index": self.plan.first_index + self.checkpoints, "name": name,
                         "written_on": {rank: node for rank, (part, node) in enumerate(written) if part},
-                        "metrics": plain(infos[0]["metrics"]), "rank_metrics": [plain(info["metrics"]) for info in infos],
+                        "metrics": plain_json(infos[0]["metrics"]),
+                        "rank_metrics": [plain_json(info["metrics"]) for info in infos],
                         "cursors": self._cursors(), "world_size": self.world_size, "attempt": self.plan.attempt,
                         "report": self.count}
                 marker = rank_files.write_marker(self.plan.storage_root, directory, merged, meta,

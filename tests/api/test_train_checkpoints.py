@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from raysgd.base.checks import plain_json
 from raysgd.train import Checkpoint, CheckpointConfig, Result
-from raysgd.train.reporting import plain
 from raysgd.train.retention import checkpoints_to_delete
 from train_functions import RunFolder
 
@@ -180,12 +180,12 @@ def test_a_result_refuses_a_checkpoint_config_that_is_no_config_naming_it(tmp_pa
 
 
 def test_numpy_and_nested_metrics_read_back_as_numbers_and_rank_checkpoints(tmp_path):
-    """What report() writes of its metrics (reporting.plain, in the marker) reads back as reported: numpy and
+    """What report() writes of its metrics (raysgd.base.checks.plain_json, in the marker) reads back as reported: numpy and
     one-element tensor values as numbers, nested dicts and lists as such, so a score ranks the checkpoints."""
     reported = [{"loss": np.float32(0.5), "epoch": np.int64(1), "val": {"acc": torch.tensor(0.6)}, "shape": (2, 3)},
                 {"loss": np.float32(0.25), "epoch": np.int64(2), "val": {"acc": torch.tensor(0.9)}, "shape": (2, 3)},
                 {"loss": np.float32(0.75), "epoch": np.int64(3), "val": {"acc": torch.tensor(0.7)}, "shape": (2, 3)}]
-    folder, uris = run_folder(tmp_path, *[plain(metrics) for metrics in reported])
+    folder, uris = run_folder(tmp_path, *[plain_json(metrics) for metrics in reported])
     result = Result.from_path(folder.path, checkpoint_config=CheckpointConfig(checkpoint_score_attribute="loss",
                                                                                checkpoint_score_order="min"))
     assert result.metrics == {"loss": 0.75, "epoch": 3, "val": {"acc": pytest.approx(0.7)}, "shape": [2, 3]}
