@@ -20,7 +20,7 @@ from raysgd.base.checks import expect, is_int, plain
 
 
 class TimerStat:
-    """A context-manager timer keeping the last ``window_size`` durations (an int >= 1; None keeps them all).
+    """A context-manager timer keeping the last ``window_size`` durations (an int >= 0; None keeps them all).
 
     Example:
         >>> t = TimerStat()
@@ -31,8 +31,10 @@ class TimerStat:
     """
 
     def __init__(self, window_size=10):
-        expect(window_size is None or is_int(window_size, minimum=1), "window_size", "an int >= 1 or None",
-               window_size, TypeError, caller="TimerStat", typed=True)
+        expect(window_size is None or is_int(window_size), "window_size", "an int >= 0 or None", window_size,
+               TypeError, caller="TimerStat", typed=True)
+        expect(window_size is None or window_size >= 0, "window_size", "an int >= 0 or None", window_size,
+               caller="TimerStat")
         self._window_size = window_size = plain(window_size)  # numpy's int too: deque takes Python's only
         self._samples: collections.deque[float] = collections.deque(maxlen=window_size)
         self._units_processed: collections.deque[float] = collections.deque(maxlen=window_size)

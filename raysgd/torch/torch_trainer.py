@@ -324,15 +324,16 @@ class TorchTrainer:
         models = self._controller.full_models() if self.strategy == "fsdp" else self._controller.models(to_cpu)
         return models[0] if len(models) == 1 else models
 
-    def stack_traces(self, timeout_s: float = 5.0) -> dict:
+    def stack_traces(self, timeout_s: float | None = 5.0) -> dict:
         """``{rank: text}``: where every rank is now (its Python stacks); callable from another thread.
 
         Example:
             >>> threading.Thread(target=trainer.train).start()  # doctest: +SKIP
             >>> print(trainer.stack_traces()[1])  # doctest: +SKIP
         """
-        expect(is_number(timeout_s, minimum=0, maximum=MAX_TIMEOUT_S), "timeout_s", "a number of seconds >= 0",
-               timeout_s, caller="stack_traces")  # a hung run's diagnosis must not fail inside Ray's wait
+        expect(timeout_s is None or is_number(timeout_s, minimum=0, maximum=MAX_TIMEOUT_S), "timeout_s",
+               "a number of seconds >= 0, or None (wait for every rank)", timeout_s,
+               caller="stack_traces")  # a hung run's diagnosis must not fail inside Ray's wait
         return self.worker_group.stack_traces(timeout_s)
 
     def get_local_operator(self) -> TrainingOperator:

@@ -221,14 +221,18 @@ class PrecisionHelpers:
 
     def backward_and_step(self, loss, optimizer, clip_grad_norm=None, update_scale=True):
         """``zero_grad``, scaled backward, optional clipping and the step; ``update_scale=False`` leaves the scale
-        update to a later step of the iteration. Example (a GAN's train_batch):
+        update to a later step of the iteration. ``clip_grad_norm``: the gradients' largest norm (a number or a
+        one-element tensor > 0); None or 0 clip nothing, as Lightning's ``gradient_clip_val``. Example (a GAN's
+        train_batch):
             >>> # self.backward_and_step(d_loss, opt_d, update_scale=False); self.backward_and_step(g_loss, opt_g)
         """
-        expect(clip_grad_norm is None or is_number(clip_grad_norm, above=0), "clip_grad_norm",
-               "a number > 0 or None (no clipping)", clip_grad_norm, caller="backward_and_step")  # 0 or less: no step
+        tensor = isinstance(clip_grad_norm, torch.Tensor) and clip_grad_norm.numel() == 1 \
+            and clip_grad_norm.is_floating_point()  # its value stays on its device: no host sync per step
+        expect(clip_grad_norm is None or tensor or is_number(clip_grad_norm, minimum=0), "clip_grad_norm",
+               "a number >= 0 (0 or None: no clipping)", clip_grad_norm, caller="backward_and_step")  # < 0 flips them
         optimizer.zero_grad()
         self.backward(loss, optimizer)
-        if clip_grad_norm is not None:
+        if clip_grad_norm is not None and (tensor or clip_grad_norm > 0):  # 0 zeroed every gradient
             self.unscale_gradients(optimizer)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)

@@ -121,7 +121,9 @@ def test_timer_stat_takes_a_numpy_window_and_refuses_a_bad_one():
     for _ in range(3):
         timer.push(1.0)
     assert timer.size == 2 and timer.count == 3
-    assert TimerStat(window_size=None).size == 0
-    for bad in (0, 2.5, "3", True):
-        with pytest.raises(TypeError, match="TimerStat: window_size expects an int >= 1 or None"):
+    assert TimerStat(window_size=None).size == TimerStat(window_size=0).size == 0  # 0: as deque(maxlen=0)
+    for bad in (2.5, "3", True):
+        with pytest.raises(TypeError, match="TimerStat: window_size expects an int >= 0 or None"):
             TimerStat(window_size=bad)
+    with pytest.raises(ValueError, match="TimerStat: window_size expects an int >= 0 or None; got -1"):
+        TimerStat(window_size=-1)

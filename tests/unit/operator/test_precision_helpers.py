@@ -24,11 +24,18 @@ def one_step(clip_grad_norm, precision=None):
     return (model(x) ** 2).mean().item()
 
 
-@pytest.mark.parametrize("clip_grad_norm", [0, -1.0, float("nan"), "1.0", True])
-def test_a_clip_grad_norm_that_is_no_number_above_0_is_refused(clip_grad_norm):
-    """0 zeroed the gradients (no training) and a negative norm flipped them (the loss went up), silently."""
-    with pytest.raises(ValueError, match=r"backward_and_step: clip_grad_norm expects a number > 0 or None"):
+@pytest.mark.parametrize("clip_grad_norm", [-1.0, float("nan"), "1.0", True])
+def test_a_clip_grad_norm_that_is_no_number_of_0_or_more_is_refused(clip_grad_norm):
+    """A negative norm flipped the gradients (the loss went up), silently."""
+    with pytest.raises(ValueError, match=r"backward_and_step: clip_grad_norm expects a number >= 0 \(0 or None"):
         one_step(clip_grad_norm)
+
+
+def test_a_clip_grad_norm_of_0_clips_nothing_and_a_tensor_one_clips():
+    """0 zeroed every gradient (no training, silently): as Lightning's gradient_clip_val=0 it now clips nothing."""
+    assert one_step(0) == pytest.approx(one_step(None))
+    assert one_step(None) < one_step(torch.tensor(1e-3))  # a small norm slows the step
+    assert one_step(torch.tensor(1e-3)) == pytest.approx(one_step(1e-3))
 
 
 def test_clipping_takes_numpy_numbers_and_unscales_first():
