@@ -127,6 +127,7 @@ class PreparedLoader:
     def __init__(self, loader, world_rank, world_size, device, shard=True, move_to_device=True, exactly_once=True,
                  restored=None, progress=None):
         self.loader = _loaders.shard_loader(loader, world_rank, world_size, training=True) if shard else loader
+        self._rank = world_rank
         self.device, self.move_to_device, self.exactly_once = device, move_to_device, exactly_once
         self._sampler = _loaders.shard_sampler(self.loader)
         if exactly_once and self._sampler is None and world_rank == 0:
@@ -164,7 +165,8 @@ class PreparedLoader:
         self._calls_seen, self._pass_epoch = sampler.set_epoch_calls, epoch
         if restored is not None:
             if restored["epoch"] == epoch:  # a complete one leaves nothing of the epoch to read: an empty pass
-                _loaders.set_sampler_start(self.loader, int(restored["consumed"]))
+                _loaders.set_sampler_start(self.loader, _loaders.resumed_start(  # another length: a resize
+                    self.loader, int(restored["consumed"]), restored.get("positions"), warn=self._rank == 0))
                 logger.info("Epoch %d resumes at the data cursor %d%s", epoch, restored["consumed"],
                             " (the whole epoch was trained)" if restored["complete"] else "")
             elif not restored["complete"]:
@@ -189,14 +191,16 @@ class PreparedLoader:
             progress.end()
 
     def cursor_state(self) -> dict[str, Any] | None:
-        """``{"epoch", "consumed", "complete"}`` now (positions all ranks consumed in the current pass), or None."""
+        """``{"epoch", "consumed", "complete", "positions"}`` now (positions all ranks consumed in the current pass,
+        of the pass's stream of ``positions``), or None."""
         if self._sampler is None or not self.exactly_once or self._pass_epoch is None:
             return None
         total = self._sampler.total
         consumed = _loaders.loader_cursor(self.loader, self._taken) if self._in_pass else total
         if consumed is None:
             return None
-        return {"epoch": self._pass_epoch, "consumed": int(consumed), "complete": consumed >= total}
+        return {"epoch": self._pass_epoch, "consumed": int(consumed), "complete": consumed >= total,
+                "positions": int(total)}
 
     def __len__(self) -> int:
         return len(self.loader)

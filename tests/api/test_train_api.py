@@ -287,7 +287,7 @@ def test_a_restored_cursor_resumes_its_epoch_exactly_once_on_another_world_size(
         passes = iter(prepared)
         taken += [int(i) for _ in range(2) for i in next(passes)]
     cursor = first[0].cursor_state()
-    assert cursor == {"epoch": 1, "consumed": 12, "complete": False}
+    assert cursor == {"epoch": 1, "consumed": 12, "complete": False, "positions": 24}
     rest = []
     for rank in range(3):  # no set_epoch: a restored loader starts at the cursor's epoch
         rest += [int(i) for batch in PreparedLoader(loader(), rank, 3, cpu, restored=cursor) for i in batch]

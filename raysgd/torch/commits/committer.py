@@ -133,22 +133,10 @@ class Committer:
         self.epoch_steps = cursor["steps"]
 
     def _start_of(self, cursor, loader):
-        """Where the loaded ``cursor`` starts ``loader``'s epoch: its ``consumed``, or, when the loader's stream has
-        another length than the one the cursor was taken on, the same share of it, rounded down (warned about: a
-        custom ``batch_sampler`` counts batches, whose size follows ``config[BATCH_SIZE]`` split over the workers)."""
-        recorded, now = cursor.get("positions"), _data.cursor_positions(loader)
-        if not recorded or now is None or recorded == now:
-            return cursor["consumed"]
-        start = cursor["consumed"] * now // recorded
-        if cast(dict, self.resume).get("rank", 0) == 0:
-            logger.warning(
-                "The loaded state's data cursor (%d of %d positions of epoch %d) was taken on an epoch stream of "
-                "another length than this train loader's (%d): it starts at %d, the same share of the epoch, rounded "
-                "down (a few samples may be trained again). A custom batch_sampler's stream counts batches, whose "
-                "size follows config[BATCH_SIZE] split over the workers; with TorchTrainer(fixed_worker_batch=True) "
-                "or DataLoader(batch_size=...), whose cursor counts samples, the cursor is exact.",
-                cursor["consumed"], recorded, cursor["epoch"], now, start)
-        return start
+        """Where the loaded ``cursor`` starts ``loader``'s epoch (:func:`~raysgd.torch.sharding.loaders.resumed_start`:
+        the same share of a stream of another length; rank 0 logs it)."""
+        return _data.resumed_start(loader, cursor["consumed"], cursor.get("positions"),
+                                   warn=cast(dict, self.resume).get("rank", 0) == 0)
 
     def after_iter(self):
         """Just after the epoch's iterator was made (it draws from torch's stream): restore the loaded streams and

@@ -253,6 +253,32 @@ def cursor_positions(loader):
     return sampler.total if sampler is not None else None
 
 
+def resumed_start(loader, consumed, positions, warn=True):
+    """Where a cursor of ``consumed`` positions, taken on an epoch stream of ``positions`` (None: unknown, a cursor
+    of an older raysgd), starts ``loader``'s epoch: at ``consumed``; or, when the loader's stream has another length
+    (a custom ``batch_sampler`` counts batches, whose size follows ``config[BATCH_SIZE]`` split over the workers, so
+    a resize changes them), at the same share of it, rounded down, logged when ``warn`` (rank 0 says it once).
+
+    Example:
+        >>> shard = shard_loader(DataLoader(range(8), batch_size=1), rank=0, world_size=1, training=True)
+        >>> resumed_start(shard, 3, 8), resumed_start(shard, 3, None), resumed_start(shard, 4, 16, warn=False)
+        (3, 3, 2)
+    """
+    now = cursor_positions(loader)
+    if not positions or now is None or positions == now:
+        return consumed
+    start = consumed * now // positions
+    if warn:
+        logger.warning(
+            "The loaded data cursor (%d of %d positions) was taken on an epoch stream of another length than this "
+            "train loader's (%d): it starts at %d, the same share of the epoch, rounded down (a few samples may be "
+            "trained again). A custom batch_sampler's stream counts batches, whose size follows config[BATCH_SIZE] "
+            "split over the workers; with a fixed batch size (TorchTrainer(fixed_worker_batch=True)) or "
+            "DataLoader(batch_size=...), whose cursor counts samples, the cursor is exact.",
+            consumed, positions, now, start)
+    return start
+
+
 def to_device(batch, device, non_blocking=True):
     """Move every tensor in a (nested) batch to ``device``; containers keep their type, other objects pass through.
 

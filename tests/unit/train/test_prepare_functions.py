@@ -116,3 +116,29 @@ def test_ray_trains_sampler_set_epoch_names_the_epoch_of_a_custom_batch_sampler(
         assert by_sampler.cursor_state()["epoch"] == 3
         plain = prepare.prepare_data_loader(torch.utils.data.DataLoader(range(4), batch_size=2))
         assert plain.sampler is plain.loader.sampler  # a loader without a batch_sampler: its own sampler
+
+
+def test_a_custom_batch_samplers_cursor_resumes_exactly_when_the_batch_size_follows_the_workers(caplog):
+    """Ray Train's pattern: the batch is the global one over the number of workers, so a resize of an elastic run
+    changes a custom batch_sampler's batches, which its cursor counts: from 2 workers (batches of 4) to 1 (of 8) the
+    epoch started 4 batches of 8 in and skipped 16 of 48 samples. It now starts at the same share of the epoch."""
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+
+    samples = list(range(48))
+
+    def loader(batch_size):
+        return DataLoader(samples, batch_sampler=BatchSampler(RandomSampler(samples), batch_size, False))
+
+    cpu = torch.device("cpu")
+    before = [prepare.PreparedLoader(loader(4), rank, 2, cpu) for rank in range(2)]
+    taken = []
+    for prepared in before:
+        prepared.sampler.set_epoch(1)
+        batches = iter(prepared)
+        taken += [int(i) for _ in range(2) for i in next(batches)]
+    cursor = before[0].cursor_state()
+    assert cursor["positions"] == 12 and cursor["consumed"] == 4  # batches of 4
+    with caplog.at_level("WARNING", logger="raysgd"):
+        rest = [int(i) for batch in prepare.PreparedLoader(loader(8), 0, 1, cpu, restored=cursor) for i in batch]
+    assert sorted(taken + rest) == samples  # every sample once in the epoch
+    assert "another length" in caplog.text
