@@ -20,7 +20,7 @@ Example:
     >>> [batch.tolist() for batch in loader]  # the pass resumes after the 4 positions already trained
     [[4, 5]]
     >>> loader.cursor_state()
-    {'epoch': 0, 'consumed': 6, 'complete': True}
+    {'epoch': 0, 'consumed': 6, 'complete': True, 'positions': 6}
 """
 from __future__ import annotations
 
@@ -32,14 +32,11 @@ from torch.utils.data import DataLoader
 
 from raysgd.base.checks import expect
 from raysgd.torch.sharding import loaders as _loaders
-from raysgd.torch.sharding.cursor import ShardSampler, StreamShardSampler
+from raysgd.torch.sharding.epoch_order import stream_length
 from raysgd.train import session as _session
 from typing import Any, Iterator, cast
 
 logger = logging.getLogger(__name__)
-
-_SHARDS = (ShardSampler, StreamShardSampler)  # the samplers raysgd shards a loader with
-
 
 def get_device() -> torch.device:
     """This worker's device: ``cuda:<index>`` with ``ScalingConfig(use_gpu=True)``, else ``cpu``.
@@ -179,7 +176,7 @@ class PreparedLoader:
         self._taken, self._in_pass = 0, True
         progress = self._progress
         if progress is not None:
-            progress.begin(total=_length(self.loader))
+            progress.begin(total=stream_length(self.loader))  # None: no length
         info = {"epoch_idx": self._pass_epoch or 0}
         for batch in self.loader:
             self._taken += 1
@@ -209,15 +206,7 @@ class PreparedLoader:
         if name == "loader":  # not set yet: no recursion
             raise AttributeError(name)
         if name == "sampler":  # a custom batch_sampler's shard, not the SequentialSampler DataLoader made beside it
-            shard = _loaders.shard_sampler(self.loader, _SHARDS)
+            shard = _loaders.shard_sampler(self.loader, _loaders.SHARD_SAMPLERS)
             if shard is not None:
                 return shard
         return getattr(self.loader, name)
-
-
-def _length(loader):
-    """``len(loader)``, or None for a loader without one (an ``IterableDataset`` without ``__len__``)."""
-    try:
-        return len(loader)
-    except TypeError:
-        return None

@@ -159,7 +159,7 @@ DOCTESTED = ["raysgd.base", "raysgd.base.checks", "raysgd.base.environment", "ra
              "raysgd.torch.storage", "raysgd.torch.storage.dcp_files", "raysgd.torch.execution",
              "raysgd.torch.execution.controller", "raysgd.torch.execution.restarts", "raysgd.torch.execution.calls",
              "raysgd.torch.execution.worker", "raysgd.torch.execution.epoch_iterators",
-             "raysgd.torch.execution.shipping", "raysgd.torch.execution.spares", "raysgd.torch.integrations", "raysgd.torch.integrations.progress",
+             "raysgd.torch.execution.shipping", "raysgd.torch.execution.spares", "raysgd.torch.execution.restart_points", "raysgd.torch.integrations", "raysgd.torch.integrations.progress",
              "raysgd.torch.integrations.results", "raysgd.torch.integrations.ray_data",
              "raysgd.torch.integrations.tune", "raysgd.data.dataset", "raysgd.data.examples.mlp_identity",
              "raysgd.train", "raysgd.train.config", "raysgd.train.checkpoint", "raysgd.train.reporting",

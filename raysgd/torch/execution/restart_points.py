@@ -14,7 +14,7 @@ previous point's bytes are freed then, not at the call's end) or when the call e
 Example:
     >>> points = RestartPoints(first=lambda ask, method: ask(), timeout_s=30)
     >>> points.current is None, points.stale
-    (None, True)
+    (True, True)
 """
 from __future__ import annotations
 

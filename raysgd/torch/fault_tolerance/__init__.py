@@ -12,5 +12,5 @@ cluster. The workers' side of a preemption (signal handlers, the per-step agreem
 Example:
     >>> from raysgd.torch.fault_tolerance.recovery import backoff_delays
     >>> list(backoff_delays(tries=4, base_s=1, cap_s=4))
-    [1, 2, 4, 4]
+    [1.0, 2.0, 4.0, 4.0]
 """

@@ -8,7 +8,7 @@ below ``min``; an int ``N`` keeps 1.x's meaning: ``N`` at start, down to 1 after
 
 Example:
     >>> list(backoff_delays(tries=5, base_s=1, cap_s=4))
-    [1, 2, 4, 4, 4]
+    [1.0, 2.0, 4.0, 4.0, 4.0]
     >>> workers_that_fit([{"CPU": 3.0}, {"CPU": 1.0}], cpus_per_worker=2, gpus_per_worker=0, limit=8)
     1
 """
@@ -18,6 +18,7 @@ import math
 import time
 
 from raysgd.base import environment
+from raysgd.torch.fault_tolerance.failure_policy import backoff_s
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 def backoff_delays(tries, base_s=1.0, cap_s=60.0):
     """Capped exponential delays ``base, 2*base, 4*base, ...`` (at most ``cap_s``), ``tries`` of them."""
     for attempt in range(tries):
-        yield min(cap_s, base_s * 2 ** min(attempt, 1000))  # bounded: 2 ** 1025 overflows a float
+        yield backoff_s(attempt + 2, base_s, cap_s)  # the failure policy's: the wait after attempt + 2 in a row
 
 
 def workers_that_fit(nodes, cpus_per_worker, gpus_per_worker, limit, per_node=None):

@@ -35,6 +35,7 @@ from raysgd.meters import AverageMeterCollection
 from ray.exceptions import GetTimeoutError, RayError
 
 from raysgd.torch.integrations.mailbox import Mailbox
+from raysgd.torch.sharding.epoch_order import stream_length
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +70,6 @@ def _is_loss(value):
     if isinstance(value, torch.Tensor):
         return value.numel() == 1 and value.dtype is not torch.bool and not value.is_complex()
     return is_number(value)
-
-
-def _length(source):
-    try:
-        return len(source)
-    except TypeError:  # an iterable without a length (a generator, a Ray Data shard)
-        return None
 
 
 class ProgressReporter:
@@ -119,7 +113,7 @@ class ProgressReporter:
 
         The total is ``num_steps`` when given, else ``len(source)`` when it has a length.
         """
-        self.begin(num_steps if num_steps is not None else _length(source))
+        self.begin(num_steps if num_steps is not None else stream_length(source))
         operator.progress_reporter = self
         try:
             yield self

@@ -39,6 +39,9 @@ from raysgd.torch.sharding.epoch_order import StreamTooLong, draws_repeat, strea
 
 logger = logging.getLogger(__name__)
 
+#: The samplers raysgd shards a loader with: with a data cursor, and lazily drawn (no cursor).
+SHARD_SAMPLERS = (ShardSampler, StreamShardSampler)
+
 # A sampler with no length whose stream does not end within this many positions per dataset sample (or
 # _PROBE_FLOOR) is taken to be endless: it is sharded lazily, without a cursor.
 _PROBE_FACTOR, _PROBE_FLOOR = 4, 1024
@@ -180,7 +183,7 @@ def shard_sampler(loader, kinds=(ShardSampler,)):
 def set_sampler_epoch(loader, epoch):
     """Call ``set_epoch(epoch)`` on the loader's shard sampler, else on its own sampler when it has one, else on
     its batch sampler or that one's inner sampler (a ``DistributedSampler`` under a custom ``batch_sampler``)."""
-    sampler = shard_sampler(loader, (ShardSampler, StreamShardSampler))
+    sampler = shard_sampler(loader, SHARD_SAMPLERS)
     if sampler is None:  # not "or": a sampler's truth is its length, which may be 0 or unknown
         batch_sampler = getattr(loader, "batch_sampler", None)
         owners = (getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from raysgd.base.checks import expect
+from raysgd.torch.operator import compiled
 from raysgd.torch.state import dcp_blobs, dcp_reader
 from raysgd.torch.state.dcp_blobs import as_metadata, file_sizes, renamed_files  # noqa: F401 (renamed_files: public here)
 
@@ -241,7 +242,7 @@ def load_models_and_optimizers(models, optimizers, state, full=False):
 
 
 #: The prefixes DCP leaves out of a parameter's name (``torch.compile``'s and activation checkpointing's wrappers).
-_WRAPPER_PREFIXES = ("_orig_mod.", "_checkpoint_wrapped_module.")
+_WRAPPER_PREFIXES = (compiled.PREFIX, "_checkpoint_wrapped_module.")
 
 
 def keyed_by_name(owner, optimizer, optimizer_state):
