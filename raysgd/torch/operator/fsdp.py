@@ -201,8 +201,9 @@ def blocks(model, policy):
                       and next(module.parameters(), None) is not None and chosen(module)]
     tied = [name for name, module in chosen_modules if shares_outside(module, model)]
     if tied:
-        logger.info("fsdp: %s share%s a parameter with the rest of the model (tied weights): sharded with an "
-                    "enclosing module, not on their own", ", ".join(tied), "s" if len(tied) == 1 else "")
+        logger.info("fsdp: %s share%s a parameter with the rest of the model (tied weights, or a module used "
+                    "twice): sharded with an enclosing module, not on their own", ", ".join(tied),
+                    "s" if len(tied) == 1 else "")
     return [(name, module) for name, module in chosen_modules if name not in tied]
 
 
