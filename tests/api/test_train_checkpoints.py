@@ -180,8 +180,9 @@ def test_a_result_refuses_a_checkpoint_config_that_is_no_config_naming_it(tmp_pa
 
 
 def test_numpy_and_nested_metrics_read_back_as_numbers_and_rank_checkpoints(tmp_path):
-    """What report() writes of its metrics (raysgd.base.checks.plain_json, in the marker) reads back as reported: numpy and
-    one-element tensor values as numbers, nested dicts and lists as such, so a score ranks the checkpoints."""
+    """What report() writes of its metrics (raysgd.base.checks.plain_json, in the marker) reads back as reported:
+    numpy and one-element tensor values as numbers, nested dicts and lists as such, so a score ranks the
+    checkpoints."""
     reported = [{"loss": np.float32(0.5), "epoch": np.int64(1), "val": {"acc": torch.tensor(0.6)}, "shape": (2, 3)},
                 {"loss": np.float32(0.25), "epoch": np.int64(2), "val": {"acc": torch.tensor(0.9)}, "shape": (2, 3)},
                 {"loss": np.float32(0.75), "epoch": np.int64(3), "val": {"acc": torch.tensor(0.7)}, "shape": (2, 3)}]

@@ -392,7 +392,7 @@ class WorkerGroup(Regrouping):
             return value, self._handles[0].control(method)
         return None, self._handles[0].control(method)
 
-    def stack_traces(self, timeout_s: float = diagnostics.STACK_TIMEOUT_S) -> dict[int, str]:
+    def stack_traces(self, timeout_s: float | None = diagnostics.STACK_TIMEOUT_S) -> dict[int, str]:
         """``{rank: text}``: every rank's Python stacks now (callable from another thread while a call runs);
         remote ranks answer from their ``"control"`` concurrency group, or py-spy dumps them (same machine)."""
         return diagnostics.gather_stacks({h.rank: h.stacks_request() for h in list(self._handles)}, timeout_s)
