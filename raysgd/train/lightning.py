@@ -6,7 +6,9 @@ reads the ranks from :func:`raysgd.train.get_context`, :class:`RayFSDPStrategy` 
 same process group and device (torch's FSDP needs an accelerator: CUDA workers, ``ScalingConfig(use_gpu=True)``), and :class:`RayTrainReportCallback` saves Lightning's
 checkpoint at every training epoch's end and reports it with ``trainer.callback_metrics``. Lightning shards its
 own loaders (``DistributedSampler``): they have no raysgd data cursor, so a restart replays the epoch from its
-start (resume with ``trainer.fit(model, ckpt_path=...)`` from ``get_checkpoint()``).
+start (resume with ``trainer.fit(model, ckpt_path=...)`` from ``get_checkpoint()``). The classes subclass the
+Lightning package the process imported before their first use (``import pytorch_lightning as pl`` or
+``import lightning.pytorch as pl``; ``lightning.pytorch`` when both or neither are imported yet, as in Ray Train).
 
 Example:
     >>> from raysgd.train.lightning import RayDDPStrategy, RayFSDPStrategy, RayLightningEnvironment, RayTrainReportCallback
@@ -17,6 +19,7 @@ import importlib
 import logging
 import os
 import shutil
+import sys
 import tempfile
 
 from raysgd import optional
@@ -37,9 +40,12 @@ _defined: dict[str, type] = {}
 
 
 def _lightning():
-    """``(lightning.pytorch or pytorch_lightning, its LightningEnvironment)``; :class:`~raysgd.optional.MissingExtra`
-    naming the extra when neither imports."""
-    for name in LIGHTNING_NAMES:
+    """``(lightning.pytorch or pytorch_lightning, its LightningEnvironment)``: the package the training function
+    already imported (``import pytorch_lightning as pl`` needs classes of that package: its ``Trainer`` refuses the
+    other's strategies), else the first that imports; :class:`~raysgd.optional.MissingExtra` naming the extra when
+    neither imports."""
+    imported = [name for name in LIGHTNING_NAMES if name in sys.modules]
+    for name in imported + [name for name in LIGHTNING_NAMES if name not in imported]:
         try:
             pl = importlib.import_module(name)
             return pl, importlib.import_module(f"{name}.plugins.environments").LightningEnvironment
@@ -54,7 +60,8 @@ def __getattr__(name):
     if name not in _CLASSES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if not _defined:
-        _defined.update(_define(*_lightning()))
+        pl, environment = _lightning()
+        _defined.update(_define(pl, environment), Trainer=pl.Trainer)
     return _defined[name]
 
 
@@ -172,11 +179,13 @@ def prepare_trainer(trainer: Any) -> Any:
         >>> def train_func():  # doctest: +SKIP
         ...     trainer = prepare_trainer(pl.Trainer(strategy=RayDDPStrategy(), plugins=[RayLightningEnvironment()]))
     """
-    pl, _ = _lightning()
     strategies = tuple(__getattr__(name) for name in _STRATEGIES)
     environment_cls = __getattr__("RayLightningEnvironment")
-    expect(isinstance(trainer, pl.Trainer), "trainer", "a Lightning Trainer", trainer, TypeError, "prepare_trainer",
-           call=True, got=type(trainer).__name__)
+    trainer_cls = _defined["Trainer"]
+    package = trainer_cls.__module__.split(".trainer")[0]
+    expect(isinstance(trainer, trainer_cls), "trainer", f"a {package}.Trainer (the Lightning package of "
+           f"RayDDPStrategy and the others)", trainer, TypeError, "prepare_trainer", call=True,
+           got=f"{type(trainer).__module__}.{type(trainer).__name__}")
     context = _session.current("lightning.prepare_trainer()").context
     strategy = trainer.strategy
     if context.get_world_size() > 1 and not isinstance(strategy, strategies):
