@@ -37,6 +37,11 @@ _CLASSES = ("RayDDPStrategy", "RayFSDPStrategy", "RayLightningEnvironment", "Ray
 #: The strategies that run a Trainer on the worker group's process group (``prepare_trainer`` accepts these).
 _STRATEGIES = ("RayDDPStrategy", "RayFSDPStrategy")
 _defined: dict[str, type] = {}
+#: Ray Train's Lightning names raysgd.train.lightning does not provide, and what to use instead.
+UNSUPPORTED = {
+    "RayDeepSpeedStrategy": "DeepSpeed is not supported: use RayFSDPStrategy (CUDA workers), or raysgd's operator "
+                            "API with FSDP2",
+}
 
 
 def _lightning():
@@ -57,6 +62,8 @@ def _lightning():
 
 def __getattr__(name):
     """The Lightning classes, defined on first use (importing this module needs no Lightning)."""
+    if name in UNSUPPORTED:
+        raise ImportError(f"{__name__}.{name} is not supported: {UNSUPPORTED[name]}")
     if name not in _CLASSES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if not _defined:

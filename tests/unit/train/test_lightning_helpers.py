@@ -70,3 +70,14 @@ def test_the_helpers_subclass_the_lightning_package_the_function_imported(packag
     done = subprocess.run([sys.executable, "-c", _SCRIPT.format(package=package)], env=env, capture_output=True,
                           text=True, timeout=300, cwd=root)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stderr[-3000:]
+
+
+def test_ray_trains_deepspeed_strategy_is_refused_saying_what_to_use():
+    """``from ray.train.lightning import RayDeepSpeedStrategy`` (under ``--train``) raised a bare "cannot import
+    name", where raysgd.train's other missing names say they are not supported and what to use instead."""
+    import raysgd.train.lightning
+
+    with pytest.raises(ImportError, match=r"RayDeepSpeedStrategy is not supported: DeepSpeed .* RayFSDPStrategy"):
+        raysgd.train.lightning.RayDeepSpeedStrategy
+    with pytest.raises(AttributeError, match="has no attribute 'RayOtherStrategy'"):
+        raysgd.train.lightning.RayOtherStrategy
