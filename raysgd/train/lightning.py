@@ -49,7 +49,7 @@ def _lightning():
     already imported (``import pytorch_lightning as pl`` needs classes of that package: its ``Trainer`` refuses the
     other's strategies), else the first that imports; :class:`~raysgd.optional.MissingExtra` naming the extra when
     neither imports."""
-    imported = [name for name in LIGHTNING_NAMES if name in sys.modules]
+    imported = [name for name in LIGHTNING_NAMES if sys.modules.get(name) is not None]
     for name in imported + [name for name in LIGHTNING_NAMES if name not in imported]:
         try:
             pl = importlib.import_module(name)
