@@ -32,14 +32,14 @@ import gc
 import logging
 import queue
 import threading
-from typing import Any, cast
+from typing import Any, Mapping, cast
 
 import ray
 from ray.util.placement_group import get_current_placement_group
 
 from raysgd import optional
 from raysgd.base import environment
-from raysgd.base.checks import expect, is_int, is_number
+from raysgd.base.checks import expect, is_int, is_number, plain
 from raysgd.torch.execution import cluster_state
 from raysgd.torch.constants import BATCH_SIZE
 from raysgd.torch.training_operator import TrainingOperator
@@ -94,11 +94,17 @@ class DatasetInput:
                 raise ValueError("DatasetInput(feature_columns=...) needs label_column: without it batches are "
                                  "dicts of every column")
             feature_columns = list(feature_columns)
+            expect(feature_columns, "feature_columns", "at least one column name (None: every column but the label)",
+                   feature_columns, **how)
+            expect(label_column not in feature_columns, "feature_columns", f"columns apart from the label column "
+                   f"{label_column!r} (the model would see its target)", feature_columns, **how)
         expect(label_shape is None or (isinstance(label_shape, tuple) and all(is_int(d, 1) for d in label_shape)),
                "label_shape", "a tuple of ints > 0 such as (1,)", label_shape, TypeError, **how)
         expect(batch_size is None or is_int(batch_size, 1), "batch_size", "an int > 0 or None", batch_size, **how)
         expect(batch_timeout_s is None or is_number(batch_timeout_s, above=0), "batch_timeout_s",
                "seconds > 0 or None", batch_timeout_s, **how)
+        _check_iter_options(dtypes, drop_last, local_shuffle_buffer_size, prefetch_batches, how)
+        expect(repeat in (True, False), "repeat", "True or False", repeat, TypeError, **how)
         self.dataset = dataset
         self.label_column = label_column
         self.feature_columns = feature_columns
@@ -108,8 +114,23 @@ class DatasetInput:
         self.repeat = bool(repeat)
         expect(convert is None or callable(convert), "convert", "a callable or None", convert, TypeError, **how)
         self.convert = convert
-        self.iter_options = dict(dtypes=dtypes, drop_last=drop_last, prefetch_batches=prefetch_batches,
-                                 local_shuffle_buffer_size=local_shuffle_buffer_size)
+        self.iter_options = dict(dtypes=dtypes, drop_last=bool(drop_last), prefetch_batches=plain(prefetch_batches),
+                                 local_shuffle_buffer_size=plain(local_shuffle_buffer_size))
+
+
+def _check_iter_options(dtypes, drop_last, local_shuffle_buffer_size, prefetch_batches, how):
+    """Refuse ``iter_torch_batches``' options up front, which Ray Data would check (or misread: a truthy
+    ``drop_last="no"``) only on the workers, at the first batch."""
+    import torch  # noqa: PLC0415 (loaded with the operator already)
+
+    expect(drop_last in (True, False), "drop_last", "True or False", drop_last, TypeError, **how)
+    expect(is_int(prefetch_batches, 0), "prefetch_batches", "an int >= 0", prefetch_batches, **how)
+    expect(local_shuffle_buffer_size is None or is_int(local_shuffle_buffer_size, 1), "local_shuffle_buffer_size",
+           "an int >= 1 (rows) or None", local_shuffle_buffer_size, **how)
+    expect(dtypes is None or isinstance(dtypes, torch.dtype)
+           or (isinstance(dtypes, Mapping) and all(isinstance(c, str) and isinstance(d, torch.dtype)
+                                                   for c, d in dtypes.items())),
+           "dtypes", "a torch.dtype, a {column: torch.dtype} dict or None", dtypes, TypeError, **how)
 
 
 def as_input(dataset, operator_cls, num_steps=None):

@@ -1,0 +1,53 @@
+"""``DatasetInput``'s argument checks, over a stand-in ``ray.data.Dataset`` (no Ray: nothing is read)."""
+import numpy as np
+import pytest
+import torch
+
+ray_data = pytest.importorskip("ray.data")
+
+from raysgd.torch.integrations.ray_data import DatasetInput  # noqa: E402 (after the skip)
+
+
+class _StandIn(ray_data.Dataset):
+    """Passes ``isinstance(ds, ray.data.Dataset)``; never iterated here."""
+
+    def __init__(self):  # noqa: D107 (no plan, no executor: nothing to read)
+        pass
+
+    def __del__(self):
+        pass
+
+
+@pytest.fixture
+def ds():
+    return _StandIn()
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(drop_last="no"), "drop_last"),
+    (dict(prefetch_batches=-1), "prefetch_batches"),
+    (dict(prefetch_batches=1.5), "prefetch_batches"),
+    (dict(local_shuffle_buffer_size=0), "local_shuffle_buffer_size"),
+    (dict(dtypes="float32"), "dtypes"),
+    (dict(dtypes={"x": np.float32}), "dtypes"),
+    (dict(repeat="no"), "repeat"),
+])
+def test_bad_batch_options_are_refused_up_front(ds, options, named):
+    with pytest.raises((TypeError, ValueError), match=rf"DatasetInput\({named}=\.\.\.\) expects"):
+        DatasetInput(ds, label_column="y", **options)
+
+
+def test_good_batch_options_reach_ray_data_as_plain_values(ds):
+    data = DatasetInput(ds, label_column="y", drop_last=np.True_, prefetch_batches=np.int64(0),
+                        local_shuffle_buffer_size=np.int32(64), dtypes={"x": torch.float64}, repeat=True)
+    assert data.iter_options == dict(dtypes={"x": torch.float64}, drop_last=True, prefetch_batches=0,
+                                     local_shuffle_buffer_size=64)
+    assert type(data.iter_options["prefetch_batches"]) is int and data.repeat is True
+    assert DatasetInput(ds, dtypes=torch.float16).iter_options["dtypes"] is torch.float16
+
+
+def test_feature_columns_holding_the_label_are_refused(ds):
+    with pytest.raises(ValueError, match=r"feature_columns=\.\.\.\) expects columns apart from the label column 'y'"):
+        DatasetInput(ds, label_column="y", feature_columns=["x", "y"])
+    with pytest.raises(ValueError, match=r"feature_columns=\.\.\.\) expects at least one column"):
+        DatasetInput(ds, label_column="y", feature_columns=[])
