@@ -20,8 +20,8 @@ What a batch looks like (``DatasetInput`` options):
   ``feature_columns`` (default: every other column, in schema order), each a tensor; a scalar
   column becomes shape ``(batch, 1)``. The label keeps its shape (``(batch,)`` for a scalar
   column, as ``CrossEntropyLoss`` wants) unless ``label_shape`` is given (``(1,)`` for ``MSELoss``).
-- float64 columns arrive as float32 unless ``dtypes`` says otherwise (passed to
-  ``iter_torch_batches``).
+- float64 columns arrive as float32 unless ``dtypes`` (passed to ``iter_torch_batches``) names
+  them in its ``{column: dtype}`` dict or is one dtype for every column.
 
 Example:
     >>> import ray  # doctest: +SKIP
@@ -289,8 +289,11 @@ class Shard:
     def _convert(self, batch):
         import torch  # noqa: PLC0415 (the worker has it loaded already)
 
-        if self._options["dtypes"] is None:
-            batch = {key: value.float() if value.dtype == torch.float64 else value for key, value in batch.items()}
+        dtypes = self._options["dtypes"]
+        if not isinstance(dtypes, torch.dtype):  # float64 columns that dtypes does not name arrive as float32
+            named = dtypes or {}
+            batch = {key: value.float() if value.dtype == torch.float64 and key not in named else value
+                     for key, value in batch.items()}
         if self._convert_fn is not None:
             return self._convert_fn(batch)
         if self._label is None:

@@ -51,3 +51,34 @@ def test_feature_columns_holding_the_label_are_refused(ds):
         DatasetInput(ds, label_column="y", feature_columns=["x", "y"])
     with pytest.raises(ValueError, match=r"feature_columns=\.\.\.\) expects at least one column"):
         DatasetInput(ds, label_column="y", feature_columns=[])
+
+
+class _Split:
+    """A stand-in streaming split: ``iter_torch_batches`` yields the given batches, recording its options."""
+
+    def __init__(self, *batches):
+        self.batches, self.options = batches, None
+
+    def iter_torch_batches(self, **options):
+        self.options = options
+        return iter(self.batches)
+
+
+def _batches(data, *batches):
+    from raysgd.torch.integrations.ray_data import Shard  # noqa: PLC0415
+
+    split = _Split(*batches)
+    return list(Shard(split, 4, data, timeout_s=10)), split.options
+
+
+def test_float64_columns_that_dtypes_does_not_name_arrive_as_float32(ds):
+    batch = {"x": torch.zeros(4, dtype=torch.float64), "z": torch.zeros(4, 2, dtype=torch.float64),
+             "y": torch.tensor([0, 1, 2, 3])}
+    data = DatasetInput(ds, label_column="y", dtypes={"y": torch.int64})
+    [(x, z, y)], options = _batches(data, batch)
+    assert (x.dtype, x.shape, z.dtype, z.shape, y.dtype, y.shape) == (
+        torch.float32, (4, 1), torch.float32, (4, 2), torch.int64, (4,))
+    assert options["dtypes"] == {"y": torch.int64} and options["batch_size"] == 4
+    named = DatasetInput(ds, label_column="y", dtypes={"x": torch.float64}, label_shape=(1,))
+    [(x, z, y)], _ = _batches(named, batch)
+    assert (x.dtype, z.dtype, y.shape) == (torch.float64, torch.float32, (4, 1))
