@@ -133,6 +133,7 @@ def _read_blobs(directory, names, optional=()):
 
 def _write_text(path, text):
     """On the home node: write a small file (a marker) and ``fsync`` it, its folder and the folder's parent."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)  # the folder of a checkpoint without files is not there yet
     with open(path, "w", encoding="utf-8") as writer:
         writer.write(text)
         writer.flush()
@@ -218,6 +219,8 @@ def write_marker(storage_root, directory, files, meta, marker_name, *, home, tim
     from this process or, for a local folder of another node, from a task there; returns the marker."""
     fs, _ = filesystem.resolve(storage_root)
     if not isinstance(fs, filesystem.pafs.LocalFileSystem) or _here(home):
+        if not files:  # no rank wrote a file (empty folders reported): a local folder is not there yet
+            fs.create_dir(directory, recursive=True)
         return filesystem.write_marker(fs, directory, files, meta, name=marker_name)
     marker = {"format": filesystem.FORMAT, **meta, "files": {k: list(v) for k, v in files.items()},
               "time": time.time()}
