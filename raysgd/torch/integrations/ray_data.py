@@ -103,6 +103,7 @@ class DatasetInput:
         expect(batch_size is None or is_int(batch_size, 1), "batch_size", "an int > 0 or None", batch_size, **how)
         expect(batch_timeout_s is None or is_number(batch_timeout_s, above=0), "batch_timeout_s",
                "seconds > 0 or None", batch_timeout_s, **how)
+        _check_columns(dataset, label_column, feature_columns)
         _check_iter_options(dtypes, drop_last, local_shuffle_buffer_size, prefetch_batches, how)
         expect(repeat in (True, False), "repeat", "True or False", repeat, TypeError, **how)
         self.dataset = dataset
@@ -116,6 +117,19 @@ class DatasetInput:
         self.convert = convert
         self.iter_options = dict(dtypes=dtypes, drop_last=bool(drop_last), prefetch_batches=plain(prefetch_batches),
                                  local_shuffle_buffer_size=plain(local_shuffle_buffer_size))
+
+
+def _check_columns(dataset, label_column, feature_columns):
+    """Refuse a label or feature column the dataset lacks when its schema is known without running it (read or
+    built from memory; not after a ``map_batches``): otherwise each worker says so at its first batch."""
+    if label_column is None:
+        return
+    columns = dataset.columns(fetch_if_missing=False)
+    if columns is None:
+        return
+    missing = [column for column in [*(feature_columns or ()), label_column] if column not in columns]
+    if missing:
+        raise ValueError(f"DatasetInput names column(s) {missing} that the dataset lacks; its columns are {columns}")
 
 
 def _check_iter_options(dtypes, drop_last, local_shuffle_buffer_size, prefetch_batches, how):

@@ -11,8 +11,12 @@ from raysgd.torch.integrations.ray_data import DatasetInput  # noqa: E402 (after
 class _StandIn(ray_data.Dataset):
     """Passes ``isinstance(ds, ray.data.Dataset)``; never iterated here."""
 
-    def __init__(self):  # noqa: D107 (no plan, no executor: nothing to read)
-        pass
+    def __init__(self, columns=None):  # noqa: D107 (no plan, no executor: nothing to read)
+        self._known = columns
+
+    def columns(self, fetch_if_missing=True):
+        assert not fetch_if_missing, "DatasetInput must not run the dataset to learn its columns"
+        return self._known
 
     def __del__(self):
         pass
@@ -82,3 +86,15 @@ def test_float64_columns_that_dtypes_does_not_name_arrive_as_float32(ds):
     named = DatasetInput(ds, label_column="y", dtypes={"x": torch.float64}, label_shape=(1,))
     [(x, z, y)], _ = _batches(named, batch)
     assert (x.dtype, z.dtype, y.shape) == (torch.float64, torch.float32, (4, 1))
+
+
+def test_columns_the_dataset_lacks_are_named_up_front_when_its_schema_is_known():
+    known = _StandIn(columns=["x", "z", "y"])
+    with pytest.raises(ValueError, match=r"names column\(s\) \['label'\] that the dataset lacks; its columns are "
+                                         r"\['x', 'z', 'y'\]"):
+        DatasetInput(known, label_column="label")
+    with pytest.raises(ValueError, match=r"\['w'\] that the dataset lacks"):
+        DatasetInput(known, label_column="y", feature_columns=["x", "w"])
+    assert DatasetInput(known, label_column="y", feature_columns=["z"]).feature_columns == ["z"]
+    assert DatasetInput(known).label_column is None  # dict batches: every column, none named
+    assert DatasetInput(_StandIn(), label_column="label").label_column == "label"  # unknown (map_batches): workers
