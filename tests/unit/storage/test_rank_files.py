@@ -18,8 +18,3 @@ def test_a_checkpoint_of_empty_folders_is_written_and_read_back(tmp_path):
     fetched = rank_files.fetch(str(run), directory, [], str(tmp_path / "back"), home=None)
     assert os.listdir(fetched) == []
 
-
-def test_the_home_node_writes_a_marker_into_a_folder_not_made_yet(tmp_path):
-    path = tmp_path / "checkpoint_000002" / filesystem.REPORT_MARKER
-    rank_files._write_text(str(path), "{}")  # the task a rank of another node runs on the driver's node
-    assert path.read_text() == "{}"
