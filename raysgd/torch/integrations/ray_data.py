@@ -124,7 +124,10 @@ def _check_columns(dataset, label_column, feature_columns):
     built from memory; not after a ``map_batches``): otherwise each worker says so at its first batch."""
     if label_column is None:
         return
-    columns = dataset.columns(fetch_if_missing=False)
+    try:
+        columns = dataset.columns(fetch_if_missing=False)
+    except (AttributeError, TypeError):  # a dataset of another kind or Ray: the workers check at the first batch
+        return
     if columns is None:
         return
     missing = [column for column in [*(feature_columns or ()), label_column] if column not in columns]
