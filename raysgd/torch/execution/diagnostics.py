@@ -92,6 +92,8 @@ def py_spy_dump(pid, timeout_s=10.0):
                               timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
         return f"no stack: py-spy dump --pid {pid} took longer than {timeout_s:.0f} s"
+    except OSError as err:  # not executable, another machine's build: every other rank's stack is still reported
+        return f"no stack: {binary} could not be run ({type(err).__name__}: {err.strerror or err})"
     if done.returncode != 0:
         reason = (done.stderr or done.stdout).strip().splitlines()
         return f"no stack: py-spy dump --pid {pid} failed ({reason[-1] if reason else done.returncode})"
