@@ -69,7 +69,7 @@ class WorkerFailure(RuntimeError):
             "rank 1: worker process died (The actor died unexpectedly.); rank 0: its peer's connection closed"
         """
         def cut(text):
-            line = str(text).splitlines()[0] if str(text) else ""
+            line = first_line(text)
             return line if len(line) <= width else line[:width - 3] + "..."
 
         victims = {rank for rank, cause in self.causes.items()
@@ -79,6 +79,17 @@ class WorkerFailure(RuntimeError):
         if self.unresponsive:
             parts.append("did not answer: rank " + ", rank ".join(map(str, self.unresponsive)))
         return "; ".join(parts) or cut(self.message)
+
+
+def first_line(text):
+    """The first line of ``text`` (an error or a string) that is not blank, for a one-line report; ``""`` if none: an
+    error whose message starts with a line break is still told by its message.
+
+    Example:
+        >>> first_line(RuntimeError("\\nNCCL error: remote process exited\\nLast error: ...")), first_line("")
+        ('NCCL error: remote process exited', '')
+    """
+    return next((line.rstrip() for line in str(text).splitlines() if line.strip()), "")
 
 
 _COLLECTIVE_MARKERS = ("Timed out", "Connection closed by peer", "Connection reset by peer", "NCCL", "Broken pipe")

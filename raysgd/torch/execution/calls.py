@@ -29,7 +29,7 @@ import time
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from raysgd.torch.errors import CollectiveError, is_peer_gone, mark_rank
+from raysgd.torch.errors import CollectiveError, first_line, is_peer_gone, mark_rank
 from raysgd.torch.execution.local_runner import AbandonedCall, LocalCall
 from raysgd.torch.fault_tolerance import reform
 
@@ -211,8 +211,8 @@ def describe(err):
     if isinstance(err, CollectiveError):
         return err.message
     if isinstance(err, RayActorError):
-        return "worker process died (" + str(err).splitlines()[0][:200] + ")"
-    return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+        return "worker process died (" + first_line(err)[:200] + ")"
+    return f"{type(err).__name__}: {first_line(err)[:200]}"
 
 
 def check_for_failure(remote_values):

@@ -27,6 +27,7 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from raysgd import optional
+from raysgd.torch.errors import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ def gather_stacks(requests, timeout_s=STACK_TIMEOUT_S):
         except RayActorError:
             stacks[rank] = DEAD
         except RayError as err:
-            stacks[rank] = f"no stack: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            stacks[rank] = f"no stack: {type(err).__name__}: {first_line(err)[:200]}"
     return dict(sorted(stacks.items()))
 
 
