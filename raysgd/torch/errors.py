@@ -144,9 +144,18 @@ def is_peer_gone(err):
 
 def mark_rank(error, rank):
     """Note on a user error which rank raised it (:func:`rank_of` reads it): the driver re-raises the error itself,
-    with its own type, and a caller may still want the rank (Ray Train's ``WorkerGroupError.worker_failures``)."""
+    with its own type, and a caller may still want the rank (Ray Train's ``WorkerGroupError.worker_failures``). Its
+    traceback says it too, in a note under the message (``str(error)`` is left as raised).
+
+    Example:
+        >>> mark_rank(ValueError("bad batch"), 3).__notes__
+        ['(raised by the worker of rank 3)']
+    """
+    note = f"(raised by the worker of rank {rank})"
     try:
         error.raysgd_rank = rank
+        if note not in getattr(error, "__notes__", ()):
+            error.add_note(note)
     except (AttributeError, TypeError):  # an exception type without a __dict__
         pass
     return error

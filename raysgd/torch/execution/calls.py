@@ -95,6 +95,11 @@ def classify(rank, error):
     if isinstance(error, RayTaskError) and isinstance(error.cause, BaseException):
         original = error.cause
         original.__cause__ = error  # keep the worker's traceback in the chain
+        if error is not original and "__notes__" not in vars(error):  # Ray's error reads the original's attributes:
+            try:  # its notes (the rank's, the user's) are told once, under the original
+                error.__notes__ = []
+            except (AttributeError, TypeError):
+                pass
         return "user", original
     return "user", error
 
