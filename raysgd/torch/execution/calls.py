@@ -97,7 +97,7 @@ def classify(rank, error):
         original.__cause__ = error  # keep the worker's traceback in the chain
         if error is not original and "__notes__" not in vars(error):  # Ray's error reads the original's attributes:
             try:  # its notes (the rank's, the user's) are told once, under the original
-                error.__notes__ = []
+                setattr(error, "__notes__", [])  # (typeshed: only add_note)
             except (AttributeError, TypeError):
                 pass
         return "user", original
