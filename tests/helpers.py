@@ -519,3 +519,19 @@ class SnapshotProbeOperator(CountingOperator):
         result = self._step(batch)
         call_start.EVENTS.append(("batch_end", self.global_step))
         return result
+
+
+def join_ranks(context, what, deadline_s):
+    """Wait for the ranks ``torch.multiprocessing.start_processes(..., join=False)`` started (``context``): its join
+    raises for a rank that failed, ``TimeoutError`` naming ``what`` past ``deadline_s``; a rank still alive at the
+    end is killed."""
+    deadline = time.monotonic() + deadline_s
+    try:
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not finish within {deadline_s} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(10)

@@ -8,7 +8,6 @@ import datetime
 import multiprocessing
 import multiprocessing.forkserver
 import os
-import time
 import traceback
 
 import pytest
@@ -16,10 +15,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from helpers import join_ranks
 from raysgd.torch.operator import fsdp
 from raysgd.torch.operator.fsdp import Sharding
 from raysgd.torch.operator.precision import Precision
 from raysgd.torch.state import sharded
+from s3_server import free_port
 
 DEADLINE_S = 120
 PRELOAD = ["torch.distributed.fsdp", "torch.distributed.checkpoint", "raysgd.torch.operator.fsdp",
@@ -146,25 +147,9 @@ def world(tmp_path_factory):
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     multiprocessing.forkserver.ensure_running()
     out = str(tmp_path_factory.mktemp("fsdp"))
-    context = mp.start_processes(_ranks, args=(_free_port(), out), nprocs=2, join=False, start_method="forkserver")
-    deadline = time.monotonic() + DEADLINE_S
-    try:
-        while not context.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the 2 FSDP ranks did not finish within {DEADLINE_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-                process.join(10)
+    context = mp.start_processes(_ranks, args=(free_port(), out), nprocs=2, join=False, start_method="forkserver")
+    join_ranks(context, "the 2 FSDP ranks", DEADLINE_S)
     return torch.load(os.path.join(out, "results.pt"), weights_only=False)
-
-
-def _free_port():
-    import socket  # noqa: PLC0415
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _result(world, name):

@@ -15,7 +15,6 @@ import os
 import pickle
 import re
 import socket
-import time
 import warnings
 
 import pytest
@@ -23,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 import dcp_ranks
+from helpers import join_ranks
 from raysgd.torch.errors import CheckpointError
 from raysgd.torch.state import sharded
 from raysgd.torch.storage import dcp_files
@@ -67,16 +67,7 @@ def _run_world(out):
     with moto_s3() as s3:
         context = mp.start_processes(dcp_ranks.main, args=(free_port(), out, s3, CREDENTIALS), nprocs=3,
                                      join=False, start_method="forkserver")
-        deadline = time.monotonic() + DEADLINE_S
-        try:
-            while not context.join(timeout=1):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the 3 DCP ranks did not finish within {DEADLINE_S} s")
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                    process.join(10)
+        join_ranks(context, "the 3 DCP ranks", DEADLINE_S)
 
 
 def _load(out, name):
